@@ -1,0 +1,109 @@
+package healthx
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/dustin/go-humanize"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+func init() {
+	caddy.RegisterModule(AdminAPI{})
+}
+
+// AdminAPI serves lbx's view of the upstreams on Caddy's admin endpoint:
+//
+//	GET /lbx/upstreams
+//
+// returns every upstream address any config uses, with its latency
+// estimate, requests in flight, samples and failures, and every pool a
+// selection policy of ours serves, with weights, availability and panic
+// mode. Numbers are machine-readable; fields ending in _human repeat them
+// for people.
+type AdminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.lbx",
+		New: func() caddy.Module { return new(AdminAPI) },
+	}
+}
+
+// Routes returns the admin routes.
+func (AdminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{
+		Pattern: "/lbx/upstreams",
+		Handler: caddy.AdminHandlerFunc(handleUpstreams),
+	}}
+}
+
+// UpstreamView is one upstream in the admin API's output.
+type UpstreamView struct {
+	Dial string `json:"dial"`
+	// EstimateMs is the raw peak-EWMA latency estimate (not decayed), in
+	// milliseconds; 0 when never sampled.
+	EstimateMs    float64 `json:"latency_estimate_ms"`
+	EstimateHuman string  `json:"latency_estimate_human"`
+	// EstimateAgeMs is how long ago the estimate last changed.
+	EstimateAgeMs    float64 `json:"estimate_age_ms"`
+	InFlight         int     `json:"in_flight"`
+	Pending          int64   `json:"awaiting_headers"`
+	Samples          uint64  `json:"samples"`
+	SamplesHuman     string  `json:"samples_human"`
+	Failures         uint64  `json:"failures"`
+	LastFailureHuman string  `json:"last_failure_human,omitempty"`
+	PassiveFails     int     `json:"passive_fails"`
+}
+
+// Report is the body of GET /lbx/upstreams.
+type Report struct {
+	Upstreams []UpstreamView         `json:"upstreams"`
+	Pools     []hoststate.PoolReport `json:"pools"`
+}
+
+// BuildReport assembles the admin API's view of the current state.
+func BuildReport() Report {
+	rep := Report{Upstreams: []UpstreamView{}, Pools: hoststate.Pools()}
+	now := time.Now()
+	for _, s := range hoststate.All() {
+		v := UpstreamView{
+			Dial:          s.Dial,
+			EstimateMs:    float64(s.Estimate) / 1e6,
+			EstimateHuman: s.Estimate.Round(10 * time.Microsecond).String(),
+			EstimateAgeMs: float64(s.Age) / 1e6,
+			InFlight:      s.InFlight,
+			Pending:       s.Pending,
+			Samples:       s.Samples,
+			SamplesHuman:  humanize.Comma(int64(s.Samples)),
+			Failures:      s.Failures,
+			PassiveFails:  s.PassiveFails,
+		}
+		if s.Samples == 0 {
+			v.EstimateHuman = "no samples yet"
+		}
+		if s.SinceFailure > 0 {
+			v.LastFailureHuman = humanize.Time(now.Add(-s.SinceFailure))
+		}
+		rep.Upstreams = append(rep.Upstreams, v)
+	}
+	return rep
+}
+
+func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(BuildReport())
+}
+
+// Interface guards
+var _ caddy.AdminRouter = AdminAPI{}

@@ -1,0 +1,67 @@
+package healthx
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+// ErrNoProxyHandler is returned by Install when the module being provisioned
+// is not inside a reverse_proxy handler.
+var ErrNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handler")
+
+// Install puts an ObservingTransport around the transport of the
+// reverse_proxy handler that is provisioning the calling module, so that
+// every attempt that handler makes feeds table. It is how `lb_policy ewma`
+// works with no other configuration.
+//
+// It must be called from the Provision of a module loaded by
+// reverseproxy.Handler.Provision (a selection policy): Caddy loads the
+// configured transport before the selection policy, so it can be wrapped in
+// place, and only installs its default transport after, when none is set —
+// so when no transport is configured Install provisions that same default
+// (an empty HTTPTransport, exactly as reverse_proxy would) and wraps it.
+// The handler then sees a transport that implements every optional
+// interface the inner one does, with neutral answers otherwise.
+//
+// Install returns the handler it instrumented.
+func Install(ctx caddy.Context, table *hoststate.Table) (*reverseproxy.Handler, error) {
+	h := parentProxy(ctx)
+	if h == nil {
+		return nil, ErrNoProxyHandler
+	}
+	if ot, ok := h.Transport.(*ObservingTransport); ok {
+		// Two of our modules in one handler (the panic wrapper around
+		// ewma): they must share one table, the first one installed.
+		if ot.table != table {
+			return h, fmt.Errorf("reverse_proxy transport is already observed by another lbx module")
+		}
+		return h, nil
+	}
+	wrapper := &ObservingTransport{inner: h.Transport, table: table}
+	if h.Transport == nil {
+		def := new(reverseproxy.HTTPTransport)
+		if err := def.Provision(ctx); err != nil {
+			return nil, fmt.Errorf("provisioning default transport: %v", err)
+		}
+		wrapper.inner, wrapper.owned = def, def
+	}
+	h.Transport = wrapper
+	return h, nil
+}
+
+// parentProxy returns the nearest reverse_proxy handler among the modules
+// currently being provisioned, or nil.
+func parentProxy(ctx caddy.Context) *reverseproxy.Handler {
+	mods := ctx.Modules()
+	for i := len(mods) - 1; i >= 0; i-- {
+		if h, ok := mods[i].(*reverseproxy.Handler); ok {
+			return h
+		}
+	}
+	return nil
+}

@@ -1,0 +1,91 @@
+package hoststate
+
+import (
+	"math"
+	"testing"
+	"time"
+)
+
+const ms = float64(time.Millisecond)
+
+func TestNextEstimatePeakReplaces(t *testing.T) {
+	got := nextEstimate(2*ms, 50*ms, 0, 10e9)
+	if got != 50*ms {
+		t.Fatalf("a slower sample must replace the estimate: got %v", got/ms)
+	}
+}
+
+func TestNextEstimateFirstSample(t *testing.T) {
+	if got := nextEstimate(0, 3*ms, 0, 10e9); got != 3*ms {
+		t.Fatalf("first sample must become the estimate: got %v", got/ms)
+	}
+}
+
+func TestNextEstimateFasterSampleBlends(t *testing.T) {
+	tau := 10e9
+	// 1 s after the last update a faster sample moves the estimate by
+	// 1-exp(-0.1) ≈ 9.5% of the difference.
+	got := nextEstimate(100*ms, 0, 1e9, tau)
+	want := 100 * ms * math.Exp(-0.1)
+	if math.Abs(got-want) > 1 {
+		t.Fatalf("got %v ms, want %v ms", got/ms, want/ms)
+	}
+	// Back-to-back samples (dt=0) carry no weight: the peak holds.
+	if got := nextEstimate(100*ms, 1*ms, 0, tau); got != 100*ms {
+		t.Fatalf("dt=0 must not move the estimate, got %v", got/ms)
+	}
+	// A long gap lets the new sample dominate.
+	if got := nextEstimate(100*ms, 1*ms, 100e9, tau); math.Abs(got-1*ms) > 0.01*ms {
+		t.Fatalf("after 10 tau the sample must dominate, got %v", got/ms)
+	}
+}
+
+func TestDecayTowardTarget(t *testing.T) {
+	tau := 10e9
+	if got := decayToward(80*ms, 2*ms, 0, tau); got != 80*ms {
+		t.Fatalf("no time passed, no decay: %v", got/ms)
+	}
+	half := decayToward(82*ms, 2*ms, tau*math.Ln2, tau)
+	if math.Abs(half-42*ms) > 0.001*ms {
+		t.Fatalf("one half-life must halve the distance to target: %v", half/ms)
+	}
+	far := decayToward(82*ms, 2*ms, 20*tau, tau)
+	if math.Abs(far-2*ms) > 0.001*ms {
+		t.Fatalf("long idle must reach the target: %v", far/ms)
+	}
+	// Decay never overshoots below the target (so an idle host never
+	// becomes a magnet).
+	for _, dt := range []float64{1e6, 1e9, 1e10, 1e12} {
+		if got := decayToward(82*ms, 2*ms, dt, tau); got < 2*ms {
+			t.Fatalf("overshoot at dt=%v: %v", dt, got/ms)
+		}
+	}
+	// A fast host regresses up to the pool's typical latency, not beyond.
+	if got := decayToward(1*ms, 2*ms, 20*tau, tau); math.Abs(got-2*ms) > 0.001*ms {
+		t.Fatalf("fast idle host must regress to target: %v", got/ms)
+	}
+}
+
+func TestFailureSample(t *testing.T) {
+	cap := 10e9
+	// fast failure: charged twice the estimate
+	if got := failureSample(0.1*ms, 3*ms, cap); got != 6*ms {
+		t.Fatalf("fast failure: got %v ms, want 6", got/ms)
+	}
+	// slow failure (a timeout): charged what it really took
+	if got := failureSample(5000*ms, 3*ms, cap); got != 5000*ms {
+		t.Fatalf("slow failure: got %v ms", got/ms)
+	}
+	// penalty capped
+	if got := failureSample(1*ms, 8e9, cap); got != cap {
+		t.Fatalf("penalty must be capped: got %v", got)
+	}
+	// repeated fast failures grow the estimate geometrically
+	est := 2 * ms
+	for range 5 {
+		est = nextEstimate(est, failureSample(0.05*ms, est, cap), 0, 10e9)
+	}
+	if est != 64*ms {
+		t.Fatalf("five fast failures from 2ms: got %v ms, want 64", est/ms)
+	}
+}

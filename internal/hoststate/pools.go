@@ -1,0 +1,91 @@
+package hoststate
+
+import (
+	"sort"
+	"sync"
+)
+
+// PoolReport describes one handler's pool as its selection policy sees it.
+type PoolReport struct {
+	// Policy is the selection policy's name, e.g. "ewma" or "panic(least_conn)".
+	Policy string `json:"policy"`
+	// Upstreams are the pool's members in upstream order.
+	Upstreams []PoolMember `json:"upstreams"`
+	// Available is how many members were available at the last count.
+	Available int `json:"available"`
+	// PanicThreshold is the availability (percent) below which the pool is
+	// in panic; 0 when panic mode is disabled.
+	PanicThreshold float64 `json:"panic_threshold_percent"`
+	// Panic is whether the pool is in panic mode now.
+	Panic bool `json:"panic"`
+	// PanicEntered counts the times the pool entered panic mode.
+	PanicEntered uint64 `json:"panic_entered_total"`
+}
+
+// PoolMember is one upstream of a pool.
+type PoolMember struct {
+	Dial      string  `json:"dial"`
+	Weight    float64 `json:"weight"`
+	Available bool    `json:"available"`
+	// EstimateMs is the latency estimate this pool uses for the member
+	// (decayed toward the pool's typical latency), in milliseconds; absent
+	// for policies that do not estimate latency.
+	EstimateMs *float64 `json:"estimate_ms,omitempty"`
+}
+
+// PoolReporter is implemented by selection policies that can describe their
+// pool for the admin API.
+type PoolReporter interface {
+	ReportPool() (PoolReport, bool)
+}
+
+var (
+	poolsMu sync.Mutex
+	pools   = map[PoolReporter]struct{}{}
+)
+
+// RegisterPool adds r to the pools listed by the admin API.
+func RegisterPool(r PoolReporter) {
+	poolsMu.Lock()
+	pools[r] = struct{}{}
+	poolsMu.Unlock()
+}
+
+// UnregisterPool removes r.
+func UnregisterPool(r PoolReporter) {
+	poolsMu.Lock()
+	delete(pools, r)
+	poolsMu.Unlock()
+}
+
+// Pools returns reports of all registered pools that have served a request,
+// ordered by policy and first member.
+func Pools() []PoolReport {
+	poolsMu.Lock()
+	rs := make([]PoolReporter, 0, len(pools))
+	for r := range pools {
+		rs = append(rs, r)
+	}
+	poolsMu.Unlock()
+	out := make([]PoolReport, 0, len(rs))
+	for _, r := range rs {
+		if rep, ok := r.ReportPool(); ok {
+			out = append(out, rep)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		a, b := out[i], out[j]
+		if a.Policy != b.Policy {
+			return a.Policy < b.Policy
+		}
+		return firstDial(a) < firstDial(b)
+	})
+	return out
+}
+
+func firstDial(r PoolReport) string {
+	if len(r.Upstreams) == 0 {
+		return ""
+	}
+	return r.Upstreams[0].Dial
+}

@@ -1,0 +1,144 @@
+package hoststate
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+// epoch anchors Now: durations since it use Go's monotonic clock, so wall
+// clock jumps never move an estimate.
+var epoch = time.Now()
+
+// Now returns monotonic nanoseconds since process start. Estimates are
+// stamped and read with it.
+func Now() int64 { return int64(time.Since(epoch)) }
+
+// Stats is the state of one upstream dial address. It is shared by all
+// handlers and configs that use the address. Reads are lock-free; updates
+// are serialised per address by mu, which only Observe takes.
+type Stats struct {
+	dial string
+
+	mu         sync.Mutex
+	estimateNs atomic.Int64 // 0 until the first sample
+	stampNs    atomic.Int64 // Now() of the last update
+
+	samples       atomic.Uint64
+	failures      atomic.Uint64
+	lastFailureNs atomic.Int64
+	pending       atomic.Int64 // round trips waiting for response headers
+
+	// host is Caddy's own per-address record (in-flight requests, passive
+	// failures), remembered from the last request so the admin API can show
+	// it. Selection reads it from the pool directly.
+	host atomic.Pointer[reverseproxy.Host]
+}
+
+// Destruct implements caddy.Destructor; Stats holds no resources.
+func (*Stats) Destruct() error { return nil }
+
+// Dial returns the dial address this state belongs to.
+func (s *Stats) Dial() string { return s.dial }
+
+// Begin marks the start of a round trip to the upstream and returns its start time.
+func (s *Stats) Begin() int64 {
+	s.pending.Add(1)
+	return Now()
+}
+
+// SetHost remembers Caddy's per-address record for reporting.
+func (s *Stats) SetHost(h *reverseproxy.Host) {
+	if h != nil && s.host.Load() != h {
+		s.host.Store(h)
+	}
+}
+
+// Outcome classifies a finished round trip.
+type Outcome uint8
+
+const (
+	// Success is a round trip that produced response headers.
+	Success Outcome = iota
+	// Failure is a transport error or timeout: the upstream did not answer.
+	Failure
+	// Abandoned is a round trip the client gave up on: the elapsed time is
+	// only a lower bound on the upstream's latency.
+	Abandoned
+)
+
+// estimate returns the raw estimate and its age at now.
+func (s *Stats) estimate(now int64) (est float64, age float64) {
+	e := s.estimateNs.Load()
+	if e == 0 {
+		return 0, 0
+	}
+	return float64(e), float64(now - s.stampNs.Load())
+}
+
+// observe folds one finished round trip into the estimate.
+func (s *Stats) observe(now, start int64, outcome Outcome, cfg *Config) (sample float64) {
+	s.pending.Add(-1)
+	elapsed := float64(now - start)
+	s.mu.Lock()
+	est, age := s.estimate(now)
+	switch outcome {
+	case Success:
+		sample = elapsed
+		s.samples.Add(1)
+	case Failure:
+		sample = failureSample(elapsed, est, float64(cfg.MaxPenalty))
+		s.samples.Add(1)
+		s.failures.Add(1)
+		s.lastFailureNs.Store(now)
+	case Abandoned:
+		// Only ever raise the estimate: we know the latency is at least
+		// elapsed, nothing more.
+		if elapsed <= est {
+			s.mu.Unlock()
+			return 0
+		}
+		sample = elapsed
+	}
+	next := nextEstimate(est, sample, age, float64(cfg.Tau))
+	s.estimateNs.Store(max(int64(next), 1))
+	s.stampNs.Store(now)
+	s.mu.Unlock()
+	return sample
+}
+
+// Snapshot is a point-in-time view of one upstream's state.
+type Snapshot struct {
+	Dial         string
+	Estimate     time.Duration // 0 when never sampled
+	Age          time.Duration // since the estimate last changed
+	Samples      uint64
+	Failures     uint64
+	SinceFailure time.Duration // 0 when it never failed
+	Pending      int64
+	InFlight     int // Caddy's count of requests in flight
+	PassiveFails int // Caddy's passive health-check failure count
+}
+
+// Snapshot reads the state without locking.
+func (s *Stats) Snapshot(now int64) Snapshot {
+	est, age := s.estimate(now)
+	snap := Snapshot{
+		Dial:     s.dial,
+		Estimate: time.Duration(est),
+		Age:      time.Duration(age),
+		Samples:  s.samples.Load(),
+		Failures: s.failures.Load(),
+		Pending:  s.pending.Load(),
+	}
+	if lf := s.lastFailureNs.Load(); lf != 0 {
+		snap.SinceFailure = time.Duration(now - lf)
+	}
+	if h := s.host.Load(); h != nil {
+		snap.InFlight = h.NumRequests()
+		snap.PassiveFails = h.Fails()
+	}
+	return snap
+}

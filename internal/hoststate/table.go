@@ -1,0 +1,187 @@
+package hoststate
+
+import (
+	"math"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// registry holds one *Stats per dial address, reference-counted by the
+// Tables (one per handler) that use it, so state survives a reload — the new
+// config takes its references before the old one releases its own — and is
+// dropped when no config uses the address any more.
+var registry = caddy.NewUsagePool()
+
+// Default estimator settings.
+const (
+	DefaultTau        = 10 * time.Second
+	DefaultPrior      = 5 * time.Millisecond
+	DefaultMaxPenalty = 10 * time.Second
+)
+
+// Config tunes how a Table's observations become estimates.
+type Config struct {
+	// Tau is the EWMA time constant.
+	Tau time.Duration
+	// Prior is the estimate of a host nobody has sampled yet, used until the
+	// pool itself has a typical latency.
+	Prior time.Duration
+	// MaxPenalty caps the extra latency charged for a failed attempt.
+	MaxPenalty time.Duration
+}
+
+func (c *Config) setDefaults() {
+	if c.Tau <= 0 {
+		c.Tau = DefaultTau
+	}
+	if c.Prior <= 0 {
+		c.Prior = DefaultPrior
+	}
+	if c.MaxPenalty <= 0 {
+		c.MaxPenalty = DefaultMaxPenalty
+	}
+}
+
+// Table is one handler's view of the shared state: it takes references on
+// the addresses it uses, remembers them for Release, and keeps the pool's
+// typical latency (the baseline) that new and idle hosts are measured
+// against. Lookups are lock-free once an address has been seen.
+type Table struct {
+	cfg Config
+
+	mu       sync.Mutex
+	byDial   atomic.Pointer[map[string]*Stats] // copy-on-write
+	released bool
+
+	// baseline is a plain EWMA (float64 bits, ns) of every sample this
+	// table observed: the latency a typical request in this pool sees.
+	baseline atomic.Uint64
+}
+
+// NewTable returns an empty Table with cfg's zero fields defaulted.
+func NewTable(cfg Config) *Table {
+	cfg.setDefaults()
+	t := &Table{cfg: cfg}
+	empty := map[string]*Stats{}
+	t.byDial.Store(&empty)
+	return t
+}
+
+// Config returns the table's effective settings.
+func (t *Table) Config() Config { return t.cfg }
+
+// Stats returns the shared state for dial, taking a reference the first time
+// this table sees the address.
+func (t *Table) Stats(dial string) *Stats {
+	if s, ok := (*t.byDial.Load())[dial]; ok {
+		return s
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	cur := *t.byDial.Load()
+	if s, ok := cur[dial]; ok {
+		return s
+	}
+	if t.released {
+		// A straggling request of a config being torn down: hand out
+		// state without taking a reference nobody would drop.
+		return &Stats{dial: dial}
+	}
+	v, _, _ := registry.LoadOrNew(dial, func() (caddy.Destructor, error) {
+		return &Stats{dial: dial}, nil
+	})
+	s := v.(*Stats)
+	next := make(map[string]*Stats, len(cur)+1)
+	for k, v := range cur {
+		next[k] = v
+	}
+	next[dial] = s
+	t.byDial.Store(&next)
+	return s
+}
+
+// Release drops this table's references. It is idempotent.
+func (t *Table) Release() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.released {
+		return
+	}
+	t.released = true
+	for dial := range *t.byDial.Load() {
+		_, _ = registry.Delete(dial)
+	}
+}
+
+// baselineWeight is how much one sample moves the pool baseline.
+const baselineWeight = 1.0 / 64
+
+// Observe records a finished round trip that started at start (from
+// s.Begin) on s.
+func (t *Table) Observe(s *Stats, start int64, outcome Outcome) {
+	sample := s.observe(Now(), start, outcome, &t.cfg)
+	if outcome != Success || sample <= 0 {
+		return
+	}
+	for {
+		old := t.baseline.Load()
+		b := math.Float64frombits(old)
+		nb := sample
+		if b > 0 {
+			nb = b + (sample-b)*baselineWeight
+		}
+		if t.baseline.CompareAndSwap(old, math.Float64bits(nb)) {
+			return
+		}
+	}
+}
+
+// Baseline returns the pool's typical latency in ns, or the prior when
+// nothing has been observed yet.
+func (t *Table) Baseline() float64 {
+	if b := math.Float64frombits(t.baseline.Load()); b > 0 {
+		return b
+	}
+	return float64(t.cfg.Prior)
+}
+
+// Estimate returns s's latency estimate in ns at now: the peak-EWMA decayed
+// toward the pool baseline for the time it has not been updated, or the
+// baseline itself for a host never sampled (a sane prior: neither a magnet
+// nor starved).
+func (t *Table) Estimate(s *Stats, now int64) float64 {
+	return t.EstimateFrom(s, now, t.Baseline())
+}
+
+// EstimateFrom is Estimate with the baseline already read, for callers that
+// estimate several hosts at once.
+func (t *Table) EstimateFrom(s *Stats, now int64, base float64) float64 {
+	est, age := s.estimate(now)
+	if est == 0 {
+		return base
+	}
+	return decayToward(est, base, age, float64(t.cfg.Tau))
+}
+
+// All returns a snapshot of every upstream known to any config, sorted by
+// dial address.
+func All() []Snapshot {
+	now := Now()
+	var out []Snapshot
+	registry.Range(func(_, v any) bool {
+		out = append(out, v.(*Stats).Snapshot(now))
+		return true
+	})
+	sort.Slice(out, func(i, j int) bool { return out[i].Dial < out[j].Dial })
+	return out
+}
+
+// References reports how many tables hold dial (for tests).
+func References(dial string) int {
+	n, _ := registry.References(dial)
+	return n
+}

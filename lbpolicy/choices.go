@@ -1,0 +1,100 @@
+package lbpolicy
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+)
+
+// Choices is how many upstreams the ewma policy compares per request. In
+// JSON it is a number of random candidates (2 or more; 2 is "power of two
+// choices") or the string "all" for a full scan ("least response time").
+// Zero or absent means automatic: a full scan for pools of up to
+// AutoScanLimit upstreams, two random choices above.
+type Choices int
+
+const (
+	// ChoicesAuto picks the mode from the pool size.
+	ChoicesAuto Choices = 0
+	// ChoicesAll scans the whole pool.
+	ChoicesAll Choices = -1
+)
+
+// AutoScanLimit is the largest pool that ChoicesAuto scans fully. Scanning a
+// small pool costs little, and it has no sampling floor: with best of two
+// out of four upstreams of which two are slow, one request in six
+// necessarily lands on a slow one, which sets the tail. Above this size the
+// O(1) two-choice mode keeps selection cheap and avoids herding.
+const AutoScanLimit = 16
+
+// forPool returns how many candidates to compare in a pool of n, 0 meaning
+// all of them.
+func (c Choices) forPool(n int) int {
+	switch {
+	case c == ChoicesAll, c == ChoicesAuto && n <= AutoScanLimit:
+		return 0
+	case c == ChoicesAuto:
+		return 2
+	default:
+		return int(c)
+	}
+}
+
+func (c Choices) String() string {
+	switch c {
+	case ChoicesAll:
+		return "all"
+	case ChoicesAuto:
+		return "auto"
+	}
+	return strconv.Itoa(int(c))
+}
+
+func parseChoices(s string) (Choices, error) {
+	switch s {
+	case "all":
+		return ChoicesAll, nil
+	case "auto":
+		return ChoicesAuto, nil
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		return 0, fmt.Errorf("want a number of choices (2 or more), 'all' or 'auto'")
+	}
+	c := Choices(n)
+	return c, c.validate()
+}
+
+func (c Choices) validate() error {
+	if c == ChoicesAll || c == ChoicesAuto || c >= 2 {
+		return nil
+	}
+	return fmt.Errorf("choices must be at least 2 (1 would be random selection), 'all' or 'auto'; got %d", int(c))
+}
+
+// MarshalJSON encodes ChoicesAll as "all" and counts as numbers.
+func (c Choices) MarshalJSON() ([]byte, error) {
+	if c < 0 || c == ChoicesAuto {
+		return json.Marshal(c.String())
+	}
+	return json.Marshal(int(c))
+}
+
+// UnmarshalJSON accepts a number or "all"/"auto".
+func (c *Choices) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err == nil {
+		v, err := parseChoices(s)
+		if err != nil {
+			return fmt.Errorf("choices %q: %v", s, err)
+		}
+		*c = v
+		return nil
+	}
+	var n int
+	if err := json.Unmarshal(b, &n); err != nil {
+		return fmt.Errorf("choices: want a number, \"all\" or \"auto\": %v", err)
+	}
+	*c = Choices(n)
+	return c.validate()
+}

@@ -1,0 +1,88 @@
+// Package lbpolicy provides reverse_proxy selection policies: `ewma`, which
+// picks the upstream with the lowest expected latency — (in-flight + 1) ×
+// peak-EWMA latency / weight — and `panic`, which gives any selection policy
+// Envoy-style panic mode: when too few upstreams are healthy, the health
+// checks are the likelier culprits, so all upstreams are used.
+package lbpolicy
+
+import "math/rand/v2"
+
+// candidates is what the choosing algorithms see of a pool: how many
+// members it has, whether member i may be chosen right now, and what
+// sending one more request to it is expected to cost. Keeping it abstract
+// keeps the algorithms testable without Caddy.
+type candidates interface {
+	Len() int
+	Usable(i int) bool
+	Cost(i int) float64
+}
+
+// drawTries bounds how many random draws are spent looking for a usable
+// member before falling back to a full scan.
+const drawTries = 4
+
+// chooseBestOfK draws k members at random (distinct for k = 2, the common
+// case) and returns the index of the cheapest usable one, or -1 if the pool
+// has no usable member. It is O(k) when most members are usable; when draws
+// keep hitting unusable members it scans, which is exact and happens only
+// when much of the pool is down.
+func chooseBestOfK[C candidates](c C, k int) int {
+	n := c.Len()
+	if n == 0 {
+		return -1
+	}
+	if k >= n {
+		return chooseScan(c)
+	}
+	best, bestCost := -1, 0.0
+	for range k {
+		i := drawUsable(c, n, best)
+		if i < 0 {
+			if best < 0 {
+				return chooseScan(c)
+			}
+			break
+		}
+		if cost := c.Cost(i); best < 0 || cost < bestCost {
+			best, bestCost = i, cost
+		}
+	}
+	return best
+}
+
+// drawUsable returns a random usable index other than not, or -1 after
+// drawTries misses.
+func drawUsable[C candidates](c C, n, not int) int {
+	for range drawTries {
+		i := rand.IntN(n)
+		if i != not && c.Usable(i) {
+			return i
+		}
+	}
+	return -1
+}
+
+// chooseScan returns the index of the cheapest usable member, scanning from
+// a random offset so that ties are broken at random, or -1 if none is
+// usable.
+func chooseScan[C candidates](c C) int {
+	n := c.Len()
+	if n == 0 {
+		return -1
+	}
+	off := rand.IntN(n)
+	best, bestCost := -1, 0.0
+	for k := range n {
+		i := off + k
+		if i >= n {
+			i -= n
+		}
+		if !c.Usable(i) {
+			continue
+		}
+		if cost := c.Cost(i); best < 0 || cost < bestCost {
+			best, bestCost = i, cost
+		}
+	}
+	return best
+}

@@ -1,0 +1,244 @@
+package lbpolicy
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/healthx"
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+func init() {
+	caddy.RegisterModule(new(EWMASelection))
+}
+
+// EWMASelection is a latency-aware selection policy. Each request goes to
+// the upstream with the lowest expected cost,
+//
+//	cost = (requests in flight + 1) × latency estimate / weight
+//
+// where the latency estimate is a peak-sensitive, time-decayed EWMA of the
+// time to response headers of every attempt made to the upstream (failed
+// attempts are charged at least twice the estimate). A slower sample
+// replaces the estimate at once; faster ones blend in over Decay. An
+// upstream not heard from decays toward the pool's typical latency, so it
+// is tried again, and a new upstream starts at that typical latency, so it
+// is neither starved nor stampeded.
+//
+// Latency is observed at the round trip: in Provision the policy wraps the
+// reverse_proxy handler's transport (the configured one, or Caddy's
+// default) in a transport that measures each attempt and forwards
+// everything else unchanged, so no other configuration is needed. State is
+// kept per dial address, shared by all handlers and kept across config
+// reloads.
+//
+// When fewer than PanicThreshold percent of the upstreams are available
+// (per Caddy's health checks, passive failures and max_requests), the policy
+// chooses among all upstreams that are not full, ignoring health.
+type EWMASelection struct {
+	// How many upstreams to compare per request: a number of random
+	// candidates (2 or more), "all" for a full scan, or "auto" (the
+	// default): all for pools of up to 16 upstreams, 2 above.
+	Choices Choices `json:"choices,omitempty"`
+
+	// The time constant of the latency EWMA: how long it takes faster
+	// samples, or idleness, to bring down an estimate by a factor of e.
+	// Default: 10s.
+	Decay caddy.Duration `json:"decay,omitempty"`
+
+	// Weights of the upstreams, in the order they are configured; each at
+	// least 1. A weight divides the cost, so an upstream of weight 2 is
+	// expected to serve twice the concurrent requests at the same latency.
+	// Upstreams beyond the list have weight 1. Default: all 1.
+	Weights []int `json:"weights,omitempty"`
+
+	// Percentage of upstreams that must be available for health to be
+	// respected; below it, the pool is in panic mode. 0 disables panic
+	// mode. Default: 50.
+	PanicThreshold *float64 `json:"panic_threshold,omitempty"`
+
+	table    *hoststate.Table
+	observer *healthx.ObservingTransport
+	view     atomic.Pointer[poolView]
+	panic    panicMode
+	logger   *zap.Logger
+}
+
+// CaddyModule returns the Caddy module information.
+func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.reverse_proxy.selection_policies.ewma",
+		New: func() caddy.Module { return new(EWMASelection) },
+	}
+}
+
+// Provision sets up the policy and instruments the parent reverse_proxy's
+// transport so latency is observed.
+func (s *EWMASelection) Provision(ctx caddy.Context) error {
+	s.logger = ctx.Logger()
+	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger)
+	s.table = hoststate.NewTable(hoststate.Config{Tau: time.Duration(s.Decay)})
+
+	h, err := healthx.Install(ctx, s.table)
+	switch {
+	case errors.Is(err, healthx.ErrNoProxyHandler):
+		s.logger.Warn("ewma policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
+	case err != nil:
+		return err
+	default:
+		s.observer, _ = h.Transport.(*healthx.ObservingTransport)
+		if len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
+			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
+		}
+	}
+	hoststate.RegisterPool(s)
+	return nil
+}
+
+// Validate checks the configuration.
+func (s *EWMASelection) Validate() error {
+	if err := s.Choices.validate(); err != nil {
+		return fmt.Errorf("ewma: %v", err)
+	}
+	if s.Decay < 0 {
+		return fmt.Errorf("ewma: decay must be positive, got %v", time.Duration(s.Decay))
+	}
+	for i, w := range s.Weights {
+		if w < 1 {
+			return fmt.Errorf("ewma: weight %d of upstream %d must be at least 1", w, i)
+		}
+	}
+	if s.PanicThreshold != nil {
+		if err := checkPercent(*s.PanicThreshold); err != nil {
+			return fmt.Errorf("ewma: panic_threshold %v", err)
+		}
+	}
+	return nil
+}
+
+// Cleanup releases the policy's references to shared upstream state.
+func (s *EWMASelection) Cleanup() error {
+	hoststate.UnregisterPool(s)
+	if s.table != nil {
+		s.table.Release()
+	}
+	if s.observer != nil {
+		return s.observer.Cleanup()
+	}
+	return nil
+}
+
+// Select returns the upstream with the lowest expected cost among the
+// candidates, or nil if none can be used.
+func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+	if len(pool) == 0 {
+		return nil
+	}
+	v := s.viewFor(pool)
+	now := hoststate.Now()
+	c := ewmaCandidates{
+		pool:  pool,
+		view:  v,
+		table: s.table,
+		now:   now,
+		base:  s.table.Baseline(),
+		panic: s.panic.check(v, pool, now),
+	}
+	var i int
+	if k := s.Choices.forPool(len(pool)); k == 0 {
+		i = chooseScan(c)
+	} else {
+		i = chooseBestOfK(c, k)
+	}
+	if i < 0 {
+		return nil
+	}
+	return pool[i]
+}
+
+func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
+	if v := s.view.Load(); v.matches(pool) {
+		return v
+	}
+	v := newView(pool)
+	v.stats = make([]*hoststate.Stats, len(pool))
+	v.invWeight = make([]float64, len(pool))
+	for i, u := range pool {
+		v.stats[i] = s.table.Stats(u.Dial)
+		v.invWeight[i] = 1
+		if i < len(s.Weights) && s.Weights[i] > 0 {
+			v.invWeight[i] = 1 / float64(s.Weights[i])
+		}
+	}
+	s.view.Store(v)
+	return v
+}
+
+// ewmaCandidates presents a pool to the choosing algorithms.
+type ewmaCandidates struct {
+	pool  reverseproxy.UpstreamPool
+	view  *poolView
+	table *hoststate.Table
+	now   int64
+	base  float64
+	panic bool
+}
+
+func (c ewmaCandidates) Len() int { return len(c.pool) }
+
+// Usable is Caddy's availability, or in panic mode just "not full":
+// panic ignores health, not max_requests.
+func (c ewmaCandidates) Usable(i int) bool {
+	if c.panic {
+		return !c.pool[i].Full()
+	}
+	return c.pool[i].Available()
+}
+
+func (c ewmaCandidates) Cost(i int) float64 {
+	est := c.table.EstimateFrom(c.view.stats[i], c.now, c.base)
+	return float64(c.pool[i].NumRequests()+1) * est * c.view.invWeight[i]
+}
+
+// ReportPool implements hoststate.PoolReporter.
+func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
+	v := s.view.Load()
+	if v == nil {
+		return hoststate.PoolReport{}, false
+	}
+	now := hoststate.Now()
+	base := s.table.Baseline()
+	rep := hoststate.PoolReport{
+		Policy:         "ewma",
+		Available:      int(v.available.Load()),
+		PanicThreshold: s.panic.percent(),
+		Panic:          s.panic.on.Load(),
+		PanicEntered:   s.panic.entered.Load(),
+	}
+	for i, u := range v.ups {
+		est := s.table.EstimateFrom(v.stats[i], now, base) / 1e6
+		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{
+			Dial:       u.Dial,
+			Weight:     1 / v.invWeight[i],
+			Available:  u.Available(),
+			EstimateMs: &est,
+		})
+	}
+	return rep, true
+}
+
+// Interface guards
+var (
+	_ reverseproxy.Selector  = (*EWMASelection)(nil)
+	_ caddy.Provisioner      = (*EWMASelection)(nil)
+	_ caddy.Validator        = (*EWMASelection)(nil)
+	_ caddy.CleanerUpper     = (*EWMASelection)(nil)
+	_ hoststate.PoolReporter = (*EWMASelection)(nil)
+)

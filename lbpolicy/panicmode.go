@@ -1,0 +1,99 @@
+package lbpolicy
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// DefaultPanicThreshold is the availability, in percent, below which a pool
+// is in panic mode unless configured otherwise (Envoy's default).
+const DefaultPanicThreshold = 50.0
+
+// panicMode decides, per request, whether a pool has so few available
+// upstreams that health should be ignored, and logs and counts the
+// transitions. It is shared by the ewma policy and the panic wrapper.
+type panicMode struct {
+	threshold  float64 // fraction of the pool, 0 disables
+	countEvery int64
+	policy     string
+	logger     *zap.Logger
+
+	on      atomic.Bool
+	entered atomic.Uint64
+}
+
+func newPanicMode(percent *float64, policy string, logger *zap.Logger) panicMode {
+	p := DefaultPanicThreshold
+	if percent != nil {
+		p = *percent
+	}
+	return panicMode{threshold: p / 100, countEvery: countEvery, policy: policy, logger: logger}
+}
+
+// check reports whether pool (described by v) is in panic mode at now: fewer
+// than threshold of its members are available. One upstream short of the
+// threshold is panic; exactly at it is not.
+func (m *panicMode) check(v *poolView, pool reverseproxy.UpstreamPool, now int64) bool {
+	if m.threshold <= 0 {
+		return false
+	}
+	avail := v.availability(pool, now, m.countEvery)
+	panicking := float64(avail) < m.threshold*float64(len(pool))
+	if panicking != m.on.Load() && m.on.CompareAndSwap(!panicking, panicking) {
+		m.transition(panicking, avail, len(pool))
+	}
+	return panicking
+}
+
+func (m *panicMode) transition(on bool, avail, total int) {
+	msg, lvl := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel
+	if on {
+		m.entered.Add(1)
+		msg, lvl = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel
+	}
+	if ce := m.logger.Check(lvl, msg); ce != nil {
+		ce.Write(
+			zap.String("policy", m.policy),
+			zap.Int("available", avail),
+			zap.Int("upstreams", total),
+			zap.Float64("threshold_percent", m.threshold*100),
+		)
+	}
+}
+
+// percent returns the threshold as configured, in percent.
+func (m *panicMode) percent() float64 { return m.threshold * 100 }
+
+// parsePercent reads a Caddyfile percentage argument: "50%", "50" or "off"
+// (0). It must lie in [0, 100].
+func parsePercent(d *caddyfile.Dispenser) (float64, error) {
+	if !d.NextArg() {
+		return 0, d.ArgErr()
+	}
+	raw := d.Val()
+	if raw == "off" {
+		return 0, nil
+	}
+	v, err := strconv.ParseFloat(strings.TrimSuffix(raw, "%"), 64)
+	if err != nil {
+		return 0, d.Errf("invalid percentage %q: want a number from 0%% to 100%% or 'off'", raw)
+	}
+	if err := checkPercent(v); err != nil {
+		return 0, d.Errf("invalid percentage %q: %v", raw, err)
+	}
+	return v, nil
+}
+
+func checkPercent(v float64) error {
+	if v < 0 || v > 100 || v != v {
+		return fmt.Errorf("must be between 0%% and 100%%, got %v%%", v)
+	}
+	return nil
+}

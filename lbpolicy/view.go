@@ -1,0 +1,74 @@
+package lbpolicy
+
+import (
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+// countEvery is how long (ns) a count of available upstreams is reused
+// before the pool is counted again. Counting is O(pool); reusing it for a
+// few milliseconds keeps selection O(1) while panic mode still reacts
+// within a blink of a health change.
+const countEvery = int64(5e6)
+
+// poolView is what a policy derived from one upstream pool: per-member
+// state and weights in pool order, and a cached availability count. A
+// policy keeps the view of the last pool it saw and rebuilds it when the
+// pool changes (a config with static upstreams always passes the same
+// slice; dynamic upstream sources pass the same slice between refreshes).
+type poolView struct {
+	// first and ups identify the pool: the address of its first element
+	// and a copy of its members.
+	first **reverseproxy.Upstream
+	ups   []*reverseproxy.Upstream
+
+	stats     []*hoststate.Stats       // ewma: shared state per member
+	invWeight []float64                // ewma: 1/weight per member
+	shadows   []*reverseproxy.Upstream // panic: health-blind twins
+	shadowOf  map[*reverseproxy.Upstream]int
+
+	countedAt atomic.Int64
+	available atomic.Int64
+}
+
+// matches reports whether v was built from pool. It checks identity and
+// both ends rather than every member, to stay O(1).
+func (v *poolView) matches(pool reverseproxy.UpstreamPool) bool {
+	n := len(pool)
+	if v == nil || n != len(v.ups) {
+		return false
+	}
+	if n == 0 {
+		return true
+	}
+	return v.first == &pool[0] && v.ups[0] == pool[0] && v.ups[n-1] == pool[n-1]
+}
+
+func newView(pool reverseproxy.UpstreamPool) *poolView {
+	v := &poolView{ups: append([]*reverseproxy.Upstream(nil), pool...)}
+	if len(pool) > 0 {
+		v.first = &pool[0]
+	}
+	v.countedAt.Store(-countEvery)
+	return v
+}
+
+// availability returns how many members of pool are available, counting
+// again when the last count is older than every.
+func (v *poolView) availability(pool reverseproxy.UpstreamPool, now, every int64) int {
+	if now-v.countedAt.Load() < every {
+		return int(v.available.Load())
+	}
+	n := 0
+	for _, u := range pool {
+		if u.Available() {
+			n++
+		}
+	}
+	v.available.Store(int64(n))
+	v.countedAt.Store(now)
+	return n
+}

@@ -1,0 +1,12 @@
+// Package lbx registers every lbx module with Caddy. Build Caddy with it:
+//
+//	xcaddy build --with github.com/caddy-lbx/lbx
+//
+// or import it for side effects in your own Caddy main.
+package lbx
+
+import (
+	_ "github.com/caddy-lbx/lbx/caddyfile"
+	_ "github.com/caddy-lbx/lbx/healthx"
+	_ "github.com/caddy-lbx/lbx/lbpolicy"
+)
