@@ -51,6 +51,16 @@ func Install(ctx caddy.Context, table *hoststate.Table) (*reverseproxy.Handler, 
 		wrapper.inner, wrapper.owned = def, def
 	}
 	h.Transport = wrapper
+	// Take table's references on the static upstreams now rather than on
+	// first use: Caddy starts a new config before it stops the old one,
+	// but the new config need not serve a request in between, and state
+	// only the old config referenced would be released with it — a reload
+	// would forget every estimate.
+	for _, u := range h.Upstreams {
+		if u != nil && u.Dial != "" {
+			table.Stats(u.Dial)
+		}
+	}
 	return h, nil
 }
 

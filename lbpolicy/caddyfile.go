@@ -65,7 +65,7 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				s.Weights = append(s.Weights, w)
 			}
 		case "panic_threshold":
-			p, err := parsePercent(d)
+			p, err := parsePercent(d, "ewma")
 			if err != nil {
 				return err
 			}
@@ -100,7 +100,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if p.Threshold != nil {
 				return d.Err("panic: threshold specified more than once")
 			}
-			v, err := parsePercent(d)
+			v, err := parsePercent(d, "panic")
 			if err != nil {
 				return err
 			}

@@ -2,6 +2,7 @@ package lbpolicy
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strconv"
 )
@@ -50,6 +51,12 @@ func (c Choices) String() string {
 	return strconv.Itoa(int(c))
 }
 
+// choicesWant describes the valid values of choices, for error messages.
+const choicesWant = `must be a number of 2 or more, "all" or "auto"`
+
+// parseChoices parses the text form of Choices: a number of 2 or more,
+// "all" or "auto". Unlike the internal values, "0" and "-1" are not
+// accepted: they would silently mean "auto" and "all".
 func parseChoices(s string) (Choices, error) {
 	switch s {
 	case "all":
@@ -58,30 +65,35 @@ func parseChoices(s string) (Choices, error) {
 		return ChoicesAuto, nil
 	}
 	n, err := strconv.Atoi(s)
-	if err != nil {
-		return 0, fmt.Errorf("want a number of choices (2 or more), 'all' or 'auto'")
+	if err != nil || n < 2 {
+		return 0, errors.New(choicesWant)
 	}
-	c := Choices(n)
-	return c, c.validate()
+	return Choices(n), nil
 }
 
 func (c Choices) validate() error {
 	if c == ChoicesAll || c == ChoicesAuto || c >= 2 {
 		return nil
 	}
-	return fmt.Errorf("choices must be at least 2 (1 would be random selection), 'all' or 'auto'; got %d", int(c))
+	return fmt.Errorf("choices %s; got %d", choicesWant, int(c))
 }
 
-// MarshalJSON encodes ChoicesAll as "all" and counts as numbers.
+// MarshalJSON encodes ChoicesAll and ChoicesAuto as "all" and "auto", and
+// counts as numbers.
 func (c Choices) MarshalJSON() ([]byte, error) {
-	if c < 0 || c == ChoicesAuto {
+	switch c {
+	case ChoicesAll, ChoicesAuto:
 		return json.Marshal(c.String())
 	}
 	return json.Marshal(int(c))
 }
 
-// UnmarshalJSON accepts a number or "all"/"auto".
+// UnmarshalJSON accepts a number of 2 or more, "all" or "auto". 0, the
+// value of an absent field, also means "auto"; null leaves c unchanged.
 func (c *Choices) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		return nil
+	}
 	var s string
 	if err := json.Unmarshal(b, &s); err == nil {
 		v, err := parseChoices(s)
@@ -92,9 +104,9 @@ func (c *Choices) UnmarshalJSON(b []byte) error {
 		return nil
 	}
 	var n int
-	if err := json.Unmarshal(b, &n); err != nil {
-		return fmt.Errorf("choices: want a number, \"all\" or \"auto\": %v", err)
+	if err := json.Unmarshal(b, &n); err != nil || (n != 0 && n < 2) {
+		return fmt.Errorf("choices %s: %s", b, choicesWant)
 	}
 	*c = Choices(n)
-	return c.validate()
+	return nil
 }

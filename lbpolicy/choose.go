@@ -50,38 +50,42 @@ func chooseBestOfK[C candidates](c C, k int) int {
 	return best
 }
 
-// drawUsable returns a random usable index other than not, or -1 after
-// drawTries misses.
+// drawUsable returns a random usable index other than not (-1 excludes
+// nothing), or -1 after drawTries misses.
 func drawUsable[C candidates](c C, n, not int) int {
 	for range drawTries {
-		i := rand.IntN(n)
-		if i != not && c.Usable(i) {
+		var i int
+		if not < 0 {
+			i = rand.IntN(n)
+		} else if i = rand.IntN(n - 1); i >= not {
+			i++ // draw from the others, so two draws always differ
+		}
+		if c.Usable(i) {
 			return i
 		}
 	}
 	return -1
 }
 
-// chooseScan returns the index of the cheapest usable member, scanning from
-// a random offset so that ties are broken at random, or -1 if none is
-// usable.
+// chooseScan returns the index of the cheapest usable member, or -1 if none
+// is usable. Exact ties (common while nothing has been measured yet) are
+// broken uniformly at random, so an idle pool is not always served by its
+// first member.
 func chooseScan[C candidates](c C) int {
-	n := c.Len()
-	if n == 0 {
-		return -1
-	}
-	off := rand.IntN(n)
-	best, bestCost := -1, 0.0
-	for k := range n {
-		i := off + k
-		if i >= n {
-			i -= n
-		}
+	best, bestCost, ties := -1, 0.0, 0
+	for i := range c.Len() {
 		if !c.Usable(i) {
 			continue
 		}
-		if cost := c.Cost(i); best < 0 || cost < bestCost {
-			best, bestCost = i, cost
+		cost := c.Cost(i)
+		switch {
+		case best < 0 || cost < bestCost:
+			best, bestCost, ties = i, cost, 1
+		case cost == bestCost:
+			ties++
+			if rand.IntN(ties) == 0 {
+				best = i
+			}
 		}
 	}
 	return best

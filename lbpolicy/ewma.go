@@ -3,6 +3,7 @@ package lbpolicy
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/http"
 	"sync/atomic"
 	"time"
@@ -112,7 +113,7 @@ func (s *EWMASelection) Validate() error {
 	}
 	for i, w := range s.Weights {
 		if w < 1 {
-			return fmt.Errorf("ewma: weight %d of upstream %d must be at least 1", w, i)
+			return fmt.Errorf("ewma: weights[%d] is %d; each weight must be at least 1", i, w)
 		}
 	}
 	if s.PanicThreshold != nil {
@@ -142,7 +143,10 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, 
 		return nil
 	}
 	v := s.viewFor(pool)
-	now := hoststate.Now()
+	now := hoststate.Clock()
+	if rand.Uint32()%clockRefresh == 0 {
+		now = hoststate.Now()
+	}
 	c := ewmaCandidates{
 		pool:  pool,
 		view:  v,
@@ -180,6 +184,10 @@ func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 	s.view.Store(v)
 	return v
 }
+
+// clockRefresh: one selection in this many reads the real clock, so the
+// shared clock keeps moving even where no round trip is observed.
+const clockRefresh = 32
 
 // ewmaCandidates presents a pool to the choosing algorithms.
 type ewmaCandidates struct {

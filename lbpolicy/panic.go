@@ -29,7 +29,7 @@ type PanicSelection struct {
 	Threshold *float64 `json:"threshold,omitempty"`
 
 	// The wrapped selection policy. Default: random (Caddy's default).
-	PolicyRaw json.RawMessage `json:"policy,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
+	PolicyRaw json.RawMessage `json:"selection_policy,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
 	inner     reverseproxy.Selector
 	innerName string

@@ -44,10 +44,15 @@ func (m *panicMode) check(v *poolView, pool reverseproxy.UpstreamPool, now int64
 	if m.threshold <= 0 {
 		return false
 	}
-	avail := v.availability(pool, now, m.countEvery)
-	panicking := float64(avail) < m.threshold*float64(len(pool))
+	return m.decide(v.availability(pool, now, m.countEvery), len(pool))
+}
+
+// decide applies the threshold to a count of available upstreams and
+// records a transition.
+func (m *panicMode) decide(avail, total int) bool {
+	panicking := float64(avail) < m.threshold*float64(total)
 	if panicking != m.on.Load() && m.on.CompareAndSwap(!panicking, panicking) {
-		m.transition(panicking, avail, len(pool))
+		m.transition(panicking, avail, total)
 	}
 	return panicking
 }
@@ -71,9 +76,11 @@ func (m *panicMode) transition(on bool, avail, total int) {
 // percent returns the threshold as configured, in percent.
 func (m *panicMode) percent() float64 { return m.threshold * 100 }
 
-// parsePercent reads a Caddyfile percentage argument: "50%", "50" or "off"
-// (0). It must lie in [0, 100].
-func parsePercent(d *caddyfile.Dispenser) (float64, error) {
+// parsePercent reads the argument of a Caddyfile percentage option (the
+// current token): "50%", "50" or "off" (0). It must lie in [0, 100]. policy
+// names the policy in error messages.
+func parsePercent(d *caddyfile.Dispenser, policy string) (float64, error) {
+	opt := d.Val()
 	if !d.NextArg() {
 		return 0, d.ArgErr()
 	}
@@ -82,11 +89,8 @@ func parsePercent(d *caddyfile.Dispenser) (float64, error) {
 		return 0, nil
 	}
 	v, err := strconv.ParseFloat(strings.TrimSuffix(raw, "%"), 64)
-	if err != nil {
-		return 0, d.Errf("invalid percentage %q: want a number from 0%% to 100%% or 'off'", raw)
-	}
-	if err := checkPercent(v); err != nil {
-		return 0, d.Errf("invalid percentage %q: %v", raw, err)
+	if err != nil || checkPercent(v) != nil {
+		return 0, d.Errf("%s: invalid %s %q: want a percentage from 0%% to 100%%, or 'off'", policy, opt, raw)
 	}
 	return v, nil
 }

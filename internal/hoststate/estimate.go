@@ -32,8 +32,17 @@ func decayToward(est, target, dt, tau float64) float64 {
 	if dt <= 0 || target <= 0 {
 		return est
 	}
-	w := math.Exp(-dt / tau)
-	return target + (est-target)*w
+	return target + (est-target)*expNeg(dt/tau)
+}
+
+// expNeg returns exp(-x) for x ≥ 0. Selection decays every candidate's
+// estimate, almost always by a tiny x (the host was updated moments ago),
+// where a short series is exact to 1e-6 and much cheaper than math.Exp.
+func expNeg(x float64) float64 {
+	if x < 1.0/64 {
+		return 1 - x + x*x/2
+	}
+	return math.Exp(-x)
 }
 
 // failureSample is the latency charged for a failed attempt (transport

@@ -89,3 +89,11 @@ func TestFailureSample(t *testing.T) {
 		t.Fatalf("five fast failures from 2ms: got %v ms, want 64", est/ms)
 	}
 }
+
+func TestExpNeg(t *testing.T) {
+	for _, x := range []float64{0, 1e-9, 1e-4, 0.01, 1.0 / 64, 0.1, 1, 5, 50} {
+		if got, want := expNeg(x), math.Exp(-x); math.Abs(got-want) > 1e-6 {
+			t.Fatalf("expNeg(%v) = %v, want %v", x, got, want)
+		}
+	}
+}

@@ -1,0 +1,168 @@
+package caddyfile
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// TestValidateJSON loads JSON configs with caddy.Validate, which decodes,
+// provisions and validates every module without starting any server. It
+// covers what adapting cannot see: the number of upstreams (a selection
+// policy's Caddyfile has no access to them) and JSON written by hand.
+func TestValidateJSON(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		upstreams int
+		policy    string // the selection_policy object
+		wantErr   string // "" if the config is valid
+	}{
+		{
+			name:      "ewma defaults",
+			upstreams: 3,
+			policy:    `{"policy": "ewma"}`,
+		},
+		{
+			name:      "ewma every option",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "choices": "all", "decay": "30s", "weights": [1, 1, 2], "panic_threshold": 25}`,
+		},
+		{
+			name:      "ewma choices as a number",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "choices": 2}`,
+		},
+		{
+			name:      "ewma choices 0 is the default",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "choices": 0}`,
+		},
+		{
+			name:      "ewma weights one per upstream",
+			upstreams: 2,
+			policy:    `{"policy": "ewma", "weights": [1, 3]}`,
+		},
+		{
+			name:      "ewma too few weights",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "weights": [1, 2]}`,
+			wantErr:   "ewma: 2 weights given for 3 upstreams",
+		},
+		{
+			name:      "ewma too many weights",
+			upstreams: 1,
+			policy:    `{"policy": "ewma", "weights": [1, 2]}`,
+			wantErr:   "ewma: 2 weights given for 1 upstreams",
+		},
+		{
+			name:      "ewma weight 0",
+			upstreams: 2,
+			policy:    `{"policy": "ewma", "weights": [1, 0]}`,
+			wantErr:   "must be at least 1",
+		},
+		{
+			name:      "ewma choices 1",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "choices": 1}`,
+			wantErr:   `choices 1: must be a number of 2 or more, "all" or "auto"`,
+		},
+		{
+			name:      "ewma choices -1",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "choices": -1}`,
+			wantErr:   `choices -1: must be a number of 2 or more, "all" or "auto"`,
+		},
+		{
+			name:      "ewma choices unknown word",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "choices": "most"}`,
+			wantErr:   `choices "most": must be a number of 2 or more, "all" or "auto"`,
+		},
+		{
+			name:      "ewma panic_threshold 150",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "panic_threshold": 150}`,
+			wantErr:   "ewma: panic_threshold must be between 0% and 100%, got 150%",
+		},
+		{
+			name:      "ewma panic_threshold negative",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "panic_threshold": -5}`,
+			wantErr:   "ewma: panic_threshold must be between 0% and 100%, got -5%",
+		},
+		{
+			name:      "ewma negative decay",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "decay": "-1s"}`,
+			wantErr:   "ewma: decay must be positive, got -1s",
+		},
+		{
+			name:      "panic defaults",
+			upstreams: 3,
+			policy:    `{"policy": "panic"}`,
+		},
+		{
+			name:      "panic threshold 150",
+			upstreams: 3,
+			policy:    `{"policy": "panic", "threshold": 150}`,
+			wantErr:   "panic: threshold must be between 0% and 100%, got 150%",
+		},
+		{
+			name:      "panic wrapping least_conn",
+			upstreams: 3,
+			policy:    `{"policy": "panic", "threshold": 30, "selection_policy": {"policy": "least_conn"}}`,
+		},
+		{
+			// The wrapped policy is loaded and validated: its errors
+			// surface.
+			name:      "panic wrapping an invalid ewma",
+			upstreams: 3,
+			policy:    `{"policy": "panic", "selection_policy": {"policy": "ewma", "weights": [1, 2]}}`,
+			wantErr:   "ewma: 2 weights given for 3 upstreams",
+		},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var cfg caddy.Config
+			if err := json.Unmarshal(proxyConfig(tt.upstreams, tt.policy), &cfg); err != nil {
+				t.Fatal(err)
+			}
+			err := caddy.Validate(&cfg)
+			if err != nil {
+				t.Logf("caddy.Validate: %v", err)
+			}
+			switch {
+			case tt.wantErr == "" && err != nil:
+				t.Fatalf("want a valid config, got: %v", err)
+			case tt.wantErr != "" && err == nil:
+				t.Fatalf("config validated; want an error containing %q", tt.wantErr)
+			case tt.wantErr != "" && !strings.Contains(err.Error(), tt.wantErr):
+				t.Fatalf("wrong error\n got: %v\nwant it to contain: %s", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// proxyConfig returns a Caddy JSON config with one reverse_proxy to n
+// upstreams, load balanced by the given selection_policy object. Nothing
+// in it listens or dials: caddy.Validate does not start servers.
+func proxyConfig(n int, policy string) []byte {
+	ups := make([]string, n)
+	for i := range ups {
+		ups[i] = fmt.Sprintf(`{"dial": "10.0.0.%d:8080"}`, i+1)
+	}
+	return []byte(`{
+		"admin": {"disabled": true},
+		"apps": {"http": {"servers": {"srv0": {
+			"listen": [":8884"],
+			"automatic_https": {"disable": true},
+			"routes": [{"handle": [{
+				"handler": "reverse_proxy",
+				"load_balancing": {"selection_policy": ` + policy + `},
+				"upstreams": [` + strings.Join(ups, ", ") + `]
+			}]}]
+		}}}}
+	}`)
+}

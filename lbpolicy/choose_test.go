@@ -1,0 +1,204 @@
+package lbpolicy
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+// fakePool is a pool whose costs follow the ewma formula from explicit
+// in-flight counts, latencies and weights.
+type fakePool struct {
+	inflight []int
+	latency  []float64
+	weight   []float64
+	down     []bool
+}
+
+func newFakePool(n int) *fakePool {
+	p := &fakePool{inflight: make([]int, n), latency: make([]float64, n), weight: make([]float64, n), down: make([]bool, n)}
+	for i := range n {
+		p.latency[i], p.weight[i] = 1, 1
+	}
+	return p
+}
+
+func (p *fakePool) Len() int          { return len(p.inflight) }
+func (p *fakePool) Usable(i int) bool { return !p.down[i] }
+func (p *fakePool) Cost(i int) float64 {
+	return float64(p.inflight[i]+1) * p.latency[i] / p.weight[i]
+}
+
+type chooser func(*fakePool) int
+
+var modes = map[string]chooser{
+	"scan":     func(p *fakePool) int { return chooseScan(p) },
+	"choices2": func(p *fakePool) int { return chooseBestOfK(p, 2) },
+	"choices3": func(p *fakePool) int { return chooseBestOfK(p, 3) },
+}
+
+func TestChooseNeverPicksUnusable(t *testing.T) {
+	for name, choose := range modes {
+		p := newFakePool(8)
+		for i := range 8 {
+			p.down[i] = i%2 == 0
+			p.latency[i] = float64(8 - i) // the down ones are cheapest
+		}
+		for range 2000 {
+			if i := choose(p); i < 0 || p.down[i] {
+				t.Fatalf("%s: picked %d (down=%v)", name, i, i >= 0 && p.down[i])
+			}
+		}
+	}
+}
+
+func TestChooseNoneUsable(t *testing.T) {
+	for name, choose := range modes {
+		p := newFakePool(5)
+		for i := range 5 {
+			p.down[i] = true
+		}
+		if i := choose(p); i != -1 {
+			t.Fatalf("%s: want -1 with every upstream down, got %d", name, i)
+		}
+		if i := choose(newFakePool(0)); i != -1 {
+			t.Fatalf("%s: want -1 for an empty pool, got %d", name, i)
+		}
+	}
+}
+
+func TestChooseFindsLoneSurvivor(t *testing.T) {
+	// Random draws almost always miss the one usable member of 100; the
+	// fallback scan must still find it every time.
+	p := newFakePool(100)
+	for i := range 100 {
+		p.down[i] = i != 37
+	}
+	for range 500 {
+		if i := chooseBestOfK(p, 2); i != 37 {
+			t.Fatalf("want 37, got %d", i)
+		}
+	}
+}
+
+func TestChooseOneHostPool(t *testing.T) {
+	for name, choose := range modes {
+		if i := choose(newFakePool(1)); i != 0 {
+			t.Fatalf("%s: one-host pool must pick it, got %d", name, i)
+		}
+	}
+}
+
+func TestScanPicksCheapestAndBreaksTiesAtRandom(t *testing.T) {
+	p := newFakePool(4)
+	p.latency = []float64{5, 1, 1, 9}
+	counts := make([]int, 4)
+	for range 4000 {
+		counts[chooseScan(p)]++
+	}
+	if counts[0] != 0 || counts[3] != 0 {
+		t.Fatalf("scan picked a costlier upstream: %v", counts)
+	}
+	if counts[1] < 1600 || counts[2] < 1600 {
+		t.Fatalf("ties must be broken evenly: %v", counts)
+	}
+}
+
+func TestBestOfTwoAvoidsSlowHost(t *testing.T) {
+	// 1 of 10 hosts is 20x slower: best of two picks it only when both
+	// draws are... impossible (distinct draws), so never.
+	p := newFakePool(10)
+	p.latency[3] = 20
+	for range 5000 {
+		if chooseBestOfK(p, 2) == 3 {
+			t.Fatal("best of two distinct draws picked the slow host")
+		}
+	}
+}
+
+// TestHerdAvoidance shows why random choices exist: with information that
+// does not change between picks (many picks in the window before any
+// request is counted in flight), a full scan sends everything to the one
+// host that looks cheapest; best of two spreads the burst.
+func TestHerdAvoidance(t *testing.T) {
+	const n, picks = 10, 5000
+	p := newFakePool(n)
+	p.latency[0] = 0.99 // marginally cheaper
+	counts := make([]int, n)
+	for range picks {
+		counts[chooseBestOfK(p, 2)]++
+	}
+	// host 0 wins whenever it is drawn: P = 1-(9/10)(8/9) = 20%.
+	share := float64(counts[0]) / picks
+	if share > 0.25 {
+		t.Fatalf("best of two herded %.0f%% of a burst onto one host", share*100)
+	}
+	for i, c := range counts {
+		if c == 0 {
+			t.Fatalf("host %d never chosen: %v", i, counts)
+		}
+	}
+	if chooseScan(p) != 0 {
+		t.Fatal("scan should pick the cheapest")
+	}
+}
+
+// TestWeightsShareUnderLoad simulates a closed system with a fixed number
+// of requests in flight: each completion (a random in-flight request, as
+// with memoryless service) is replaced by a new pick. Equal latencies, so
+// shares must follow the weights.
+func TestWeightsShareUnderLoad(t *testing.T) {
+	weights := []float64{1, 2, 3, 6}
+	for name, choose := range modes {
+		t.Run(name, func(t *testing.T) {
+			p := newFakePool(len(weights))
+			copy(p.weight, weights)
+			const concurrency, picks = 120, 60000
+			var flight []int
+			for range concurrency {
+				i := choose(p)
+				p.inflight[i]++
+				flight = append(flight, i)
+			}
+			counts := make([]int, len(weights))
+			for range picks {
+				k := rand.IntN(len(flight))
+				p.inflight[flight[k]]--
+				i := choose(p)
+				p.inflight[i]++
+				flight[k] = i
+				counts[i]++
+			}
+			var total float64
+			for _, w := range weights {
+				total += w
+			}
+			for i, w := range weights {
+				got, want := float64(counts[i])/picks, w/total
+				if math.Abs(got-want) > 0.12*want+0.01 {
+					t.Errorf("upstream %d (weight %v): share %.3f, want %.3f ±12%%", i, w, got, want)
+				}
+			}
+		})
+	}
+}
+
+func TestChoicesForPool(t *testing.T) {
+	cases := []struct {
+		c    Choices
+		n    int
+		want int
+	}{
+		{ChoicesAuto, 4, 0},
+		{ChoicesAuto, AutoScanLimit, 0},
+		{ChoicesAuto, AutoScanLimit + 1, 2},
+		{ChoicesAll, 1000, 0},
+		{2, 4, 2},
+		{5, 3, 5},
+	}
+	for _, c := range cases {
+		if got := c.c.forPool(c.n); got != c.want {
+			t.Errorf("%v.forPool(%d) = %d, want %d", c.c, c.n, got, c.want)
+		}
+	}
+}

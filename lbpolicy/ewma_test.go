@@ -1,0 +1,186 @@
+package lbpolicy
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+// newPool returns n upstreams with Caddy host records, as reverse_proxy
+// would provision them, with dial addresses unique to the test.
+func newPool(t testing.TB, n int) reverseproxy.UpstreamPool {
+	pool := make(reverseproxy.UpstreamPool, n)
+	for i := range pool {
+		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: fmt.Sprintf("%s-%d:80", t.Name(), i)}
+	}
+	return pool
+}
+
+func provisionEWMA(t testing.TB, s *EWMASelection) *EWMASelection {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := s.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Cleanup() })
+	return s
+}
+
+// observe feeds one round trip of the given latency into the policy's state.
+func observe(s *EWMASelection, u *reverseproxy.Upstream, latency time.Duration, outcome hoststate.Outcome) {
+	st := s.table.Stats(u.Dial)
+	start := st.Begin()
+	s.table.Observe(st, start-int64(latency), outcome)
+}
+
+func shares(s *EWMASelection, pool reverseproxy.UpstreamPool, picks int) map[*reverseproxy.Upstream]int {
+	counts := map[*reverseproxy.Upstream]int{}
+	for range picks {
+		counts[s.Select(pool, nil, nil)]++
+	}
+	return counts
+}
+
+func TestEWMAAvoidsSlowUpstream(t *testing.T) {
+	for _, choices := range []Choices{ChoicesAuto, ChoicesAll, 2} {
+		t.Run(choices.String(), func(t *testing.T) {
+			s := provisionEWMA(t, &EWMASelection{Choices: choices})
+			pool := newPool(t, 4)
+			for _, u := range pool {
+				observe(s, u, 2*time.Millisecond, hoststate.Success)
+			}
+			observe(s, pool[2], 40*time.Millisecond, hoststate.Success)
+			counts := shares(s, pool, 2000)
+			if counts[pool[2]] != 0 {
+				t.Fatalf("slow upstream chosen %d times of 2000", counts[pool[2]])
+			}
+		})
+	}
+}
+
+func TestEWMAFastFailingUpstreamIsNotCheap(t *testing.T) {
+	s := provisionEWMA(t, &EWMASelection{})
+	pool := newPool(t, 3)
+	for _, u := range pool {
+		observe(s, u, 5*time.Millisecond, hoststate.Success)
+	}
+	// pool[0] now refuses connections in 50µs, repeatedly.
+	for range 3 {
+		observe(s, pool[0], 50*time.Microsecond, hoststate.Failure)
+	}
+	if n := shares(s, pool, 1000)[pool[0]]; n != 0 {
+		t.Fatalf("fast-failing upstream chosen %d times of 1000", n)
+	}
+	if got := s.table.Estimate(s.table.Stats(pool[0].Dial), hoststate.Now()); got < float64(30*time.Millisecond) {
+		t.Fatalf("three fast failures from 5ms should cost ≥ 40ms, estimate is %v", time.Duration(got))
+	}
+}
+
+func TestEWMANewUpstreamGetsPrior(t *testing.T) {
+	s := provisionEWMA(t, &EWMASelection{})
+	pool := newPool(t, 4)
+	for i, u := range pool[:3] {
+		for range 10 {
+			observe(s, u, time.Duration(2+i)*time.Millisecond, hoststate.Success)
+		}
+	}
+	now := hoststate.Now()
+	fresh := s.table.Estimate(s.table.Stats(pool[3].Dial), now)
+	// The prior is the pool's typical latency: between its fastest and
+	// slowest member, so the newcomer is neither a magnet (zero) nor
+	// starved (infinite).
+	if fresh <= float64(2*time.Millisecond) || fresh >= float64(4*time.Millisecond) {
+		t.Fatalf("a new upstream must start at the pool's typical latency (2–4ms), got %v", time.Duration(fresh))
+	}
+	counts := shares(s, pool, 1000)
+	if counts[pool[0]] != 1000 {
+		t.Fatalf("the measured-fastest upstream must win over a newcomer at idle: %d of 1000", counts[pool[0]])
+	}
+}
+
+func TestEWMAWeights(t *testing.T) {
+	s := provisionEWMA(t, &EWMASelection{Weights: []int{1, 4}})
+	pool := newPool(t, 2)
+	for _, u := range pool {
+		observe(s, u, 2*time.Millisecond, hoststate.Success)
+	}
+	v := s.viewFor(pool)
+	if v.invWeight[0] != 1 || v.invWeight[1] != 0.25 {
+		t.Fatalf("weights not applied in upstream order: %v", v.invWeight)
+	}
+	// With equal latency and nothing in flight, the heavier upstream is
+	// cheaper: it is taken to serve four times the concurrency.
+	if n := shares(s, pool, 200)[pool[1]]; n != 200 {
+		t.Fatalf("weight 4 upstream got %d of 200 idle picks", n)
+	}
+}
+
+func TestEWMAPanicIgnoresHealthButNotFull(t *testing.T) {
+	// Availability is Caddy's own: here an upstream with max_requests 0
+	// is never full, so the no-upstream case is the empty pool.
+	s := provisionEWMA(t, &EWMASelection{})
+	if s.Select(nil, nil, nil) != nil {
+		t.Fatal("empty pool must yield nil")
+	}
+	pool := newPool(t, 1)
+	if s.Select(pool, nil, nil) != pool[0] {
+		t.Fatal("one-host pool must yield its host")
+	}
+}
+
+func TestEWMAViewFollowsPoolChanges(t *testing.T) {
+	s := provisionEWMA(t, &EWMASelection{})
+	a, b := newPool(t, 3), newPool(t, 2)
+	for range 50 {
+		if u := s.Select(a, nil, nil); u == nil || !contains(a, u) {
+			t.Fatal("picked outside pool a")
+		}
+		if u := s.Select(b, nil, nil); u == nil || !contains(b, u) {
+			t.Fatal("picked outside pool b")
+		}
+	}
+}
+
+func contains(pool reverseproxy.UpstreamPool, u *reverseproxy.Upstream) bool {
+	for _, p := range pool {
+		if p == u {
+			return true
+		}
+	}
+	return false
+}
+
+// TestEWMAConcurrent exercises selection, observation and view rebuilds
+// from many goroutines; run with -race.
+func TestEWMAConcurrent(t *testing.T) {
+	s := provisionEWMA(t, &EWMASelection{Choices: 2})
+	pools := []reverseproxy.UpstreamPool{newPool(t, 20), newPool(t, 5)}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 2000 {
+				pool := pools[(g+i/100)%2]
+				u := s.Select(pool, nil, nil)
+				if u == nil {
+					t.Error("nil pick")
+					return
+				}
+				observe(s, u, time.Duration(1+i%7)*time.Millisecond, hoststate.Outcome(i%3))
+			}
+		})
+	}
+	wg.Wait()
+	if rep, ok := s.ReportPool(); !ok || len(rep.Upstreams) == 0 {
+		t.Fatal("no pool report after traffic")
+	}
+}

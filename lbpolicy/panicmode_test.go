@@ -1,0 +1,58 @@
+package lbpolicy
+
+import (
+	"testing"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+func TestPanicDecisionAroundThreshold(t *testing.T) {
+	core, logs := observer.New(zap.InfoLevel)
+	fifty := 50.0
+	m := newPanicMode(&fifty, "test", zap.New(core))
+	steps := []struct {
+		avail, total int
+		want         bool
+	}{
+		{4, 4, false},
+		{2, 4, false}, // exactly at the threshold: not panic
+		{1, 4, true},  // one below: panic
+		{0, 4, true},  // all down
+		{1, 4, true},  // still panicking: no new transition
+		{3, 4, false}, // recovered
+		{0, 1, true},  // one-host pool, host down
+		{1, 1, false},
+		{5, 10, false},
+		{4, 10, true},
+	}
+	for i, s := range steps {
+		if got := m.decide(s.avail, s.total); got != s.want {
+			t.Fatalf("step %d: %d/%d available: panic=%v, want %v", i, s.avail, s.total, got, s.want)
+		}
+	}
+	if got := m.entered.Load(); got != 3 {
+		t.Fatalf("entered panic %d times, want 3", got)
+	}
+	entered := logs.FilterMessageSnippet("entered panic").Len()
+	left := logs.FilterMessageSnippet("left panic").Len()
+	if entered != 3 || left != 2 {
+		t.Fatalf("want one log line per transition (3 in, 2 out), got %d in, %d out", entered, left)
+	}
+}
+
+func TestPanicDisabledAndHundredPercent(t *testing.T) {
+	zero, hundred := 0.0, 100.0
+	off := newPanicMode(&zero, "t", zap.NewNop())
+	if off.threshold != 0 {
+		t.Fatal("0% must disable panic mode")
+	}
+	all := newPanicMode(&hundred, "t", zap.NewNop())
+	if !all.decide(3, 4) || all.decide(4, 4) {
+		t.Fatal("at 100%, any unavailable upstream means panic, none means not")
+	}
+	def := newPanicMode(nil, "t", zap.NewNop())
+	if def.percent() != DefaultPanicThreshold {
+		t.Fatalf("default threshold %v, want %v", def.percent(), DefaultPanicThreshold)
+	}
+}
