@@ -34,6 +34,16 @@ func chooseBestOfK[C candidates](c C, k int) int {
 	if k >= n {
 		return chooseScan(c)
 	}
+	if k == 2 {
+		// Fast path: both draws from one random word.
+		i, j := twoDistinct(rand.Uint64(), n)
+		if c.Usable(i) && c.Usable(j) {
+			if c.Cost(j) < c.Cost(i) {
+				return j
+			}
+			return i
+		}
+	}
 	best, bestCost := -1, 0.0
 	for range k {
 		i := drawUsable(c, n, best)
@@ -48,6 +58,18 @@ func chooseBestOfK[C candidates](c C, k int) int {
 		}
 	}
 	return best
+}
+
+// twoDistinct maps a random word to two distinct indices in [0, n), n ≥ 2,
+// using each half of the word with a multiply-shift (Lemire's reduction;
+// its bias, below n/2³², is immaterial here).
+func twoDistinct(r uint64, n int) (int, int) {
+	i := int((r & 0xffffffff) * uint64(n) >> 32)
+	j := int((r >> 32) * uint64(n-1) >> 32)
+	if j >= i {
+		j++
+	}
+	return i, j
 }
 
 // drawUsable returns a random usable index other than not (-1 excludes

@@ -144,7 +144,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, 
 	}
 	v := s.viewFor(pool)
 	now := hoststate.Clock()
-	if rand.Uint32()%clockRefresh == 0 {
+	if s.observer == nil && rand.Uint32()%clockRefresh == 0 {
 		now = hoststate.Now()
 	}
 	c := ewmaCandidates{
@@ -185,8 +185,9 @@ func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 	return v
 }
 
-// clockRefresh: one selection in this many reads the real clock, so the
-// shared clock keeps moving even where no round trip is observed.
+// clockRefresh: without an observing transport (outside reverse_proxy),
+// one selection in this many reads the real clock, so the shared clock
+// keeps moving even where no round trip is observed.
 const clockRefresh = 32
 
 // ewmaCandidates presents a pool to the choosing algorithms.
@@ -225,7 +226,7 @@ func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
 	base := s.table.Baseline()
 	rep := hoststate.PoolReport{
 		Policy:         "ewma",
-		Available:      int(v.available.Load()),
+		Available:      v.availableNow(),
 		PanicThreshold: s.panic.percent(),
 		Panic:          s.panic.on.Load(),
 		PanicEntered:   s.panic.entered.Load(),

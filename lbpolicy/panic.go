@@ -129,7 +129,7 @@ func (p *PanicSelection) ReportPool() (hoststate.PoolReport, bool) {
 	}
 	rep := hoststate.PoolReport{
 		Policy:         "panic(" + p.innerName + ")",
-		Available:      int(v.available.Load()),
+		Available:      v.availableNow(),
 		PanicThreshold: p.panic.percent(),
 		Panic:          p.panic.on.Load(),
 		PanicEntered:   p.panic.entered.Load(),

@@ -1,46 +1,68 @@
 package lbpolicy
 
 import (
+	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
+// proxyWithPolicy provisions a real reverse_proxy handler with n upstreams
+// and the given selection policy JSON, exactly as Caddy would from a
+// config, and returns its policy and upstream pool.
+func proxyWithPolicy(b *testing.B, policy string, n int) (reverseproxy.Selector, reverseproxy.UpstreamPool) {
+	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ups := make([]string, n)
+	for i := range ups {
+		ups[i] = fmt.Sprintf(`{"dial":"%s-%d:80"}`, strings.ReplaceAll(b.Name(), "/", "_"), i)
+	}
+	raw := fmt.Sprintf(`{"upstreams":[%s],"load_balancing":{"selection_policy":%s}}`, strings.Join(ups, ","), policy)
+	mod, err := ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(raw))
+	if err != nil {
+		b.Fatal(err)
+	}
+	h := mod.(*reverseproxy.Handler)
+	b.Cleanup(func() { _ = h.Cleanup() })
+	return h.LoadBalancing.SelectionPolicy, h.Upstreams
+}
+
 // BenchmarkSelect compares the cost of one selection for lbx's ewma policy
-// and Caddy's stock policies, on a small and a large pool. The targets:
-// ewma in two-choice mode allocates nothing, costs the same on 3 and 1000
-// upstreams (within 1.5×), and is within 1.5× of stock random_choose 2.
+// and Caddy's stock policies, each provisioned in a real reverse_proxy
+// handler, on a small and a large pool. The targets: ewma in two-choice
+// mode allocates nothing, costs the same on 3 and 1000 upstreams (within
+// 1.5×), and is within 1.5× of stock random_choose 2.
 //
 //	go test ./lbpolicy -run '^$' -bench Select -benchmem
 func BenchmarkSelect(b *testing.B) {
+	policies := []struct{ name, json string }{
+		{"ewma_choices_2", `{"policy":"ewma","choices":2}`},
+		{"ewma_choices_all", `{"policy":"ewma","choices":"all"}`},
+		{"stock_random_choose_2", `{"policy":"random_choose","choose":2}`},
+		{"stock_least_conn", `{"policy":"least_conn"}`},
+		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`},
+	}
 	for _, n := range []int{3, 1000} {
-		pool := newPool(b, n)
-		p2c := provisionEWMA(b, &EWMASelection{Choices: 2})
-		scan := provisionEWMA(b, &EWMASelection{Choices: ChoicesAll})
-		for _, s := range []*EWMASelection{p2c, scan} {
-			for i, u := range pool {
-				observe(s, u, time.Duration(1+i%5)*time.Millisecond, hoststate.Success)
-			}
-		}
-		policies := []struct {
-			name string
-			sel  reverseproxy.Selector
-		}{
-			{"ewma_choices_2", p2c},
-			{"ewma_choices_all", scan},
-			{"stock_random_choose_2", reverseproxy.RandomChoiceSelection{Choose: 2}},
-			{"stock_least_conn", reverseproxy.LeastConnSelection{}},
-			{"stock_random", reverseproxy.RandomSelection{}},
-		}
 		for _, p := range policies {
 			b.Run(fmt.Sprintf("%s/pool=%d", p.name, n), func(b *testing.B) {
+				sel, pool := proxyWithPolicy(b, p.json, n)
+				if s, ok := sel.(*EWMASelection); ok {
+					for i, u := range pool {
+						observe(s, u, time.Duration(1+i%5)*time.Millisecond, hoststate.Success)
+					}
+				}
 				b.ReportAllocs()
+				b.ResetTimer()
 				for b.Loop() {
-					if p.sel.Select(pool, nil, nil) == nil {
+					if sel.Select(pool, nil, nil) == nil {
 						b.Fatal("nil pick")
 					}
 				}
@@ -52,12 +74,11 @@ func BenchmarkSelect(b *testing.B) {
 // BenchmarkSelectParallel measures ewma two-choice selection under
 // contention from all cores.
 func BenchmarkSelectParallel(b *testing.B) {
-	pool := newPool(b, 16)
-	s := provisionEWMA(b, &EWMASelection{Choices: 2})
+	sel, pool := proxyWithPolicy(b, `{"policy":"ewma","choices":2}`, 16)
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
-			if s.Select(pool, nil, nil) == nil {
+			if sel.Select(pool, nil, nil) == nil {
 				b.Fatal("nil pick")
 			}
 		}

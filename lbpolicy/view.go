@@ -72,3 +72,15 @@ func (v *poolView) availability(pool reverseproxy.UpstreamPool, now, every int64
 	v.countedAt.Store(now)
 	return n
 }
+
+// availableNow counts the available members afresh, for reports: the
+// cached count is only kept up to date while panic mode is enabled.
+func (v *poolView) availableNow() int {
+	n := 0
+	for _, u := range v.ups {
+		if u.Available() {
+			n++
+		}
+	}
+	return n
+}

@@ -35,14 +35,25 @@ func decayToward(est, target, dt, tau float64) float64 {
 	return target + (est-target)*expNeg(dt/tau)
 }
 
-// expNeg returns exp(-x) for x ≥ 0. Selection decays every candidate's
-// estimate, almost always by a tiny x (the host was updated moments ago),
-// where a short series is exact to 1e-6 and much cheaper than math.Exp.
+// expNeg returns exp(-x) for x ≥ 0 to within a relative error of 5e-6,
+// several times faster than math.Exp: selection decays every candidate's
+// estimate on every request. Almost always x is tiny (the host was updated
+// moments ago) and a short series is exact to 1e-6; otherwise exp(-x) =
+// 2^-n · exp(-f·ln2), with the second factor from a degree-7 series on
+// [0, ln2).
 func expNeg(x float64) float64 {
-	if x < 1.0/64 {
+	switch {
+	case x < 1.0/64:
 		return 1 - x + x*x/2
+	case x > 700:
+		return 0
 	}
-	return math.Exp(-x)
+	y := x * math.Log2E
+	n := math.Floor(y)
+	t := (y - n) * math.Ln2
+	// Horner form of Σ (-t)^k/k! for k = 0..7
+	p := 1 + t*(-1+t*(1.0/2+t*(-1.0/6+t*(1.0/24+t*(-1.0/120+t*(1.0/720+t*(-1.0/5040)))))))
+	return p * math.Float64frombits(uint64(1023-int64(n))<<52)
 }
 
 // failureSample is the latency charged for a failed attempt (transport

@@ -91,8 +91,18 @@ func TestFailureSample(t *testing.T) {
 }
 
 func TestExpNeg(t *testing.T) {
-	for _, x := range []float64{0, 1e-9, 1e-4, 0.01, 1.0 / 64, 0.1, 1, 5, 50} {
-		if got, want := expNeg(x), math.Exp(-x); math.Abs(got-want) > 1e-6 {
+	for _, x := range []float64{0, 1e-9, 1e-4, 0.01, 1.0 / 64, 0.0157, 0.1, 0.5, 0.6931, 0.6932, 1, 1.4, 5, 50, 300, 699, 701, 1e6} {
+		got, want := expNeg(x), math.Exp(-x)
+		if x < 1.0/64 && math.Abs(got-want) > 1e-6 {
+			t.Fatalf("expNeg(%v) = %v, want %v", x, got, want)
+		}
+		if math.Abs(got-want) > 5e-6*want+1e-300 {
+			t.Fatalf("expNeg(%v) = %v, want %v (relative error %v)", x, got, want, (got-want)/want)
+		}
+	}
+	// dense sweep for the relative error bound
+	for x := 1.0 / 64; x < 60; x += 0.0137 {
+		if got, want := expNeg(x), math.Exp(-x); math.Abs(got-want) > 5e-6*want {
 			t.Fatalf("expNeg(%v) = %v, want %v", x, got, want)
 		}
 	}

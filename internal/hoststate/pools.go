@@ -11,7 +11,8 @@ type PoolReport struct {
 	Policy string `json:"policy"`
 	// Upstreams are the pool's members in upstream order.
 	Upstreams []PoolMember `json:"upstreams"`
-	// Available is how many members were available at the last count.
+	// Available is how many members are available now (counted when the
+	// report is made, whether or not panic mode is enabled).
 	Available int `json:"available"`
 	// PanicThreshold is the availability (percent) below which the pool is
 	// in panic; 0 when panic mode is disabled.

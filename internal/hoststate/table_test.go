@@ -1,0 +1,146 @@
+package hoststate
+
+import (
+	"sync"
+	"testing"
+	"time"
+)
+
+// observeAt records a round trip of the given latency.
+func observeAt(t *Table, s *Stats, latency time.Duration, o Outcome) {
+	start := s.Begin()
+	t.Observe(s, start-int64(latency), o)
+}
+
+func TestTableSharesStateAcrossReloads(t *testing.T) {
+	dial := t.Name() + ":80"
+	old := NewTable(Config{})
+	s := old.Stats(dial)
+	observeAt(old, s, 3*time.Millisecond, Success)
+
+	// A reload provisions the new config before the old one is cleaned up.
+	next := NewTable(Config{})
+	if next.Stats(dial) != s {
+		t.Fatal("the new config must see the same state for the same address")
+	}
+	if References(dial) != 2 {
+		t.Fatalf("want 2 references during the reload, got %d", References(dial))
+	}
+	old.Release()
+	old.Release() // idempotent
+	if References(dial) != 1 {
+		t.Fatalf("want 1 reference after the old config let go, got %d", References(dial))
+	}
+	if got := next.Stats(dial).Snapshot(Now()).Samples; got != 1 {
+		t.Fatalf("samples lost across reload: %d", got)
+	}
+	next.Release()
+	if References(dial) != 0 {
+		t.Fatalf("state must be released when no config uses it, refs %d", References(dial))
+	}
+	fresh := NewTable(Config{})
+	defer fresh.Release()
+	if fresh.Stats(dial) == s {
+		t.Fatal("a released address must start afresh")
+	}
+}
+
+func TestTableStatsAfterReleaseTakesNoReference(t *testing.T) {
+	dial := t.Name() + ":80"
+	tb := NewTable(Config{})
+	tb.Release()
+	if tb.Stats(dial) == nil || References(dial) != 0 {
+		t.Fatal("a straggler after release must get usable state without a reference")
+	}
+}
+
+func TestBaselineAndPrior(t *testing.T) {
+	tb := NewTable(Config{Prior: 7 * time.Millisecond})
+	defer tb.Release()
+	if tb.Baseline() != float64(7*time.Millisecond) {
+		t.Fatalf("empty pool baseline must be the prior, got %v", tb.Baseline())
+	}
+	a := tb.Stats(t.Name() + "-a")
+	if est := tb.Estimate(a, Now()); est != float64(7*time.Millisecond) {
+		t.Fatalf("unsampled host must get the prior, got %v", est)
+	}
+	for range 200 {
+		observeAt(tb, a, 2*time.Millisecond, Success)
+	}
+	if b := tb.Baseline(); b < float64(2*time.Millisecond) || b > float64(2100*time.Microsecond) {
+		t.Fatalf("baseline should converge to the typical 2ms, got %v", time.Duration(b))
+	}
+	// Failures do not pull the baseline.
+	before := tb.Baseline()
+	observeAt(tb, a, time.Second, Failure)
+	if tb.Baseline() != before {
+		t.Fatal("a failure must not move the pool baseline")
+	}
+}
+
+func TestAbandonedOnlyRaises(t *testing.T) {
+	tb := NewTable(Config{})
+	defer tb.Release()
+	s := tb.Stats(t.Name())
+	observeAt(tb, s, 10*time.Millisecond, Success)
+	observeAt(tb, s, time.Millisecond, Abandoned)
+	snap := s.Snapshot(Now())
+	if snap.Estimate < 10*time.Millisecond || snap.Samples != 1 || snap.Failures != 0 {
+		t.Fatalf("a quick abandon must change nothing: %+v", snap)
+	}
+	observeAt(tb, s, 80*time.Millisecond, Abandoned)
+	if est := s.Snapshot(Now()).Estimate; est < 80*time.Millisecond {
+		t.Fatalf("a long abandon is a lower bound and must raise the estimate: %v", est)
+	}
+	if s.Snapshot(Now()).Pending != 0 {
+		t.Fatal("pending must return to 0")
+	}
+}
+
+func TestIdleEstimateDecaysTowardPool(t *testing.T) {
+	tb := NewTable(Config{Tau: time.Second})
+	defer tb.Release()
+	fast, slow := tb.Stats(t.Name()+"-f"), tb.Stats(t.Name()+"-s")
+	for range 100 {
+		observeAt(tb, fast, 2*time.Millisecond, Success)
+	}
+	observeAt(tb, slow, 200*time.Millisecond, Success)
+	now := Now()
+	if e := tb.Estimate(slow, now); e < float64(150*time.Millisecond) {
+		t.Fatalf("fresh slow estimate %v", time.Duration(e))
+	}
+	later := now + int64(10*time.Second) // 10 τ without a sample
+	e := tb.Estimate(slow, later)
+	base := tb.Baseline()
+	if base > float64(10*time.Millisecond) {
+		t.Fatalf("baseline %v: one slow sample must not dominate the pool's typical latency", time.Duration(base))
+	}
+	// After 10 τ the remaining distance is e^-10 ≈ 0.005% of 195ms.
+	if e > base+float64(20*time.Microsecond) || e < base {
+		t.Fatalf("after 10τ idle the slow host must look typical again (%v), got %v", time.Duration(base), time.Duration(e))
+	}
+}
+
+func TestConcurrentObserve(t *testing.T) {
+	tb := NewTable(Config{})
+	defer tb.Release()
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 500 {
+				s := tb.Stats(t.Name() + string(rune('a'+(g+i)%5)))
+				observeAt(tb, s, time.Duration(1+i%4)*time.Millisecond, Outcome(i%3))
+				_ = tb.Estimate(s, Clock())
+			}
+		})
+	}
+	wg.Wait()
+	var samples uint64
+	for _, snap := range All() {
+		samples += snap.Samples
+	}
+	// Success and Failure count as samples; short Abandoned ones do not.
+	if samples < 8*500*2/3-10 {
+		t.Fatalf("lost samples: %d", samples)
+	}
+}
