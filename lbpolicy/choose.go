@@ -34,16 +34,6 @@ func chooseBestOfK[C candidates](c C, k int) int {
 	if k >= n {
 		return chooseScan(c)
 	}
-	if k == 2 {
-		// Fast path: both draws from one random word.
-		i, j := twoDistinct(rand.Uint64(), n)
-		if c.Usable(i) && c.Usable(j) {
-			if c.Cost(j) < c.Cost(i) {
-				return j
-			}
-			return i
-		}
-	}
 	best, bestCost := -1, 0.0
 	for range k {
 		i := drawUsable(c, n, best)

@@ -156,9 +156,15 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, 
 		panic: s.panic.check(v, pool, now),
 	}
 	var i int
-	if k := s.Choices.forPool(len(pool)); k == 0 {
+	switch k := s.Choices.forPool(len(pool)); {
+	case k == 0, k >= len(pool):
 		i = chooseScan(c)
-	} else {
+	case k == 2:
+		var ok bool
+		if i, ok = c.bestOfTwo(); !ok {
+			i = chooseBestOfK(c, 2)
+		}
+	default:
 		i = chooseBestOfK(c, k)
 	}
 	if i < 0 {
@@ -214,6 +220,21 @@ func (c ewmaCandidates) Usable(i int) bool {
 func (c ewmaCandidates) Cost(i int) float64 {
 	est := c.table.EstimateFrom(c.view.stats[i], c.now, c.base)
 	return float64(c.pool[i].NumRequests()+1) * est * c.view.invWeight[i]
+}
+
+// bestOfTwo is the common case of two random choices, written out so the
+// hot path makes direct, inlinable calls: both draws come from one random
+// word, and if both land on usable upstreams the cheaper wins. It reports
+// false when a draw hit an unusable upstream, for chooseBestOfK to retry.
+func (c ewmaCandidates) bestOfTwo() (int, bool) {
+	i, j := twoDistinct(rand.Uint64(), len(c.pool))
+	if !c.Usable(i) || !c.Usable(j) {
+		return -1, false
+	}
+	if c.Cost(j) < c.Cost(i) {
+		return j, true
+	}
+	return i, true
 }
 
 // ReportPool implements hoststate.PoolReporter.

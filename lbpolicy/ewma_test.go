@@ -132,9 +132,16 @@ func TestEWMAPanicIgnoresHealthButNotFull(t *testing.T) {
 	if s.Select(nil, nil, nil) != nil {
 		t.Fatal("empty pool must yield nil")
 	}
-	pool := newPool(t, 1)
-	if s.Select(pool, nil, nil) != pool[0] {
-		t.Fatal("one-host pool must yield its host")
+	for _, choices := range []Choices{ChoicesAuto, ChoicesAll, 2, 3} {
+		s := provisionEWMA(t, &EWMASelection{Choices: choices})
+		for n := 1; n <= 3; n++ {
+			pool := newPool(t, n)
+			for range 50 {
+				if u := s.Select(pool, nil, nil); !contains(pool, u) {
+					t.Fatalf("choices %v, pool of %d: picked %v", choices, n, u)
+				}
+			}
+		}
 	}
 }
 
