@@ -14,8 +14,36 @@ import "math/rand/v2"
 type candidates interface {
 	Len() int
 	Usable(i int) bool
-	Cost(i int) float64
+	Cost(i int) cost
 }
+
+// cost is the expected cost of one more request to an upstream, in its two
+// factors: load = (requests in flight + 1) / weight, and the latency
+// estimate. The cost itself is their product.
+type cost struct {
+	load, latency float64
+}
+
+// beats reports whether c is clearly cheaper than o. Latency estimates of
+// equally fast upstreams differ by noise (a peak here, a GC pause there);
+// a strict comparison would turn that noise into a preference and, at light
+// load, pile nearly every request onto whichever upstream measured a few
+// percent faster. So between upstreams with the same load, latencies within
+// tieBand of each other are a tie. Any difference in load is real and
+// compared strictly: that keeps weights exact and lets one more request in
+// flight count in full.
+func (c cost) beats(o cost) bool {
+	if c.load == o.load {
+		return c.latency*(1+tieBand) < o.latency
+	}
+	return c.load*c.latency < o.load*o.latency
+}
+
+// tieBand is the relative difference in latency, at equal load, below
+// which two upstreams count as equally fast. Measured on loopback backends
+// of equal speed, single peaks keep estimates 20–30% apart for seconds;
+// a degraded upstream is several times slower. Half is well clear of both.
+const tieBand = 0.5
 
 // drawTries bounds how many random draws are spent looking for a usable
 // member before falling back to a full scan.
@@ -34,7 +62,7 @@ func chooseBestOfK[C candidates](c C, k int) int {
 	if k >= n {
 		return chooseScan(c)
 	}
-	best, bestCost := -1, 0.0
+	best, bestCost := -1, cost{}
 	for range k {
 		i := drawUsable(c, n, best)
 		if i < 0 {
@@ -43,8 +71,10 @@ func chooseBestOfK[C candidates](c C, k int) int {
 			}
 			break
 		}
-		if cost := c.Cost(i); best < 0 || cost < bestCost {
-			best, bestCost = i, cost
+		// draws come in random order, so keeping the first of near-equal
+		// candidates is a random tie-break
+		if ci := c.Cost(i); best < 0 || ci.beats(bestCost) {
+			best, bestCost = i, ci
 		}
 	}
 	return best
@@ -79,26 +109,38 @@ func drawUsable[C candidates](c C, n, not int) int {
 	return -1
 }
 
-// chooseScan returns the index of the cheapest usable member, or -1 if none
-// is usable. Exact ties (common while nothing has been measured yet) are
-// broken uniformly at random, so an idle pool is not always served by its
-// first member.
+// chooseScan returns the index of a cheapest usable member, or -1 if none
+// is usable: a cheapest cost is found first, then one member is chosen
+// uniformly at random among those it does not beat (see cost.beats), so an
+// idle or evenly loaded pool is spread, not served by its first or
+// marginally fastest member.
 func chooseScan[C candidates](c C) int {
-	best, bestCost, ties := -1, 0.0, 0
+	cheapest, minCost := -1, cost{}
 	for i := range c.Len() {
 		if !c.Usable(i) {
 			continue
 		}
-		cost := c.Cost(i)
-		switch {
-		case best < 0 || cost < bestCost:
-			best, bestCost, ties = i, cost, 1
-		case cost == bestCost:
-			ties++
-			if rand.IntN(ties) == 0 {
-				best = i
-			}
+		if ci := c.Cost(i); cheapest < 0 || ci.beats(minCost) {
+			cheapest, minCost = i, ci
 		}
+	}
+	if cheapest < 0 {
+		return -1
+	}
+	best, ties := -1, 0
+	for i := range c.Len() {
+		if !c.Usable(i) || minCost.beats(c.Cost(i)) {
+			continue
+		}
+		ties++
+		if rand.IntN(ties) == 0 {
+			best = i
+		}
+	}
+	if best < 0 {
+		// Costs moved between the passes (requests started or finished
+		// concurrently): keep the first pass's answer.
+		return cheapest
 	}
 	return best
 }

@@ -25,8 +25,8 @@ func newFakePool(n int) *fakePool {
 
 func (p *fakePool) Len() int          { return len(p.inflight) }
 func (p *fakePool) Usable(i int) bool { return !p.down[i] }
-func (p *fakePool) Cost(i int) float64 {
-	return float64(p.inflight[i]+1) * p.latency[i] / p.weight[i]
+func (p *fakePool) Cost(i int) cost {
+	return cost{load: float64(p.inflight[i]+1) / p.weight[i], latency: p.latency[i]}
 }
 
 type chooser func(*fakePool) int
@@ -119,11 +119,11 @@ func TestBestOfTwoAvoidsSlowHost(t *testing.T) {
 // TestHerdAvoidance shows why random choices exist: with information that
 // does not change between picks (many picks in the window before any
 // request is counted in flight), a full scan sends everything to the one
-// host that looks cheapest; best of two spreads the burst.
+// host that looks clearly cheapest; best of two spreads the burst.
 func TestHerdAvoidance(t *testing.T) {
 	const n, picks = 10, 5000
 	p := newFakePool(n)
-	p.latency[0] = 0.99 // marginally cheaper
+	p.latency[0] = 0.5 // clearly cheaper
 	counts := make([]int, n)
 	for range picks {
 		counts[chooseBestOfK(p, 2)]++
@@ -138,8 +138,10 @@ func TestHerdAvoidance(t *testing.T) {
 			t.Fatalf("host %d never chosen: %v", i, counts)
 		}
 	}
-	if chooseScan(p) != 0 {
-		t.Fatal("scan should pick the cheapest")
+	for range 100 {
+		if chooseScan(p) != 0 {
+			t.Fatal("scan should pick the clearly cheapest")
+		}
 	}
 }
 
@@ -227,6 +229,53 @@ func TestTwoDistinct(t *testing.T) {
 		i, j := twoDistinct(r, 3)
 		if i == j || i > 2 || j > 2 {
 			t.Fatalf("r=%x: bad pair %d,%d", r, i, j)
+		}
+	}
+}
+
+func TestNearTiesAreSpread(t *testing.T) {
+	// Four equally fast upstreams whose estimates differ by measurement
+	// noise: every mode must spread picks instead of piling onto the
+	// marginally fastest one.
+	for name, choose := range modes {
+		p := newFakePool(4)
+		p.latency = []float64{1.00, 1.15, 1.30, 1.45}
+		counts := make([]int, 4)
+		for range 8000 {
+			counts[choose(p)]++
+		}
+		for i, c := range counts {
+			if c < 1200 {
+				t.Errorf("%s: upstream %d got %d of 8000 picks: %v", name, i, c, counts)
+			}
+		}
+	}
+	// Just outside the band the cheaper one wins outright.
+	p := newFakePool(2)
+	p.latency = []float64{1, 1.51}
+	for range 200 {
+		if chooseScan(p) != 0 {
+			t.Fatal("an upstream 1.51× faster must win a scan")
+		}
+	}
+}
+
+func TestCostBeats(t *testing.T) {
+	cases := []struct {
+		a, b cost
+		want bool
+	}{
+		{cost{1, 1}, cost{1, 1.49}, false}, // same load, latency within the band: tie
+		{cost{1, 1}, cost{1, 1.51}, true},  // same load, clearly faster
+		{cost{1, 1.49}, cost{1, 1}, false},
+		{cost{1, 1.1}, cost{2, 1}, true},  // one request fewer in flight: strict
+		{cost{2, 1}, cost{1, 1.9}, false}, // 2 > 1.9
+		{cost{2, 1}, cost{1, 2.1}, true},  // 2 < 2.1: product compared strictly
+		{cost{0.5, 1}, cost{1, 1}, true},  // weight 2 vs 1 at idle
+	}
+	for _, c := range cases {
+		if got := c.a.beats(c.b); got != c.want {
+			t.Errorf("%v beats %v = %v, want %v", c.a, c.b, got, c.want)
 		}
 	}
 }

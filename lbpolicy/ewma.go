@@ -217,24 +217,27 @@ func (c ewmaCandidates) Usable(i int) bool {
 	return c.pool[i].Available()
 }
 
-func (c ewmaCandidates) Cost(i int) float64 {
-	est := c.table.EstimateFrom(c.view.stats[i], c.now, c.base)
-	return float64(c.pool[i].NumRequests()+1) * est * c.view.invWeight[i]
+func (c ewmaCandidates) Cost(i int) cost {
+	return cost{
+		load:    float64(c.pool[i].NumRequests()+1) * c.view.invWeight[i],
+		latency: c.table.EstimateFrom(c.view.stats[i], c.now, c.base),
+	}
 }
 
 // bestOfTwo is the common case of two random choices, written out so the
 // hot path makes direct, inlinable calls: both draws come from one random
-// word, and if both land on usable upstreams the cheaper wins. It reports
+// word, and if both land on usable upstreams the cheaper wins (near-ties go
+// to the first draw, which is random). It reports
 // false when a draw hit an unusable upstream, for chooseBestOfK to retry.
 func (c ewmaCandidates) bestOfTwo() (int, bool) {
 	i, j := twoDistinct(rand.Uint64(), len(c.pool))
 	if !c.Usable(i) || !c.Usable(j) {
 		return -1, false
 	}
-	if c.Cost(j) < c.Cost(i) {
+	if c.Cost(j).beats(c.Cost(i)) {
 		return j, true
 	}
-	return i, true
+	return i, true // i is the cheaper or a tie; it was drawn at random
 }
 
 // ReportPool implements hoststate.PoolReporter.
