@@ -62,12 +62,7 @@ func (v *poolView) availability(pool reverseproxy.UpstreamPool, now, every int64
 	if now-v.countedAt.Load() < every {
 		return int(v.available.Load())
 	}
-	n := 0
-	for _, u := range pool {
-		if u.Available() {
-			n++
-		}
-	}
+	n := countAvailable(pool)
 	v.available.Store(int64(n))
 	v.countedAt.Store(now)
 	return n
@@ -75,9 +70,11 @@ func (v *poolView) availability(pool reverseproxy.UpstreamPool, now, every int64
 
 // availableNow counts the available members afresh, for reports: the
 // cached count is only kept up to date while panic mode is enabled.
-func (v *poolView) availableNow() int {
+func (v *poolView) availableNow() int { return countAvailable(v.ups) }
+
+func countAvailable(pool reverseproxy.UpstreamPool) int {
 	n := 0
-	for _, u := range v.ups {
+	for _, u := range pool {
 		if u.Available() {
 			n++
 		}
