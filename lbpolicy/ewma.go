@@ -178,13 +178,11 @@ func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 		return v
 	}
 	v := newView(pool)
-	v.stats = make([]*hoststate.Stats, len(pool))
-	v.invWeight = make([]float64, len(pool))
+	v.members = make([]member, len(pool))
 	for i, u := range pool {
-		v.stats[i] = s.table.Stats(u.Dial)
-		v.invWeight[i] = 1
+		v.members[i] = member{stats: s.table.Stats(u.Dial), invWeight: 1}
 		if i < len(s.Weights) && s.Weights[i] > 0 {
-			v.invWeight[i] = 1 / float64(s.Weights[i])
+			v.members[i].invWeight = 1 / float64(s.Weights[i])
 		}
 	}
 	s.view.Store(v)
@@ -218,9 +216,10 @@ func (c ewmaCandidates) Usable(i int) bool {
 }
 
 func (c ewmaCandidates) Cost(i int) cost {
+	m := &c.view.members[i]
 	return cost{
-		load:    float64(c.pool[i].NumRequests()+1) * c.view.invWeight[i],
-		latency: c.table.EstimateFrom(c.view.stats[i], c.now, c.base),
+		load:    float64(c.pool[i].NumRequests()+1) * m.invWeight,
+		latency: c.table.EstimateFrom(m.stats, c.now, c.base),
 	}
 }
 
@@ -256,10 +255,10 @@ func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
 		PanicEntered:   s.panic.entered.Load(),
 	}
 	for i, u := range v.ups {
-		est := s.table.EstimateFrom(v.stats[i], now, base) / 1e6
+		est := s.table.EstimateFrom(v.members[i].stats, now, base) / 1e6
 		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{
 			Dial:       u.Dial,
-			Weight:     1 / v.invWeight[i],
+			Weight:     1 / v.members[i].invWeight,
 			Available:  u.Available(),
 			EstimateMs: &est,
 		})

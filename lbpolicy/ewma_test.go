@@ -115,8 +115,8 @@ func TestEWMAWeights(t *testing.T) {
 		observe(s, u, 2*time.Millisecond, hoststate.Success)
 	}
 	v := s.viewFor(pool)
-	if v.invWeight[0] != 1 || v.invWeight[1] != 0.25 {
-		t.Fatalf("weights not applied in upstream order: %v", v.invWeight)
+	if v.members[0].invWeight != 1 || v.members[1].invWeight != 0.25 {
+		t.Fatalf("weights not applied in upstream order: %+v", v.members)
 	}
 	// With equal latency and nothing in flight, the heavier upstream is
 	// cheaper: it is taken to serve four times the concurrency.

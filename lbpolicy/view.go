@@ -25,13 +25,19 @@ type poolView struct {
 	first **reverseproxy.Upstream
 	ups   []*reverseproxy.Upstream
 
-	stats     []*hoststate.Stats       // ewma: shared state per member
-	invWeight []float64                // ewma: 1/weight per member
-	shadows   []*reverseproxy.Upstream // panic: health-blind twins
-	shadowOf  map[*reverseproxy.Upstream]int
+	members  []member                 // ewma: per-member state, in pool order
+	shadows  []*reverseproxy.Upstream // panic: health-blind twins
+	shadowOf map[*reverseproxy.Upstream]int
 
 	countedAt atomic.Int64
 	available atomic.Int64
+}
+
+// member is what the ewma policy keeps per pool member, together so that
+// costing a candidate touches one slot.
+type member struct {
+	stats     *hoststate.Stats
+	invWeight float64 // 1 / weight
 }
 
 // matches reports whether v was built from pool. It checks identity and
