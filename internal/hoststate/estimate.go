@@ -13,15 +13,24 @@ import "math"
 // slower than the current estimate replaces it at once, so a host that
 // degrades is noticed on its first slow answer. A faster sample blends in
 // with weight 1-exp(-dt/tau), so recovery is believed gradually, and a host
-// sampled rarely moves further per sample than one sampled often. All values
-// are nanoseconds.
+// sampled rarely moves further per sample than one sampled often — but by
+// at least minBlend, so that one slow answer (a GC pause, a stall of the
+// proxy itself, which hits every upstream at once) is forgotten after a few
+// dozen normal answers instead of tens of seconds. All values are
+// nanoseconds.
 func nextEstimate(est, sample, dt, tau float64) float64 {
 	if est <= 0 || sample >= est {
 		return sample
 	}
-	w := math.Exp(-math.Max(dt, 0) / tau)
-	return est*w + sample*(1-w)
+	w := max(1-expNeg(max(dt, 0)/tau), minBlend)
+	return est + (sample-est)*w
 }
+
+// minBlend is the least weight a faster sample gets. A busy upstream
+// answering 300 times a second recovers from a 40× spike in about a quarter
+// of a second; a degraded one keeps producing slow answers, each of which
+// raises its estimate again at once.
+const minBlend = 1.0 / 16
 
 // decayToward returns the estimate as seen dt after its last update: it
 // relaxes toward target (the pool's typical latency) with time constant tau.

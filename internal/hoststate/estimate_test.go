@@ -24,15 +24,15 @@ func TestNextEstimateFirstSample(t *testing.T) {
 func TestNextEstimateFasterSampleBlends(t *testing.T) {
 	tau := 10e9
 	// 1 s after the last update a faster sample moves the estimate by
-	// 1-exp(-0.1) ≈ 9.5% of the difference.
+	// 1-exp(-0.1) ≈ 9.5% of the difference (more than minBlend).
 	got := nextEstimate(100*ms, 0, 1e9, tau)
 	want := 100 * ms * math.Exp(-0.1)
 	if math.Abs(got-want) > 1 {
 		t.Fatalf("got %v ms, want %v ms", got/ms, want/ms)
 	}
-	// Back-to-back samples (dt=0) carry no weight: the peak holds.
-	if got := nextEstimate(100*ms, 1*ms, 0, tau); got != 100*ms {
-		t.Fatalf("dt=0 must not move the estimate, got %v", got/ms)
+	// Back-to-back samples (dt=0) still carry the minimum weight.
+	if got, want := nextEstimate(100*ms, 1*ms, 0, tau), 100*ms-99*ms/16; math.Abs(got-want) > 1 {
+		t.Fatalf("dt=0: got %v ms, want %v ms", got/ms, want/ms)
 	}
 	// A long gap lets the new sample dominate.
 	if got := nextEstimate(100*ms, 1*ms, 100e9, tau); math.Abs(got-1*ms) > 0.01*ms {
@@ -105,5 +105,26 @@ func TestExpNeg(t *testing.T) {
 		if got, want := expNeg(x), math.Exp(-x); math.Abs(got-want) > 5e-6*want {
 			t.Fatalf("expNeg(%v) = %v, want %v", x, got, want)
 		}
+	}
+}
+
+func TestSpikeIsForgottenAfterNormalAnswers(t *testing.T) {
+	// A 2ms upstream answering every 3ms has one 80ms answer (a stall).
+	tau, est := 10e9, 2*ms
+	est = nextEstimate(est, 80*ms, 3e6, tau)
+	if est != 80*ms {
+		t.Fatalf("the spike must be taken at once, got %v", est/ms)
+	}
+	n := 0
+	for est > 3*ms {
+		est = nextEstimate(est, 2*ms, 3e6, tau)
+		n++
+		if n > 1000 {
+			t.Fatalf("estimate still %v ms after 1000 normal answers", est/ms)
+		}
+	}
+	// (15/16)^n · 78 < 1 → n ≈ 68
+	if n > 80 {
+		t.Fatalf("took %d normal answers to forget one spike", n)
 	}
 }

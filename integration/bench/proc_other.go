@@ -1,0 +1,29 @@
+//go:build !linux
+
+package main
+
+import (
+	"errors"
+	"syscall"
+	"time"
+)
+
+// cpuSupported reports whether groupCPU can measure anything here: it
+// reads /proc, which only Linux has.
+const cpuSupported = false
+
+func sysProcAttr() *syscall.SysProcAttr { return nil }
+
+// signalGroup is not supported here; the caller falls back to signalling
+// the process itself.
+func signalGroup(int, syscall.Signal) error {
+	return errors.ErrUnsupported
+}
+
+func groupCPU(int) (time.Duration, error) {
+	return 0, errors.ErrUnsupported
+}
+
+func loadAverage() string { return "" }
+
+func cpuPressure() (time.Duration, bool) { return 0, false }

@@ -1,0 +1,388 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/template"
+	"time"
+)
+
+// process is a child process started by the benchmark, with its output in
+// a log file.
+type process struct {
+	name    string
+	cmd     *exec.Cmd
+	logPath string
+	done    chan struct{} // closed when the process has exited
+}
+
+// startProcess starts bin with args in its own process group, with stdout
+// and stderr going to logPath.
+func startProcess(name, logPath string, env []string, bin string, args ...string) (*process, error) {
+	logf, err := os.Create(logPath)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Dir = filepath.Dir(logPath)
+	cmd.Env = env
+	cmd.Stdout = logf
+	cmd.Stderr = logf
+	cmd.SysProcAttr = sysProcAttr()
+	if err := cmd.Start(); err != nil {
+		logf.Close()
+		return nil, fmt.Errorf("starting %s: %w", name, err)
+	}
+	p := &process{name: name, cmd: cmd, logPath: logPath, done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait() // the exit status of a stopped proxy is of no interest
+		logf.Close()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// pid returns the process id, which is also its process group id.
+func (p *process) pid() int { return p.cmd.Process.Pid }
+
+// exited reports whether the process has exited.
+func (p *process) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// signal sends sig to the process's group, or to the process alone where
+// groups are not supported.
+func (p *process) signal(sig syscall.Signal) {
+	if signalGroup(p.pid(), sig) != nil {
+		_ = p.cmd.Process.Signal(sig)
+	}
+}
+
+// stop asks the process to exit (SIGTERM), and kills its group if it has
+// not exited within five seconds. It waits at most two more seconds.
+func (p *process) stop() error {
+	if p.exited() {
+		return nil
+	}
+	p.signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		return nil
+	case <-time.After(5 * time.Second):
+	}
+	p.signal(syscall.SIGKILL)
+	select {
+	case <-p.done:
+		return fmt.Errorf("%s (pid %d) ignored SIGTERM and was killed", p.name, p.pid())
+	case <-time.After(2 * time.Second):
+		return fmt.Errorf("%s (pid %d) did not exit after SIGKILL", p.name, p.pid())
+	}
+}
+
+// logTail returns the last part of the process's output, for error
+// messages.
+func (p *process) logTail() string {
+	b, err := os.ReadFile(p.logPath)
+	if err != nil {
+		return ""
+	}
+	const keep = 2000
+	if len(b) > keep {
+		b = b[len(b)-keep:]
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// proxy is a running load balancer (or, for the direct baseline, none).
+type proxy struct {
+	url      string
+	adminURL string   // Caddy's admin API, "" for others
+	proc     *process // nil for the direct baseline
+}
+
+// lbxState fetches lbx's view of the upstreams (GET /lbx/upstreams) from
+// Caddy's admin API, or returns nil.
+func (p *proxy) lbxState(ctx context.Context) json.RawMessage {
+	if p.adminURL == "" {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, p.adminURL+"lbx/upstreams", nil)
+	if err != nil {
+		return nil
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil || resp.StatusCode != http.StatusOK || !json.Valid(b) {
+		return nil
+	}
+	return b
+}
+
+// cpu returns the CPU time used so far by the proxy's processes.
+func (p *proxy) cpu() (time.Duration, bool) {
+	if p.proc == nil || !cpuSupported {
+		return 0, false
+	}
+	d, err := groupCPU(p.proc.pid())
+	return d, err == nil
+}
+
+// stop stops the proxy's processes.
+func (p *proxy) stop() error {
+	if p.proc == nil {
+		return nil
+	}
+	return p.proc.stop()
+}
+
+// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// proxyEnv is the environment of proxy processes: the benchmark's own,
+// with HOME and the XDG directories moved into dir so that Caddy writes
+// nothing outside it.
+func proxyEnv(dir string) []string {
+	env := make([]string, 0, len(os.Environ())+3)
+	for _, kv := range os.Environ() {
+		k, _, _ := strings.Cut(kv, "=")
+		switch k {
+		case "HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME":
+			continue
+		}
+		env = append(env, kv)
+	}
+	return append(env,
+		"HOME="+dir,
+		"XDG_CONFIG_HOME="+filepath.Join(dir, "config"),
+		"XDG_DATA_HOME="+filepath.Join(dir, "data"),
+	)
+}
+
+// proxyConfig is what the config templates are filled with.
+type proxyConfig struct {
+	Dir       string
+	Port      int
+	AdminPort int      // Caddy's admin API
+	Upstream  []string // host:port of every backend
+	Policy    string   // Caddy's lb_policy arguments
+}
+
+// caddyfileTemplate is the Caddy config: the admin API on a loopback port
+// (idle unless lbx's state is fetched at the end of a case), errors-only
+// logs, plain HTTP on 127.0.0.1, and reverse_proxy with the default
+// transport and every default except the selection policy.
+var caddyfileTemplate = template.Must(template.New("Caddyfile").Parse(`{
+	admin 127.0.0.1:{{.AdminPort}}
+	persist_config off
+	auto_https off
+	grace_period 1s
+	log {
+		level ERROR
+	}
+}
+
+http://:{{.Port}} {
+	bind 127.0.0.1
+	reverse_proxy{{range .Upstream}} {{.}}{{end}} {
+		lb_policy {{.Policy}}
+	}
+}
+`))
+
+// nginxTemplate is the nginx config: one process in the foreground, all
+// files in Dir, no access log, and upstream keep-alive so nginx is not
+// charged for connection setup. Everything else is nginx's default.
+var nginxTemplate = template.Must(template.New("nginx.conf").Parse(`daemon off;
+master_process off;
+worker_processes 1;
+pid {{.Dir}}/nginx.pid;
+error_log {{.Dir}}/nginx-error.log error;
+worker_rlimit_nofile 16384;
+
+events {
+	worker_connections 8192;
+}
+
+http {
+	access_log off;
+	client_body_temp_path {{.Dir}}/client_body;
+	proxy_temp_path {{.Dir}}/proxy_temp;
+	fastcgi_temp_path {{.Dir}}/fastcgi_temp;
+	uwsgi_temp_path {{.Dir}}/uwsgi_temp;
+	scgi_temp_path {{.Dir}}/scgi_temp;
+	keepalive_requests 1000000;
+
+	upstream backends {
+		least_conn;
+{{- range .Upstream}}
+		server {{.}};
+{{- end}}
+		keepalive 256;
+		keepalive_requests 1000000;
+	}
+
+	server {
+		listen 127.0.0.1:{{.Port}};
+		location / {
+			proxy_pass http://backends;
+			proxy_http_version 1.1;
+			proxy_set_header Connection "";
+		}
+	}
+}
+`))
+
+// haproxyTemplate is the HAProxy config: HTTP mode, leastconn, server-side
+// connection reuse, no logs, and timeouts longer than any request of the
+// benchmark. Everything else is HAProxy's default.
+var haproxyTemplate = template.Must(template.New("haproxy.cfg").Parse(`global
+	maxconn 8192
+	hard-stop-after 3s
+
+defaults
+	mode http
+	timeout connect 2s
+	timeout client 30s
+	timeout server 30s
+	timeout http-keep-alive 30s
+	http-reuse always
+
+frontend fe
+	bind 127.0.0.1:{{.Port}}
+	default_backend be
+
+backend be
+	balance leastconn
+{{- range $i, $u := .Upstream}}
+	server b{{$i}} {{$u}}
+{{- end}}
+`))
+
+// writeTemplate fills t with c into path.
+func writeTemplate(t *template.Template, path string, c proxyConfig) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := t.Execute(f, c); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// tools are the executables the benchmark runs.
+type tools struct {
+	caddy   string
+	nginx   string // "" if not installed
+	haproxy string // "" if not installed
+}
+
+// startProxy starts the load balancer that pol names in a new directory
+// under dir, in front of upstreams, and waits until it answers.
+func startProxy(ctx context.Context, t tools, pol policy, dir string, upstreams []string) (*proxy, error) {
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	c := proxyConfig{Dir: dir, Port: port, Upstream: upstreams, Policy: pol.caddyPolicy}
+	var p *process
+	adminURL := ""
+	switch pol.kind {
+	case kindCaddy:
+		if c.AdminPort, err = freePort(); err != nil {
+			return nil, err
+		}
+		adminURL = "http://127.0.0.1:" + strconv.Itoa(c.AdminPort) + "/"
+		cfg := filepath.Join(dir, "Caddyfile")
+		if err := writeTemplate(caddyfileTemplate, cfg, c); err != nil {
+			return nil, err
+		}
+		p, err = startProcess("caddy", filepath.Join(dir, "caddy.log"), proxyEnv(dir),
+			t.caddy, "run", "--config", cfg, "--adapter", "caddyfile")
+	case kindNginx:
+		cfg := filepath.Join(dir, "nginx.conf")
+		if err := writeTemplate(nginxTemplate, cfg, c); err != nil {
+			return nil, err
+		}
+		p, err = startProcess("nginx", filepath.Join(dir, "nginx.log"), proxyEnv(dir),
+			t.nginx, "-e", filepath.Join(dir, "nginx-error.log"), "-p", dir+"/", "-c", cfg)
+	case kindHAProxy:
+		cfg := filepath.Join(dir, "haproxy.cfg")
+		if err := writeTemplate(haproxyTemplate, cfg, c); err != nil {
+			return nil, err
+		}
+		p, err = startProcess("haproxy", filepath.Join(dir, "haproxy.log"), proxyEnv(dir),
+			t.haproxy, "-f", cfg, "-db")
+	default:
+		return nil, fmt.Errorf("policy %s has no proxy to start", pol.key)
+	}
+	if err != nil {
+		return nil, err
+	}
+	px := &proxy{url: "http://127.0.0.1:" + strconv.Itoa(port) + "/", adminURL: adminURL, proc: p}
+	if err := waitReady(ctx, px.url, p); err != nil {
+		stopErr := px.stop()
+		return nil, errors.Join(fmt.Errorf("%s for %s: %w\n%s", p.name, pol.key, err, p.logTail()), stopErr)
+	}
+	return px, nil
+}
+
+// waitReady polls url until it answers 200, the process exits, ctx is
+// done or 20 seconds pass.
+func waitReady(ctx context.Context, url string, p *process) error {
+	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	client := &http.Client{Timeout: time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if p.exited() {
+			return errors.New("exited before it was ready")
+		}
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return err
+		}
+		if resp, err := client.Do(req); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("not ready: %w", ctx.Err())
+		case <-tick.C:
+		}
+	}
+}

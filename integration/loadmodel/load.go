@@ -1,0 +1,226 @@
+package loadmodel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// Load is an open-loop, constant-rate load of GET requests to one URL.
+//
+// Request i (counting from 0) is due at start + i/Rate. A single dispatcher
+// sleeps until each due time and hands the request to its own goroutine, so
+// a slow response never delays the requests after it; when the dispatcher
+// itself wakes late it sends every overdue request at once. The first
+// Rate × Warmup requests are warm-up (sent with PhaseHeader "warmup", not
+// recorded), the next Rate × Duration are measured (PhaseHeader
+// "measure").
+//
+// A request's latency runs from its due time to the end of its response
+// body. A request not answered within Timeout of being sent is abandoned
+// and recorded as a timeout with the latency it had reached (at least
+// Timeout), so it weighs in the percentiles with its full duration.
+type Load struct {
+	// URL is the target.
+	URL string
+	// Rate is the number of requests per second; more than 0.
+	Rate float64
+	// Warmup is how long warm-up traffic runs before measuring; ≥ 0.
+	Warmup time.Duration
+	// Duration is the length of the measured window; more than 0.
+	Duration time.Duration
+	// Timeout bounds each request, from its send time. Default: 2s.
+	Timeout time.Duration
+	// Client sends the requests. Default: a client of its own with a
+	// large idle-connection pool, closed when Run returns.
+	Client *http.Client
+	// OnMeasure, if set, is called by the dispatcher just before it sends
+	// the first measured request (e.g. to sample a process's CPU time).
+	OnMeasure func()
+}
+
+// Outcome classifies a request's fate.
+type Outcome uint8
+
+// The outcomes of a request.
+const (
+	// OK is a 200 response, read in full.
+	OK Outcome = iota
+	// BadStatus is any other response.
+	BadStatus
+	// Timeout is a request abandoned after Load.Timeout.
+	Timeout
+	// Failed is a transport error (refused or reset connection, …).
+	Failed
+)
+
+// String names the outcome.
+func (o Outcome) String() string {
+	switch o {
+	case OK:
+		return "ok"
+	case BadStatus:
+		return "bad status"
+	case Timeout:
+		return "timeout"
+	default:
+		return "failed"
+	}
+}
+
+// Sample is the record of one measured request.
+type Sample struct {
+	// Latency runs from the request's due time to the end of its
+	// response, or to its failure.
+	Latency time.Duration
+	// Done is when the request finished, relative to the start of the
+	// measured window.
+	Done time.Duration
+	// Outcome is the request's fate.
+	Outcome Outcome
+	// Backend is the value of BackendHeader in the response, if any.
+	Backend string
+}
+
+// Result is the record of a Load run.
+type Result struct {
+	// Samples has one entry per measured request, in due order.
+	Samples []Sample
+	// Window is the length of the measured window (Load.Duration).
+	Window time.Duration
+	// MaxSendLag is the largest delay between a measured request's due
+	// time and the moment the dispatcher handed it off. A large value
+	// means the load generator itself was starved of CPU.
+	MaxSendLag time.Duration
+}
+
+// Validate checks the load's settings.
+func (l Load) Validate() error {
+	switch {
+	case l.URL == "":
+		return errors.New("load: no URL")
+	case !(l.Rate > 0):
+		return fmt.Errorf("load: rate must be positive, got %v", l.Rate)
+	case l.Warmup < 0:
+		return fmt.Errorf("load: negative warm-up %v", l.Warmup)
+	case l.Duration <= 0:
+		return fmt.Errorf("load: duration must be positive, got %v", l.Duration)
+	case l.Timeout < 0:
+		return fmt.Errorf("load: negative timeout %v", l.Timeout)
+	}
+	return nil
+}
+
+// NewClient returns an HTTP/1.1 client suited to load generation on
+// loopback: no proxy from the environment, no compression, and an idle
+// pool large enough that a burst never forces connections to be closed
+// and re-dialled. Close its idle connections when done.
+func NewClient(timeout time.Duration) *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		DialContext:         (&net.Dialer{Timeout: timeout, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        0, // no overall limit
+		MaxIdleConnsPerHost: 4096,
+		IdleConnTimeout:     30 * time.Second,
+		DisableCompression:  true,
+	}}
+}
+
+// Run sends the load and returns once every request it sent has finished.
+// If ctx is cancelled, no more requests are sent, those in flight are
+// abandoned, and Run returns ctx's error.
+func (l Load) Run(ctx context.Context) (*Result, error) {
+	if err := l.Validate(); err != nil {
+		return nil, err
+	}
+	timeout := l.Timeout
+	if timeout == 0 {
+		timeout = 2 * time.Second
+	}
+	client := l.Client
+	if client == nil {
+		client = NewClient(timeout)
+		defer client.CloseIdleConnections()
+	}
+
+	nWarm := int(l.Rate * l.Warmup.Seconds())
+	nMeasure := max(1, int(l.Rate*l.Duration.Seconds()))
+	res := &Result{Samples: make([]Sample, nMeasure), Window: l.Duration}
+	interval := float64(time.Second) / l.Rate
+
+	var wg sync.WaitGroup
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+	<-timer.C
+
+	t0 := time.Now()
+	var measureStart time.Time
+	for i := range nWarm + nMeasure {
+		due := t0.Add(time.Duration(float64(i) * interval))
+		if d := time.Until(due); d > 0 {
+			timer.Reset(d)
+			select {
+			case <-ctx.Done():
+			case <-timer.C:
+			}
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		if i < nWarm {
+			wg.Go(func() { l.send(ctx, client, timeout, PhaseWarmup, due, time.Time{}) })
+			continue
+		}
+		if i == nWarm {
+			measureStart = due
+			if l.OnMeasure != nil {
+				l.OnMeasure()
+			}
+		}
+		res.MaxSendLag = max(res.MaxSendLag, time.Since(due))
+		s := &res.Samples[i-nWarm]
+		wg.Go(func() { *s = l.send(ctx, client, timeout, PhaseMeasure, due, measureStart) })
+	}
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+// send makes one request and records it.
+func (l Load) send(ctx context.Context, client *http.Client, timeout time.Duration, phase Phase, due, measureStart time.Time) Sample {
+	rctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var s Sample
+	req, err := http.NewRequestWithContext(rctx, http.MethodGet, l.URL, nil)
+	if err == nil {
+		req.Header.Set(PhaseHeader, phase.String())
+		var resp *http.Response
+		resp, err = client.Do(req)
+		if err == nil {
+			s.Backend = resp.Header.Get(BackendHeader)
+			_, err = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
+			resp.Body.Close()
+			if err == nil && resp.StatusCode != http.StatusOK {
+				s.Outcome = BadStatus
+			}
+		}
+	}
+	now := time.Now()
+	s.Latency = now.Sub(due)
+	if !measureStart.IsZero() {
+		s.Done = now.Sub(measureStart)
+	}
+	if err != nil {
+		s.Outcome = Failed
+		if errors.Is(rctx.Err(), context.DeadlineExceeded) {
+			s.Outcome = Timeout
+		}
+	}
+	return s
+}
