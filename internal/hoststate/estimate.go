@@ -32,16 +32,16 @@ func nextEstimate(est, sample, dt, tau float64) float64 {
 // raises its estimate again at once.
 const minBlend = 1.0 / 16
 
-// decayToward returns the estimate as seen dt after its last update: it
-// relaxes toward target (the pool's typical latency) with time constant tau.
+// decayToward returns the estimate as seen x = dt/tau time constants after
+// its last update: it relaxes toward target (the pool's typical latency).
 // Decaying toward the pool rather than toward zero means a host that was
 // slow and then left alone is eventually tried again, yet an idle host never
 // looks faster than the hosts that are really serving.
-func decayToward(est, target, dt, tau float64) float64 {
-	if dt <= 0 || target <= 0 {
+func decayToward(est, target, x float64) float64 {
+	if x <= 0 || target <= 0 {
 		return est
 	}
-	return target + (est-target)*expNeg(dt/tau)
+	return target + (est-target)*expNeg(x)
 }
 
 // expNeg returns exp(-x) for x ≥ 0 to within a relative error of 5e-6,

@@ -42,26 +42,26 @@ func TestNextEstimateFasterSampleBlends(t *testing.T) {
 
 func TestDecayTowardTarget(t *testing.T) {
 	tau := 10e9
-	if got := decayToward(80*ms, 2*ms, 0, tau); got != 80*ms {
+	if got := decayToward(80*ms, 2*ms, 0); got != 80*ms {
 		t.Fatalf("no time passed, no decay: %v", got/ms)
 	}
-	half := decayToward(82*ms, 2*ms, tau*math.Ln2, tau)
+	half := decayToward(82*ms, 2*ms, math.Ln2)
 	if math.Abs(half-42*ms) > 0.001*ms {
 		t.Fatalf("one half-life must halve the distance to target: %v", half/ms)
 	}
-	far := decayToward(82*ms, 2*ms, 20*tau, tau)
+	far := decayToward(82*ms, 2*ms, 20)
 	if math.Abs(far-2*ms) > 0.001*ms {
 		t.Fatalf("long idle must reach the target: %v", far/ms)
 	}
 	// Decay never overshoots below the target (so an idle host never
 	// becomes a magnet).
 	for _, dt := range []float64{1e6, 1e9, 1e10, 1e12} {
-		if got := decayToward(82*ms, 2*ms, dt, tau); got < 2*ms {
+		if got := decayToward(82*ms, 2*ms, dt/tau); got < 2*ms {
 			t.Fatalf("overshoot at dt=%v: %v", dt, got/ms)
 		}
 	}
 	// A fast host regresses up to the pool's typical latency, not beyond.
-	if got := decayToward(1*ms, 2*ms, 20*tau, tau); math.Abs(got-2*ms) > 0.001*ms {
+	if got := decayToward(1*ms, 2*ms, 20); math.Abs(got-2*ms) > 0.001*ms {
 		t.Fatalf("fast idle host must regress to target: %v", got/ms)
 	}
 }

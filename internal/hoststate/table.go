@@ -52,6 +52,11 @@ func (c *Config) setDefaults() {
 // against. Lookups are lock-free once an address has been seen.
 type Table struct {
 	cfg Config
+	// freshNs is an age below which decay is skipped: under 1/1024 of
+	// tau the decay moves an estimate by less than 0.1% of its distance
+	// to the baseline, and busy upstreams are always that fresh.
+	freshNs int64
+	invTau  float64
 
 	mu       sync.Mutex
 	byDial   atomic.Pointer[map[string]*Stats] // copy-on-write
@@ -65,7 +70,7 @@ type Table struct {
 // NewTable returns an empty Table with cfg's zero fields defaulted.
 func NewTable(cfg Config) *Table {
 	cfg.setDefaults()
-	t := &Table{cfg: cfg}
+	t := &Table{cfg: cfg, freshNs: int64(cfg.Tau) / 1024, invTau: 1 / float64(cfg.Tau)}
 	empty := map[string]*Stats{}
 	t.byDial.Store(&empty)
 	return t
@@ -160,11 +165,15 @@ func (t *Table) Estimate(s *Stats, now int64) float64 {
 // EstimateFrom is Estimate with the baseline already read, for callers that
 // estimate several hosts at once.
 func (t *Table) EstimateFrom(s *Stats, now int64, base float64) float64 {
-	est, age := s.estimate(now)
-	if est == 0 {
+	e := s.estimateNs.Load()
+	if e == 0 {
 		return base
 	}
-	return decayToward(est, base, age, float64(t.cfg.Tau))
+	age := now - s.stampNs.Load()
+	if age < t.freshNs {
+		return float64(e)
+	}
+	return decayToward(float64(e), base, float64(age)*t.invTau)
 }
 
 // All returns a snapshot of every upstream known to any config, sorted by
