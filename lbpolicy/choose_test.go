@@ -279,3 +279,29 @@ func TestCostBeats(t *testing.T) {
 		}
 	}
 }
+
+// TestSamplingFloorOfTwoChoices is why ChoicesAuto scans small pools: with
+// 2 of 4 upstreams slow, best of two draws both slow ones one time in six,
+// however clear the costs; a scan never picks them.
+func TestSamplingFloorOfTwoChoices(t *testing.T) {
+	p := newFakePool(4)
+	p.latency = []float64{1, 1, 10, 10}
+	const picks = 30000
+	slow := 0
+	for range picks {
+		if chooseBestOfK(p, 2) >= 2 {
+			slow++
+		}
+	}
+	if share := float64(slow) / picks; share < 0.14 || share > 0.19 {
+		t.Fatalf("best of two sent %.3f to the slow pair, want ≈1/6", share)
+	}
+	for range picks {
+		if chooseScan(p) >= 2 {
+			t.Fatal("a scan picked a slow upstream")
+		}
+	}
+	if ChoicesAuto.forPool(4) != 0 {
+		t.Fatal("auto must scan a pool of 4")
+	}
+}
