@@ -153,3 +153,40 @@ func TestEWMAPanicMode(t *testing.T) {
 		t.Errorf("pool report: available = %d with panic mode off; want 1 (the healthy backend)", p.Available)
 	}
 }
+
+// A pool that goes entirely down while no request is proxied must still
+// enter panic mode on the next request: ewma caches its count of
+// available upstreams against a clock that only round trips move, and no
+// round trip happens while nothing is available.
+func TestEWMAPanicWhenWholePoolGoesDownQuietly(t *testing.T) {
+	e := newEnv(t)
+	bs := panicPool(e, 0)
+	e.loadPanicConfig("lb_policy ewma", bs)
+	e.waitHealthConverged(bs, bs...)
+	assertUsed(t, "ewma, all healthy", e.drive("/", 100, 8), bs...)
+
+	seen := make([]int64, len(bs))
+	for i, b := range bs {
+		b.healthCode.Store(http.StatusServiceUnavailable)
+		seen[i] = b.healthHits.Load()
+	}
+	// Wait on the backends alone — neither a proxied request nor the
+	// admin API, both of which read the clock — until each has failed
+	// two health checks (health_fails 1 marks it down after one).
+	waitFor(t, 10*time.Second, "two failed health checks on every upstream", func() (bool, string) {
+		for i, b := range bs {
+			if b.healthHits.Load() < seen[i]+2 {
+				return false, fmt.Sprintf("%s: %d health checks since the flip", b.name, b.healthHits.Load()-seen[i])
+			}
+		}
+		return true, ""
+	})
+	res := e.drive("/", 40, 4)
+	t.Logf("ewma, none healthy: %v", res.counts)
+	if len(res.errors) > 0 || res.total != 40 {
+		t.Fatalf("with every upstream down, panic mode must keep serving: %d of 40 answered, errors %v", res.total-len(res.errors), res.errors)
+	}
+	if p, _ := report(t).pool(bs...); !p.Panic {
+		t.Errorf("pool report: %+v; want panic true", p)
+	}
+}

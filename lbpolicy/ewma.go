@@ -167,6 +167,15 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, 
 	default:
 		i = chooseBestOfK(c, k)
 	}
+	if i < 0 && !c.panic {
+		// Nothing is available, yet the cached count said the pool was
+		// not in panic. The shared clock only moves with round trips, and
+		// none happens while nothing is chosen, so read the real clock
+		// and decide again rather than trust a stale count.
+		if c.panic = s.panic.check(v, pool, hoststate.Now()); c.panic {
+			i = chooseScan(c)
+		}
+	}
 	if i < 0 {
 		return nil
 	}
