@@ -56,9 +56,6 @@ type Stats struct {
 // Destruct implements caddy.Destructor; Stats holds no resources.
 func (*Stats) Destruct() error { return nil }
 
-// Dial returns the dial address this state belongs to.
-func (s *Stats) Dial() string { return s.dial }
-
 // Begin marks the start of a round trip to the upstream and returns its start time.
 func (s *Stats) Begin() int64 {
 	s.pending.Add(1)

@@ -76,9 +76,6 @@ func NewTable(cfg Config) *Table {
 	return t
 }
 
-// Config returns the table's effective settings.
-func (t *Table) Config() Config { return t.cfg }
-
 // Stats returns the shared state for dial, taking a reference the first time
 // this table sees the address.
 func (t *Table) Stats(dial string) *Stats {
