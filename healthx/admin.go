@@ -59,6 +59,11 @@ type UpstreamView struct {
 	Failures         uint64  `json:"failures"`
 	LastFailureHuman string  `json:"last_failure_human,omitempty"`
 	PassiveFails     int     `json:"passive_fails"`
+	// EjectedForMs is how long the upstream stays ejected by outlier
+	// detection, in milliseconds; 0 when it is not ejected.
+	EjectedForMs        float64 `json:"ejected_for_ms"`
+	Ejections           uint64  `json:"ejections_total"`
+	ConsecutiveFailures int64   `json:"consecutive_failures"`
 }
 
 // Report is the body of GET /lbx/upstreams.
@@ -83,6 +88,10 @@ func BuildReport() Report {
 			SamplesHuman:  humanize.Comma(int64(s.Samples)),
 			Failures:      s.Failures,
 			PassiveFails:  s.PassiveFails,
+
+			EjectedForMs:        float64(s.EjectedFor) / 1e6,
+			Ejections:           s.Ejections,
+			ConsecutiveFailures: s.ConsecFailures,
 		}
 		if s.Samples == 0 {
 			v.EstimateHuman = "no samples yet"

@@ -28,8 +28,10 @@ var ErrNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handl
 // The handler then sees a transport that implements every optional
 // interface the inner one does, with neutral answers otherwise.
 //
+// With a non-nil outlier, every attempt also feeds outlier ejection.
+//
 // Install returns the handler it instrumented.
-func Install(ctx caddy.Context, table *hoststate.Table) (*reverseproxy.Handler, error) {
+func Install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reverseproxy.Handler, error) {
 	h := parentProxy(ctx)
 	if h == nil {
 		return nil, ErrNoProxyHandler
@@ -42,7 +44,7 @@ func Install(ctx caddy.Context, table *hoststate.Table) (*reverseproxy.Handler, 
 		}
 		return h, nil
 	}
-	wrapper := &ObservingTransport{inner: h.Transport, table: table}
+	wrapper := &ObservingTransport{inner: h.Transport, table: table, outlier: outlier}
 	if h.Transport == nil {
 		def := new(reverseproxy.HTTPTransport)
 		if err := def.Provision(ctx); err != nil {

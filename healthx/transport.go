@@ -30,8 +30,9 @@ import (
 // request vars (only real client requests do), which is how they are kept
 // out of the statistics.
 type ObservingTransport struct {
-	inner http.RoundTripper
-	table *hoststate.Table
+	inner   http.RoundTripper
+	table   *hoststate.Table
+	outlier *Outlier // nil: no outlier ejection
 	// owned is a transport this package created in place of reverse_proxy's
 	// default one; it is cleaned up with the wrapper.
 	owned caddy.CleanerUpper
@@ -51,7 +52,12 @@ func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error
 	s.SetHost(di.Upstream.Host)
 	start := s.Begin()
 	resp, err := t.inner.RoundTrip(req)
-	t.table.Observe(s, start, classify(ctx, err))
+	outcome := classify(ctx, err)
+	t.table.Observe(s, start, outcome)
+	if t.outlier != nil && outcome != hoststate.Abandoned {
+		failed := outcome == hoststate.Failure || t.outlier.failedStatus(resp.StatusCode)
+		t.outlier.judge(t.table, s, di.Upstream.Dial, failed)
+	}
 	return resp, err
 }
 

@@ -35,7 +35,7 @@ var lastProbe *probePolicy
 
 func (p *probePolicy) Provision(ctx caddy.Context) error {
 	p.table = hoststate.NewTable(hoststate.Config{})
-	h, err := Install(ctx, p.table)
+	h, err := Install(ctx, p.table, nil)
 	p.handler = h
 	lastProbe = p
 	return err

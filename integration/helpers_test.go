@@ -328,6 +328,7 @@ type backend struct {
 	srv  *httptest.Server
 
 	healthCode atomic.Int32
+	status     atomic.Int32 // when set, every non-health request is answered with it at once
 	delay      atomic.Int64 // ns added to every non-health request
 
 	hits       atomic.Int64 // non-health requests
@@ -406,6 +407,11 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	})
 	b.mu.Unlock()
 	b.hits.Add(1)
+	if code := b.status.Load(); code != 0 {
+		w.Header().Set("X-Backend", b.name)
+		w.WriteHeader(int(code))
+		return
+	}
 	if d := time.Duration(b.delay.Load()); d > 0 {
 		timer := time.NewTimer(d)
 		select {
@@ -471,6 +477,8 @@ type upstreamInfo struct {
 	Failures   uint64  `json:"failures"`
 	InFlight   int     `json:"in_flight"`
 	Pending    int64   `json:"awaiting_headers"`
+	EjectedMs  float64 `json:"ejected_for_ms"`
+	Ejections  uint64  `json:"ejections_total"`
 }
 
 type poolMember struct {

@@ -3,6 +3,7 @@ package lbpolicy
 import (
 	"strconv"
 
+	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -17,6 +18,13 @@ import (
 //		decay           <duration>
 //		weights         <w1> <w2> ...
 //		panic_threshold <percent>|off
+//		outlier {
+//			consecutive_failures <n>
+//			failure_status       <code...>
+//			base_ejection_time   <duration>
+//			max_ejection_time    <duration>
+//			max_ejection_percent <percent>
+//		}
 //	}
 func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume policy name
@@ -65,11 +73,16 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				s.Weights = append(s.Weights, w)
 			}
 		case "panic_threshold":
-			p, err := parsePercent(d, "ewma")
+			p, err := healthx.ParsePercent(d, "ewma")
 			if err != nil {
 				return err
 			}
 			s.PanicThreshold = &p
+		case "outlier":
+			s.Outlier = new(healthx.Outlier)
+			if err := s.Outlier.UnmarshalCaddyfile(d); err != nil {
+				return err
+			}
 		default:
 			return d.Errf("ewma: unrecognized option %q", opt)
 		}
@@ -100,7 +113,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if p.Threshold != nil {
 				return d.Err("panic: threshold specified more than once")
 			}
-			v, err := parsePercent(d, "panic")
+			v, err := healthx.ParsePercent(d, "panic")
 			if err != nil {
 				return err
 			}

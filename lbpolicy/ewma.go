@@ -65,6 +65,11 @@ type EWMASelection struct {
 	// mode. Default: 50.
 	PanicThreshold *float64 `json:"panic_threshold,omitempty"`
 
+	// Outlier ejection from live traffic; off when absent. An ejected
+	// upstream is not chosen (unless the pool is in panic mode) and counts
+	// as unavailable for the panic threshold.
+	Outlier *healthx.Outlier `json:"outlier,omitempty"`
+
 	table    *hoststate.Table
 	observer *healthx.ObservingTransport
 	view     atomic.Pointer[poolView]
@@ -87,7 +92,10 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger)
 	s.table = hoststate.NewTable(hoststate.Config{Tau: time.Duration(s.Decay)})
 
-	h, err := healthx.Install(ctx, s.table)
+	if s.Outlier != nil {
+		s.Outlier.Provision(s.logger)
+	}
+	h, err := healthx.Install(ctx, s.table, s.Outlier)
 	switch {
 	case errors.Is(err, healthx.ErrNoProxyHandler):
 		s.logger.Warn("ewma policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
@@ -117,9 +125,12 @@ func (s *EWMASelection) Validate() error {
 		}
 	}
 	if s.PanicThreshold != nil {
-		if err := checkPercent(*s.PanicThreshold); err != nil {
+		if err := healthx.CheckPercent(*s.PanicThreshold); err != nil {
 			return fmt.Errorf("ewma: panic_threshold %v", err)
 		}
+	}
+	if s.Outlier != nil {
+		return s.Outlier.Validate()
 	}
 	return nil
 }
@@ -215,13 +226,13 @@ type ewmaCandidates struct {
 
 func (c ewmaCandidates) Len() int { return len(c.pool) }
 
-// Usable is Caddy's availability, or in panic mode just "not full":
-// panic ignores health, not max_requests.
+// Usable is Caddy's availability and not ejected, or in panic mode just
+// "not full": panic ignores health, not max_requests.
 func (c ewmaCandidates) Usable(i int) bool {
 	if c.panic {
 		return !c.pool[i].Full()
 	}
-	return c.pool[i].Available()
+	return c.pool[i].Available() && !c.view.members[i].stats.Ejected(c.now)
 }
 
 func (c ewmaCandidates) Cost(i int) cost {

@@ -9,6 +9,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
@@ -68,7 +69,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 // Validate checks the threshold.
 func (p *PanicSelection) Validate() error {
 	if p.Threshold != nil {
-		if err := checkPercent(*p.Threshold); err != nil {
+		if err := healthx.CheckPercent(*p.Threshold); err != nil {
 			return fmt.Errorf("panic: threshold %v", err)
 		}
 	}

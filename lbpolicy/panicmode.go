@@ -1,12 +1,8 @@
 package lbpolicy
 
 import (
-	"fmt"
-	"strconv"
-	"strings"
 	"sync/atomic"
 
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -75,29 +71,3 @@ func (m *panicMode) transition(on bool, avail, total int) {
 
 // percent returns the threshold as configured, in percent.
 func (m *panicMode) percent() float64 { return m.threshold * 100 }
-
-// parsePercent reads the argument of a Caddyfile percentage option (the
-// current token): "50%", "50" or "off" (0). It must lie in [0, 100]. policy
-// names the policy in error messages.
-func parsePercent(d *caddyfile.Dispenser, policy string) (float64, error) {
-	opt := d.Val()
-	if !d.NextArg() {
-		return 0, d.ArgErr()
-	}
-	raw := d.Val()
-	if raw == "off" {
-		return 0, nil
-	}
-	v, err := strconv.ParseFloat(strings.TrimSuffix(raw, "%"), 64)
-	if err != nil || checkPercent(v) != nil {
-		return 0, d.Errf("%s: invalid %s %q: want a percentage from 0%% to 100%%, or 'off'", policy, opt, raw)
-	}
-	return v, nil
-}
-
-func checkPercent(v float64) error {
-	if v < 0 || v > 100 || v != v {
-		return fmt.Errorf("must be between 0%% and 100%%, got %v%%", v)
-	}
-	return nil
-}

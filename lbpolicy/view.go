@@ -68,7 +68,7 @@ func (v *poolView) availability(pool reverseproxy.UpstreamPool, now, every int64
 	if now-v.countedAt.Load() < every {
 		return int(v.available.Load())
 	}
-	n := countAvailable(pool)
+	n := v.countAvailable(pool, now)
 	v.available.Store(int64(n))
 	v.countedAt.Store(now)
 	return n
@@ -76,12 +76,14 @@ func (v *poolView) availability(pool reverseproxy.UpstreamPool, now, every int64
 
 // availableNow counts the available members afresh, for reports: the
 // cached count is only kept up to date while panic mode is enabled.
-func (v *poolView) availableNow() int { return countAvailable(v.ups) }
+func (v *poolView) availableNow() int { return v.countAvailable(v.ups, hoststate.Now()) }
 
-func countAvailable(pool reverseproxy.UpstreamPool) int {
+// countAvailable counts the members Caddy deems available and, where the
+// view tracks member state, that are not ejected.
+func (v *poolView) countAvailable(pool reverseproxy.UpstreamPool, now int64) int {
 	n := 0
-	for _, u := range pool {
-		if u.Available() {
+	for i, u := range pool {
+		if u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now)) {
 			n++
 		}
 	}

@@ -47,6 +47,11 @@ type Stats struct {
 	lastFailureNs atomic.Int64
 	pending       atomic.Int64 // round trips waiting for response headers
 
+	consecutive    atomic.Int64 // failed attempts in a row
+	ejectedUntilNs atomic.Int64 // Now() until which the host is ejected
+	ejections      atomic.Int64 // ejections in a row: the backoff multiplier
+	ejectionsTotal atomic.Uint64
+
 	// host is Caddy's own per-address record (in-flight requests, passive
 	// failures), remembered from the last request so the admin API can show
 	// it. Selection reads it from the pool directly.
@@ -133,6 +138,10 @@ type Snapshot struct {
 	Pending      int64
 	InFlight     int // Caddy's count of requests in flight
 	PassiveFails int // Caddy's passive health-check failure count
+	// EjectedFor is how long the host stays ejected; 0 when it is not.
+	EjectedFor     time.Duration
+	Ejections      uint64 // times ejected, in total
+	ConsecFailures int64
 }
 
 // Snapshot reads the state without locking.
@@ -149,9 +158,51 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	if lf := s.lastFailureNs.Load(); lf != 0 {
 		snap.SinceFailure = time.Duration(now - lf)
 	}
+	if until := s.ejectedUntilNs.Load(); until > now {
+		snap.EjectedFor = time.Duration(until - now)
+	}
+	snap.Ejections = s.ejectionsTotal.Load()
+	snap.ConsecFailures = s.consecutive.Load()
 	if h := s.host.Load(); h != nil {
 		snap.InFlight = h.NumRequests()
 		snap.PassiveFails = h.Fails()
 	}
 	return snap
+}
+
+// Outlier state: written by healthx's outlier detection under no lock of
+// ours (each field is a single atomic), read by selection.
+
+// RecordOutcome counts one attempt for outlier detection and returns the
+// number of consecutive failed attempts, 0 after a success.
+func (s *Stats) RecordOutcome(failed bool) int64 {
+	if !failed {
+		s.consecutive.Store(0)
+		return 0
+	}
+	return s.consecutive.Add(1)
+}
+
+// Ejected reports whether the upstream is ejected at now.
+func (s *Stats) Ejected(now int64) bool { return s.ejectedUntilNs.Load() > now }
+
+// Eject marks the upstream ejected until until and returns how many times
+// it has been ejected in a row (the backoff multiplier), counting this one.
+// A multiplier that was not used for decay periods is first reduced by one
+// per period, so a host that behaved for a while starts again near the
+// base ejection time.
+func (s *Stats) Eject(now int64, decay time.Duration, duration func(multiplier int64) time.Duration) (until int64, multiplier int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := s.ejections.Load()
+	if last := s.ejectedUntilNs.Load(); m > 0 && last > 0 && decay > 0 {
+		m = max(m-(now-last)/int64(decay), 0)
+	}
+	m++
+	until = now + int64(duration(m))
+	s.ejections.Store(m)
+	s.ejectionsTotal.Add(1)
+	s.ejectedUntilNs.Store(until)
+	s.consecutive.Store(0)
+	return until, m
 }

@@ -191,3 +191,15 @@ func References(dial string) int {
 	n, _ := registry.References(dial)
 	return n
 }
+
+// CountEjected returns how many of this table's upstreams are ejected at
+// now, and how many upstreams it has.
+func (t *Table) CountEjected(now int64) (ejected, total int) {
+	m := *t.byDial.Load()
+	for _, s := range m {
+		if s.Ejected(now) {
+			ejected++
+		}
+	}
+	return ejected, len(m)
+}

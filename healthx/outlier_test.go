@@ -1,0 +1,158 @@
+package healthx
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+func newOutlier(t *testing.T, o Outlier) *Outlier {
+	o.Provision(zap.NewNop())
+	if err := o.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	return &o
+}
+
+func TestMayEjectCap(t *testing.T) {
+	o := newOutlier(t, Outlier{})
+	cases := []struct {
+		ejected, total int
+		want           bool
+	}{
+		{0, 1, true},   // one-host pool: one may always be ejected
+		{1, 1, false},  // all hosts ejected
+		{0, 4, true},   // 10% of 4 < 1: still one
+		{1, 4, false},  // exactly at the cap
+		{1, 20, true},  // 10% of 20 = 2
+		{2, 20, false}, // exactly at the cap
+	}
+	for _, c := range cases {
+		if got := o.mayEject(c.ejected, c.total); got != c.want {
+			t.Errorf("mayEject(%d of %d) = %v, want %v", c.ejected, c.total, got, c.want)
+		}
+	}
+	half := 50.0
+	o = newOutlier(t, Outlier{MaxEjectionPercent: &half})
+	if !o.mayEject(1, 4) || o.mayEject(2, 4) {
+		t.Error("50% of 4 must allow exactly 2")
+	}
+}
+
+func TestEjectionTimeBackoff(t *testing.T) {
+	o := newOutlier(t, Outlier{BaseEjectionTime: caddy.Duration(30 * time.Second), MaxEjectionTime: caddy.Duration(100 * time.Second)})
+	for m, want := range map[int64]time.Duration{1: 30 * time.Second, 2: 60 * time.Second, 3: 90 * time.Second, 4: 100 * time.Second, 50: 100 * time.Second} {
+		if got := o.ejectionTime(m); got != want {
+			t.Errorf("ejection %d: %v, want %v", m, got, want)
+		}
+	}
+}
+
+func TestJudgeEjectsAfterConsecutiveFailures(t *testing.T) {
+	o := newOutlier(t, Outlier{Consecutive: 3, BaseEjectionTime: caddy.Duration(time.Hour)})
+	table := hoststate.NewTable(hoststate.Config{})
+	t.Cleanup(table.Release)
+	names := []string{t.Name() + "-a", t.Name() + "-b", t.Name() + "-c", t.Name() + "-d", t.Name() + "-e", t.Name() + "-f", t.Name() + "-g", t.Name() + "-h", t.Name() + "-i", t.Name() + "-j"}
+	for _, n := range names {
+		table.Stats(n)
+	}
+	a, b := table.Stats(names[0]), table.Stats(names[1])
+
+	o.judge(table, a, names[0], true)
+	o.judge(table, a, names[0], true)
+	o.judge(table, a, names[0], false) // a success resets the count
+	o.judge(table, a, names[0], true)
+	o.judge(table, a, names[0], true)
+	if a.Ejected(hoststate.Now()) {
+		t.Fatal("ejected without 3 failures in a row")
+	}
+	o.judge(table, a, names[0], true)
+	if !a.Ejected(hoststate.Now()) {
+		t.Fatal("3 failures in a row must eject")
+	}
+	// 10% of 10 upstreams: a second ejection is refused at the cap.
+	for range 5 {
+		o.judge(table, b, names[1], true)
+	}
+	if b.Ejected(hoststate.Now()) {
+		t.Fatal("ejected beyond max_ejection_percent")
+	}
+	if snap := a.Snapshot(hoststate.Now()); snap.Ejections != 1 || snap.EjectedFor < 59*time.Minute {
+		t.Fatalf("snapshot after one ejection: %+v", snap)
+	}
+}
+
+func TestEjectionMultiplierGrowsAndDecays(t *testing.T) {
+	table := hoststate.NewTable(hoststate.Config{})
+	t.Cleanup(table.Release)
+	s := table.Stats(t.Name())
+	base := 10 * time.Second
+	dur := func(m int64) time.Duration { return base * time.Duration(m) }
+	now := hoststate.Now()
+	until, m := s.Eject(now, base, dur)
+	if m != 1 || until != now+int64(base) {
+		t.Fatalf("first ejection: multiplier %d, for %v", m, time.Duration(until-now))
+	}
+	// ejected again right after returning: twice as long
+	now = until + 1
+	until, m = s.Eject(now, base, dur)
+	if m != 2 || until-now != int64(2*base) {
+		t.Fatalf("second ejection in a row: multiplier %d, for %v", m, time.Duration(until-now))
+	}
+	// behaved for 2 base periods since returning: the multiplier drops by 2
+	now = until + int64(2*base)
+	if _, m = s.Eject(now, base, dur); m != 1 {
+		t.Fatalf("after behaving for two periods the multiplier must be back to 1, got %d", m)
+	}
+}
+
+func TestOutlierCaddyfile(t *testing.T) {
+	good := `outlier {
+		consecutive_failures 3
+		failure_status 500 502
+		base_ejection_time 10s
+		max_ejection_time 1m
+		max_ejection_percent 50%
+	}`
+	var o Outlier
+	d := caddyfile.NewTestDispenser(good)
+	d.Next()
+	if err := o.UnmarshalCaddyfile(d); err != nil {
+		t.Fatal(err)
+	}
+	if o.Consecutive != 3 || len(o.FailureStatus) != 2 || o.FailureStatus[0] != 500 ||
+		time.Duration(o.BaseEjectionTime) != 10*time.Second || time.Duration(o.MaxEjectionTime) != time.Minute || *o.MaxEjectionPercent != 50 {
+		t.Fatalf("parsed %+v", o)
+	}
+	for _, bad := range []struct{ in, want string }{
+		{"outlier x", "wrong argument count"},
+		{"outlier {\n nope 1\n}", `unrecognized option "nope"`},
+		{"outlier {\n consecutive_failures 0\n}", "invalid consecutive_failures"},
+		{"outlier {\n consecutive_failures\n}", "wrong argument count"},
+		{"outlier {\n failure_status 700\n}", "invalid failure_status"},
+		{"outlier {\n base_ejection_time -1s\n}", "invalid base_ejection_time"},
+		{"outlier {\n max_ejection_time soon\n}", "invalid max_ejection_time"},
+		{"outlier {\n max_ejection_percent 120%\n}", "invalid max_ejection_percent"},
+		{"outlier {\n consecutive_failures 2\n consecutive_failures 3\n}", "specified more than once"},
+		{"outlier {\n consecutive_failures 2 3\n}", "wrong argument count"},
+	} {
+		var o Outlier
+		d := caddyfile.NewTestDispenser(bad.in)
+		d.Next()
+		err := o.UnmarshalCaddyfile(d)
+		if err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("%q: error %v, want it to mention %q", bad.in, err, bad.want)
+		}
+	}
+	inverted := Outlier{BaseEjectionTime: caddy.Duration(time.Minute), MaxEjectionTime: caddy.Duration(time.Second)}
+	inverted.Provision(zap.NewNop())
+	if err := inverted.Validate(); err == nil {
+		t.Error("max_ejection_time shorter than base_ejection_time must be rejected")
+	}
+}
