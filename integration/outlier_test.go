@@ -47,6 +47,9 @@ func TestOutlierEjectsBlackHole(t *testing.T) {
 	if !ok || u.Ejections != 1 || u.EjectedMs <= 0 {
 		t.Fatalf("admin API must show the black hole ejected once: %+v", u)
 	}
+	if p, ok := report(t).pool(bs...); !ok || p.Available != 3 || p.Upstreams[3].Available {
+		t.Fatalf("pool report must count the ejected upstream as unavailable: %+v", p)
+	}
 	for _, b := range bs[:3] {
 		if u, _ := report(t).upstream(b.addr); u.Ejections != 0 {
 			t.Fatalf("healthy %s ejected: %+v", b.name, u)

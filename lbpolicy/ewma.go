@@ -279,7 +279,7 @@ func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
 		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{
 			Dial:       u.Dial,
 			Weight:     1 / v.members[i].invWeight,
-			Available:  u.Available(),
+			Available:  u.Available() && !v.members[i].stats.Ejected(now),
 			EstimateMs: &est,
 		})
 	}

@@ -25,9 +25,11 @@ type PoolReport struct {
 
 // PoolMember is one upstream of a pool.
 type PoolMember struct {
-	Dial      string  `json:"dial"`
-	Weight    float64 `json:"weight"`
-	Available bool    `json:"available"`
+	Dial   string  `json:"dial"`
+	Weight float64 `json:"weight"`
+	// Available is Caddy's availability (health checks, max_requests)
+	// and, for policies with outlier ejection, not ejected.
+	Available bool `json:"available"`
 	// EstimateMs is the latency estimate this pool uses for the member
 	// (decayed toward the pool's typical latency), in milliseconds; absent
 	// for policies that do not estimate latency.
