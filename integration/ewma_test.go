@@ -23,10 +23,7 @@ import (
 // when a request arrives, it picks the slow one whenever it is free.
 func TestEWMADegradedBackendGetsSmallShare(t *testing.T) {
 	e := newEnv(t)
-	var bs []*backend
-	for i := range 4 {
-		bs = append(bs, e.backend(fmt.Sprintf("b%d", i), plainHTTP))
-	}
+	bs := e.startBackends(4)
 	slow := bs[3]
 	slow.delay.Store(int64(40 * time.Millisecond))
 

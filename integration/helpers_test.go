@@ -351,6 +351,16 @@ const (
 	proxyProto             // cleartext HTTP/1.1 behind a PROXY protocol listener (header required)
 )
 
+// startBackends starts n plain HTTP backends named b0, b1, ….
+func (e *env) startBackends(n int) []*backend {
+	e.t.Helper()
+	bs := make([]*backend, n)
+	for i := range bs {
+		bs[i] = e.backend(fmt.Sprintf("b%d", i), plainHTTP)
+	}
+	return bs
+}
+
 // backend starts a backend of the given kind; it is closed in the test's
 // cleanup, after Caddy has let go of it.
 func (e *env) backend(name string, kind backendKind) *backend {

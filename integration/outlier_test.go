@@ -11,10 +11,7 @@ import (
 // outlier ejection takes it out after a few failures in a row.
 func TestOutlierEjectsBlackHole(t *testing.T) {
 	e := newEnv(t)
-	var bs []*backend
-	for i := range 4 {
-		bs = append(bs, e.backend(fmt.Sprintf("b%d", i), plainHTTP))
-	}
+	bs := e.startBackends(4)
 	hole := bs[3]
 	hole.status.Store(http.StatusServiceUnavailable)
 

@@ -11,13 +11,9 @@ import (
 // panicPool starts four backends for the panic tests: every one answers
 // normal requests, and the last `failing` of them fail /health.
 func panicPool(e *env, failing int) []*backend {
-	var bs []*backend
-	for i := range 4 {
-		b := e.backend(fmt.Sprintf("b%d", i), plainHTTP)
-		if i >= 4-failing {
-			b.healthCode.Store(http.StatusServiceUnavailable)
-		}
-		bs = append(bs, b)
+	bs := e.startBackends(4)
+	for _, b := range bs[4-failing:] {
+		b.healthCode.Store(http.StatusServiceUnavailable)
 	}
 	return bs
 }
