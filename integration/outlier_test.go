@@ -2,7 +2,9 @@ package integration
 
 import (
 	"fmt"
+	"io"
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -46,6 +48,23 @@ func TestOutlierEjectsBlackHole(t *testing.T) {
 	}
 	if p, ok := report(t).pool(bs...); !ok || p.Available != 3 || p.Upstreams[3].Available {
 		t.Fatalf("pool report must count the ejected upstream as unavailable: %+v", p)
+	}
+	// The same in Prometheus form, on Caddy's admin /metrics.
+	res2, err := adminClient.Get("http://" + adminAddr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(res2.Body)
+	res2.Body.Close()
+	for _, want := range []string{
+		fmt.Sprintf(`caddy_lbx_upstream_ejected{upstream=%q} 1`, hole.addr),
+		fmt.Sprintf(`caddy_lbx_upstream_ejections_total{reason="consecutive_failures",upstream=%q} 1`, hole.addr),
+		fmt.Sprintf(`caddy_lbx_upstream_ejected{upstream=%q} 0`, bs[0].addr),
+		`caddy_lbx_pool_panic{policy="ewma"`,
+	} {
+		if !strings.Contains(string(metrics), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
 	}
 	for _, b := range bs[:3] {
 		if u, _ := report(t).upstream(b.addr); u.Ejections != 0 {

@@ -107,6 +107,9 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
 		}
 	}
+	if err := healthx.RegisterMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %v", err)
+	}
 	hoststate.RegisterPool(s)
 	return nil
 }

@@ -62,6 +62,9 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		p.innerName = string(mod.(caddy.Module).CaddyModule().ID.Name())
 	}
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger())
+	if err := healthx.RegisterMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %v", err)
+	}
 	hoststate.RegisterPool(p)
 	return nil
 }

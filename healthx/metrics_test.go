@@ -1,0 +1,74 @@
+package healthx
+
+import (
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+func TestMetricsExposeUpstreamState(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	if err := reg.Register(collector); err != nil {
+		t.Fatal(err)
+	}
+	table := hoststate.NewTable(hoststate.Config{})
+	t.Cleanup(table.Release)
+	dial := t.Name() + ":80"
+	s := table.Stats(dial)
+	start := s.Begin()
+	table.Observe(s, start-int64(4*time.Millisecond), hoststate.Success)
+	s.Eject(hoststate.Now(), time.Minute, func(int64) time.Duration { return time.Minute })
+
+	// Gather checks the pedantic registry's consistency rules too.
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]float64{
+		"caddy_lbx_upstream_ejected":         1,
+		"caddy_lbx_upstream_ejections_total": 1,
+		"caddy_lbx_upstream_samples_total":   1,
+		"caddy_lbx_upstream_failures_total":  0,
+	}
+	found := map[string]bool{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			if !hasLabel(m.GetLabel(), "upstream", dial) {
+				continue
+			}
+			found[mf.GetName()] = true
+			v := m.GetGauge().GetValue() + m.GetCounter().GetValue()
+			if w, ok := want[mf.GetName()]; ok && v != w {
+				t.Errorf("%s = %v, want %v", mf.GetName(), v, w)
+			}
+			if mf.GetName() == "caddy_lbx_upstream_latency_estimate_seconds" && (v < 0.004 || v > 0.1) {
+				t.Errorf("latency estimate %v s, want ≈0.004", v)
+			}
+		}
+	}
+	for name := range want {
+		if !found[name] {
+			t.Errorf("metric %s missing for %s", name, dial)
+		}
+	}
+	if !found["caddy_lbx_upstream_latency_estimate_seconds"] {
+		t.Error("latency estimate missing")
+	}
+	if n, err := testutil.GatherAndCount(reg, "caddy_lbx_upstream_ejected"); err != nil || n == 0 {
+		t.Fatalf("GatherAndCount: %d, %v", n, err)
+	}
+}
+
+func hasLabel(labels []*dto.LabelPair, name, value string) bool {
+	for _, l := range labels {
+		if l.GetName() == name && l.GetValue() == value {
+			return true
+		}
+	}
+	return false
+}
