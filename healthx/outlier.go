@@ -42,6 +42,7 @@ type Outlier struct {
 	MaxEjectionPercent *float64 `json:"max_ejection_percent,omitempty"`
 
 	logger *zap.Logger
+	events Emitter
 }
 
 // Outlier defaults, as in Envoy.
@@ -52,9 +53,10 @@ const (
 	DefaultMaxEjectionPercent  = 10.0
 )
 
-// Provision applies defaults.
-func (o *Outlier) Provision(logger *zap.Logger) {
-	o.logger = logger
+// Provision applies defaults and sets where ejections are logged and
+// announced.
+func (o *Outlier) Provision(logger *zap.Logger, events Emitter) {
+	o.logger, o.events = logger, events
 	if o.Consecutive == 0 {
 		o.Consecutive = DefaultConsecutiveFailures
 	}
@@ -128,11 +130,15 @@ func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, fai
 		return
 	}
 	until, m := s.Eject(now, time.Duration(o.BaseEjectionTime), o.ejectionTime)
+	d := time.Duration(until - now)
 	if ce := o.logger.Check(zap.WarnLevel, "upstream ejected"); ce != nil {
 		ce.Write(zap.String("upstream", dial), zap.String("reason", "consecutive_failures"),
 			zap.Int("consecutive_failures", o.Consecutive), zap.Int64("ejections_in_a_row", m),
-			zap.Duration("for", time.Duration(until-now)))
+			zap.Duration("for", d))
 	}
+	o.events.Emit(EventUpstreamEjected, map[string]any{
+		"host": dial, "reason": "consecutive_failures", "for_ms": d.Milliseconds(), "ejections_in_a_row": m,
+	})
 }
 
 // UnmarshalCaddyfile reads an outlier block, the dispenser on its name:

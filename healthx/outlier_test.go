@@ -13,7 +13,7 @@ import (
 )
 
 func newOutlier(t *testing.T, o Outlier) *Outlier {
-	o.Provision(zap.NewNop())
+	o.Provision(zap.NewNop(), Emitter{})
 	if err := o.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -151,7 +151,7 @@ func TestOutlierCaddyfile(t *testing.T) {
 		}
 	}
 	inverted := Outlier{BaseEjectionTime: caddy.Duration(time.Minute), MaxEjectionTime: caddy.Duration(time.Second)}
-	inverted.Provision(zap.NewNop())
+	inverted.Provision(zap.NewNop(), Emitter{})
 	if err := inverted.Validate(); err == nil {
 		t.Error("max_ejection_time shorter than base_ejection_time must be rejected")
 	}

@@ -89,11 +89,12 @@ func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
 // transport so latency is observed.
 func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
-	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger)
+	events := healthx.NewEmitter(ctx)
+	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
 	s.table = hoststate.NewTable(hoststate.Config{Tau: time.Duration(s.Decay)})
 
 	if s.Outlier != nil {
-		s.Outlier.Provision(s.logger)
+		s.Outlier.Provision(s.logger, events)
 	}
 	h, err := healthx.Install(ctx, s.table, s.Outlier)
 	switch {

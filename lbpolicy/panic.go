@@ -61,7 +61,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		p.inner = sel
 		p.innerName = string(mod.(caddy.Module).CaddyModule().ID.Name())
 	}
-	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger())
+	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), healthx.NewEmitter(ctx))
 	if err := healthx.RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}

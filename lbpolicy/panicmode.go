@@ -3,6 +3,7 @@ package lbpolicy
 import (
 	"sync/atomic"
 
+	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -20,17 +21,18 @@ type panicMode struct {
 	countEvery int64
 	policy     string
 	logger     *zap.Logger
+	events     healthx.Emitter
 
 	on      atomic.Bool
 	entered atomic.Uint64
 }
 
-func newPanicMode(percent *float64, policy string, logger *zap.Logger) panicMode {
+func newPanicMode(percent *float64, policy string, logger *zap.Logger, events healthx.Emitter) panicMode {
 	p := DefaultPanicThreshold
 	if percent != nil {
 		p = *percent
 	}
-	return panicMode{threshold: p / 100, countEvery: countEvery, policy: policy, logger: logger}
+	return panicMode{threshold: p / 100, countEvery: countEvery, policy: policy, logger: logger, events: events}
 }
 
 // check reports whether pool (described by v) is in panic mode at now: fewer
@@ -54,11 +56,14 @@ func (m *panicMode) decide(avail, total int) bool {
 }
 
 func (m *panicMode) transition(on bool, avail, total int) {
-	msg, lvl := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel
+	msg, lvl, event := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel, healthx.EventPanicLeft
 	if on {
 		m.entered.Add(1)
-		msg, lvl = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel
+		msg, lvl, event = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel, healthx.EventPanicEntered
 	}
+	m.events.Emit(event, map[string]any{
+		"policy": m.policy, "available": avail, "upstreams": total, "threshold_percent": m.threshold * 100,
+	})
 	if ce := m.logger.Check(lvl, msg); ce != nil {
 		ce.Write(
 			zap.String("policy", m.policy),

@@ -1,0 +1,72 @@
+package healthx
+
+import (
+	"context"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+// recorder is an event handler that keeps what it is given.
+type recorder chan caddy.Event
+
+func (r recorder) Handle(_ context.Context, e caddy.Event) error {
+	r <- e
+	return nil
+}
+
+// subscribe returns a context with an events app and a channel receiving
+// the named events.
+func subscribe(t *testing.T, names ...string) (caddy.Context, recorder) {
+	t.Helper()
+	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	app, err := ctx.App("events") // reverse_proxy loads it the same way
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := make(recorder, 16)
+	for _, n := range names {
+		if err := app.(*caddyevents.App).On(n, rec); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return ctx, rec
+}
+
+func TestEjectionEmitsEvent(t *testing.T) {
+	ctx, rec := subscribe(t, EventUpstreamEjected)
+	o := Outlier{Consecutive: 2}
+	o.Provision(zap.NewNop(), NewEmitter(ctx))
+	table := hoststate.NewTable(hoststate.Config{})
+	t.Cleanup(table.Release)
+	dial := t.Name() + ":80"
+	s := table.Stats(dial)
+	o.judge(table, s, dial, true)
+	if len(rec) != 0 {
+		t.Fatal("event before the host was ejected")
+	}
+	o.judge(table, s, dial, true)
+	select {
+	case e := <-rec:
+		if e.Name() != EventUpstreamEjected || e.Data["host"] != dial || e.Data["reason"] != "consecutive_failures" || e.Data["for_ms"] != int64(30000) {
+			t.Fatalf("event %s %v", e.Name(), e.Data)
+		}
+	default:
+		t.Fatal("no upstream_ejected event")
+	}
+}
+
+func TestEmitterWithoutEventsAppIsSilent(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	e := NewEmitter(ctx)
+	e.Emit(EventPanicEntered, map[string]any{"x": 1}) // must not panic
+	Emitter{}.Emit(EventPanicLeft, nil)
+}
