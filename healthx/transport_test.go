@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy/fastcgi"
+	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
@@ -217,5 +218,43 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	}
 	if f := table.Stats(u.Dial).Snapshot(hoststate.Now()).Failures; f != 1 {
 		t.Fatalf("a client that went away is not the upstream's failure: failures=%d", f)
+	}
+}
+
+// instant answers at once, for measuring the observer's own cost.
+type instant struct{}
+
+func (instant) RoundTrip(*http.Request) (*http.Response, error) {
+	return &http.Response{StatusCode: 200, Body: http.NoBody}, nil
+}
+
+// BenchmarkObserve measures what observation adds to one proxied attempt:
+// the same request through the bare inner transport and through the
+// observing one, with and without outlier detection.
+//
+//	go test ./healthx -run '^$' -bench Observe -benchmem
+func BenchmarkObserve(b *testing.B) {
+	table := hoststate.NewTable(hoststate.Config{})
+	b.Cleanup(table.Release)
+	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: "bench:80"}
+	req := request(context.Background(), u, false)
+	o := Outlier{}
+	o.Provision(zap.NewNop(), Emitter{})
+	for _, c := range []struct {
+		name string
+		rt   http.RoundTripper
+	}{
+		{"bare", instant{}},
+		{"observed", &ObservingTransport{inner: instant{}, table: table}},
+		{"observed_outlier", &ObservingTransport{inner: instant{}, table: table, outlier: &o}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := c.rt.RoundTrip(req); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }

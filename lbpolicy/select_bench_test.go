@@ -46,6 +46,7 @@ func BenchmarkSelect(b *testing.B) {
 	policies := []struct{ name, json string }{
 		{"ewma_choices_2", `{"policy":"ewma","choices":2}`},
 		{"ewma_choices_all", `{"policy":"ewma","choices":"all"}`},
+		{"ewma_choices_2_outlier", `{"policy":"ewma","choices":2,"outlier":{}}`},
 		{"stock_random_choose_2", `{"policy":"random_choose","choose":2}`},
 		{"stock_least_conn", `{"policy":"least_conn"}`},
 		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`},
