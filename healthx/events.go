@@ -12,6 +12,9 @@ const (
 	// EventUpstreamEjected: outlier detection ejected an upstream. Data:
 	// host, reason, for_ms, ejections_in_a_row.
 	EventUpstreamEjected = "upstream_ejected"
+	// EventUpstreamRestored: an ejected upstream's time ran out; announced
+	// with the first attempt made to it afterwards. Data: host.
+	EventUpstreamRestored = "upstream_restored"
 	// EventPanicEntered: a pool entered panic mode. Data: policy,
 	// available, upstreams, threshold_percent.
 	EventPanicEntered = "panic_entered"

@@ -3,6 +3,7 @@ package healthx
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -69,4 +70,36 @@ func TestEmitterWithoutEventsAppIsSilent(t *testing.T) {
 	e := NewEmitter(ctx)
 	e.Emit(EventPanicEntered, map[string]any{"x": 1}) // must not panic
 	Emitter{}.Emit(EventPanicLeft, nil)
+}
+
+func TestRestorationEmitsEventOnce(t *testing.T) {
+	ctx, rec := subscribe(t, EventUpstreamRestored)
+	o := Outlier{Consecutive: 1, BaseEjectionTime: caddy.Duration(time.Millisecond)}
+	o.Provision(zap.NewNop(), NewEmitter(ctx))
+	table := hoststate.NewTable(hoststate.Config{})
+	t.Cleanup(table.Release)
+	dial := t.Name() + ":80"
+	s := table.Stats(dial)
+	o.judge(table, s, dial, true) // ejected for 1ms
+	if !s.Ejected(hoststate.Now()) {
+		t.Fatal("not ejected")
+	}
+	if s.TakeRestored(hoststate.Now()) {
+		t.Fatal("restored while still ejected")
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for s.Ejected(hoststate.Now()) {
+		if time.Now().After(deadline) {
+			t.Fatal("ejection of 1ms did not end")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	o.judge(table, s, dial, false)
+	o.judge(table, s, dial, false)
+	if len(rec) != 1 {
+		t.Fatalf("want exactly one upstream_restored event, got %d", len(rec))
+	}
+	if e := <-rec; e.Data["host"] != dial {
+		t.Fatalf("event data %v", e.Data)
+	}
 }

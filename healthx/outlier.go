@@ -118,6 +118,12 @@ func (o *Outlier) mayEject(ejected, total int) bool {
 func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, failed bool) {
 	n := s.RecordOutcome(failed)
 	now := hoststate.Now()
+	if s.TakeRestored(now) {
+		if ce := o.logger.Check(zap.InfoLevel, "upstream restored after ejection"); ce != nil {
+			ce.Write(zap.String("upstream", dial))
+		}
+		o.events.Emit(EventUpstreamRestored, map[string]any{"host": dial})
+	}
 	if n < int64(o.Consecutive) || s.Ejected(now) {
 		return
 	}

@@ -51,6 +51,7 @@ type Stats struct {
 	ejectedUntilNs atomic.Int64 // Now() until which the host is ejected
 	ejections      atomic.Int64 // ejections in a row: the backoff multiplier
 	ejectionsTotal atomic.Uint64
+	restoreDue     atomic.Bool // ejected, and its return not yet announced
 
 	// host is Caddy's own per-address record (in-flight requests, passive
 	// failures), remembered from the last request so the admin API can show
@@ -204,5 +205,13 @@ func (s *Stats) Eject(now int64, decay time.Duration, duration func(multiplier i
 	s.ejectionsTotal.Add(1)
 	s.ejectedUntilNs.Store(until)
 	s.consecutive.Store(0)
+	s.restoreDue.Store(true)
 	return until, m
+}
+
+// TakeRestored reports, once per ejection, that the upstream's ejection
+// has ended: true for the first caller at or after the end, false before
+// and after.
+func (s *Stats) TakeRestored(now int64) bool {
+	return s.restoreDue.Load() && !s.Ejected(now) && s.restoreDue.CompareAndSwap(true, false)
 }
