@@ -17,11 +17,10 @@ const DefaultPanicThreshold = 50.0
 // upstreams that health should be ignored, and logs and counts the
 // transitions. It is shared by the ewma policy and the panic wrapper.
 type panicMode struct {
-	threshold  float64 // fraction of the pool, 0 disables
-	countEvery int64
-	policy     string
-	logger     *zap.Logger
-	events     healthx.Emitter
+	threshold float64 // fraction of the pool, 0 disables
+	policy    string
+	logger    *zap.Logger
+	events    healthx.Emitter
 
 	on      atomic.Bool
 	entered atomic.Uint64
@@ -32,7 +31,7 @@ func newPanicMode(percent *float64, policy string, logger *zap.Logger, events he
 	if percent != nil {
 		p = *percent
 	}
-	return panicMode{threshold: p / 100, countEvery: countEvery, policy: policy, logger: logger, events: events}
+	return panicMode{threshold: p / 100, policy: policy, logger: logger, events: events}
 }
 
 // check reports whether pool (described by v) is in panic mode at now: fewer
@@ -42,7 +41,7 @@ func (m *panicMode) check(v *poolView, pool reverseproxy.UpstreamPool, now int64
 	if m.threshold <= 0 {
 		return false
 	}
-	return m.decide(v.availability(pool, now, m.countEvery), len(pool))
+	return m.decide(v.availability(pool, now), len(pool))
 }
 
 // decide applies the threshold to a count of available upstreams and

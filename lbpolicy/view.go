@@ -63,9 +63,9 @@ func newView(pool reverseproxy.UpstreamPool) *poolView {
 }
 
 // availability returns how many members of pool are available, counting
-// again when the last count is older than every.
-func (v *poolView) availability(pool reverseproxy.UpstreamPool, now, every int64) int {
-	if now-v.countedAt.Load() < every {
+// again when the last count is older than countEvery.
+func (v *poolView) availability(pool reverseproxy.UpstreamPool, now int64) int {
+	if now-v.countedAt.Load() < countEvery {
 		return int(v.available.Load())
 	}
 	n := v.countAvailable(pool, now)
