@@ -108,17 +108,8 @@ func TestEWMAUnmarshalCaddyfile(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			s := new(EWMASelection)
 			err := s.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tt.input))
-			if tt.err != "" {
-				if err == nil {
-					t.Fatalf("no error; want one containing %q", tt.err)
-				}
-				if !strings.Contains(err.Error(), tt.err) {
-					t.Fatalf("wrong error\n got: %v\nwant it to contain: %s", err, tt.err)
-				}
+			if !wantErr(t, err, tt.err) {
 				return
-			}
-			if err != nil {
-				t.Fatalf("unexpected error: %v", err)
 			}
 			if s.Choices != tt.choices {
 				t.Errorf("Choices = %v, want %v", s.Choices, tt.choices)
@@ -206,17 +197,8 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			p := new(PanicSelection)
 			err := p.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tt.input))
-			if tt.err != "" {
-				if err == nil {
-					t.Fatalf("no error; want one containing %q", tt.err)
-				}
-				if !strings.Contains(err.Error(), tt.err) {
-					t.Fatalf("wrong error\n got: %v\nwant it to contain: %s", err, tt.err)
-				}
+			if !wantErr(t, err, tt.err) {
 				return
-			}
-			if err != nil {
-				t.Fatalf("unexpected error: %v", err)
 			}
 			if !equalPercent(p.Threshold, tt.threshold) {
 				t.Errorf("Threshold = %s, want %s", fmtPercent(p.Threshold), fmtPercent(tt.threshold))
@@ -386,4 +368,20 @@ func TestChoicesString(t *testing.T) {
 			t.Errorf("Choices(%d).String() = %q, want %q", int(c), got, want)
 		}
 	}
+}
+
+// wantErr checks err against want: an error containing want, or no error
+// when want is empty. It reports whether the test should go on to check
+// the parsed value (no error was wanted).
+func wantErr(t *testing.T, err error, want string) bool {
+	t.Helper()
+	switch {
+	case want == "" && err != nil:
+		t.Fatalf("unexpected error: %v", err)
+	case want != "" && err == nil:
+		t.Fatalf("no error; want one containing %q", want)
+	case want != "" && !strings.Contains(err.Error(), want):
+		t.Fatalf("wrong error\n got: %v\nwant it to contain: %s", err, want)
+	}
+	return want == ""
 }
