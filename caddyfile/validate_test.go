@@ -46,6 +46,34 @@ func TestValidateJSON(t *testing.T) {
 			policy:    `{"policy": "ewma", "weights": [1, 3]}`,
 		},
 		{
+			name:      "ewma slow start",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "slow_start": {"window": "30s", "min_weight_percent": 5, "aggression": 2}}`,
+		},
+		{
+			name:      "ewma slow start without a window",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "slow_start": {"min_weight_percent": 5}}`,
+			wantErr:   "slow_start: window must be a positive duration, got 0s",
+		},
+		{
+			name:      "ewma slow start floor 0",
+			upstreams: 3,
+			policy:    `{"policy": "ewma", "slow_start": {"window": "30s", "min_weight_percent": 0}}`,
+			wantErr:   "slow_start: min_weight_percent must be above 0 and at most 100, got 0",
+		},
+		{
+			name:      "panic with outlier around a stock policy",
+			upstreams: 3,
+			policy:    `{"policy": "panic", "outlier": {"consecutive_failures": 3}, "selection_policy": {"policy": "least_conn"}}`,
+		},
+		{
+			name:      "panic with outlier around ewma",
+			upstreams: 3,
+			policy:    `{"policy": "panic", "outlier": {}, "selection_policy": {"policy": "ewma"}}`,
+			wantErr:   "panic: configure outlier ejection inside the ewma policy, not around it",
+		},
+		{
 			name:      "ewma too few weights",
 			upstreams: 3,
 			policy:    `{"policy": "ewma", "weights": [1, 2]}`,

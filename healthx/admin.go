@@ -61,9 +61,15 @@ type UpstreamView struct {
 	PassiveFails     int     `json:"passive_fails"`
 	// EjectedForMs is how long the upstream stays ejected by outlier
 	// detection, in milliseconds; 0 when it is not ejected.
-	EjectedForMs        float64 `json:"ejected_for_ms"`
-	Ejections           uint64  `json:"ejections_total"`
-	ConsecutiveFailures int64   `json:"consecutive_failures"`
+	EjectedForMs float64 `json:"ejected_for_ms"`
+	Ejections    uint64  `json:"ejections_total"`
+	// EjectionReason is why the upstream is ejected now, or was last
+	// ejected: "consecutive_failures", "success_rate" or
+	// "failure_percentage"; absent when it never was.
+	EjectionReason string `json:"ejection_reason,omitempty"`
+	// EjectionsByReason splits ejections_total by reason.
+	EjectionsByReason   map[string]uint64 `json:"ejections_by_reason"`
+	ConsecutiveFailures int64             `json:"consecutive_failures"`
 }
 
 // Report is the body of GET /lbx/upstreams.
@@ -91,7 +97,14 @@ func BuildReport() Report {
 
 			EjectedForMs:        float64(s.EjectedFor) / 1e6,
 			Ejections:           s.Ejections,
+			EjectionsByReason:   make(map[string]uint64, len(s.Outlier.ByReason)),
 			ConsecutiveFailures: s.ConsecFailures,
+		}
+		for r, n := range s.Outlier.ByReason {
+			v.EjectionsByReason[hoststate.EjectReason(r).String()] = n
+		}
+		if s.Outlier.HasEjected {
+			v.EjectionReason = s.Outlier.LastReason.String()
 		}
 		if s.Samples == 0 {
 			v.EstimateHuman = "no samples yet"

@@ -28,7 +28,10 @@ var ErrNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handl
 // The handler then sees a transport that implements every optional
 // interface the inner one does, with neutral answers otherwise.
 //
-// With a non-nil outlier, every attempt also feeds outlier ejection.
+// With a non-nil outlier, every attempt also feeds outlier ejection, and a
+// goroutine applies its interval rules (success rate, failure percentage)
+// to table until ctx is done. When the handler also has active health
+// checks, probes that pass end an ejection early.
 //
 // Install returns the handler it instrumented.
 func Install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reverseproxy.Handler, error) {
@@ -45,6 +48,13 @@ func Install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reve
 		return h, nil
 	}
 	wrapper := &ObservingTransport{inner: h.Transport, table: table, outlier: outlier}
+	if outlier != nil && !outlier.KeepEjectedOnHealthCheck && h.HealthChecks != nil {
+		probe, err := newProbeRule(h.HealthChecks.Active)
+		if err != nil {
+			return nil, err
+		}
+		wrapper.probe = probe
+	}
 	if h.Transport == nil {
 		def := new(reverseproxy.HTTPTransport)
 		if err := def.Provision(ctx); err != nil {
@@ -62,6 +72,12 @@ func Install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reve
 		if u != nil && u.Dial != "" {
 			table.Stats(u.Dial)
 		}
+	}
+	if outlier != nil {
+		// Success-rate and failure-percentage ejection: one loop per
+		// handler, ended with the config (its context is cancelled when
+		// it is unloaded or fails to provision).
+		outlier.startSweeping(table, ctx.Done())
 	}
 	return h, nil
 }

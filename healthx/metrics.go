@@ -52,7 +52,9 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ejected = 1
 		}
 		ch <- prometheus.MustNewConstMetric(descEjected, prometheus.GaugeValue, ejected, s.Dial)
-		ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(s.Ejections), s.Dial, "consecutive_failures")
+		for r, n := range s.Outlier.ByReason {
+			ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), s.Dial, hoststate.EjectReason(r).String())
+		}
 	}
 	// Several handlers may serve the same pool with the same policy: one
 	// series per (policy, upstreams), panicking if any of them is.

@@ -20,9 +20,10 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 	t.Cleanup(table.Release)
 	dial := t.Name() + ":80"
 	s := table.Stats(dial)
+	// Ejected first: an ejection may reset the latency estimate.
+	s.Eject(hoststate.Now(), time.Minute, func(int64) time.Duration { return time.Minute }, hoststate.ReasonSuccessRate)
 	start := s.Begin()
 	table.Observe(s, start-int64(4*time.Millisecond), hoststate.Success)
-	s.Eject(hoststate.Now(), time.Minute, func(int64) time.Duration { return time.Minute })
 
 	// Gather checks the pedantic registry's consistency rules too.
 	mfs, err := reg.Gather()
@@ -30,11 +31,12 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := map[string]float64{
-		"caddy_lbx_upstream_ejected":         1,
-		"caddy_lbx_upstream_ejections_total": 1,
-		"caddy_lbx_upstream_samples_total":   1,
-		"caddy_lbx_upstream_failures_total":  0,
+		"caddy_lbx_upstream_ejected":        1,
+		"caddy_lbx_upstream_samples_total":  1,
+		"caddy_lbx_upstream_failures_total": 0,
 	}
+	// One ejection series per reason, zero for the reasons not seen yet.
+	wantEjections := map[string]float64{"consecutive_failures": 0, "success_rate": 1, "failure_percentage": 0}
 	found := map[string]bool{}
 	for _, mf := range mfs {
 		for _, m := range mf.GetMetric() {
@@ -43,6 +45,13 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 			}
 			found[mf.GetName()] = true
 			v := m.GetGauge().GetValue() + m.GetCounter().GetValue()
+			if mf.GetName() == "caddy_lbx_upstream_ejections_total" {
+				reason := labelValue(m.GetLabel(), "reason")
+				if w, ok := wantEjections[reason]; !ok || v != w {
+					t.Errorf("ejections_total{reason=%q} = %v, want %v (known: %v)", reason, v, w, ok)
+				}
+				delete(wantEjections, reason)
+			}
 			if w, ok := want[mf.GetName()]; ok && v != w {
 				t.Errorf("%s = %v, want %v", mf.GetName(), v, w)
 			}
@@ -56,12 +65,24 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 			t.Errorf("metric %s missing for %s", name, dial)
 		}
 	}
+	if len(wantEjections) != 0 {
+		t.Errorf("no ejections_total series for reasons %v", wantEjections)
+	}
 	if !found["caddy_lbx_upstream_latency_estimate_seconds"] {
 		t.Error("latency estimate missing")
 	}
 	if n, err := testutil.GatherAndCount(reg, "caddy_lbx_upstream_ejected"); err != nil || n == 0 {
 		t.Fatalf("GatherAndCount: %d, %v", n, err)
 	}
+}
+
+func labelValue(labels []*dto.LabelPair, name string) string {
+	for _, l := range labels {
+		if l.GetName() == name {
+			return l.GetValue()
+		}
+	}
+	return ""
 }
 
 func hasLabel(labels []*dto.LabelPair, name, value string) bool {

@@ -14,12 +14,14 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// Outlier configures outlier ejection from live traffic: an upstream that
-// fails Consecutive attempts in a row is taken out of selection for a
-// while, like Envoy's consecutive-5xx outlier detection. An ejected
-// upstream returns by itself when its time is up; each ejection in a row
-// lasts longer (base × number of ejections, capped), and the multiplier
-// shrinks again while the upstream behaves.
+// Outlier configures outlier ejection from live traffic, like Envoy's
+// outlier detection: an upstream is taken out of selection for a while when
+// it fails Consecutive attempts in a row, when (every Interval) its success
+// rate is far below that of the rest of the pool, or, if
+// FailurePercentageThreshold is set, when its share of failed attempts is
+// above that threshold. An ejected upstream returns by itself when its time
+// is up; each ejection in a row lasts longer (base × number of ejections,
+// capped), and the multiplier shrinks again while the upstream behaves.
 type Outlier struct {
 	// Failed attempts in a row that eject an upstream. Default: 5.
 	Consecutive int `json:"consecutive_failures,omitempty"`
@@ -38,11 +40,62 @@ type Outlier struct {
 	// The most upstreams of the pool that may be ejected at once, in
 	// percent; one upstream may always be ejected. An upstream that
 	// reaches the failure count while the pool is at the cap stays in
-	// (and is logged). Default: 10.
+	// (and is logged); the interval rules eject the worst upstreams first
+	// and log the ones left in once per evaluation. Default: 10.
 	MaxEjectionPercent *float64 `json:"max_ejection_percent,omitempty"`
+
+	// How often success rates and failure percentages are evaluated; each
+	// evaluation looks at the attempts judged since the previous one.
+	// Default: 10s.
+	Interval caddy.Duration `json:"interval,omitempty"`
+
+	// Turns success-rate ejection off. It is on by default: every
+	// Interval, when at least SuccessRateMinHosts upstreams of the pool
+	// had at least SuccessRateMinRequests attempts each, an upstream among
+	// them whose success rate is below mean − SuccessRateStdevFactor ×
+	// standard deviation (of those upstreams' success rates) is ejected.
+	// Default: false.
+	DisableSuccessRate bool `json:"disable_success_rate,omitempty"`
+
+	// How many upstreams must have had SuccessRateMinRequests attempts in
+	// an interval for success rates to be compared. Default: 5.
+	SuccessRateMinHosts int `json:"success_rate_min_hosts,omitempty"`
+
+	// How many attempts an upstream needs in an interval for its success
+	// rate to count. Default: 100.
+	SuccessRateMinRequests int `json:"success_rate_min_requests,omitempty"`
+
+	// How many standard deviations below the mean success rate an
+	// upstream's must be for it to be ejected. Default: 1.9.
+	SuccessRateStdevFactor float64 `json:"success_rate_stdev_factor,omitempty"`
+
+	// Failure percentage, from 0 to 100, above which an upstream with
+	// FailurePercentageMinRequests attempts in an interval is ejected,
+	// provided at least FailurePercentageMinHosts upstreams had that many.
+	// Default: none (failure-percentage ejection is off).
+	FailurePercentageThreshold *float64 `json:"failure_percentage_threshold,omitempty"`
+
+	// How many upstreams must have had FailurePercentageMinRequests
+	// attempts in an interval for failure percentages to be judged.
+	// Default: 5.
+	FailurePercentageMinHosts int `json:"failure_percentage_min_hosts,omitempty"`
+
+	// How many attempts an upstream needs in an interval for its failure
+	// percentage to be judged. Default: 50.
+	FailurePercentageMinRequests int `json:"failure_percentage_min_requests,omitempty"`
+
+	// Keeps an ejected upstream out until its time is up even when the
+	// handler's active health checks pass. By default, as in Envoy, as
+	// many passing checks in a row as health_passes end an ejection
+	// early; turn that off when the health endpoint can pass while real
+	// requests fail. Default: false.
+	KeepEjectedOnHealthCheck bool `json:"keep_ejected_on_health_check,omitempty"`
 
 	logger *zap.Logger
 	events Emitter
+	// sweepDone is closed when the interval loop started by Install ends;
+	// nil when none was started.
+	sweepDone chan struct{}
 }
 
 // Outlier defaults, as in Envoy.
@@ -51,6 +104,13 @@ const (
 	DefaultBaseEjectionTime    = 30 * time.Second
 	DefaultMaxEjectionTime     = 300 * time.Second
 	DefaultMaxEjectionPercent  = 10.0
+
+	DefaultOutlierInterval              = 10 * time.Second
+	DefaultSuccessRateMinHosts          = 5
+	DefaultSuccessRateMinRequests       = 100
+	DefaultSuccessRateStdevFactor       = 1.9
+	DefaultFailurePercentageMinHosts    = 5
+	DefaultFailurePercentageMinRequests = 50
 )
 
 // Provision applies defaults and sets where ejections are logged and
@@ -73,6 +133,24 @@ func (o *Outlier) Provision(logger *zap.Logger, events Emitter) {
 		p := DefaultMaxEjectionPercent
 		o.MaxEjectionPercent = &p
 	}
+	if o.Interval == 0 {
+		o.Interval = caddy.Duration(DefaultOutlierInterval)
+	}
+	if o.SuccessRateMinHosts == 0 {
+		o.SuccessRateMinHosts = DefaultSuccessRateMinHosts
+	}
+	if o.SuccessRateMinRequests == 0 {
+		o.SuccessRateMinRequests = DefaultSuccessRateMinRequests
+	}
+	if o.SuccessRateStdevFactor == 0 {
+		o.SuccessRateStdevFactor = DefaultSuccessRateStdevFactor
+	}
+	if o.FailurePercentageMinHosts == 0 {
+		o.FailurePercentageMinHosts = DefaultFailurePercentageMinHosts
+	}
+	if o.FailurePercentageMinRequests == 0 {
+		o.FailurePercentageMinRequests = DefaultFailurePercentageMinRequests
+	}
 }
 
 // Validate checks the configuration.
@@ -87,6 +165,20 @@ func (o *Outlier) Validate() error {
 			time.Duration(o.MaxEjectionTime), time.Duration(o.BaseEjectionTime))
 	case o.MaxEjectionPercent != nil && CheckPercent(*o.MaxEjectionPercent) != nil:
 		return fmt.Errorf("outlier: max_ejection_percent must be between 0 and 100, got %v", *o.MaxEjectionPercent)
+	case o.Interval <= 0:
+		return fmt.Errorf("outlier: interval must be positive, got %v", time.Duration(o.Interval))
+	case o.SuccessRateMinHosts < 1:
+		return fmt.Errorf("outlier: success_rate_min_hosts must be at least 1, got %d", o.SuccessRateMinHosts)
+	case o.SuccessRateMinRequests < 1:
+		return fmt.Errorf("outlier: success_rate_min_requests must be at least 1, got %d", o.SuccessRateMinRequests)
+	case !(o.SuccessRateStdevFactor > 0) || math.IsInf(o.SuccessRateStdevFactor, 0):
+		return fmt.Errorf("outlier: success_rate_stdev_factor must be a positive number, got %v", o.SuccessRateStdevFactor)
+	case o.FailurePercentageThreshold != nil && CheckPercent(*o.FailurePercentageThreshold) != nil:
+		return fmt.Errorf("outlier: failure_percentage_threshold must be between 0 and 100, got %v", *o.FailurePercentageThreshold)
+	case o.FailurePercentageMinHosts < 1:
+		return fmt.Errorf("outlier: failure_percentage_min_hosts must be at least 1, got %d", o.FailurePercentageMinHosts)
+	case o.FailurePercentageMinRequests < 1:
+		return fmt.Errorf("outlier: failure_percentage_min_requests must be at least 1, got %d", o.FailurePercentageMinRequests)
 	}
 	for _, c := range o.FailureStatus {
 		if c < 100 || c > 599 {
@@ -119,10 +211,7 @@ func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, fai
 	n := s.RecordOutcome(failed)
 	now := hoststate.Now()
 	if s.TakeRestored(now) {
-		if ce := o.logger.Check(zap.InfoLevel, "upstream restored after ejection"); ce != nil {
-			ce.Write(zap.String("upstream", dial))
-		}
-		o.events.Emit(EventUpstreamRestored, map[string]any{"host": dial})
+		o.announceRestored(dial, "ejection_time_elapsed")
 	}
 	if n < int64(o.Consecutive) || s.Ejected(now) {
 		return
@@ -130,35 +219,67 @@ func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, fai
 	ejected, total := t.CountEjected(now)
 	if !o.mayEject(ejected, total) {
 		if ce := o.logger.Check(zap.WarnLevel, "outlier not ejected: pool at max_ejection_percent"); ce != nil && n == int64(o.Consecutive) {
-			ce.Write(zap.String("upstream", dial), zap.Int("ejected", ejected), zap.Int("upstreams", total),
+			ce.Write(zap.String("upstream", dial), zap.String("reason", hoststate.ReasonConsecutiveFailures.String()),
+				zap.Int("ejected", ejected), zap.Int("upstreams", total),
 				zap.Float64("max_ejection_percent", *o.MaxEjectionPercent))
 		}
 		return
 	}
-	until, m := s.Eject(now, time.Duration(o.BaseEjectionTime), o.ejectionTime)
+	o.eject(s, now, hoststate.ReasonConsecutiveFailures, zap.Int("consecutive_failures", o.Consecutive))
+}
+
+// eject ejects s for reason, with the backoff multiplier, and logs and
+// announces it; detail is added to the log line. It is the one ejection
+// path of every rule. It reports false when s was already ejected.
+func (o *Outlier) eject(s *hoststate.Stats, now int64, reason hoststate.EjectReason, detail ...zap.Field) bool {
+	until, m, ok := s.Eject(now, time.Duration(o.BaseEjectionTime), o.ejectionTime, reason)
+	if !ok {
+		return false
+	}
 	d := time.Duration(until - now)
 	if ce := o.logger.Check(zap.WarnLevel, "upstream ejected"); ce != nil {
-		ce.Write(zap.String("upstream", dial), zap.String("reason", "consecutive_failures"),
-			zap.Int("consecutive_failures", o.Consecutive), zap.Int64("ejections_in_a_row", m),
-			zap.Duration("for", d))
+		fields := append([]zap.Field{zap.String("upstream", s.Dial()), zap.String("reason", reason.String())}, detail...)
+		ce.Write(append(fields, zap.Int64("ejections_in_a_row", m), zap.Duration("for", d))...)
 	}
 	o.events.Emit(EventUpstreamEjected, map[string]any{
-		"host": dial, "reason": "consecutive_failures", "for_ms": d.Milliseconds(), "ejections_in_a_row": m,
+		"host": s.Dial(), "reason": reason.String(), "for_ms": d.Milliseconds(), "ejections_in_a_row": m,
 	})
+	return true
 }
 
 // UnmarshalCaddyfile reads an outlier block, the dispenser on its name:
 //
 //	outlier {
-//		consecutive_failures <n>
-//		failure_status       <code...>
-//		base_ejection_time   <duration>
-//		max_ejection_time    <duration>
-//		max_ejection_percent <percent>
+//		consecutive_failures            <n>
+//		failure_status                  <code...>
+//		base_ejection_time              <duration>
+//		max_ejection_time               <duration>
+//		max_ejection_percent            <percent>
+//		interval                        <duration>
+//		success_rate                    on|off
+//		success_rate_min_hosts          <n>
+//		success_rate_min_requests       <n>
+//		success_rate_stdev_factor       <factor>
+//		failure_percentage_threshold    <percent>|off
+//		failure_percentage_min_hosts    <n>
+//		failure_percentage_min_requests <n>
+//		health_check_restore            on|off
 //	}
 func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
+	}
+	counts := map[string]*int{
+		"consecutive_failures":            &o.Consecutive,
+		"success_rate_min_hosts":          &o.SuccessRateMinHosts,
+		"success_rate_min_requests":       &o.SuccessRateMinRequests,
+		"failure_percentage_min_hosts":    &o.FailurePercentageMinHosts,
+		"failure_percentage_min_requests": &o.FailurePercentageMinRequests,
+	}
+	durations := map[string]*caddy.Duration{
+		"base_ejection_time": &o.BaseEjectionTime,
+		"max_ejection_time":  &o.MaxEjectionTime,
+		"interval":           &o.Interval,
 	}
 	seen := map[string]bool{}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
@@ -168,15 +289,16 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 		seen[opt] = true
 		switch opt {
-		case "consecutive_failures":
+		case "consecutive_failures", "success_rate_min_hosts", "success_rate_min_requests",
+			"failure_percentage_min_hosts", "failure_percentage_min_requests":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
 			n, err := strconv.Atoi(d.Val())
 			if err != nil || n < 1 {
-				return d.Errf("outlier: invalid consecutive_failures %q: want a whole number of at least 1", d.Val())
+				return d.Errf("outlier: invalid %s %q: want a whole number of at least 1", opt, d.Val())
 			}
-			o.Consecutive = n
+			*counts[opt] = n
 		case "failure_status":
 			args := d.RemainingArgs()
 			if len(args) == 0 {
@@ -190,7 +312,7 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				}
 				o.FailureStatus = append(o.FailureStatus, c)
 			}
-		case "base_ejection_time", "max_ejection_time":
+		case "base_ejection_time", "max_ejection_time", "interval":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
@@ -198,10 +320,35 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil || dur <= 0 {
 				return d.Errf("outlier: invalid %s %q: want a positive duration", opt, d.Val())
 			}
-			if opt == "base_ejection_time" {
-				o.BaseEjectionTime = caddy.Duration(dur)
+			*durations[opt] = caddy.Duration(dur)
+		case "success_rate", "health_check_restore":
+			on, err := parseOnOff(d)
+			if err != nil {
+				return err
+			}
+			if opt == "success_rate" {
+				o.DisableSuccessRate = !on
 			} else {
-				o.MaxEjectionTime = caddy.Duration(dur)
+				o.KeepEjectedOnHealthCheck = !on
+			}
+		case "success_rate_stdev_factor":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			f, err := strconv.ParseFloat(d.Val(), 64)
+			if err != nil || !(f > 0) || math.IsInf(f, 0) {
+				return d.Errf("outlier: invalid success_rate_stdev_factor %q: want a positive number", d.Val())
+			}
+			o.SuccessRateStdevFactor = f
+		case "failure_percentage_threshold":
+			p, err := ParsePercent(d, "outlier")
+			if err != nil {
+				return err
+			}
+			if d.Val() == "off" {
+				o.FailurePercentageThreshold = nil
+			} else {
+				o.FailurePercentageThreshold = &p
 			}
 		case "max_ejection_percent":
 			p, err := ParsePercent(d, "outlier")
@@ -217,4 +364,20 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	return nil
+}
+
+// parseOnOff reads the argument of an on/off option, the dispenser on the
+// option's name.
+func parseOnOff(d *caddyfile.Dispenser) (bool, error) {
+	opt := d.Val()
+	if !d.NextArg() {
+		return false, d.ArgErr()
+	}
+	switch d.Val() {
+	case "on":
+		return true, nil
+	case "off":
+		return false, nil
+	}
+	return false, d.Errf("outlier: invalid %s %q: want 'on' or 'off'", opt, d.Val())
 }

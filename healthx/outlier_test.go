@@ -1,6 +1,7 @@
 package healthx
 
 import (
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -95,20 +96,28 @@ func TestEjectionMultiplierGrowsAndDecays(t *testing.T) {
 	base := 10 * time.Second
 	dur := func(m int64) time.Duration { return base * time.Duration(m) }
 	now := hoststate.Now()
-	until, m := s.Eject(now, base, dur)
-	if m != 1 || until != now+int64(base) {
+	until, m, ok := s.Eject(now, base, dur, hoststate.ReasonConsecutiveFailures)
+	if !ok || m != 1 || until != now+int64(base) {
 		t.Fatalf("first ejection: multiplier %d, for %v", m, time.Duration(until-now))
+	}
+	// still ejected: a second rule (or handler) ejecting it changes nothing
+	if u, m2, ok := s.Eject(now+1, base, dur, hoststate.ReasonSuccessRate); ok || u != until || m2 != 1 {
+		t.Fatalf("ejecting an ejected upstream: ok %v, until %d (want %d), multiplier %d", ok, u, until, m2)
 	}
 	// ejected again right after returning: twice as long
 	now = until + 1
-	until, m = s.Eject(now, base, dur)
+	until, m, _ = s.Eject(now, base, dur, hoststate.ReasonSuccessRate)
 	if m != 2 || until-now != int64(2*base) {
 		t.Fatalf("second ejection in a row: multiplier %d, for %v", m, time.Duration(until-now))
 	}
 	// behaved for 2 base periods since returning: the multiplier drops by 2
 	now = until + int64(2*base)
-	if _, m = s.Eject(now, base, dur); m != 1 {
+	if _, m, _ = s.Eject(now, base, dur, hoststate.ReasonFailurePercentage); m != 1 {
 		t.Fatalf("after behaving for two periods the multiplier must be back to 1, got %d", m)
+	}
+	snap := s.Snapshot(now).Outlier
+	if want := [hoststate.NumEjectReasons]uint64{1, 1, 1}; snap.ByReason != want || !snap.HasEjected || snap.LastReason != hoststate.ReasonFailurePercentage {
+		t.Fatalf("ejections by reason %v, last %v (%v); want %v, failure_percentage", snap.ByReason, snap.LastReason, snap.HasEjected, want)
 	}
 }
 
@@ -154,5 +163,125 @@ func TestOutlierCaddyfile(t *testing.T) {
 	inverted.Provision(zap.NewNop(), Emitter{})
 	if err := inverted.Validate(); err == nil {
 		t.Error("max_ejection_time shorter than base_ejection_time must be rejected")
+	}
+}
+
+func TestOutlierIntervalRulesCaddyfile(t *testing.T) {
+	good := `outlier {
+		interval 5s
+		success_rate off
+		success_rate_min_hosts 3
+		success_rate_min_requests 20
+		success_rate_stdev_factor 1.5
+		failure_percentage_threshold 85%
+		failure_percentage_min_hosts 4
+		failure_percentage_min_requests 10
+	}`
+	var o Outlier
+	d := caddyfile.NewTestDispenser(good)
+	d.Next()
+	if err := o.UnmarshalCaddyfile(d); err != nil {
+		t.Fatal(err)
+	}
+	if time.Duration(o.Interval) != 5*time.Second || !o.DisableSuccessRate || o.SuccessRateMinHosts != 3 ||
+		o.SuccessRateMinRequests != 20 || o.SuccessRateStdevFactor != 1.5 ||
+		o.FailurePercentageThreshold == nil || *o.FailurePercentageThreshold != 85 ||
+		o.FailurePercentageMinHosts != 4 || o.FailurePercentageMinRequests != 10 {
+		t.Fatalf("parsed %+v", o)
+	}
+	for in, check := range map[string]func(Outlier) bool{
+		"outlier {\n success_rate on\n}":                  func(o Outlier) bool { return !o.DisableSuccessRate },
+		"outlier {\n health_check_restore off\n}":         func(o Outlier) bool { return o.KeepEjectedOnHealthCheck },
+		"outlier {\n health_check_restore on\n}":          func(o Outlier) bool { return !o.KeepEjectedOnHealthCheck },
+		"outlier {\n failure_percentage_threshold off\n}": func(o Outlier) bool { return o.FailurePercentageThreshold == nil },
+		"outlier {\n failure_percentage_threshold 0\n}": func(o Outlier) bool {
+			return o.FailurePercentageThreshold != nil && *o.FailurePercentageThreshold == 0
+		},
+	} {
+		var o Outlier
+		d := caddyfile.NewTestDispenser(in)
+		d.Next()
+		if err := o.UnmarshalCaddyfile(d); err != nil || !check(o) {
+			t.Errorf("%q: parsed %+v, error %v", in, o, err)
+		}
+	}
+	for _, bad := range []struct{ in, want string }{
+		{"outlier {\n interval\n}", "wrong argument count"},
+		{"outlier {\n interval 0s\n}", `invalid interval "0s": want a positive duration`},
+		{"outlier {\n interval often\n}", `invalid interval "often"`},
+		{"outlier {\n interval 1s 2s\n}", "wrong argument count"},
+		{"outlier {\n success_rate\n}", "wrong argument count"},
+		{"outlier {\n success_rate maybe\n}", `invalid success_rate "maybe": want 'on' or 'off'`},
+		{"outlier {\n success_rate off on\n}", "wrong argument count"},
+		{"outlier {\n health_check_restore\n}", "wrong argument count"},
+		{"outlier {\n health_check_restore never\n}", `invalid health_check_restore "never": want 'on' or 'off'`},
+		{"outlier {\n success_rate_min_hosts\n}", "wrong argument count"},
+		{"outlier {\n success_rate_min_hosts 0\n}", `invalid success_rate_min_hosts "0": want a whole number of at least 1`},
+		{"outlier {\n success_rate_min_hosts 2.5\n}", `invalid success_rate_min_hosts "2.5"`},
+		{"outlier {\n success_rate_min_requests\n}", "wrong argument count"},
+		{"outlier {\n success_rate_min_requests -1\n}", `invalid success_rate_min_requests "-1"`},
+		{"outlier {\n success_rate_stdev_factor\n}", "wrong argument count"},
+		{"outlier {\n success_rate_stdev_factor 0\n}", `invalid success_rate_stdev_factor "0": want a positive number`},
+		{"outlier {\n success_rate_stdev_factor -1.9\n}", `invalid success_rate_stdev_factor "-1.9"`},
+		{"outlier {\n success_rate_stdev_factor NaN\n}", `invalid success_rate_stdev_factor "NaN"`},
+		{"outlier {\n success_rate_stdev_factor Inf\n}", `invalid success_rate_stdev_factor "Inf"`},
+		{"outlier {\n success_rate_stdev_factor wide\n}", `invalid success_rate_stdev_factor "wide"`},
+		{"outlier {\n failure_percentage_threshold\n}", "wrong argument count"},
+		{"outlier {\n failure_percentage_threshold 101%\n}", `invalid failure_percentage_threshold "101%"`},
+		{"outlier {\n failure_percentage_threshold many\n}", `invalid failure_percentage_threshold "many"`},
+		{"outlier {\n failure_percentage_threshold 50 60\n}", "wrong argument count"},
+		{"outlier {\n failure_percentage_min_hosts\n}", "wrong argument count"},
+		{"outlier {\n failure_percentage_min_hosts 0\n}", `invalid failure_percentage_min_hosts "0"`},
+		{"outlier {\n failure_percentage_min_requests\n}", "wrong argument count"},
+		{"outlier {\n failure_percentage_min_requests x\n}", `invalid failure_percentage_min_requests "x"`},
+		{"outlier {\n interval 1s\n interval 2s\n}", "interval specified more than once"},
+	} {
+		var o Outlier
+		d := caddyfile.NewTestDispenser(bad.in)
+		d.Next()
+		err := o.UnmarshalCaddyfile(d)
+		if err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("%q: error %v, want it to mention %q", bad.in, err, bad.want)
+		}
+	}
+}
+
+func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
+	o := newOutlier(t, Outlier{})
+	if time.Duration(o.Interval) != 10*time.Second || o.DisableSuccessRate || o.SuccessRateMinHosts != 5 ||
+		o.SuccessRateMinRequests != 100 || o.SuccessRateStdevFactor != 1.9 || o.FailurePercentageThreshold != nil ||
+		o.FailurePercentageMinHosts != 5 || o.FailurePercentageMinRequests != 50 {
+		t.Fatalf("defaults %+v", *o)
+	}
+	if !o.sweeps() {
+		t.Fatal("success-rate ejection must be on by default")
+	}
+	if o := newOutlier(t, Outlier{DisableSuccessRate: true}); o.sweeps() {
+		t.Fatal("with success_rate off and no failure_percentage_threshold nothing is swept")
+	}
+	if o := newOutlier(t, Outlier{DisableSuccessRate: true, FailurePercentageThreshold: pct(50)}); !o.sweeps() {
+		t.Fatal("failure_percentage_threshold turns sweeping on")
+	}
+	nan := math.NaN()
+	for _, bad := range []struct {
+		o    Outlier
+		want string
+	}{
+		{Outlier{Interval: caddy.Duration(-time.Second)}, "interval must be positive, got -1s"},
+		{Outlier{SuccessRateMinHosts: -1}, "success_rate_min_hosts must be at least 1, got -1"},
+		{Outlier{SuccessRateMinRequests: -5}, "success_rate_min_requests must be at least 1, got -5"},
+		{Outlier{SuccessRateStdevFactor: -1}, "success_rate_stdev_factor must be a positive number, got -1"},
+		{Outlier{SuccessRateStdevFactor: nan}, "success_rate_stdev_factor must be a positive number, got NaN"},
+		{Outlier{SuccessRateStdevFactor: math.Inf(1)}, "success_rate_stdev_factor must be a positive number, got +Inf"},
+		{Outlier{FailurePercentageThreshold: pct(120)}, "failure_percentage_threshold must be between 0 and 100, got 120"},
+		{Outlier{FailurePercentageThreshold: &nan}, "failure_percentage_threshold must be between 0 and 100, got NaN"},
+		{Outlier{FailurePercentageMinHosts: -2}, "failure_percentage_min_hosts must be at least 1, got -2"},
+		{Outlier{FailurePercentageMinRequests: -3}, "failure_percentage_min_requests must be at least 1, got -3"},
+	} {
+		o := bad.o
+		o.Provision(zap.NewNop(), Emitter{})
+		if err := o.Validate(); err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("%+v: error %v, want it to mention %q", bad.o, err, bad.want)
+		}
 	}
 }

@@ -33,6 +33,12 @@ type ObservingTransport struct {
 	inner   http.RoundTripper
 	table   *hoststate.Table
 	outlier *Outlier // nil: no outlier ejection
+	// probe, when set (outlier ejection and active health checks are
+	// both on), lets passing health checks end an ejection early.
+	probe *probeRule
+	// budget, when set, counts the retries in flight that a policy's
+	// retry budget granted.
+	budget *RetryBudget
 	// owned is a transport this package created in place of reverse_proxy's
 	// default one; it is cleaned up with the wrapper.
 	owned caddy.CleanerUpper
@@ -45,21 +51,42 @@ func (t *ObservingTransport) Inner() http.RoundTripper { return t.inner }
 func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
 	di, ok := reverseproxy.GetDialInfo(ctx)
-	if !ok || di.Upstream == nil || ctx.Value(caddyhttp.VarsCtxKey) == nil {
+	if !ok || di.Upstream == nil {
 		return t.inner.RoundTrip(req)
+	}
+	vars, _ := ctx.Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if vars == nil {
+		// an active health check: not traffic, so not observed
+		if t.probe != nil {
+			return t.roundTripProbe(req, di.Upstream.Dial)
+		}
+		return t.inner.RoundTrip(req)
+	}
+	if t.budget != nil && t.budget.isRetry(vars) {
+		t.budget.inFlight.Add(1)
+		defer t.budget.inFlight.Add(-1)
 	}
 	s := t.table.Stats(di.Upstream.Dial)
 	s.SetHost(di.Upstream.Host)
 	start := s.Begin()
 	resp, err := t.inner.RoundTrip(req)
 	outcome := classify(ctx, err)
+	if outcome == hoststate.Success && t.outlier != nil && t.outlier.failedStatus(resp.StatusCode) {
+		// An instant 503 is not a fast answer: charged as a failure, it
+		// makes the upstream look slower at once, so the retry of this
+		// very request (lb_retry_match on the status) goes elsewhere.
+		outcome = hoststate.Failure
+	}
 	t.table.Observe(s, start, outcome)
 	if t.outlier != nil && outcome != hoststate.Abandoned {
-		failed := outcome == hoststate.Failure || t.outlier.failedStatus(resp.StatusCode)
-		t.outlier.judge(t.table, s, di.Upstream.Dial, failed)
+		t.outlier.judge(t.table, s, di.Upstream.Dial, outcome == hoststate.Failure)
 	}
 	return resp, err
 }
+
+// CountRetries makes the transport count the retries in flight that b
+// granted.
+func (t *ObservingTransport) CountRetries(b *RetryBudget) { t.budget = b }
 
 // classify tells a dead or slow upstream from a client that went away.
 func classify(ctx context.Context, err error) hoststate.Outcome {

@@ -18,12 +18,28 @@ import (
 //		decay           <duration>
 //		weights         <w1> <w2> ...
 //		panic_threshold <percent>|off
+//		retry_budget [<percent>] [{
+//			min_concurrent <n>
+//		}]
+//		slow_start <window> [{
+//			min_weight <percent>
+//			aggression <number>
+//		}]
 //		outlier {
-//			consecutive_failures <n>
-//			failure_status       <code...>
-//			base_ejection_time   <duration>
-//			max_ejection_time    <duration>
-//			max_ejection_percent <percent>
+//			consecutive_failures            <n>
+//			failure_status                  <code...>
+//			base_ejection_time              <duration>
+//			max_ejection_time               <duration>
+//			max_ejection_percent            <percent>
+//			interval                        <duration>
+//			success_rate                    on|off
+//			success_rate_min_hosts          <n>
+//			success_rate_min_requests       <n>
+//			success_rate_stdev_factor       <factor>
+//			failure_percentage_threshold    <percent>|off
+//			failure_percentage_min_hosts    <n>
+//			failure_percentage_min_requests <n>
+//			health_check_restore            on|off
 //		}
 //	}
 func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -83,6 +99,16 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := s.Outlier.UnmarshalCaddyfile(d); err != nil {
 				return err
 			}
+		case "slow_start":
+			s.SlowStart = new(healthx.SlowStart)
+			if err := s.SlowStart.UnmarshalCaddyfile(d); err != nil {
+				return err
+			}
+		case "retry_budget":
+			s.RetryBudget = new(healthx.RetryBudget)
+			if err := s.RetryBudget.UnmarshalCaddyfile(d); err != nil {
+				return err
+			}
 		default:
 			return d.Errf("ewma: unrecognized option %q", opt)
 		}
@@ -98,6 +124,7 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //
 //	lb_policy panic {
 //		threshold <percent>|off
+//		outlier { <as in ewma> }
 //		policy    <name> [<args...>] [{
 //			<policy options>
 //		}]
@@ -121,6 +148,14 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			p.Threshold = &v
+		case "outlier":
+			if p.Outlier != nil {
+				return d.Err("panic: outlier specified more than once")
+			}
+			p.Outlier = new(healthx.Outlier)
+			if err := p.Outlier.UnmarshalCaddyfile(d); err != nil {
+				return err
+			}
 		case "policy":
 			if p.PolicyRaw != nil {
 				return d.Err("panic: policy specified more than once")

@@ -70,7 +70,7 @@ func TestEWMAUnmarshalCaddyfile(t *testing.T) {
 
 		{name: "argument after the name", input: "ewma foo", err: "wrong argument count or unexpected line ending after 'foo', at Testfile:1"},
 		{name: "argument before the block", input: "ewma 2 {\n\tdecay 1s\n}", err: "wrong argument count or unexpected line ending after '2', at Testfile:1"},
-		{name: "unknown option", input: "ewma {\n\tchoices 2\n\tslow_start 30s\n}", err: `ewma: unrecognized option "slow_start", at Testfile:3`},
+		{name: "unknown option", input: "ewma {\n\tchoices 2\n\tslow_begin 30s\n}", err: `ewma: unrecognized option "slow_begin", at Testfile:3`},
 		{name: "repeated option", input: "ewma {\n\tdecay 10s\n\tchoices 2\n\tdecay 20s\n}", err: "ewma: decay specified more than once, at Testfile:4"},
 		{name: "repeated weights", input: "ewma {\n\tweights 1 2\n\tweights 3\n}", err: "ewma: weights specified more than once, at Testfile:3"},
 
@@ -133,7 +133,10 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 		input     string
 		threshold *float64
 		policy    string // the wrapped policy's JSON; "" for none
-		err       string // error substring with its line; "" means success
+		// consecutive is the outlier block's consecutive_failures; 0
+		// when there is no outlier block
+		consecutive int
+		err         string // error substring with its line; "" means success
 	}{
 		{name: "bare", input: `panic`},
 		{name: "empty block", input: "panic {\n}"},
@@ -193,6 +196,9 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 		{name: "policy repeated", input: "panic {\n\tpolicy least_conn\n\tpolicy first\n}", err: "panic: policy specified more than once, at Testfile:3"},
 		{name: "policy argument error", input: "panic {\n\tpolicy least_conn extra\n}", err: "wrong argument count or unexpected line ending after 'extra', at Testfile:2"},
 		{name: "policy block error", input: "panic {\n\tpolicy ewma {\n\t\tchoices 2\n\t\tchoices 1\n\t}\n}", err: "ewma: choices specified more than once, at Testfile:4"},
+		{name: "outlier", input: "panic {\n\toutlier {\n\t\tconsecutive_failures 2\n\t}\n\tpolicy first\n}", policy: `{"policy":"first"}`, consecutive: 2},
+		{name: "outlier error", input: "panic {\n\toutlier {\n\t\tconsecutive_failures 0\n\t}\n}", err: `outlier: invalid consecutive_failures "0"`},
+		{name: "outlier repeated", input: "panic {\n\toutlier\n\toutlier\n}", err: "panic: outlier specified more than once, at Testfile:3"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			p := new(PanicSelection)
@@ -205,6 +211,9 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 			}
 			if got := string(p.PolicyRaw); got != tt.policy {
 				t.Errorf("PolicyRaw = %s, want %s", got, tt.policy)
+			}
+			if got := p.Outlier; (got == nil) != (tt.consecutive == 0) || got != nil && got.Consecutive != tt.consecutive {
+				t.Errorf("Outlier = %+v, want consecutive_failures %d", got, tt.consecutive)
 			}
 		})
 	}

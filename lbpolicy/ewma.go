@@ -70,6 +70,18 @@ type EWMASelection struct {
 	// as unavailable for the panic threshold.
 	Outlier *healthx.Outlier `json:"outlier,omitempty"`
 
+	// Slow start: an upstream that joins the pool, or returns to it after
+	// an ejection or after failing Caddy's health checks, gets a share
+	// that ramps up over a window instead of a full share at once. Off
+	// when absent.
+	SlowStart *healthx.SlowStart `json:"slow_start,omitempty"`
+
+	// A budget for reverse_proxy's retries: a retry (a second selection
+	// for the same request) is refused while too many retries are in
+	// flight, so a brown-out does not turn into a retry storm. Off when
+	// absent.
+	RetryBudget *healthx.RetryBudget `json:"retry_budget,omitempty"`
+
 	table    *hoststate.Table
 	observer *healthx.ObservingTransport
 	view     atomic.Pointer[poolView]
@@ -96,6 +108,12 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	if s.Outlier != nil {
 		s.Outlier.Provision(s.logger, events)
 	}
+	if s.SlowStart != nil {
+		s.SlowStart.Provision()
+	}
+	if s.RetryBudget != nil {
+		s.RetryBudget.Provision(s.logger)
+	}
 	h, err := healthx.Install(ctx, s.table, s.Outlier)
 	switch {
 	case errors.Is(err, healthx.ErrNoProxyHandler):
@@ -104,6 +122,9 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 		return err
 	default:
 		s.observer, _ = h.Transport.(*healthx.ObservingTransport)
+		if s.observer != nil && s.RetryBudget != nil {
+			s.observer.CountRetries(s.RetryBudget)
+		}
 		if len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
 			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
 		}
@@ -134,7 +155,17 @@ func (s *EWMASelection) Validate() error {
 		}
 	}
 	if s.Outlier != nil {
-		return s.Outlier.Validate()
+		if err := s.Outlier.Validate(); err != nil {
+			return err
+		}
+	}
+	if s.SlowStart != nil {
+		if err := s.SlowStart.Validate(); err != nil {
+			return err
+		}
+	}
+	if s.RetryBudget != nil {
+		return s.RetryBudget.Validate()
 	}
 	return nil
 }
@@ -153,8 +184,11 @@ func (s *EWMASelection) Cleanup() error {
 
 // Select returns the upstream with the lowest expected cost among the
 // candidates, or nil if none can be used.
-func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	if len(pool) == 0 {
+		return nil
+	}
+	if s.RetryBudget != nil && !s.RetryBudget.Admit(pool, r) {
 		return nil
 	}
 	v := s.viewFor(pool)
@@ -169,18 +203,23 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, 
 		now:   now,
 		base:  s.table.Baseline(),
 		panic: s.panic.check(v, pool, now),
+		ramp:  s.SlowStart,
 	}
-	var i int
-	switch k := s.Choices.forPool(len(pool)); {
-	case k == 0, k >= len(pool):
-		i = chooseScan(c)
-	case k == 2:
-		var ok bool
-		if i, ok = c.bestOfTwo(); !ok {
-			i = chooseBestOfK(c, 2)
+	if c.ramp != nil {
+		c.admit = rand.Float64()
+		if s.panic.threshold <= 0 {
+			// the recount is also what notices hosts coming back
+			// from Caddy-unhealthy; panic mode does it otherwise
+			v.availability(pool, now)
 		}
-	default:
-		i = chooseBestOfK(c, k)
+	}
+	k := s.Choices.forPool(len(pool))
+	i := c.choose(k)
+	if i < 0 && c.admit > 0 {
+		// Only ramping upstreams are left and this draw admitted none
+		// of them: a ramp shapes shares, it must never refuse a request.
+		c.admit = 0
+		i = c.choose(k)
 	}
 	if i < 0 && !c.panic {
 		// Nothing is available, yet the cached count said the pool was
@@ -188,6 +227,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, 
 		// none happens while nothing is chosen, so read the real clock
 		// and decide again rather than trust a stale count.
 		if c.panic = s.panic.check(v, pool, hoststate.Now()); c.panic {
+			c.admit = 0
 			i = chooseScan(c)
 		}
 	}
@@ -197,6 +237,21 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, 
 	return pool[i]
 }
 
+// choose runs the configured algorithm: a scan, or the best of k draws.
+func (c ewmaCandidates) choose(k int) int {
+	switch {
+	case k == 0, k >= len(c.pool):
+		return chooseScan(c)
+	case k == 2:
+		if i, ok := c.bestOfTwo(); ok {
+			return i
+		}
+		return chooseBestOfK(c, 2)
+	default:
+		return chooseBestOfK(c, k)
+	}
+}
+
 func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 	if v := s.view.Load(); v.matches(pool) {
 		return v
@@ -204,13 +259,55 @@ func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 	v := newView(pool)
 	v.members = make([]member, len(pool))
 	for i, u := range pool {
-		v.members[i] = member{stats: s.table.Stats(u.Dial), invWeight: 1}
+		m := &v.members[i]
+		m.stats, m.invWeight = s.table.Stats(u.Dial), 1
 		if i < len(s.Weights) && s.Weights[i] > 0 {
-			v.members[i].invWeight = 1 / float64(s.Weights[i])
+			m.invWeight = 1 / float64(s.Weights[i])
 		}
+	}
+	if s.SlowStart != nil {
+		v.returned = s.startRamp
+		s.rampNewMembers(v)
 	}
 	s.view.Store(v)
 	return v
+}
+
+// rampNewMembers starts the slow start of members that have never served
+// a request, provided some other member has: joining a pool that serves.
+// When the whole pool is new nobody ramps.
+func (s *EWMASelection) rampNewMembers(v *poolView) {
+	serving := false
+	for i := range v.members {
+		if v.members[i].stats.Served() {
+			serving = true
+			break
+		}
+	}
+	if !serving {
+		return
+	}
+	now := hoststate.Now()
+	for i := range v.members {
+		if v.members[i].stats.StartRampIfNew(now) {
+			s.logRamp(v.ups[i].Dial, "new")
+		}
+	}
+}
+
+// startRamp starts the slow start of member i of v, back from being
+// unhealthy in Caddy's eyes.
+func (s *EWMASelection) startRamp(v *poolView, i int, now int64) {
+	v.members[i].stats.StartRamp(now)
+	s.logRamp(v.ups[i].Dial, "healthy_again")
+}
+
+func (s *EWMASelection) logRamp(dial, why string) {
+	if ce := s.logger.Check(zap.InfoLevel, "upstream slow start"); ce != nil {
+		ce.Write(zap.String("upstream", dial), zap.String("reason", why),
+			zap.Duration("window", time.Duration(s.SlowStart.Window)),
+			zap.Float64("min_weight_percent", *s.SlowStart.MinWeightPercent))
+	}
 }
 
 // clockRefresh: without an observing transport (outside reverse_proxy),
@@ -226,6 +323,12 @@ type ewmaCandidates struct {
 	now   int64
 	base  float64
 	panic bool
+	// ramp is the slow start, nil when off. A ramping member is usable
+	// only when admit, drawn once per selection, is below its weight
+	// factor, so its share follows the factor even when loads are
+	// equal (a cost-weighted factor would starve it at light load).
+	ramp  *healthx.SlowStart
+	admit float64
 }
 
 func (c ewmaCandidates) Len() int { return len(c.pool) }
@@ -234,9 +337,13 @@ func (c ewmaCandidates) Len() int { return len(c.pool) }
 // "not full": panic ignores health, not max_requests.
 func (c ewmaCandidates) Usable(i int) bool {
 	if c.panic {
-		return !c.pool[i].Full()
+		if c.pool[i].Full() {
+			return false
+		}
+	} else if !c.pool[i].Available() || c.view.members[i].stats.Ejected(c.now) {
+		return false
 	}
-	return c.pool[i].Available() && !c.view.members[i].stats.Ejected(c.now)
+	return c.ramp == nil || c.admit < c.ramp.Factor(c.view.members[i].stats.RampStart(c.now), c.now)
 }
 
 func (c ewmaCandidates) Cost(i int) cost {
@@ -278,14 +385,27 @@ func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
 		Panic:          s.panic.on.Load(),
 		PanicEntered:   s.panic.entered.Load(),
 	}
+	if b := s.RetryBudget; b != nil {
+		rep.RetryBudget = &hoststate.RetryBudgetReport{
+			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.InFlight(), Refused: b.Refused(),
+		}
+	}
 	for i, u := range v.ups {
-		est := s.table.EstimateFrom(v.members[i].stats, now, base) / 1e6
-		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{
+		st := v.members[i].stats
+		est := s.table.EstimateFrom(st, now, base) / 1e6
+		m := hoststate.PoolMember{
 			Dial:       u.Dial,
 			Weight:     1 / v.members[i].invWeight,
-			Available:  u.Available() && !v.members[i].stats.Ejected(now),
+			Available:  u.Available() && !st.Ejected(now),
 			EstimateMs: &est,
-		})
+		}
+		if s.SlowStart != nil {
+			if f := s.SlowStart.Factor(st.RampStart(now), now); f < 1 {
+				pct := f * 100
+				m.SlowStartPercent = &pct
+			}
+		}
+		rep.Upstreams = append(rep.Upstreams, m)
 	}
 	return rep, true
 }

@@ -2,6 +2,7 @@ package lbpolicy
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"sync/atomic"
@@ -32,10 +33,19 @@ type PanicSelection struct {
 	// The wrapped selection policy. Default: random (Caddy's default).
 	PolicyRaw json.RawMessage `json:"selection_policy,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
+	// Outlier ejection from live traffic for the wrapped policy; off when
+	// absent. Ejected upstreams are hidden from the wrapped policy (unless
+	// the pool is in panic mode) and count as unavailable for the
+	// threshold. Not allowed around ewma, which takes its own outlier
+	// block.
+	Outlier *healthx.Outlier `json:"outlier,omitempty"`
+
 	inner     reverseproxy.Selector
 	innerName string
 	view      atomic.Pointer[poolView]
 	panic     panicMode
+	table     *hoststate.Table // nil without outlier ejection
+	observer  *healthx.ObservingTransport
 }
 
 // CaddyModule returns the Caddy module information.
@@ -61,7 +71,24 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		p.inner = sel
 		p.innerName = string(mod.(caddy.Module).CaddyModule().ID.Name())
 	}
-	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), healthx.NewEmitter(ctx))
+	events := healthx.NewEmitter(ctx)
+	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
+	if p.Outlier != nil {
+		if _, ok := p.inner.(*EWMASelection); ok {
+			return fmt.Errorf("panic: configure outlier ejection inside the ewma policy, not around it")
+		}
+		p.Outlier.Provision(ctx.Logger(), events)
+		p.table = hoststate.NewTable(hoststate.Config{})
+		h, err := healthx.Install(ctx, p.table, p.Outlier)
+		switch {
+		case errors.Is(err, healthx.ErrNoProxyHandler):
+			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection has no traffic to judge")
+		case err != nil:
+			return err
+		default:
+			p.observer, _ = h.Transport.(*healthx.ObservingTransport)
+		}
+	}
 	if err := healthx.RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
@@ -69,19 +96,29 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Validate checks the threshold.
+// Validate checks the threshold and the outlier ejection.
 func (p *PanicSelection) Validate() error {
 	if p.Threshold != nil {
 		if err := healthx.CheckPercent(*p.Threshold); err != nil {
 			return fmt.Errorf("panic: threshold %v", err)
 		}
 	}
+	if p.Outlier != nil {
+		return p.Outlier.Validate()
+	}
 	return nil
 }
 
-// Cleanup unregisters the pool from the admin API.
+// Cleanup unregisters the pool from the admin API and releases shared
+// upstream state.
 func (p *PanicSelection) Cleanup() error {
 	hoststate.UnregisterPool(p)
+	if p.table != nil {
+		p.table.Release()
+	}
+	if p.observer != nil {
+		return p.observer.Cleanup()
+	}
 	return nil
 }
 
@@ -92,7 +129,14 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 		return nil
 	}
 	v := p.viewFor(pool)
-	if !p.panic.check(v, pool, hoststate.Now()) {
+	now := hoststate.Now()
+	if !p.panic.check(v, pool, now) {
+		if v.keepUnejected {
+			v.availability(pool, now) // fresh even when panic mode is off
+			if kept := v.unejected.Load(); kept != nil {
+				return p.inner.Select(*kept, r, w)
+			}
+		}
 		return p.inner.Select(pool, r, w)
 	}
 	picked := p.inner.Select(v.shadows, r, w)
@@ -121,6 +165,13 @@ func (p *PanicSelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 		v.shadows[i] = twin
 		v.shadowOf[twin] = i
 	}
+	if p.table != nil {
+		v.members = make([]member, len(pool))
+		for i, u := range pool {
+			v.members[i].stats, v.members[i].invWeight = p.table.Stats(u.Dial), 1
+		}
+		v.keepUnejected = true
+	}
 	p.view.Store(v)
 	return v
 }
@@ -138,8 +189,10 @@ func (p *PanicSelection) ReportPool() (hoststate.PoolReport, bool) {
 		Panic:          p.panic.on.Load(),
 		PanicEntered:   p.panic.entered.Load(),
 	}
-	for _, u := range v.ups {
-		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{Dial: u.Dial, Weight: 1, Available: u.Available()})
+	now := hoststate.Now()
+	for i, u := range v.ups {
+		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
+		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{Dial: u.Dial, Weight: 1, Available: avail})
 	}
 	return rep, true
 }

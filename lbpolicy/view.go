@@ -31,13 +31,24 @@ type poolView struct {
 
 	countedAt atomic.Int64
 	available atomic.Int64
+
+	// returned, when set, is called by a count for member i that Caddy
+	// deems healthy again after an earlier count saw it unhealthy.
+	returned func(v *poolView, i int, now int64)
+
+	// unejected is the pool without its ejected members as of the last
+	// count, for wrapped policies that cannot skip ejected upstreams
+	// themselves; nil when none is ejected. Kept only when keepUnejected.
+	unejected     atomic.Pointer[[]*reverseproxy.Upstream]
+	keepUnejected bool
 }
 
 // member is what the ewma policy keeps per pool member, together so that
 // costing a candidate touches one slot.
 type member struct {
 	stats     *hoststate.Stats
-	invWeight float64 // 1 / weight
+	invWeight float64     // 1 / weight
+	down      atomic.Bool // unhealthy at the last count
 }
 
 // matches reports whether v was built from pool. It checks identity and
@@ -79,13 +90,56 @@ func (v *poolView) availability(pool reverseproxy.UpstreamPool, now int64) int {
 func (v *poolView) availableNow() int { return v.countAvailable(v.ups, hoststate.Now()) }
 
 // countAvailable counts the members Caddy deems available and, where the
-// view tracks member state, that are not ejected.
+// view tracks member state, that are not ejected. When the view watches
+// for returns, it also notes members that became healthy again.
 func (v *poolView) countAvailable(pool reverseproxy.UpstreamPool, now int64) int {
-	n := 0
+	n, ejected := 0, 0
 	for i, u := range pool {
-		if u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now)) {
+		if v.returned != nil {
+			v.noteHealth(i, u.Healthy(), now)
+		}
+		if v.members != nil && v.members[i].stats.Ejected(now) {
+			ejected++
+			continue
+		}
+		if u.Available() {
 			n++
 		}
 	}
+	if v.keepUnejected {
+		v.filterEjected(pool, ejected, now)
+	}
 	return n
+}
+
+// filterEjected updates v.unejected, given how many members are ejected.
+func (v *poolView) filterEjected(pool reverseproxy.UpstreamPool, ejected int, now int64) {
+	if ejected == 0 {
+		if v.unejected.Load() != nil {
+			v.unejected.Store(nil)
+		}
+		return
+	}
+	kept := make([]*reverseproxy.Upstream, 0, len(pool)-ejected)
+	for i, u := range pool {
+		if !v.members[i].stats.Ejected(now) {
+			kept = append(kept, u)
+		}
+	}
+	v.unejected.Store(&kept)
+}
+
+// noteHealth records member i's health as Caddy sees it and reports a
+// return from unhealthy to v.returned, once.
+func (v *poolView) noteHealth(i int, healthy bool, now int64) {
+	m := &v.members[i]
+	if !healthy {
+		if !m.down.Load() {
+			m.down.Store(true)
+		}
+		return
+	}
+	if m.down.Load() && m.down.CompareAndSwap(true, false) {
+		v.returned(v, i, now)
+	}
 }

@@ -21,6 +21,17 @@ type PoolReport struct {
 	Panic bool `json:"panic"`
 	// PanicEntered counts the times the pool entered panic mode.
 	PanicEntered uint64 `json:"panic_entered_total"`
+	// RetryBudget is the state of the pool's retry budget; absent when
+	// it has none.
+	RetryBudget *RetryBudgetReport `json:"retry_budget,omitempty"`
+}
+
+// RetryBudgetReport is the state of a retry budget.
+type RetryBudgetReport struct {
+	Percent       float64 `json:"percent"`
+	MinConcurrent int     `json:"min_concurrent"`
+	InFlight      int64   `json:"retries_in_flight"`
+	Refused       uint64  `json:"retries_refused_total"`
 }
 
 // PoolMember is one upstream of a pool.
@@ -34,6 +45,10 @@ type PoolMember struct {
 	// (decayed toward the pool's typical latency), in milliseconds; absent
 	// for policies that do not estimate latency.
 	EstimateMs *float64 `json:"estimate_ms,omitempty"`
+	// SlowStartPercent is the member's effective weight, in percent of
+	// its weight, while it ramps up after joining or returning to the
+	// pool; absent when it is not ramping.
+	SlowStartPercent *float64 `json:"slow_start_weight_percent,omitempty"`
 }
 
 // PoolReporter is implemented by selection policies that can describe their

@@ -53,10 +53,25 @@ type Stats struct {
 	ejectionsTotal atomic.Uint64
 	restoreDue     atomic.Bool // ejected, and its return not yet announced
 
+	// rampFromNs is when the host last joined or returned to a pool that
+	// was already serving (slow start); 0 if never. The end of an ejection
+	// is a return too, read from ejectedUntilNs.
+	rampFromNs atomic.Int64
+	// probePasses counts active health checks passed in a row while
+	// ejected (see Restore).
+	probePasses atomic.Int64
+
 	// host is Caddy's own per-address record (in-flight requests, passive
 	// failures), remembered from the last request so the admin API can show
 	// it. Selection reads it from the pool directly.
 	host atomic.Pointer[reverseproxy.Host]
+
+	// Outlier detection by success rate and failure percentage, and
+	// ejections by reason (see outcomes.go). The counters are cumulative
+	// and never reset: each evaluator keeps its own previous reading.
+	tally             atomic.Uint64 // judged and failed attempts, packed: see Tally
+	ejectionsByReason [NumEjectReasons]atomic.Uint64
+	lastReason        atomic.Uint32 // EjectReason+1 of the last ejection; 0 if never
 }
 
 // Destruct implements caddy.Destructor; Stats holds no resources.
@@ -143,6 +158,7 @@ type Snapshot struct {
 	EjectedFor     time.Duration
 	Ejections      uint64 // times ejected, in total
 	ConsecFailures int64
+	Outlier        EjectionSnapshot // ejections by reason
 }
 
 // Snapshot reads the state without locking.
@@ -164,6 +180,7 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	}
 	snap.Ejections = s.ejectionsTotal.Load()
 	snap.ConsecFailures = s.consecutive.Load()
+	snap.Outlier = s.ejectionSnapshot()
 	if h := s.host.Load(); h != nil {
 		snap.InFlight = h.NumRequests()
 		snap.PassiveFails = h.Fails()
@@ -175,8 +192,10 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 // ours (each field is a single atomic), read by selection.
 
 // RecordOutcome counts one attempt for outlier detection and returns the
-// number of consecutive failed attempts, 0 after a success.
+// number of consecutive failed attempts, 0 after a success. It also counts
+// the attempt for the interval rules (see Tally).
 func (s *Stats) RecordOutcome(failed bool) int64 {
+	s.countJudged(failed)
 	if !failed {
 		s.consecutive.Store(0)
 		return 0
@@ -191,10 +210,16 @@ func (s *Stats) Ejected(now int64) bool { return s.ejectedUntilNs.Load() > now }
 // it has been ejected in a row (the backoff multiplier), counting this one.
 // A multiplier that was not used for decay periods is first reduced by one
 // per period, so a host that behaved for a while starts again near the
-// base ejection time.
-func (s *Stats) Eject(now int64, decay time.Duration, duration func(multiplier int64) time.Duration) (until int64, multiplier int64) {
+// base ejection time. reason is counted in the per-reason totals. ok is
+// false, and nothing changes, when the upstream is already ejected at now
+// (another rule or another handler sharing the address got there first).
+// The latency estimate is forgotten: the host returns as a new one.
+func (s *Stats) Eject(now int64, decay time.Duration, duration func(multiplier int64) time.Duration, reason EjectReason) (until int64, multiplier int64, ok bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.Ejected(now) {
+		return s.ejectedUntilNs.Load(), s.ejections.Load(), false
+	}
 	m := s.ejections.Load()
 	if last := s.ejectedUntilNs.Load(); m > 0 && last > 0 && decay > 0 {
 		m = max(m-(now-last)/int64(decay), 0)
@@ -203,10 +228,15 @@ func (s *Stats) Eject(now int64, decay time.Duration, duration func(multiplier i
 	until = now + int64(duration(m))
 	s.ejections.Store(m)
 	s.ejectionsTotal.Add(1)
+	s.noteEjection(reason)
+	// The estimate was charged for the failures that led here; when the
+	// host returns it starts afresh at the pool's typical latency, like a
+	// new host, and slow start (if any) shapes its share.
+	s.estimateNs.Store(0)
 	s.ejectedUntilNs.Store(until)
 	s.consecutive.Store(0)
 	s.restoreDue.Store(true)
-	return until, m
+	return until, m, true
 }
 
 // TakeRestored reports, once per ejection, that the upstream's ejection

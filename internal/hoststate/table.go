@@ -106,6 +106,13 @@ func (t *Table) Stats(dial string) *Stats {
 	return s
 }
 
+// Lookup returns the state of dial if this table uses the address,
+// without taking a reference.
+func (t *Table) Lookup(dial string) (*Stats, bool) {
+	s, ok := (*t.byDial.Load())[dial]
+	return s, ok
+}
+
 // Release drops this table's references. It is idempotent.
 func (t *Table) Release() {
 	t.mu.Lock()

@@ -1,0 +1,202 @@
+package healthx
+
+import (
+	"fmt"
+	"math"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+// RetryBudget limits reverse_proxy's retries (lb_retries, lb_try_duration)
+// so that a brown-out does not become a retry storm: a retry is allowed
+// only while the retries in flight are fewer than Percent of the requests
+// in flight to the pool, or fewer than MinConcurrent, whichever is larger
+// (Envoy's retry budget). A refused retry ends the request with the error
+// of its last attempt, as if no retries were left.
+//
+// A retry is recognised as a second selection for the same request; the
+// policy marks the request's variables at its first selection.
+type RetryBudget struct {
+	// Retries in flight allowed, in percent of the requests in flight.
+	// Default: 20.
+	Percent *float64 `json:"percent,omitempty"`
+
+	// Retries in flight always allowed, however few requests are in
+	// flight. Default: 3.
+	MinConcurrent *int `json:"min_concurrent,omitempty"`
+
+	fraction float64
+	floor    int64
+	logger   *zap.Logger
+
+	inFlight atomic.Int64  // retry attempts in flight
+	refused  atomic.Uint64 // retries refused, in total
+	// lastLogNs and loggedRefused rate-limit the log line about refusals.
+	lastLogNs     atomic.Int64
+	loggedRefused atomic.Uint64
+
+	// first and retry are what the request's variable holds: the address
+	// of one says a first attempt was made, of the other that the attempt
+	// under way is a retry. Comparing pointers costs nothing per request.
+	first, retry byte
+}
+
+// Retry budget defaults, as in Envoy.
+const (
+	DefaultRetryBudgetPercent       = 20.0
+	DefaultRetryBudgetMinConcurrent = 3
+)
+
+// retryBudgetVar is the request variable a policy with a retry budget
+// marks requests with.
+const retryBudgetVar = "lbx.retry_budget"
+
+// Provision applies defaults.
+func (b *RetryBudget) Provision(logger *zap.Logger) {
+	b.logger = logger
+	if b.Percent == nil {
+		p := DefaultRetryBudgetPercent
+		b.Percent = &p
+	}
+	if b.MinConcurrent == nil {
+		n := DefaultRetryBudgetMinConcurrent
+		b.MinConcurrent = &n
+	}
+	b.fraction = *b.Percent / 100
+	b.floor = int64(*b.MinConcurrent)
+}
+
+// Validate checks the configuration.
+func (b *RetryBudget) Validate() error {
+	if b.Percent != nil && CheckPercent(*b.Percent) != nil {
+		return fmt.Errorf("retry_budget: percent must be between 0 and 100, got %v", *b.Percent)
+	}
+	if b.MinConcurrent != nil && *b.MinConcurrent < 0 {
+		return fmt.Errorf("retry_budget: min_concurrent must not be negative, got %d", *b.MinConcurrent)
+	}
+	return nil
+}
+
+// Admit is called by a selection policy before it chooses an upstream for
+// r. It reports false when r is a retry the budget cannot afford; the
+// policy then chooses nothing. pool is what the requests in flight are
+// counted over.
+func (b *RetryBudget) Admit(pool reverseproxy.UpstreamPool, r *http.Request) bool {
+	if r == nil {
+		return true
+	}
+	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if vars == nil {
+		return true
+	}
+	switch vars[retryBudgetVar] {
+	case &b.first, &b.retry:
+	default:
+		vars[retryBudgetVar] = &b.first
+		return true
+	}
+	if b.affordable(pool) {
+		vars[retryBudgetVar] = &b.retry
+		return true
+	}
+	b.refuse(pool)
+	return false
+}
+
+// affordable reports whether one more retry fits the budget now.
+func (b *RetryBudget) affordable(pool reverseproxy.UpstreamPool) bool {
+	retries := b.inFlight.Load()
+	if retries < b.floor {
+		return true
+	}
+	requests := 0
+	for _, u := range pool {
+		requests += u.Host.NumRequests()
+	}
+	return float64(retries) < math.Floor(b.fraction*float64(requests))
+}
+
+// refuse counts a refused retry and logs refusals, at most once every
+// retryBudgetLogEvery.
+func (b *RetryBudget) refuse(pool reverseproxy.UpstreamPool) {
+	n := b.refused.Add(1)
+	now := hoststate.Now()
+	last := b.lastLogNs.Load()
+	if last != 0 && now-last < int64(retryBudgetLogEvery) || !b.lastLogNs.CompareAndSwap(last, now) {
+		return
+	}
+	since := n - b.loggedRefused.Swap(n)
+	if ce := b.logger.Check(zap.WarnLevel, "retry budget exhausted; retries refused"); ce != nil {
+		ce.Write(zap.Uint64("refused", since), zap.Uint64("refused_total", n),
+			zap.Int64("retries_in_flight", b.inFlight.Load()),
+			zap.Float64("percent", *b.Percent), zap.Int("min_concurrent", *b.MinConcurrent),
+			zap.Int("upstreams", len(pool)))
+	}
+}
+
+// retryBudgetLogEvery is the least time between two log lines about
+// refused retries.
+const retryBudgetLogEvery = 10 * time.Second
+
+// Refused returns how many retries the budget refused.
+func (b *RetryBudget) Refused() uint64 { return b.refused.Load() }
+
+// InFlight returns how many retries are in flight.
+func (b *RetryBudget) InFlight() int64 { return b.inFlight.Load() }
+
+// isRetry reports whether the attempt of the request with vars is a retry
+// the budget granted.
+func (b *RetryBudget) isRetry(vars map[string]any) bool {
+	return vars[retryBudgetVar] == &b.retry
+}
+
+// UnmarshalCaddyfile reads a retry_budget option, the dispenser on its
+// name:
+//
+//	retry_budget [<percent>] [{
+//		min_concurrent <n>
+//	}]
+func (b *RetryBudget) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	if d.NextArg() {
+		d.Prev()
+		p, err := ParsePercent(d, "retry_budget")
+		if err != nil {
+			return err
+		}
+		b.Percent = &p
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+	}
+	seen := false
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if d.Val() != "min_concurrent" {
+			return d.Errf("retry_budget: unrecognized option %q", d.Val())
+		}
+		if seen {
+			return d.Err("retry_budget: min_concurrent specified more than once")
+		}
+		seen = true
+		if !d.NextArg() {
+			return d.ArgErr()
+		}
+		n, err := strconv.Atoi(d.Val())
+		if err != nil || n < 0 {
+			return d.Errf("retry_budget: invalid min_concurrent %q: want a whole number, 0 or more", d.Val())
+		}
+		b.MinConcurrent = &n
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+	}
+	return nil
+}

@@ -1,0 +1,178 @@
+package healthx
+
+import (
+	"context"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+func newBudget(t *testing.T, b *RetryBudget) *RetryBudget {
+	t.Helper()
+	if err := b.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	b.Provision(zap.NewNop())
+	return b
+}
+
+// clientRequest is a request as Caddy's server hands it to handlers: with
+// request variables.
+func clientRequest() *http.Request {
+	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://example/", nil)
+	return req
+}
+
+func TestRetryBudgetAdmit(t *testing.T) {
+	b := newBudget(t, &RetryBudget{})
+	pool := reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "a:80"}}
+
+	if !b.Admit(pool, nil) {
+		t.Fatal("a selection without a request (not from reverse_proxy) must be admitted")
+	}
+	bare, _ := http.NewRequest(http.MethodGet, "http://example/", nil)
+	if !b.Admit(pool, bare) || !b.Admit(pool, bare) {
+		t.Fatal("a request without variables cannot be told apart from its retry: admit")
+	}
+
+	r := clientRequest()
+	if !b.Admit(pool, r) {
+		t.Fatal("first attempt refused")
+	}
+	if b.isRetry(r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)) {
+		t.Fatal("first attempt marked as a retry")
+	}
+	// Fewer retries in flight than the floor (3): admitted, however few
+	// requests are in flight.
+	b.inFlight.Store(2)
+	if !b.Admit(pool, r) {
+		t.Fatal("retry under the floor refused")
+	}
+	if !b.isRetry(r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)) {
+		t.Fatal("granted retry not marked as one")
+	}
+	// At the floor, with nothing else in flight (20% of 0 is 0): refused.
+	b.inFlight.Store(3)
+	if b.Admit(pool, r) {
+		t.Fatal("retry at the floor with no requests in flight admitted")
+	}
+	if b.Refused() != 1 {
+		t.Fatalf("refused = %d, want 1", b.Refused())
+	}
+	// Another request's first attempt is not a retry, whatever the budget.
+	if !b.Admit(pool, clientRequest()) {
+		t.Fatal("first attempt of another request refused")
+	}
+
+	zero := newBudget(t, &RetryBudget{MinConcurrent: new(int)})
+	r = clientRequest()
+	zero.Admit(pool, r)
+	if zero.Admit(pool, r) {
+		t.Fatal("min_concurrent 0 and no requests in flight: a retry must be refused")
+	}
+}
+
+// TestRetryBudgetCountsRetriesInFlight: the transport counts an attempt the
+// budget granted as a retry while it is under way, and only that one.
+func TestRetryBudgetCountsRetriesInFlight(t *testing.T) {
+	b := newBudget(t, &RetryBudget{})
+	table := hoststate.NewTable(hoststate.Config{})
+	t.Cleanup(table.Release)
+	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
+	release := make(chan struct{})
+	ot := &ObservingTransport{inner: held(release), table: table}
+	ot.CountRetries(b)
+
+	r := clientRequest()
+	attempt := func() <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			_, err := ot.RoundTrip(r.WithContext(withDialInfo(r.Context(), u)))
+			done <- err
+		}()
+		return done
+	}
+	b.Admit(reverseproxy.UpstreamPool{u}, r) // first attempt
+	done := attempt()
+	release <- struct{}{}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := b.InFlight(); n != 0 {
+		t.Fatalf("a first attempt counted as a retry: %d in flight", n)
+	}
+
+	b.Admit(reverseproxy.UpstreamPool{u}, r) // the retry
+	done = attempt()
+	deadline := time.Now().Add(5 * time.Second)
+	for b.InFlight() != 1 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if n := b.InFlight(); n != 1 {
+		t.Fatalf("retry under way: %d in flight, want 1", n)
+	}
+	release <- struct{}{}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if n := b.InFlight(); n != 0 {
+		t.Fatalf("finished retry still counted: %d in flight", n)
+	}
+}
+
+// held answers each request once it receives from release.
+type held chan struct{}
+
+func (h held) RoundTrip(*http.Request) (*http.Response, error) {
+	<-h
+	return &http.Response{StatusCode: 200, Body: http.NoBody}, nil
+}
+
+func TestRetryBudgetUnmarshalCaddyfile(t *testing.T) {
+	for _, tc := range []struct {
+		input, wantErr string
+		percent        float64
+		min            int
+	}{
+		{input: "retry_budget", percent: 20, min: 3},
+		{input: "retry_budget 35%", percent: 35, min: 3},
+		{input: "retry_budget 10 {\n min_concurrent 0\n}", percent: 10, min: 0},
+		{input: "retry_budget {\n min_concurrent 8\n}", percent: 20, min: 8},
+		{input: "retry_budget 120%", wantErr: `invalid retry_budget "120%"`},
+		{input: "retry_budget 20% 30%", wantErr: "wrong argument count"},
+		{input: "retry_budget {\n min_concurrent\n}", wantErr: "wrong argument count"},
+		{input: "retry_budget {\n min_concurrent -1\n}", wantErr: `invalid min_concurrent "-1"`},
+		{input: "retry_budget {\n min_concurrent 1 2\n}", wantErr: "wrong argument count"},
+		{input: "retry_budget {\n min_concurrent 1\n min_concurrent 2\n}", wantErr: "min_concurrent specified more than once"},
+		{input: "retry_budget {\n percent 10\n}", wantErr: `unrecognized option "percent"`},
+	} {
+		t.Run(tc.input, func(t *testing.T) {
+			d := caddyfile.NewTestDispenser(tc.input)
+			d.Next()
+			var b RetryBudget
+			err := b.UnmarshalCaddyfile(d)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.Provision(zap.NewNop())
+			if *b.Percent != tc.percent || *b.MinConcurrent != tc.min {
+				t.Fatalf("got percent %v, min_concurrent %d; want %v, %d", *b.Percent, *b.MinConcurrent, tc.percent, tc.min)
+			}
+		})
+	}
+}

@@ -1,0 +1,144 @@
+package healthx
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// SlowStart ramps up the share of an upstream that joins a pool already
+// serving, or returns to it, so that a cold host (empty caches, JIT not
+// warm, connection pools empty) is not handed a full share at once. For
+// Window after its (re)start, the upstream's effective weight is
+//
+//	weight × max(min_weight_percent/100, (elapsed / window) ^ (1 / aggression))
+//
+// as in Envoy. An upstream (re)starts when it first appears in a pool whose
+// other members have already served traffic (when a whole pool is new, no
+// one ramps: there is nothing to protect it from), when its outlier
+// ejection ends, and when Caddy's health checks see it healthy again after
+// it was unhealthy.
+type SlowStart struct {
+	// How long the ramp lasts. Required.
+	Window caddy.Duration `json:"window,omitempty"`
+
+	// The effective weight at the start of the ramp, in percent of the
+	// full weight. Default: 10.
+	MinWeightPercent *float64 `json:"min_weight_percent,omitempty"`
+
+	// The shape of the ramp: 1 is linear; above 1 the weight rises faster
+	// early on, below 1 it rises slowly first. Default: 1.
+	Aggression float64 `json:"aggression,omitempty"`
+
+	windowNs  int64
+	floor     float64
+	exponent  float64
+	invWindow float64
+}
+
+// DefaultSlowStartMinWeight is the default floor of the ramp, in percent
+// (Envoy's default).
+const DefaultSlowStartMinWeight = 10.0
+
+// Provision applies defaults.
+func (s *SlowStart) Provision() {
+	if s.MinWeightPercent == nil {
+		p := DefaultSlowStartMinWeight
+		s.MinWeightPercent = &p
+	}
+	if s.Aggression == 0 {
+		s.Aggression = 1
+	}
+	s.windowNs = int64(s.Window)
+	s.floor = *s.MinWeightPercent / 100
+	s.exponent = 1 / s.Aggression
+	if s.windowNs > 0 {
+		s.invWindow = 1 / float64(s.windowNs)
+	}
+}
+
+// Validate checks the configuration.
+func (s *SlowStart) Validate() error {
+	switch {
+	case s.Window <= 0:
+		return fmt.Errorf("slow_start: window must be a positive duration, got %v", time.Duration(s.Window))
+	case s.MinWeightPercent != nil && (*s.MinWeightPercent <= 0 || *s.MinWeightPercent > 100):
+		return fmt.Errorf("slow_start: min_weight_percent must be above 0 and at most 100, got %v", *s.MinWeightPercent)
+	case s.Aggression < 0 || math.IsNaN(s.Aggression) || math.IsInf(s.Aggression, 0):
+		return fmt.Errorf("slow_start: aggression must be a positive number, got %v", s.Aggression)
+	}
+	return nil
+}
+
+// Factor returns the fraction of its weight an upstream whose ramp began
+// at start (ns, hoststate clock; 0 if it never began) has at now: 1 when
+// it is not ramping, else in [floor, 1).
+func (s *SlowStart) Factor(start, now int64) float64 {
+	elapsed := now - start
+	if start == 0 || elapsed >= s.windowNs || elapsed < 0 {
+		return 1
+	}
+	f := float64(elapsed) * s.invWindow
+	if s.exponent != 1 {
+		f = math.Pow(f, s.exponent)
+	}
+	return max(f, s.floor)
+}
+
+// UnmarshalCaddyfile reads a slow_start option, the dispenser on its name:
+//
+//	slow_start <window> [{
+//		min_weight <percent>
+//		aggression <number>
+//	}]
+func (s *SlowStart) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.ArgErr()
+	}
+	w, err := caddy.ParseDuration(d.Val())
+	if err != nil || w <= 0 {
+		return d.Errf("slow_start: invalid window %q: want a positive duration", d.Val())
+	}
+	s.Window = caddy.Duration(w)
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	seen := map[string]bool{}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		opt := d.Val()
+		if seen[opt] {
+			return d.Errf("slow_start: %s specified more than once", opt)
+		}
+		seen[opt] = true
+		switch opt {
+		case "min_weight":
+			p, err := ParsePercent(d, "slow_start")
+			if err != nil {
+				return err
+			}
+			if p == 0 {
+				return d.Errf("slow_start: min_weight must be above 0%%: a host at weight 0 would never be tried")
+			}
+			s.MinWeightPercent = &p
+		case "aggression":
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			a, err := strconv.ParseFloat(d.Val(), 64)
+			if err != nil || a <= 0 || math.IsInf(a, 0) {
+				return d.Errf("slow_start: invalid aggression %q: want a positive number", d.Val())
+			}
+			s.Aggression = a
+		default:
+			return d.Errf("slow_start: unrecognized option %q", opt)
+		}
+		if d.NextArg() {
+			return d.ArgErr()
+		}
+	}
+	return nil
+}
