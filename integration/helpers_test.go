@@ -319,16 +319,17 @@ type seenRequest struct {
 }
 
 // backend is a real HTTP server on 127.0.0.1. It answers /health with
-// healthCode (200 unless set) and every other path with 200, an
-// X-Backend header naming itself and its name as the body, after an
-// optional delay that ends early if the request is cancelled.
+// healthCode (200 unless set) and every other path, after an optional
+// delay that ends early if the request is cancelled, with an X-Backend
+// header naming itself and either status (when set, with no body) or 200
+// and its name as the body.
 type backend struct {
 	name string
 	addr string // host:port
 	srv  *httptest.Server
 
 	healthCode atomic.Int32
-	status     atomic.Int32 // when set, every non-health request is answered with it at once
+	status     atomic.Int32 // when set, every non-health request is answered with it
 	delay      atomic.Int64 // ns added to every non-health request
 
 	hits       atomic.Int64 // non-health requests
@@ -417,11 +418,6 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	})
 	b.mu.Unlock()
 	b.hits.Add(1)
-	if code := b.status.Load(); code != 0 {
-		w.Header().Set("X-Backend", b.name)
-		w.WriteHeader(int(code))
-		return
-	}
 	if d := time.Duration(b.delay.Load()); d > 0 {
 		timer := time.NewTimer(d)
 		select {
@@ -433,6 +429,10 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	w.Header().Set("X-Backend", b.name)
+	if code := b.status.Load(); code != 0 {
+		w.WriteHeader(int(code))
+		return
+	}
 	if n, err := strconv.Atoi(r.URL.Query().Get("size")); err == nil && n > 0 {
 		w.Header().Set("Content-Length", strconv.Itoa(n))
 		_, _ = w.Write(payload(n))
@@ -482,6 +482,7 @@ func dials(bs ...*backend) string {
 
 type upstreamInfo struct {
 	Dial       string  `json:"dial"`
+	Reason     string  `json:"ejection_reason"`
 	EstimateMs float64 `json:"latency_estimate_ms"`
 	Samples    uint64  `json:"samples"`
 	Failures   uint64  `json:"failures"`
@@ -496,6 +497,7 @@ type poolMember struct {
 	Weight     float64  `json:"weight"`
 	Available  bool     `json:"available"`
 	EstimateMs *float64 `json:"estimate_ms"`
+	SlowStart  *float64 `json:"slow_start_weight_percent"`
 }
 
 type poolInfo struct {
@@ -505,6 +507,10 @@ type poolInfo struct {
 	PanicThreshold float64      `json:"panic_threshold_percent"`
 	Panic          bool         `json:"panic"`
 	PanicEntered   uint64       `json:"panic_entered_total"`
+	RetryBudget    *struct {
+		InFlight int64  `json:"retries_in_flight"`
+		Refused  uint64 `json:"retries_refused_total"`
+	} `json:"retry_budget"`
 }
 
 type adminReport struct {
