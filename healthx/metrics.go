@@ -21,7 +21,7 @@ var (
 	descSamples = prometheus.NewDesc("caddy_lbx_upstream_samples_total",
 		"Attempts observed for the upstream (successes and failures).", []string{"upstream"}, nil)
 	descFailures = prometheus.NewDesc("caddy_lbx_upstream_failures_total",
-		"Attempts to the upstream that failed with a transport error or timeout.", []string{"upstream"}, nil)
+		"Attempts to the upstream that failed: transport errors, timeouts and, with outlier detection, failure statuses.", []string{"upstream"}, nil)
 	descEjected = prometheus.NewDesc("caddy_lbx_upstream_ejected",
 		"1 while the upstream is ejected by outlier detection, else 0.", []string{"upstream"}, nil)
 	descEjections = prometheus.NewDesc("caddy_lbx_upstream_ejections_total",
@@ -30,11 +30,13 @@ var (
 		"1 while the pool is in panic mode (too few upstreams available; health ignored), else 0.", []string{"policy", "upstreams"}, nil)
 	descPanicEntered = prometheus.NewDesc("caddy_lbx_pool_panic_entered_total",
 		"Times the pool entered panic mode.", []string{"policy", "upstreams"}, nil)
+	descRetriesRefused = prometheus.NewDesc("caddy_lbx_pool_retries_refused_total",
+		"Retries the pool's retry budget refused (pools with a retry budget only).", []string{"policy", "upstreams"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descPanic, descPanicEntered} {
+	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descPanic, descPanicEntered, descRetriesRefused} {
 		ch <- d
 	}
 }
@@ -60,8 +62,10 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	// series per (policy, upstreams), panicking if any of them is.
 	type key struct{ policy, upstreams string }
 	type agg struct {
-		panic   bool
-		entered uint64
+		panic    bool
+		entered  uint64
+		budgeted bool
+		refused  uint64
 	}
 	pools := map[key]*agg{}
 	var order []key
@@ -79,6 +83,10 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		a.panic = a.panic || p.Panic
 		a.entered += p.PanicEntered
+		if p.RetryBudget != nil {
+			a.budgeted = true
+			a.refused += p.RetryBudget.Refused
+		}
 	}
 	for _, k := range order {
 		a := pools[k]
@@ -88,6 +96,9 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(descPanic, prometheus.GaugeValue, on, k.policy, k.upstreams)
 		ch <- prometheus.MustNewConstMetric(descPanicEntered, prometheus.CounterValue, float64(a.entered), k.policy, k.upstreams)
+		if a.budgeted {
+			ch <- prometheus.MustNewConstMetric(descRetriesRefused, prometheus.CounterValue, float64(a.refused), k.policy, k.upstreams)
+		}
 	}
 }
 

@@ -2,7 +2,9 @@ package integration
 
 import (
 	"fmt"
+	"io"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -310,5 +312,15 @@ func TestRetryBudgetUnderBrownOut(t *testing.T) {
 	}
 	if p.RetryBudget == nil || p.RetryBudget.Refused == 0 || p.RetryBudget.InFlight != 0 {
 		t.Fatalf("admin API must show refused retries and none in flight after the run: %+v", p.RetryBudget)
+	}
+	res, err := adminClient.Get("http://" + adminAddr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	want := fmt.Sprintf(`caddy_lbx_pool_retries_refused_total{policy="ewma",upstreams=%q} %d`, strings.ReplaceAll(dials(bs...), " ", ","), p.RetryBudget.Refused)
+	if !strings.Contains(string(metrics), want) {
+		t.Errorf("/metrics lacks %s", want)
 	}
 }
