@@ -74,6 +74,12 @@ func (s *SlowStart) Validate() error {
 	return nil
 }
 
+// Ramping reports whether an upstream whose ramp began at start is still
+// ramping at now; small enough to inline, for the common case.
+func (s *SlowStart) Ramping(start, now int64) bool {
+	return start != 0 && now-start < s.windowNs && now >= start
+}
+
 // Factor returns the fraction of its weight an upstream whose ramp began
 // at start (ns, hoststate clock; 0 if it never began) has at now: 1 when
 // it is not ramping, else in [floor, 1).

@@ -343,7 +343,11 @@ func (c ewmaCandidates) Usable(i int) bool {
 	} else if !c.pool[i].Available() || c.view.members[i].stats.Ejected(c.now) {
 		return false
 	}
-	return c.ramp == nil || c.admit < c.ramp.Factor(c.view.members[i].stats.RampStart(c.now), c.now)
+	if c.ramp == nil {
+		return true
+	}
+	start := c.view.members[i].stats.RampStart(c.now)
+	return !c.ramp.Ramping(start, c.now) || c.admit < c.ramp.Factor(start, c.now)
 }
 
 func (c ewmaCandidates) Cost(i int) cost {

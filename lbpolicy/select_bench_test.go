@@ -1,13 +1,17 @@
 package lbpolicy
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
@@ -47,9 +51,16 @@ func BenchmarkSelect(b *testing.B) {
 		{"ewma_choices_2", `{"policy":"ewma","choices":2}`},
 		{"ewma_choices_all", `{"policy":"ewma","choices":"all"}`},
 		{"ewma_choices_2_outlier", `{"policy":"ewma","choices":2,"outlier":{}}`},
+		// everything healthx adds to a selection: outlier ejection, a slow
+		// start (nobody ramping, the common case) and a retry budget
+		// (marking each request as it arrives)
+		{"ewma_choices_2_ss", `{"policy":"ewma","choices":2,"slow_start":{"window":"30s"}}`},
+		{"ewma_choices_2_rb", `{"policy":"ewma","choices":2,"retry_budget":{}}`},
+		{"ewma_choices_2_healthx", `{"policy":"ewma","choices":2,"outlier":{},"slow_start":{"window":"30s"},"retry_budget":{}}`},
 		{"stock_random_choose_2", `{"policy":"random_choose","choose":2}`},
 		{"stock_least_conn", `{"policy":"least_conn"}`},
 		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`},
+		{"panic_least_conn_outlier", `{"policy":"panic","outlier":{},"selection_policy":{"policy":"least_conn"}}`},
 	}
 	for _, n := range []int{3, 1000} {
 		for _, p := range policies {
@@ -60,10 +71,15 @@ func BenchmarkSelect(b *testing.B) {
 						observe(s, u, time.Duration(1+i%5)*time.Millisecond, hoststate.Success)
 					}
 				}
+				// a request as Caddy's server hands it over, with its
+				// variables; emptied each time, as a new request's are
+				vars := map[string]any{}
+				req := httptest.NewRequestWithContext(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, vars), http.MethodGet, "/", nil)
 				b.ReportAllocs()
 				b.ResetTimer()
 				for b.Loop() {
-					if sel.Select(pool, nil, nil) == nil {
+					clear(vars)
+					if sel.Select(pool, req, nil) == nil {
 						b.Fatal("nil pick")
 					}
 				}
