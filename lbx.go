@@ -9,4 +9,5 @@ import (
 	_ "github.com/caddy-lbx/lbx/caddyfile"
 	_ "github.com/caddy-lbx/lbx/healthx"
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
+	_ "github.com/caddy-lbx/lbx/partition"
 )

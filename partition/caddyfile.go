@@ -1,0 +1,233 @@
+package partition
+
+import (
+	"encoding/json"
+	"math"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/dustin/go-humanize"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("partition", parseCaddyfile)
+	httpcaddyfile.RegisterDirectiveOrder("partition", httpcaddyfile.Before, "reverse_proxy")
+}
+
+func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	p := new(Handler)
+	if err := p.UnmarshalCaddyfile(h.Dispenser); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	partition [<matcher>] {
+//		to <address> <N/M> [<address> <N/M>...]
+//		naming_file <path>
+//		poll_interval <duration>
+//		fail_limit <n>
+//		timeout <duration>
+//		max_request_body <size>
+//		max_response_body <size>
+//		merge json|concat|ndjson|first
+//		skip <cel expression>
+//
+//		# any reverse_proxy subdirective except upstreams, dynamic,
+//		# active health checks and handle_response, e.g.:
+//		lb_policy ewma
+//		lb_retries 1
+//		header_up X-Partition {partition.index}/{partition.count}
+//		transport http { ... }
+//	}
+//
+// `to` and `skip` may be repeated. Every other partition option may
+// appear once. The reverse_proxy subdirectives configure the internal
+// reverse_proxy the sub-requests go through.
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume the directive name
+	seg := d.NextSegment()
+	sd := caddyfile.NewDispenser(seg)
+	sd.Next()
+	if sd.NextArg() {
+		return sd.Errf("partition takes no arguments on its line; give upstreams in its block: to <address> <N/M>")
+	}
+
+	var passthrough []caddyfile.Token
+	seen := make(map[string]bool)
+	once := func(d *caddyfile.Dispenser) error {
+		if seen[d.Val()] {
+			return d.Errf("%s already specified", d.Val())
+		}
+		seen[d.Val()] = true
+		return nil
+	}
+	for sd.NextBlock(0) {
+		sub := sd.NextSegment()
+		name := sub[0].Text
+		od := caddyfile.NewDispenser(sub)
+		od.Next()
+		switch name {
+		case "to":
+			args := od.RemainingArgs()
+			if len(args) == 0 || len(args)%2 != 0 {
+				return od.Errf("to: want pairs of <address> <N/M>, got %d argument(s)", len(args))
+			}
+			for i := 0; i < len(args); i += 2 {
+				if _, err := checkDial(args[i]); err != nil {
+					return od.Errf("to: %v", err)
+				}
+				if _, err := ParseTag(args[i+1]); err != nil {
+					return od.Errf("to %s: %v", args[i], err)
+				}
+				h.Upstreams = append(h.Upstreams, UpstreamConfig{Dial: args[i], Tag: args[i+1]})
+			}
+			if od.NextBlock(0) {
+				return od.Err("to takes no block")
+			}
+
+		case "naming_file":
+			if err := once(od); err != nil {
+				return err
+			}
+			v, err := oneArg(od)
+			if err != nil {
+				return err
+			}
+			h.NamingFile = v
+
+		case "poll_interval", "timeout":
+			if err := once(od); err != nil {
+				return err
+			}
+			v, err := oneArg(od)
+			if err != nil {
+				return err
+			}
+			dur, err := caddy.ParseDuration(v)
+			if err != nil {
+				return od.Errf("%s: invalid duration %q: %v", name, v, err)
+			}
+			if dur <= 0 {
+				return od.Errf("%s: must be positive, got %s", name, v)
+			}
+			if name == "timeout" {
+				h.Timeout = caddy.Duration(dur)
+			} else {
+				h.PollInterval = caddy.Duration(dur)
+			}
+
+		case "fail_limit":
+			if err := once(od); err != nil {
+				return err
+			}
+			v, err := oneArg(od)
+			if err != nil {
+				return err
+			}
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 1 {
+				return od.Errf("fail_limit: want a whole number of partitions, at least 1; got %q", v)
+			}
+			h.FailLimit = n
+
+		case "max_request_body", "max_response_body":
+			if err := once(od); err != nil {
+				return err
+			}
+			v, err := oneArg(od)
+			if err != nil {
+				return err
+			}
+			size, err := humanize.ParseBytes(v)
+			if err != nil || size == 0 || size > math.MaxInt64/2 {
+				return od.Errf("%s: invalid size %q; want e.g. 1MiB or 65536", name, v)
+			}
+			if name == "max_request_body" {
+				h.MaxRequestBody = int64(size)
+			} else {
+				h.MaxResponseBody = int64(size)
+			}
+
+		case "merge":
+			if err := once(od); err != nil {
+				return err
+			}
+			if !od.NextArg() {
+				return od.ArgErr()
+			}
+			mname := od.Val()
+			unm, err := caddyfile.UnmarshalModule(od, "http.handlers.partition.merge."+mname)
+			if err != nil {
+				return err
+			}
+			h.MergeRaw = caddyconfig.JSONModuleObject(unm, "merger", mname, nil)
+
+		case "skip":
+			args := od.RemainingArgs()
+			if len(args) != 1 {
+				return od.Errf("skip: want one CEL expression (in backticks), e.g. skip `{partition.index} == 2`; got %d argument(s)", len(args))
+			}
+			expr, err := json.Marshal(caddyhttp.MatchExpression{Expr: args[0]})
+			if err != nil {
+				return od.WrapErr(err)
+			}
+			h.SkipRaw = append(h.SkipRaw, caddy.ModuleMap{"expression": expr})
+
+		case "dynamic":
+			return od.Err("dynamic upstreams are not supported in partition; use naming_file")
+		case "handle_response", "replace_status":
+			return od.Errf("%s is not supported in partition", name)
+		default:
+			if strings.HasPrefix(name, "@") {
+				return od.Err("response matchers are not supported in partition")
+			}
+			passthrough = append(passthrough, sub...)
+		}
+	}
+
+	if len(passthrough) == 0 {
+		return nil
+	}
+	// The rest is reverse_proxy's: hand it to reverse_proxy's own
+	// unmarshaler as a block of the same directive.
+	tokens := make([]caddyfile.Token, 0, len(passthrough)+3)
+	tokens = append(tokens, seg[0], seg[1])
+	tokens = append(tokens, passthrough...)
+	tokens = append(tokens, seg[len(seg)-1])
+	rp := new(reverseproxy.Handler)
+	if err := rp.UnmarshalCaddyfile(caddyfile.NewDispenser(tokens)); err != nil {
+		return err
+	}
+	if rp.HealthChecks != nil && rp.HealthChecks.Active != nil {
+		return d.Err("active health checks (health_*) are not supported in partition; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
+	}
+	h.Proxy = rp
+	return nil
+}
+
+func oneArg(d *caddyfile.Dispenser) (string, error) {
+	name := d.Val()
+	if !d.NextArg() {
+		return "", d.Errf("%s: missing value", name)
+	}
+	v := d.Val()
+	if d.NextArg() {
+		return "", d.Errf("%s: want one value, got more", name)
+	}
+	if d.NextBlock(0) {
+		return "", d.Errf("%s takes no block", name)
+	}
+	return v, nil
+}
+
+// Interface guards
+var _ caddyfile.Unmarshaler = (*Handler)(nil)

@@ -1,0 +1,631 @@
+// Package partition is a Caddy HTTP handler that fans one request out to
+// one replica of every partition of a data set and merges the answers —
+// brpc's PartitionChannel and DynamicPartitionChannel for Caddy.
+//
+// Upstreams carry a tag "N/M" (partition N of a scheme of M partitions),
+// statically or in a naming file in brpc's format that is reloaded when it
+// changes. Each request picks one scheme, with probability proportional
+// to the scheme's capacity, sends one sub-request per partition through an
+// internal reverse_proxy handler (so replica choice, retries, transports,
+// header handling and health are Caddy's and lbx's own), and merges the
+// sub-responses with a merger module.
+package partition
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"math/rand/v2"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+
+	// The default replica selection policy, ewma.
+	_ "github.com/caddy-lbx/lbx/lbpolicy"
+)
+
+func init() {
+	caddy.RegisterModule(new(Handler))
+}
+
+// Defaults.
+const (
+	defaultTimeout         = 30 * time.Second
+	defaultPollInterval    = time.Second
+	defaultMaxRequestBody  = 1 << 20
+	defaultMaxResponseBody = 8 << 20
+	defaultRetries         = 1
+)
+
+// StatusHeader is the response header that reports each partition's
+// outcome, e.g. "p0=200;12ms, p1=502;3ms;failed, p2=skipped".
+const StatusHeader = "X-Partition-Status"
+
+// Handler fans a request out to one replica of each partition of a
+// partition scheme and writes one merged response (brpc's
+// PartitionChannel). Upstreams are tagged "N/M": partition N of a scheme
+// of M partitions. When upstreams of several schemes coexist (say 3 and 4
+// partitions, during a migration), each request picks one scheme with
+// probability proportional to its capacity: the least number of usable
+// replicas over its partitions (brpc's DynamicPartitionChannel). A scheme
+// with a partition that has no usable replica gets no traffic; when no
+// scheme has capacity, the answer is 503.
+//
+// Sub-requests go through an internal reverse_proxy handler configured by
+// Proxy: replicas of a partition are chosen with its load balancing policy
+// (lbx's ewma by default), a failed attempt is retried on another replica
+// of the same partition (lb_retries, default 1), and its transport, header
+// operations and passive health checks apply. Each sub-request has its
+// own replacer and request variables.
+//
+// A partition fails when its sub-request fails (transport error, timeout,
+// non-2xx status), its response is larger than MaxResponseBody, or the
+// merger rejects it (e.g. invalid JSON). When FailLimit partitions have
+// failed, the handler answers 502 at once (504 when the deadline passed)
+// with a text body naming the failed partitions, and cancels the
+// sub-requests still running.
+type Handler struct {
+	// Upstreams with their partition tags.
+	Upstreams []UpstreamConfig `json:"upstreams,omitempty"`
+
+	// A file of upstreams in brpc's naming service format: one
+	// "address N/M" per line; '#' starts a comment; blank lines are
+	// ignored. Lines that cannot be parsed are logged (with the file name
+	// and line number) and skipped. The file is polled for changes every
+	// PollInterval and a new version replaces the old atomically; when the
+	// file is deleted or unreadable, the last good version stays in effect.
+	// Its upstreams are added to Upstreams. The file must be readable when
+	// the config is loaded.
+	NamingFile string `json:"naming_file,omitempty"`
+
+	// How often the naming file is checked for changes (modification time
+	// and size). Default: 1s.
+	PollInterval caddy.Duration `json:"poll_interval,omitempty"`
+
+	// How many failed partitions fail the whole request. Default (or 0):
+	// the number of partitions of the chosen scheme, i.e. the request
+	// fails only when every partition has; partitions that did answer are
+	// merged otherwise. Skipped partitions never count.
+	FailLimit int `json:"fail_limit,omitempty"`
+
+	// Overall deadline for all sub-requests, retries included.
+	// Partitions that have not answered by then count as failed ("timeout")
+	// and are cancelled. Default: 30s.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// The largest request body accepted, in bytes; it is read once and
+	// replayed to every partition. A larger body is answered with 413.
+	// Default: 1 MiB.
+	MaxRequestBody int64 `json:"max_request_body,omitempty"`
+
+	// The largest sub-response body read from a partition, in bytes; a
+	// larger one counts as a failed partition. Default: 8 MiB.
+	MaxResponseBody int64 `json:"max_response_body,omitempty"`
+
+	// How sub-responses are merged: a module in the namespace
+	// http.handlers.partition.merge (json, concat, ndjson, first).
+	// Default: json.
+	MergeRaw json.RawMessage `json:"merge,omitempty" caddy:"namespace=http.handlers.partition.merge inline_key=merger"`
+
+	// Matcher sets evaluated once per partition against that partition's
+	// sub-request, whose placeholders include {partition.index},
+	// {partition.count}, {partition.scheme} and {partition.tag}; a
+	// partition is skipped when any set matches. When every partition of
+	// the chosen scheme is skipped, the answer is 400.
+	SkipRaw caddyhttp.RawMatcherSets `json:"skip,omitempty" caddy:"namespace=http.matchers"`
+
+	// The reverse_proxy handler the sub-requests go through, without
+	// upstreams (they come from Upstreams and NamingFile): load
+	// balancing, retries, transport, header operations (header_up may use
+	// the partition placeholders), rewrite, passive health checks. Its
+	// selection policy defaults to lbx's ewma and lb_retries to 1. Active
+	// health checks and handle_response are not supported.
+	Proxy *reverseproxy.Handler `json:"proxy,omitempty"`
+
+	merger  Merger
+	enough  Sufficer // merger as a Sufficer, or nil
+	skip    caddyhttp.MatcherSets
+	proxy   *reverseproxy.Handler
+	static  []Entry
+	current atomic.Pointer[layout]
+	swapMu  sync.Mutex // serializes layout swaps
+	watcher *namingWatcher
+	logger  *zap.Logger
+}
+
+// UpstreamConfig is a static upstream and its partition tag.
+type UpstreamConfig struct {
+	// The network address to dial, as for reverse_proxy (host:port).
+	Dial string `json:"dial,omitempty"`
+	// The partition tag "N/M": partition N (from 0) of M.
+	Tag string `json:"tag,omitempty"`
+}
+
+// CaddyModule returns the Caddy module information.
+func (*Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.partition",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision sets up the handler: defaults, the merger and skip matchers,
+// the internal reverse_proxy, the upstream list and the naming file
+// watcher (a goroutine that stops with the config).
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	if h.Timeout == 0 {
+		h.Timeout = caddy.Duration(defaultTimeout)
+	}
+	if h.PollInterval == 0 {
+		h.PollInterval = caddy.Duration(defaultPollInterval)
+	}
+	if h.MaxRequestBody == 0 {
+		h.MaxRequestBody = defaultMaxRequestBody
+	}
+	if h.MaxResponseBody == 0 {
+		h.MaxResponseBody = defaultMaxResponseBody
+	}
+	if err := h.checkLimits(); err != nil {
+		return err
+	}
+
+	seen := make(map[Entry]bool)
+	for i, u := range h.Upstreams {
+		if _, err := checkDial(u.Dial); err != nil {
+			return fmt.Errorf("upstreams[%d]: %v", i, err)
+		}
+		tag, err := ParseTag(u.Tag)
+		if err != nil {
+			return fmt.Errorf("upstreams[%d] (%s): %v", i, u.Dial, err)
+		}
+		e := Entry{Dial: u.Dial, Tag: tag}
+		if !seen[e] {
+			seen[e] = true
+			h.static = append(h.static, e)
+		}
+	}
+	if len(h.static) == 0 && h.NamingFile == "" {
+		return errors.New("no upstreams: give tagged upstreams (to <address> <N/M>) or a naming_file")
+	}
+
+	if h.MergeRaw != nil {
+		mod, err := ctx.LoadModule(h, "MergeRaw")
+		if err != nil {
+			return fmt.Errorf("loading merger: %v", err)
+		}
+		h.merger = mod.(Merger)
+	} else {
+		h.merger = JSONMerger{}
+	}
+	h.enough, _ = h.merger.(Sufficer)
+
+	if h.SkipRaw != nil {
+		sets, err := ctx.LoadModule(h, "SkipRaw")
+		if err != nil {
+			return fmt.Errorf("loading skip matchers: %v", err)
+		}
+		if err := h.skip.FromInterface(sets); err != nil {
+			return fmt.Errorf("skip matchers: %v", err)
+		}
+	}
+
+	if err := h.provisionProxy(ctx); err != nil {
+		return err
+	}
+
+	// The initial upstream list; a naming file must be usable now.
+	if err := h.install(nil); err != nil {
+		return err
+	}
+	if h.NamingFile != "" {
+		h.watcher = &namingWatcher{
+			path:   h.NamingFile,
+			every:  time.Duration(h.PollInterval),
+			logger: h.logger,
+			apply:  h.install,
+		}
+		if err := h.watcher.load(); err != nil {
+			return err
+		}
+		go h.watcher.run(ctx.Done())
+	}
+	return nil
+}
+
+func (h *Handler) checkLimits() error {
+	switch {
+	case h.FailLimit < 0:
+		return fmt.Errorf("fail_limit must not be negative, got %d", h.FailLimit)
+	case h.Timeout < 0:
+		return fmt.Errorf("timeout must not be negative, got %v", time.Duration(h.Timeout))
+	case h.PollInterval < 0:
+		return fmt.Errorf("poll_interval must not be negative, got %v", time.Duration(h.PollInterval))
+	case h.MaxRequestBody < 0:
+		return fmt.Errorf("max_request_body must not be negative, got %d", h.MaxRequestBody)
+	case h.MaxResponseBody < 0:
+		return fmt.Errorf("max_response_body must not be negative, got %d", h.MaxResponseBody)
+	}
+	return nil
+}
+
+// provisionProxy loads the internal reverse_proxy handler through Caddy,
+// so that its selection policy finds it among the modules being
+// provisioned (lbx's ewma instruments its transport that way) and Caddy
+// cleans it up with the config. Its upstreams come from the partition
+// sub-request being served (see source).
+func (h *Handler) provisionProxy(ctx caddy.Context) error {
+	tmpl := new(reverseproxy.Handler)
+	if h.Proxy != nil {
+		switch {
+		case len(h.Proxy.Upstreams) > 0:
+			return errors.New("proxy: upstreams are not allowed here; tag them (to <address> <N/M>) or use naming_file")
+		case h.Proxy.DynamicUpstreamsRaw != nil:
+			return errors.New("proxy: dynamic upstreams are not supported; use naming_file")
+		case len(h.Proxy.HandleResponse) > 0:
+			return errors.New("proxy: handle_response is not supported inside partition")
+		case h.Proxy.HealthChecks != nil && h.Proxy.HealthChecks.Active != nil:
+			return errors.New("proxy: active health checks are not supported inside partition (use passive health checks or lb_policy ewma's outlier ejection)")
+		}
+		raw, err := json.Marshal(h.Proxy)
+		if err != nil {
+			return fmt.Errorf("proxy: %v", err)
+		}
+		if err := json.Unmarshal(raw, tmpl); err != nil {
+			return fmt.Errorf("proxy: %v", err)
+		}
+	}
+	if tmpl.LoadBalancing == nil {
+		tmpl.LoadBalancing = new(reverseproxy.LoadBalancing)
+	}
+	if tmpl.LoadBalancing.SelectionPolicyRaw == nil {
+		tmpl.LoadBalancing.SelectionPolicyRaw = json.RawMessage(`{"policy":"ewma"}`)
+	}
+	if tmpl.LoadBalancing.Retries == 0 && tmpl.LoadBalancing.TryDuration == 0 {
+		tmpl.LoadBalancing.Retries = defaultRetries
+	}
+	// The body is replayed from memory; buffering it in reverse_proxy too
+	// makes a retry after a partial send resend the whole body. One byte
+	// over the limit, as a body of exactly the limit would otherwise look
+	// partially buffered.
+	if h.MaxRequestBody > 0 {
+		tmpl.RequestBuffers = h.MaxRequestBody + 1
+	}
+	raw, err := json.Marshal(tmpl)
+	if err != nil {
+		return fmt.Errorf("proxy: %v", err)
+	}
+	mod, err := ctx.LoadModuleByID("http.handlers.reverse_proxy", raw)
+	if err != nil {
+		return fmt.Errorf("proxy: %v", err)
+	}
+	h.proxy = mod.(*reverseproxy.Handler)
+	h.proxy.DynamicUpstreams = source{}
+	return nil
+}
+
+// install makes fileEntries (with the static upstreams) the current
+// upstream list, or leaves the current one if they are not valid.
+func (h *Handler) install(fileEntries []Entry) error {
+	h.swapMu.Lock()
+	defer h.swapMu.Unlock()
+	l, err := buildLayout(mergeEntries(h.static, fileEntries), h.current.Load())
+	if err != nil {
+		return err
+	}
+	h.current.Store(l)
+	return nil
+}
+
+// Validate checks the configuration.
+func (h *Handler) Validate() error {
+	return h.checkLimits()
+}
+
+// Cleanup releases nothing of its own: the internal reverse_proxy is
+// cleaned up by Caddy with the config, and the naming file watcher stops
+// when the config's context is cancelled.
+func (h *Handler) Cleanup() error { return nil }
+
+// ServeHTTP fans the request out and writes the merged response.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	body, err := readBody(r, h.MaxRequestBody)
+	if err != nil {
+		if errors.Is(err, errBodyTooLarge) {
+			h.answer(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than max_request_body (%d bytes)", h.MaxRequestBody))
+			return nil
+		}
+		h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
+		return nil
+	}
+	l := h.current.Load()
+	sc := l.choose(rand.IntN)
+	if sc == nil {
+		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe())
+		return nil
+	}
+	h.fanOut(w, r, sc, body)
+	return nil
+}
+
+var errBodyTooLarge = errors.New("request body too large")
+
+func readBody(r *http.Request, limit int64) ([]byte, error) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
+	}
+	if r.ContentLength > limit {
+		return nil, errBodyTooLarge
+	}
+	data, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, errBodyTooLarge
+		}
+		return nil, err
+	}
+	if int64(len(data)) > limit {
+		return nil, errBodyTooLarge
+	}
+	return data, nil
+}
+
+// answer writes a short plain-text response and exposes its text as
+// {http.partition.error}.
+func (h *Handler) answer(w http.ResponseWriter, r *http.Request, status int, msg string) {
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set("http.partition.error", msg)
+	}
+	hdr := w.Header()
+	hdr.Set("Content-Type", "text/plain; charset=utf-8")
+	hdr.Set("X-Content-Type-Options", "nosniff")
+	hdr.Set("Content-Length", strconv.Itoa(len(msg)+1))
+	w.WriteHeader(status)
+	_, _ = io.WriteString(w, msg+"\n")
+}
+
+// errTimeout is the cancellation cause when the overall timeout expires,
+// errDecided when the outcome is known before every partition answered.
+var (
+	errTimeout = errors.New("partition timeout")
+	errDecided = errors.New("partition fan-out decided")
+)
+
+// outcome is what became of one partition.
+type outcome struct {
+	index   int
+	skipped bool
+	done    bool // the sub-request finished before the outcome was decided
+	status  int  // sub-response status, or the status reverse_proxy chose for its error
+	latency time.Duration
+	err     error // nil: success
+	// canceled: the sub-request was cancelled because the outcome was
+	// decided without it; not a failure.
+	canceled bool
+	part     *Part
+	dial     string // the replica of the last attempt
+}
+
+// fanOut runs one sub-request per partition of sc and answers.
+func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, body []byte) {
+	n := sc.count
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	if h.Timeout > 0 {
+		var stop context.CancelFunc
+		ctx, stop = context.WithTimeoutCause(ctx, time.Duration(h.Timeout), errTimeout)
+		defer stop()
+	}
+
+	parent := subParent{req: r, body: body}
+	parent.server, _ = r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	parent.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	parent.vars, _ = r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if parent.vars != nil {
+		parent.vars = maps.Clone(parent.vars) // a snapshot: the sub-requests only read it
+	}
+
+	outcomes := make([]*outcome, n)
+	calls := make([]*subCall, 0, n)
+	for i := range n {
+		c := h.newSubCall(ctx, parent, sc, i)
+		if len(h.skip) > 0 {
+			skip, err := h.skip.AnyMatchWithError(c.req)
+			if err != nil {
+				h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating skip for partition %d: %v", i, err))
+				return
+			}
+			if skip {
+				outcomes[i] = &outcome{index: i, skipped: true}
+				continue
+			}
+		}
+		calls = append(calls, c)
+	}
+	if len(calls) == 0 {
+		h.report(w, r, sc, outcomes)
+		h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("all %d partitions skipped", n))
+		return
+	}
+
+	limit := h.FailLimit
+	if limit <= 0 || limit > len(calls) {
+		limit = len(calls)
+	}
+
+	results := make(chan *outcome, len(calls))
+	var wg sync.WaitGroup
+	for _, c := range calls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() {
+				if v := recover(); v != nil {
+					h.logger.Error("partition sub-request panicked", zap.Int("partition", c.index), zap.Any("panic", v), zap.Stack("stack"))
+					results <- &outcome{index: c.index, status: http.StatusBadGateway, err: fmt.Errorf("panic: %v", v)}
+				}
+			}()
+			results <- h.runSubCall(ctx, c)
+		}()
+	}
+
+	var failed, succeeded int
+	var deadline bool
+wait:
+	for range calls {
+		select {
+		case o := <-results:
+			o.done = true
+			outcomes[o.index] = o
+			if o.err != nil {
+				failed++
+				if failed >= limit {
+					break wait
+				}
+			} else {
+				succeeded++
+				if h.enough != nil && h.enough.Enough(succeeded) {
+					break wait
+				}
+			}
+		case <-ctx.Done():
+			deadline = errors.Is(context.Cause(ctx), errTimeout)
+			break wait
+		}
+	}
+	cancel(errDecided)
+	wg.Wait()
+
+	if r.Context().Err() != nil {
+		// The client went away; nobody will read an answer.
+		w.WriteHeader(499)
+		return
+	}
+
+	// Partitions still running when the outcome was decided: the
+	// deadline makes them failures; otherwise they were cancelled
+	// because they no longer mattered.
+	for _, c := range calls {
+		if outcomes[c.index] != nil {
+			continue
+		}
+		o := &outcome{index: c.index, latency: time.Since(c.start)}
+		if deadline {
+			o.status, o.err = http.StatusGatewayTimeout, errors.New("timeout")
+			failed++
+		} else {
+			o.err, o.canceled = errors.New("canceled"), true
+		}
+		outcomes[c.index] = o
+	}
+
+	if failed >= limit {
+		status := http.StatusBadGateway
+		if deadline {
+			status = http.StatusGatewayTimeout
+		}
+		var b strings.Builder
+		fmt.Fprintf(&b, "%d/%d partitions failed, fail_limit=%d", failed, n, limit)
+		for _, o := range outcomes {
+			if o != nil && o.err != nil && (o.done || deadline) {
+				fmt.Fprintf(&b, " [p%d]%s", o.index, o.err)
+			}
+		}
+		h.report(w, r, sc, outcomes)
+		h.answer(w, r, status, b.String())
+		return
+	}
+
+	parts := make([]*Part, 0, succeeded)
+	for _, o := range outcomes {
+		if o != nil && o.done && o.err == nil {
+			parts = append(parts, o.part)
+		}
+	}
+	merged, err := h.merger.Merge(parts)
+	h.report(w, r, sc, outcomes)
+	if err != nil {
+		h.answer(w, r, http.StatusBadGateway, "merging partition responses: "+err.Error())
+		return
+	}
+	hdr := w.Header()
+	for k, v := range merged.Header {
+		if k == "Content-Length" {
+			continue
+		}
+		hdr[k] = v
+	}
+	hdr.Set("Content-Length", strconv.Itoa(len(merged.Body)))
+	status := merged.Status
+	if status == 0 {
+		status = http.StatusOK
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(merged.Body)
+}
+
+// report sets the X-Partition-Status header and the placeholders
+// {http.partition.*} for logs.
+func (h *Handler) report(w http.ResponseWriter, r *http.Request, sc *scheme, outcomes []*outcome) {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	var b strings.Builder
+	failed := 0
+	for i, o := range outcomes {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "p%d=", i)
+		if o == nil || o.skipped {
+			b.WriteString("skipped")
+			continue
+		}
+		ms := o.latency.Milliseconds()
+		fmt.Fprintf(&b, "%d;%dms", o.status, ms)
+		if o.err != nil {
+			if o.canceled {
+				b.WriteString(";canceled")
+			} else {
+				b.WriteString(";failed")
+				failed++
+			}
+		}
+		if repl != nil {
+			prefix := "http.partition." + strconv.Itoa(i) + "."
+			repl.Set(prefix+"status", o.status)
+			repl.Set(prefix+"latency", o.latency)
+			repl.Set(prefix+"latency_ms", o.latency.Seconds()*1e3)
+			repl.Set(prefix+"upstream", o.dial)
+			if o.err != nil {
+				repl.Set(prefix+"error", o.err.Error())
+			}
+		}
+	}
+	status := b.String()
+	w.Header().Set(StatusHeader, status)
+	if repl != nil {
+		repl.Set("http.partition.scheme", sc.count)
+		repl.Set("http.partition.count", sc.count)
+		repl.Set("http.partition.failed", failed)
+		repl.Set("http.partition.status", status)
+	}
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

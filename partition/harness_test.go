@@ -1,0 +1,294 @@
+package partition
+
+// A harness for tests against a real, in-process Caddy (caddytest) and
+// real backends on 127.0.0.1, after integration/helpers_test.go. This
+// package's Caddy has its own admin port, chosen once per test binary, so
+// it never talks to another package's test Caddy.
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+)
+
+var (
+	portsOnce                      sync.Once
+	adminPort, httpPort, httpsPort int
+	adminClient                    = &http.Client{Transport: &http.Transport{}, Timeout: 10 * time.Second}
+)
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("finding a free port: %v", err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// env is one test's harness. Its cleanup unloads the test's config, closes
+// the backends and checks that no goroutine of this package is left.
+type env struct {
+	t        *testing.T
+	tester   *caddytest.Tester
+	client   *http.Client
+	backends []*backend
+	loaded   bool
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts Caddy")
+	}
+	portsOnce.Do(func() {
+		adminPort, httpPort, httpsPort = freePort(t), freePort(t), freePort(t)
+	})
+	e := &env{
+		t: t,
+		tester: caddytest.NewTester(t).WithDefaultOverrides(caddytest.Config{
+			AdminPort:          adminPort,
+			LoadRequestTimeout: 10 * time.Second,
+		}),
+		client: &http.Client{
+			Transport: &http.Transport{MaxIdleConnsPerHost: 32, DisableCompression: true},
+			Timeout:   20 * time.Second,
+		},
+	}
+	t.Cleanup(e.cleanup)
+	return e
+}
+
+func (e *env) cleanup() {
+	if e.loaded {
+		if err := postConfig(globalOptions()); err != nil {
+			e.t.Errorf("unloading test config: %v", err)
+		}
+	}
+	e.client.CloseIdleConnections()
+	adminClient.CloseIdleConnections()
+	for i := len(e.backends) - 1; i >= 0; i-- {
+		e.backends[i].close()
+	}
+	checkNoLeak(e.t)
+}
+
+// checkNoLeak waits until no goroutine runs this package's non-test code.
+func checkNoLeak(t *testing.T) {
+	t.Helper()
+	ours := []string{
+		"partition.(*Handler).",
+		"partition.(*namingWatcher).run",
+	}
+	var last string
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		last = ""
+		for _, g := range strings.Split(string(buf), "\n\n") {
+			for _, f := range ours {
+				if strings.Contains(g, f) {
+					last = g
+				}
+			}
+		}
+		if last == "" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("goroutine left running:\n%s", last)
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func globalOptions() string {
+	return fmt.Sprintf(`{
+	skip_install_trust
+	admin localhost:%d
+	http_port %d
+	https_port %d
+	default_bind 127.0.0.1
+	auto_https off
+	grace_period 1ns
+}
+`, adminPort, httpPort, httpsPort)
+}
+
+// load reloads Caddy with one site on the test port whose body is site.
+func (e *env) load(site string) {
+	e.t.Helper()
+	e.loaded = true
+	e.tester.InitServer(globalOptions()+fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site), "caddyfile")
+	if e.t.Failed() {
+		e.t.FailNow()
+	}
+}
+
+// loadErr tries to load site and returns the admin API's error, if any.
+func (e *env) loadErr(site string) error {
+	e.t.Helper()
+	e.load("\trespond ok") // starts the in-process Caddy if need be
+	return postConfig(globalOptions() + fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site))
+}
+
+func postConfig(caddyfile string) error { return post("text/caddyfile", caddyfile) }
+
+func postJSON(cfg string) error { return post("application/json", cfg) }
+
+func post(contentType, cfg string) error {
+	req, err := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", adminPort), strings.NewReader(cfg))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Content-Type", contentType)
+	res, err := adminClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	body, _ := io.ReadAll(res.Body)
+	if res.StatusCode != http.StatusOK {
+		return fmt.Errorf("status %d: %s", res.StatusCode, body)
+	}
+	return nil
+}
+
+func (e *env) url(path string) string {
+	return fmt.Sprintf("http://127.0.0.1:%d%s", httpPort, path)
+}
+
+// response is what the client got.
+type response struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func (e *env) do(req *http.Request) (response, error) {
+	res, err := e.client.Do(req)
+	if err != nil {
+		return response{}, err
+	}
+	defer res.Body.Close()
+	b, err := io.ReadAll(res.Body)
+	return response{status: res.StatusCode, header: res.Header, body: string(b)}, err
+}
+
+func (e *env) get(path string) response {
+	e.t.Helper()
+	req, err := http.NewRequest(http.MethodGet, e.url(path), nil)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	res, err := e.do(req)
+	if err != nil {
+		e.t.Fatalf("GET %s: %v", path, err)
+	}
+	return res
+}
+
+// waitFor polls cond every 10 ms until it holds or timeout passes.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, why := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s; last: %s", timeout, what, why)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// ---- backends ----
+
+// backend is a real HTTP server on 127.0.0.1. By default it answers with
+// JSON naming itself and the partition the request was for (from the
+// X-Partition header that the test configs set with header_up):
+//
+//	{"items":[<index>],"by":{"p<index>":"<name>"},"count":<count>}
+//
+// handler, when set, replaces that.
+type backend struct {
+	name string
+	addr string
+	srv  *httptest.Server
+
+	handler atomic.Pointer[func(b *backend, w http.ResponseWriter, r *http.Request)]
+
+	hits      atomic.Int64
+	cancelled atomic.Int64 // requests whose context was cancelled while the handler waited
+
+	mu   sync.Mutex
+	seen []seen
+}
+
+type seen struct {
+	header http.Header
+	body   string
+}
+
+func (e *env) backend(name string) *backend {
+	e.t.Helper()
+	b := &backend{name: name}
+	b.srv = httptest.NewServer(b)
+	b.addr = b.srv.Listener.Addr().String()
+	e.backends = append(e.backends, b)
+	return b
+}
+
+func (b *backend) close() { b.srv.Close() }
+
+func (b *backend) setHandler(f func(b *backend, w http.ResponseWriter, r *http.Request)) {
+	b.handler.Store(&f)
+}
+
+func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	b.mu.Lock()
+	b.seen = append(b.seen, seen{header: r.Header.Clone(), body: string(body)})
+	b.mu.Unlock()
+	b.hits.Add(1)
+	if f := b.handler.Load(); f != nil {
+		(*f)(b, w, r)
+		return
+	}
+	idx, cnt, _ := strings.Cut(r.Header.Get("X-Partition"), "/")
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(map[string]any{
+		"items": []any{json.Number(idx)},
+		"by":    map[string]any{"p" + idx: b.name},
+		"count": json.Number(cnt),
+	})
+}
+
+// waitCancelled blocks until the request's context ends and counts it.
+func (b *backend) waitCancelled(r *http.Request) {
+	<-r.Context().Done()
+	b.cancelled.Add(1)
+}
+
+func (b *backend) requests() []seen {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]seen(nil), b.seen...)
+}

@@ -1,0 +1,187 @@
+package partition
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+// replica is one upstream address. It is shared by every partition the
+// address serves (brpc's examples give one server several tags) and
+// carried over from one layout to the next, so its health survives a
+// naming file reload.
+type replica struct {
+	dial     string // as configured
+	hostport string // as reverse_proxy reports it ({http.reverse_proxy.upstream.hostport})
+
+	// last is the most recent Upstream value reverse_proxy used for this
+	// address, published after its sub-request finished. Its Host is
+	// Caddy's shared state for the address (requests in flight, passive
+	// health failures) and its health check policy is the handler's, so
+	// last.Available() is what Caddy itself would decide now.
+	last atomic.Pointer[reverseproxy.Upstream]
+}
+
+// usable reports whether Caddy would send the replica a request now. A
+// replica not tried yet is usable.
+func (r *replica) usable() bool {
+	u := r.last.Load()
+	return u == nil || u.Available()
+}
+
+// scheme is one way of partitioning the data: Count partitions, each
+// served by some replicas.
+type scheme struct {
+	count int
+	parts [][]*replica // parts[i]: the replicas of partition i
+}
+
+// capacity is the least number of usable replicas over the scheme's
+// partitions (brpc: a PartitionChannel's capacity is the minimum of its
+// sub-channels'); 0 when any partition has none.
+func (s *scheme) capacity() int {
+	c := -1
+	for _, reps := range s.parts {
+		n := 0
+		for _, r := range reps {
+			if r.usable() {
+				n++
+			}
+		}
+		if c < 0 || n < c {
+			c = n
+		}
+		if c == 0 {
+			return 0
+		}
+	}
+	return max(c, 0)
+}
+
+// describe explains a scheme's capacity for error messages, e.g.
+// "3 partitions: capacity 0 (p2 has no usable replica)".
+func (s *scheme) describe() string {
+	var empty []string
+	for i, reps := range s.parts {
+		n := 0
+		for _, r := range reps {
+			if r.usable() {
+				n++
+			}
+		}
+		if n == 0 {
+			empty = append(empty, "p"+strconv.Itoa(i))
+		}
+	}
+	if len(empty) == 0 {
+		return fmt.Sprintf("%d partitions: capacity %d", s.count, s.capacity())
+	}
+	return fmt.Sprintf("%d partitions: capacity 0 (no usable replica for %s)", s.count, strings.Join(empty, ", "))
+}
+
+// layout is one immutable version of the upstream list, grouped into
+// schemes. Requests load the current layout once and use it throughout;
+// a new version is swapped in atomically.
+type layout struct {
+	entries []Entry
+	schemes []*scheme // by ascending partition count
+	byAddr  map[string]*replica
+}
+
+// buildLayout groups entries (already free of duplicates) into schemes.
+// Replica state is taken over from prev, when given, for addresses it
+// already had.
+func buildLayout(entries []Entry, prev *layout) (*layout, error) {
+	l := &layout{entries: entries, byAddr: make(map[string]*replica)}
+	byCount := make(map[int]*scheme)
+	for _, e := range entries {
+		hp, err := checkDial(e.Dial)
+		if err != nil {
+			return nil, err
+		}
+		r := l.byAddr[hp]
+		if r == nil {
+			if prev != nil {
+				r = prev.byAddr[hp]
+			}
+			if r == nil {
+				r = &replica{dial: e.Dial, hostport: hp}
+			}
+			l.byAddr[hp] = r
+		}
+		s := byCount[e.Tag.Count]
+		if s == nil {
+			s = &scheme{count: e.Tag.Count, parts: make([][]*replica, e.Tag.Count)}
+			byCount[e.Tag.Count] = s
+			l.schemes = append(l.schemes, s)
+		}
+		if !slices.Contains(s.parts[e.Tag.Index], r) {
+			s.parts[e.Tag.Index] = append(s.parts[e.Tag.Index], r)
+		}
+	}
+	slices.SortFunc(l.schemes, func(a, b *scheme) int { return a.count - b.count })
+	if len(l.schemes) > MaxSchemes {
+		counts := make([]string, len(l.schemes))
+		for i, s := range l.schemes {
+			counts[i] = strconv.Itoa(s.count)
+		}
+		return nil, fmt.Errorf("%d partition schemes (partition counts %s); at most %d may coexist",
+			len(l.schemes), strings.Join(counts, ", "), MaxSchemes)
+	}
+	return l, nil
+}
+
+// choose picks a scheme with probability proportional to its capacity,
+// using intn (a uniform draw in [0, n)). It returns nil when every
+// scheme has capacity 0.
+func (l *layout) choose(intn func(int) int) *scheme {
+	var caps [MaxSchemes]int
+	total := 0
+	for i, s := range l.schemes {
+		caps[i] = s.capacity()
+		total += caps[i]
+	}
+	if total == 0 {
+		return nil
+	}
+	x := intn(total)
+	for i, s := range l.schemes {
+		if x < caps[i] {
+			return s
+		}
+		x -= caps[i]
+	}
+	return nil // unreachable
+}
+
+// describe explains every scheme's capacity, for the 503 answer.
+func (l *layout) describe() string {
+	if len(l.schemes) == 0 {
+		return "no upstreams"
+	}
+	parts := make([]string, len(l.schemes))
+	for i, s := range l.schemes {
+		parts[i] = s.describe()
+	}
+	return strings.Join(parts, "; ")
+}
+
+// mergeEntries returns a followed by the entries of b not in a.
+func mergeEntries(a, b []Entry) []Entry {
+	out := slices.Clip(a)
+	seen := make(map[Entry]bool, len(a)+len(b))
+	for _, e := range a {
+		seen[e] = true
+	}
+	for _, e := range b {
+		if !seen[e] {
+			seen[e] = true
+			out = append(out, e)
+		}
+	}
+	return out
+}

@@ -1,0 +1,293 @@
+package partition
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+)
+
+// subParent is what every sub-request of one fan-out is made from. The
+// sub-requests only read it.
+type subParent struct {
+	req    *http.Request
+	body   []byte
+	server *caddyhttp.Server
+	repl   *caddy.Replacer // the client request's, read as a fallback
+	vars   map[string]any  // a snapshot of the client request's vars
+}
+
+// subCall is one partition's sub-request.
+type subCall struct {
+	index int
+	req   *http.Request
+	rec   *recorder
+	state *subState
+	start time.Time
+}
+
+// subStateKey is the context key of a sub-request's *subState.
+type subStateKey struct{}
+
+// subState is what the upstream source knows about a sub-request: its
+// partition's replicas, and the upstreams it handed reverse_proxy for
+// each attempt. It is used by one goroutine at a time.
+type subState struct {
+	replicas []*replica
+	given    []givenUpstream
+	tried    []string // hostports of earlier attempts
+}
+
+type givenUpstream struct {
+	rep *replica
+	up  *reverseproxy.Upstream
+}
+
+// newSubCall makes partition i's sub-request: a clone of the client
+// request with the buffered body, its own replacer and vars map (Caddy's
+// are not safe for concurrent writers, and reverse_proxy writes both),
+// and the partition placeholders.
+func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int) *subCall {
+	c := &subCall{
+		index: i,
+		rec:   &recorder{header: make(http.Header), limit: h.MaxResponseBody},
+		state: &subState{replicas: sc.parts[i]},
+		start: time.Now(),
+	}
+	ctx = context.WithValue(ctx, subStateKey{}, c.state)
+	req := p.req.Clone(ctx)
+	// The body is complete and its length known; nothing is negotiated
+	// with the client any more, and fan-out is not for protocol upgrades.
+	// Sub-responses are merged, so they must come whole and decoded: no
+	// content coding from the client's Accept-Encoding (the transport
+	// negotiates and decodes its own), no ranges, and no conditional
+	// requests, whose 304 or 412 would be a partition's alone.
+	req.TransferEncoding = nil
+	for _, k := range subRequestDrop {
+		req.Header.Del(k)
+	}
+	if len(p.body) > 0 {
+		req.Body = io.NopCloser(bytes.NewReader(p.body))
+		req.ContentLength = int64(len(p.body))
+		req.Header.Set("Content-Length", strconv.Itoa(len(p.body)))
+	} else {
+		req.Body = http.NoBody
+		req.ContentLength = 0
+		req.Header.Del("Content-Length")
+	}
+
+	repl := caddy.NewReplacer()
+	req = caddyhttp.PrepareRequest(req, repl, c.rec, p.server)
+	if vars, ok := req.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok && p.vars != nil {
+		maps.Copy(vars, p.vars)
+	}
+	repl.Set("partition.index", i)
+	repl.Set("partition.count", sc.count)
+	repl.Set("partition.scheme", sc.count)
+	repl.Set("partition.tag", Tag{Index: i, Count: sc.count}.String())
+	if p.repl != nil {
+		// Placeholders this request does not know (e.g. set by `map` or
+		// `vars` before this handler) come from the client request's.
+		repl.Map(p.repl.Get)
+	}
+	c.req = req
+	return c
+}
+
+// subRequestDrop are the client request headers sub-requests do not carry.
+var subRequestDrop = []string{
+	"Expect", "Upgrade", "Accept-Encoding", "Range", "If-Range",
+	"If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since",
+}
+
+// runSubCall sends the sub-request through the internal reverse_proxy and
+// judges the result.
+func (h *Handler) runSubCall(ctx context.Context, c *subCall) *outcome {
+	o := &outcome{index: c.index}
+	err, panicked := h.serveSub(c)
+	o.latency = time.Since(c.start)
+	h.publish(c.state)
+	if repl, ok := c.req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		o.dial, _ = repl.GetString("http.reverse_proxy.upstream.hostport")
+	}
+	o.status = c.rec.status
+
+	switch {
+	case panicked != nil:
+		if c.rec.overflow {
+			o.err = fmt.Errorf("response larger than max_response_body (%d bytes)", h.MaxResponseBody)
+		} else if ctx.Err() != nil {
+			o.err = ctxReason(ctx)
+		} else {
+			o.err = fmt.Errorf("response aborted: %v", panicked)
+		}
+	case err != nil:
+		var herr caddyhttp.HandlerError
+		if errors.As(err, &herr) {
+			o.status = herr.StatusCode
+			if herr.Err != nil {
+				err = herr.Err
+			}
+		}
+		o.err = shortReason(ctx, err)
+	case o.status == 499 || ctx.Err() != nil:
+		o.err = ctxReason(ctx)
+	case o.status < 200 || o.status > 299:
+		o.err = fmt.Errorf("status %d", o.status)
+	}
+	if o.err != nil {
+		if c := h.logger.Check(zap.DebugLevel, "partition failed"); c != nil {
+			c.Write(zap.Int("partition", o.index), zap.String("upstream", o.dial), zap.Int("status", o.status), zap.Error(o.err))
+		}
+		return o
+	}
+	part := &Part{Index: c.index, Status: o.status, Header: c.rec.header, Body: c.rec.body.Bytes()}
+	if err := h.merger.Prepare(part); err != nil {
+		o.err = err
+		return o
+	}
+	o.part = part
+	return o
+}
+
+// serveSub calls the internal reverse_proxy. reverse_proxy panics with
+// http.ErrAbortHandler when it cannot finish copying a response (here:
+// the recorder refused a body over the limit, or the sub-request was
+// cancelled mid-body); that panic is the sub-request's failure, not the
+// server's.
+func (h *Handler) serveSub(c *subCall) (err error, panicked any) {
+	defer func() {
+		if v := recover(); v != nil {
+			panicked = v
+			if v != http.ErrAbortHandler {
+				h.logger.Error("partition sub-request panicked", zap.Int("partition", c.index), zap.Any("panic", v), zap.Stack("stack"))
+			}
+		}
+	}()
+	return h.proxy.ServeHTTP(c.rec, c.req, noNext), nil
+}
+
+var noNext = caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+
+// publish records, for each replica used, the Upstream value reverse_proxy
+// filled in, so its health can be read later (see replica.usable). It runs
+// after the sub-request finished: reverse_proxy no longer writes to it.
+func (h *Handler) publish(st *subState) {
+	for _, g := range st.given {
+		if g.up.Host != nil {
+			g.rep.last.Store(g.up)
+		}
+	}
+}
+
+func ctxReason(ctx context.Context) error {
+	if errors.Is(context.Cause(ctx), errTimeout) {
+		return errors.New("timeout")
+	}
+	return errors.New("canceled")
+}
+
+// shortReason turns a proxy error into the few words the error answer
+// shows for a partition: "timeout", "connection refused", …
+func shortReason(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctxReason(ctx)
+	}
+	var ne net.Error
+	if errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout()) {
+		return errors.New("timeout")
+	}
+	msg := err.Error()
+	if i := strings.LastIndex(msg, ": "); i >= 0 && i+2 < len(msg) {
+		msg = msg[i+2:]
+	}
+	return errors.New(msg)
+}
+
+// source is the internal reverse_proxy's upstream source: the replicas of
+// the partition whose sub-request is being proxied. A retry gets the
+// replicas not tried yet (all of them, when every one was). Each call
+// returns new Upstream values, as Caddy's own dynamic sources do, since
+// reverse_proxy fills them in per request.
+type source struct{}
+
+// GetUpstreams implements reverseproxy.UpstreamSource.
+func (source) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
+	st, ok := r.Context().Value(subStateKey{}).(*subState)
+	if !ok {
+		return nil, errors.New("partition upstream source used outside a partition sub-request")
+	}
+	if len(st.given) > 0 {
+		if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+			if hp, ok := repl.GetString("http.reverse_proxy.upstream.hostport"); ok && hp != "" {
+				st.tried = append(st.tried, hp)
+			}
+		}
+	}
+	pool := make([]*reverseproxy.Upstream, 0, len(st.replicas))
+	for pass := 0; pass < 2 && len(pool) == 0; pass++ {
+		for _, rep := range st.replicas {
+			if pass == 0 && slices.Contains(st.tried, rep.hostport) {
+				continue
+			}
+			u := &reverseproxy.Upstream{Dial: rep.dial}
+			pool = append(pool, u)
+			st.given = append(st.given, givenUpstream{rep: rep, up: u})
+		}
+	}
+	return pool, nil
+}
+
+// recorder is the ResponseWriter of a sub-request: it keeps the status,
+// headers and up to limit bytes of body, and refuses more.
+type recorder struct {
+	header   http.Header
+	status   int
+	body     bytes.Buffer
+	limit    int64
+	overflow bool
+}
+
+func (r *recorder) Header() http.Header { return r.header }
+
+func (r *recorder) WriteHeader(code int) {
+	if r.status != 0 || code < 200 {
+		return // informational responses are not the answer
+	}
+	r.status = code
+}
+
+var errResponseTooLarge = errors.New("sub-response larger than max_response_body")
+
+func (r *recorder) Write(p []byte) (int, error) {
+	if r.status == 0 {
+		r.status = http.StatusOK
+	}
+	if int64(r.body.Len())+int64(len(p)) > r.limit {
+		r.overflow = true
+		return 0, errResponseTooLarge
+	}
+	return r.body.Write(p)
+}
+
+// Flush is a no-op: nothing is streamed.
+func (r *recorder) Flush() {}
+
+// Interface guards
+var (
+	_ reverseproxy.UpstreamSource = source{}
+	_ http.Flusher                = (*recorder)(nil)
+)
