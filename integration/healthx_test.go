@@ -256,10 +256,10 @@ func TestSlowStartNewAndHealthyAgain(t *testing.T) {
 	}
 
 	bs[1].healthCode.Store(http.StatusServiceUnavailable)
-	e.waitPool("/", "b1 unhealthy", func(p poolInfo) bool { return !p.Upstreams[1].Available }, bs...)
+	e.waitPool("/", "b1 unhealthy", func(p poolInfo) bool { return !p.Upstreams[1].Healthy && !p.Upstreams[1].Available }, bs...)
 	bs[1].healthCode.Store(http.StatusOK)
 	p = e.waitPool("/", "b1 healthy again and ramping", func(p poolInfo) bool {
-		return p.Upstreams[1].Available && p.Upstreams[1].SlowStart != nil
+		return p.Upstreams[1].Healthy && p.Upstreams[1].Available && p.Upstreams[1].SlowStart != nil
 	}, bs...)
 	if w := *p.Upstreams[1].SlowStart; w < 10 || w > 20 {
 		t.Fatalf("b1's weight just after it came back: %.1f%%, want near the 10%% floor", w)

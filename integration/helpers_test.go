@@ -495,6 +495,7 @@ type upstreamInfo struct {
 type poolMember struct {
 	Dial       string   `json:"dial"`
 	Weight     float64  `json:"weight"`
+	Healthy    bool     `json:"caddy_healthy"`
 	Available  bool     `json:"available"`
 	EstimateMs *float64 `json:"estimate_ms"`
 	SlowStart  *float64 `json:"slow_start_weight_percent"`

@@ -400,6 +400,7 @@ func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
 		m := hoststate.PoolMember{
 			Dial:       u.Dial,
 			Weight:     1 / v.members[i].invWeight,
+			Healthy:    u.Healthy(),
 			Available:  u.Available() && !st.Ejected(now),
 			EstimateMs: &est,
 		}

@@ -192,7 +192,7 @@ func (p *PanicSelection) ReportPool() (hoststate.PoolReport, bool) {
 	now := hoststate.Now()
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
-		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{Dial: u.Dial, Weight: 1, Available: avail})
+		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
 	}
 	return rep, true
 }

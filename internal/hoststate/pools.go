@@ -38,6 +38,9 @@ type RetryBudgetReport struct {
 type PoolMember struct {
 	Dial   string  `json:"dial"`
 	Weight float64 `json:"weight"`
+	// Healthy is the member's health as Caddy sees it: active health
+	// checks, passive failures, circuit breaker.
+	Healthy bool `json:"caddy_healthy"`
 	// Available is Caddy's availability (health checks, max_requests)
 	// and, for policies with outlier ejection, not ejected.
 	Available bool `json:"available"`
