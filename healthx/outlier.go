@@ -216,6 +216,8 @@ func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, fai
 	if n < int64(o.Consecutive) || s.Ejected(now) {
 		return
 	}
+	t.LockEjections()
+	defer t.UnlockEjections()
 	ejected, total := t.CountEjected(now)
 	if !o.mayEject(ejected, total) {
 		if ce := o.logger.Check(zap.WarnLevel, "outlier not ejected: pool at max_ejection_percent"); ce != nil && n == int64(o.Consecutive) {

@@ -1,8 +1,10 @@
 package healthx
 
 import (
+	"fmt"
 	"math"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -285,3 +287,35 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 		}
 	}
 }
+
+// TestCapHoldsUnderConcurrentFailures: upstreams failing at the same
+// moment must not overshoot max_ejection_percent between counting the
+// ejected ones and ejecting.
+func TestCapHoldsUnderConcurrentFailures(t *testing.T) {
+	for round := range 200 {
+		o := newOutlier(t, Outlier{Consecutive: 1, MaxEjectionPercent: percentOf(20), BaseEjectionTime: caddy.Duration(time.Hour)})
+		table := hoststate.NewTable(hoststate.Config{})
+		stats := make([]*hoststate.Stats, 10)
+		for i := range stats {
+			stats[i] = table.Stats(fmt.Sprintf("%s-%d-%d", t.Name(), round, i))
+		}
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i, s := range stats {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				o.judge(table, s, fmt.Sprint(i), true)
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if n, _ := table.CountEjected(hoststate.Now()); n != 2 {
+			t.Fatalf("round %d: %d of 10 ejected with a cap of 20%%", round, n)
+		}
+		table.Release()
+	}
+}
+
+func percentOf(v float64) *float64 { return &v }

@@ -144,6 +144,7 @@ func (sw *sweeper) sweep(now int64) (ejected, skipped []string) {
 		}
 		return cands[i].h.s.Dial() < cands[j].h.s.Dial()
 	})
+	sw.table.LockEjections()
 	n, total := sw.table.CountEjected(now)
 	var reasons []string
 	for _, c := range cands {
@@ -160,6 +161,7 @@ func (sw *sweeper) sweep(now int64) (ejected, skipped []string) {
 			ejected = append(ejected, c.h.s.Dial())
 		}
 	}
+	sw.table.UnlockEjections()
 	if len(skipped) > 0 {
 		if ce := o.logger.Check(zap.WarnLevel, "outliers not ejected: pool at max_ejection_percent"); ce != nil {
 			ce.Write(zap.Strings("upstreams", skipped), zap.Strings("reasons", reasons),

@@ -62,6 +62,10 @@ type Table struct {
 	byDial   atomic.Pointer[map[string]*Stats] // copy-on-write
 	released bool
 
+	// ejectMu serialises counting ejected upstreams with the ejections
+	// that count allows (see LockEjections).
+	ejectMu sync.Mutex
+
 	// baseline is a plain EWMA (float64 bits, ns) of every sample this
 	// table observed: the latency a typical request in this pool sees.
 	baseline atomic.Uint64
@@ -198,6 +202,16 @@ func References(dial string) int {
 	n, _ := registry.References(dial)
 	return n
 }
+
+// LockEjections makes a cap check (CountEjected) and the ejections it
+// allows one step with respect to every other caller: without it, two
+// upstreams failing at the same moment could both see room for one more
+// ejection and overshoot the cap. Ejections are rare, so the lock is
+// never contended on the request path.
+func (t *Table) LockEjections() { t.ejectMu.Lock() }
+
+// UnlockEjections ends what LockEjections began.
+func (t *Table) UnlockEjections() { t.ejectMu.Unlock() }
 
 // CountEjected returns how many of this table's upstreams are ejected at
 // now, and how many upstreams it has.
