@@ -56,7 +56,10 @@ type Table struct {
 	// tau the decay moves an estimate by less than 0.1% of its distance
 	// to the baseline, and busy upstreams are always that fresh.
 	freshNs int64
-	invTau  float64
+	// forgetNs is the age at which an estimate is forgotten (tau): see
+	// EstimateFrom.
+	forgetNs int64
+	invTau   float64
 
 	mu       sync.Mutex
 	byDial   atomic.Pointer[map[string]*Stats] // copy-on-write
@@ -74,7 +77,7 @@ type Table struct {
 // NewTable returns an empty Table with cfg's zero fields defaulted.
 func NewTable(cfg Config) *Table {
 	cfg.setDefaults()
-	t := &Table{cfg: cfg, freshNs: int64(cfg.Tau) / 1024, invTau: 1 / float64(cfg.Tau)}
+	t := &Table{cfg: cfg, freshNs: int64(cfg.Tau) / 1024, forgetNs: int64(cfg.Tau), invTau: 1 / float64(cfg.Tau)}
 	empty := map[string]*Stats{}
 	t.byDial.Store(&empty)
 	return t
@@ -165,7 +168,12 @@ func (t *Table) Baseline() float64 {
 // Estimate returns s's latency estimate in ns at now: the peak-EWMA decayed
 // toward the pool baseline for the time it has not been updated, or the
 // baseline itself for a host never sampled (a sane prior: neither a magnet
-// nor starved).
+// nor starved) or not sampled for tau. Forgetting after tau bounds how
+// long a host is starved: an estimate inflated a thousandfold (requests
+// hung until a timeout) would otherwise take some 8 tau to decay to
+// within reach of the others, while the host sat idle; one request after
+// tau tells whether it is still slow, and a slow answer raises the
+// estimate again at once.
 func (t *Table) Estimate(s *Stats, now int64) float64 {
 	return t.EstimateFrom(s, now, t.Baseline())
 }
@@ -180,6 +188,9 @@ func (t *Table) EstimateFrom(s *Stats, now int64, base float64) float64 {
 	age := now - s.stampNs.Load()
 	if age < t.freshNs {
 		return float64(e)
+	}
+	if age >= t.forgetNs {
+		return base
 	}
 	return decayToward(float64(e), base, float64(age)*t.invTau)
 }

@@ -1,6 +1,7 @@
 package hoststate
 
 import (
+	"math"
 	"sync"
 	"testing"
 	"time"
@@ -109,15 +110,22 @@ func TestIdleEstimateDecaysTowardPool(t *testing.T) {
 	if e := tb.Estimate(slow, now); e < float64(150*time.Millisecond) {
 		t.Fatalf("fresh slow estimate %v", time.Duration(e))
 	}
-	later := now + int64(10*time.Second) // 10 τ without a sample
-	e := tb.Estimate(slow, later)
 	base := tb.Baseline()
 	if base > float64(10*time.Millisecond) {
 		t.Fatalf("baseline %v: one slow sample must not dominate the pool's typical latency", time.Duration(base))
 	}
-	// After 10 τ the remaining distance is e^-10 ≈ 0.005% of 195ms.
-	if e > base+float64(20*time.Microsecond) || e < base {
-		t.Fatalf("after 10τ idle the slow host must look typical again (%v), got %v", time.Duration(base), time.Duration(e))
+	// Half a τ idle: 200ms decays by e^-0.5 toward the baseline.
+	half := tb.Estimate(slow, now+int64(500*time.Millisecond))
+	if want := base + (float64(200*time.Millisecond)-base)*math.Exp(-0.5); math.Abs(half-want) > float64(2*time.Millisecond) {
+		t.Fatalf("after τ/2 idle: estimate %v, want about %v", time.Duration(half), time.Duration(want))
+	}
+	// Shortly before τ it is still well above (e^-0.9 of the way); at τ
+	// (counted from its last sample, just before now) it is forgotten.
+	if e := tb.Estimate(slow, now+int64(900*time.Millisecond)); e < 10*base {
+		t.Fatalf("before τ idle the slow host must still look slow, got %v", time.Duration(e))
+	}
+	if e := tb.Estimate(slow, now+int64(time.Second)); e != base {
+		t.Fatalf("after τ idle the estimate must be forgotten (the baseline %v), got %v", time.Duration(base), time.Duration(e))
 	}
 }
 
