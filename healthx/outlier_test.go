@@ -153,13 +153,10 @@ func TestOutlierCaddyfile(t *testing.T) {
 		{"outlier {\n consecutive_failures 2\n consecutive_failures 3\n}", "specified more than once"},
 		{"outlier {\n consecutive_failures 2 3\n}", "wrong argument count"},
 	} {
-		var o Outlier
-		d := caddyfile.NewTestDispenser(bad.in)
-		d.Next()
-		err := o.UnmarshalCaddyfile(d)
-		if err == nil || !strings.Contains(err.Error(), bad.want) {
-			t.Errorf("%q: error %v, want it to mention %q", bad.in, err, bad.want)
-		}
+		t.Run(bad.in, func(t *testing.T) {
+			var o Outlier
+			unmarshalOption(t, bad.in, bad.want, o.UnmarshalCaddyfile)
+		})
 	}
 	inverted := Outlier{BaseEjectionTime: caddy.Duration(time.Minute), MaxEjectionTime: caddy.Duration(time.Second)}
 	inverted.Provision(zap.NewNop(), Emitter{})
@@ -238,13 +235,10 @@ func TestOutlierIntervalRulesCaddyfile(t *testing.T) {
 		{"outlier {\n failure_percentage_min_requests x\n}", `invalid failure_percentage_min_requests "x"`},
 		{"outlier {\n interval 1s\n interval 2s\n}", "interval specified more than once"},
 	} {
-		var o Outlier
-		d := caddyfile.NewTestDispenser(bad.in)
-		d.Next()
-		err := o.UnmarshalCaddyfile(d)
-		if err == nil || !strings.Contains(err.Error(), bad.want) {
-			t.Errorf("%q: error %v, want it to mention %q", bad.in, err, bad.want)
-		}
+		t.Run(bad.in, func(t *testing.T) {
+			var o Outlier
+			unmarshalOption(t, bad.in, bad.want, o.UnmarshalCaddyfile)
+		})
 	}
 }
 

@@ -3,11 +3,9 @@ package healthx
 import (
 	"context"
 	"net/http"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -156,18 +154,9 @@ func TestRetryBudgetUnmarshalCaddyfile(t *testing.T) {
 		{input: "retry_budget {\n percent 10\n}", wantErr: `unrecognized option "percent"`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
-			d := caddyfile.NewTestDispenser(tc.input)
-			d.Next()
 			var b RetryBudget
-			err := b.UnmarshalCaddyfile(d)
-			if tc.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
-				}
+			if !unmarshalOption(t, tc.input, tc.wantErr, b.UnmarshalCaddyfile) {
 				return
-			}
-			if err != nil {
-				t.Fatal(err)
 			}
 			b.Provision(zap.NewNop())
 			if *b.Percent != tc.percent || *b.MinConcurrent != tc.min {

@@ -66,6 +66,24 @@ func TestSlowStartValidate(t *testing.T) {
 	}
 }
 
+// unmarshalOption feeds input, an option with its arguments and block, to
+// unmarshal with the dispenser on the option's name, and checks the error
+// against wantErr (a substring; "" for none). It reports whether the
+// option parsed, for the caller to check the result.
+func unmarshalOption(t *testing.T, input, wantErr string, unmarshal func(*caddyfile.Dispenser) error) bool {
+	t.Helper()
+	d := caddyfile.NewTestDispenser(input)
+	d.Next()
+	err := unmarshal(d)
+	switch {
+	case wantErr == "" && err != nil:
+		t.Fatal(err)
+	case wantErr != "" && (err == nil || !strings.Contains(err.Error(), wantErr)):
+		t.Fatalf("error = %v, want one containing %q", err, wantErr)
+	}
+	return wantErr == ""
+}
+
 func TestSlowStartUnmarshalCaddyfile(t *testing.T) {
 	for _, tc := range []struct {
 		input, wantErr string
@@ -87,18 +105,9 @@ func TestSlowStartUnmarshalCaddyfile(t *testing.T) {
 		{input: "slow_start 30s {\n ramp 3\n}", wantErr: `unrecognized option "ramp"`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
-			d := caddyfile.NewTestDispenser(tc.input)
-			d.Next()
 			var s SlowStart
-			err := s.UnmarshalCaddyfile(d)
-			if tc.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("error = %v, want one containing %q", err, tc.wantErr)
-				}
+			if !unmarshalOption(t, tc.input, tc.wantErr, s.UnmarshalCaddyfile) {
 				return
-			}
-			if err != nil {
-				t.Fatal(err)
 			}
 			if s.Window != tc.want.Window || s.Aggression != tc.want.Aggression {
 				t.Fatalf("got %+v, want %+v", s, tc.want)

@@ -148,7 +148,7 @@ func TestEidDayPoolNeverEmptied(t *testing.T) {
 		e.mustGet("/warm")
 	}
 	f.goSlow(t, bs)
-	stock := e.accDrive(8, 8, func(i int) string { return fmt.Sprintf("/eid?id=stock-%d", i) })
+	stock := e.drivePaths(8, 8, func(i int) string { return fmt.Sprintf("/eid?id=stock-%d", i) })
 	t.Logf("stock least_conn, every health check timing out: %d of %d requests failed (%v), longest %v",
 		len(stock.errors), stock.total, stock.statuses, stock.longest.Round(time.Millisecond))
 	if len(stock.errors) == 0 {
@@ -180,7 +180,7 @@ func TestEidDayPoolNeverEmptied(t *testing.T) {
 	const slowRequests = 40
 	stalledBefore := f.stalled.Load()
 	start := time.Now()
-	slow := e.accDrive(slowRequests, 8, func(i int) string { return fmt.Sprintf("/eid?id=ewma-%d", i) })
+	slow := e.drivePaths(slowRequests, 8, func(i int) string { return fmt.Sprintf("/eid?id=ewma-%d", i) })
 	slowPhase := time.Since(start)
 	rep := report(t)
 	p, _ := rep.pool(bs...)
@@ -642,54 +642,6 @@ func accSleep(ctx context.Context, d time.Duration) bool {
 
 // firstFew returns at most the first three of errs, for messages.
 func firstFew(errs []string) []string { return errs[:min(len(errs), 3)] }
-
-// accResult is what accDrive saw.
-type accResult struct {
-	loadResult
-	statuses map[int]int // 0: transport error
-	longest  time.Duration
-}
-
-// accDrive sends n GET requests through Caddy from conc workers, request i
-// for path(i), and returns when all have been answered.
-func (e *env) accDrive(n, conc int, path func(i int) string) accResult {
-	var (
-		next atomic.Int64
-		mu   sync.Mutex
-		wg   sync.WaitGroup
-		res  = accResult{loadResult: loadResult{counts: map[string]int{}}, statuses: map[int]int{}}
-	)
-	for range conc {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				i := int(next.Add(1) - 1)
-				if i >= n {
-					return
-				}
-				start := time.Now()
-				status, name, body, err := e.get(path(i))
-				took := time.Since(start)
-				mu.Lock()
-				res.total++
-				res.statuses[status]++
-				res.longest = max(res.longest, took)
-				switch {
-				case err != nil:
-					res.errors = append(res.errors, err.Error())
-				case status != http.StatusOK:
-					res.errors = append(res.errors, fmt.Sprintf("status %d: %.80q", status, body))
-				default:
-					res.counts[name]++
-				}
-				mu.Unlock()
-			}
-		}()
-	}
-	wg.Wait()
-	return res
-}
 
 // accLoad is load with the events app subscribing accEvents to the named
 // events.

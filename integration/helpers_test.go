@@ -21,6 +21,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-lbx/lbx/internal/testutil"
+
 	"github.com/caddyserver/caddy/v2/caddytest"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 	"github.com/pires/go-proxyproto"
@@ -221,9 +223,11 @@ func (e *env) mustGet(path string) string {
 
 // loadResult is what a closed-loop load run saw.
 type loadResult struct {
-	counts map[string]int // answering backend → requests
-	total  int
-	errors []string // one line per failed request
+	counts   map[string]int // answering backend → requests
+	total    int
+	errors   []string      // one line per failed request
+	statuses map[int]int   // status → requests; 0 for transport errors
+	longest  time.Duration // the slowest request
 }
 
 func (r loadResult) share(name string) float64 {
@@ -240,15 +244,24 @@ func (e *env) drive(path string, n, conc int) loadResult {
 	return e.drivePaced(path, n, conc, 0)
 }
 
+// drivePaths is drive with request i for path(i).
+func (e *env) drivePaths(n, conc int, path func(i int) string) loadResult {
+	return e.drivePacedPaths(n, conc, 0, path)
+}
+
 // drivePaced is drive with request i due at start + i×interval: an open
 // loop at a fixed rate, capped at conc requests in flight. Requests are
 // sent on schedule, not when earlier ones finish, so a slow backend does
 // not slow the arrival rate down.
 func (e *env) drivePaced(path string, n, conc int, interval time.Duration) loadResult {
+	return e.drivePacedPaths(n, conc, interval, func(int) string { return path })
+}
+
+func (e *env) drivePacedPaths(n, conc int, interval time.Duration, path func(i int) string) loadResult {
 	var (
 		next  atomic.Int64
 		mu    sync.Mutex
-		res   = loadResult{counts: map[string]int{}}
+		res   = loadResult{counts: map[string]int{}, statuses: map[int]int{}}
 		wg    sync.WaitGroup
 		start = time.Now()
 	)
@@ -264,9 +277,13 @@ func (e *env) drivePaced(path string, n, conc int, interval time.Duration) loadR
 				if interval > 0 {
 					time.Sleep(time.Until(start.Add(time.Duration(i) * interval)))
 				}
-				status, name, body, err := e.get(path)
+				sent := time.Now()
+				status, name, body, err := e.get(path(int(i)))
+				took := time.Since(sent)
 				mu.Lock()
 				res.total++
+				res.statuses[status]++
+				res.longest = max(res.longest, took)
 				switch {
 				case err != nil:
 					res.errors = append(res.errors, err.Error())
@@ -283,24 +300,8 @@ func (e *env) drivePaced(path string, n, conc int, interval time.Duration) loadR
 	return res
 }
 
-// waitFor polls cond every 20 ms until it returns true or timeout passes,
-// then fails the test with what and cond's last explanation.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	var last string
-	for {
-		ok, why := cond()
-		if ok {
-			return
-		}
-		last = why
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s; last: %s", timeout, what, last)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
+// waitFor waits on a condition with a deadline (see testutil.WaitFor).
+var waitFor = testutil.WaitFor
 
 // ---- backends ----
 

@@ -19,6 +19,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-lbx/lbx/internal/testutil"
+
 	"github.com/caddyserver/caddy/v2/caddytest"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 )
@@ -203,21 +205,8 @@ func (e *env) get(path string) response {
 	return res
 }
 
-// waitFor polls cond every 10 ms until it holds or timeout passes.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		ok, why := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s; last: %s", timeout, what, why)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+// waitFor waits on a condition with a deadline (see testutil.WaitFor).
+var waitFor = testutil.WaitFor
 
 // ---- backends ----
 
