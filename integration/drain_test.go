@@ -595,7 +595,7 @@ func (hb *drainBackends) releaseAll() { hb.releaseOnce.Do(func() { close(hb.rele
 const drainLbxModule = "github.com/caddy-lbx/lbx"
 
 // drainLbxGoroutines returns the stacks of the goroutines running (or
-// created by) lbx code other than this test package.
+// created by) lbx code other than this test package and its helpers.
 func drainLbxGoroutines() []string {
 	buf := make([]byte, 1<<20)
 	for {
@@ -613,8 +613,8 @@ func drainLbxGoroutines() []string {
 			if !strings.HasPrefix(fn, drainLbxModule+"/") && !strings.HasPrefix(fn, drainLbxModule+".") {
 				continue // file:line lines start with a tab; headers with "goroutine"
 			}
-			if strings.HasPrefix(fn, drainLbxModule+"/integration") {
-				continue
+			if strings.HasPrefix(fn, drainLbxModule+"/integration") || strings.HasPrefix(fn, drainLbxModule+"/internal/testutil") {
+				continue // the test itself, waiting
 			}
 			out = append(out, g)
 			break
