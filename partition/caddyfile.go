@@ -1,6 +1,7 @@
 package partition
 
 import (
+	"context"
 	"encoding/json"
 	"math"
 	"strconv"
@@ -40,18 +41,22 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		max_response_body <size>
 //		merge json|concat|ndjson|first
 //		skip <cel expression>
+//		reject <cel expression> [<message>]
+//		lb_retries <n>
 //
-//		# any reverse_proxy subdirective except upstreams, dynamic,
+//		# any other reverse_proxy subdirective except upstreams, dynamic,
 //		# active health checks and handle_response, e.g.:
 //		lb_policy ewma
-//		lb_retries 1
 //		header_up X-Partition {partition.index}/{partition.count}
 //		transport http { ... }
 //	}
 //
-// `to` and `skip` may be repeated. Every other partition option may
-// appear once. The reverse_proxy subdirectives configure the internal
-// reverse_proxy the sub-requests go through.
+// `to`, `skip` and `reject` may be repeated. Every other partition option
+// may appear once. CEL expressions are compiled when the Caddyfile is
+// adapted, so a bad one is reported with its line. lb_retries sets the
+// handler's retries (0: none; absent: the default, 1). The other
+// reverse_proxy subdirectives configure the internal reverse_proxy the
+// sub-requests go through.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume the directive name
 	seg := d.NextSegment()
@@ -176,11 +181,40 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(args) != 1 {
 				return od.Errf("skip: want one CEL expression (in backticks), e.g. skip `{partition.index} == 2`; got %d argument(s)", len(args))
 			}
-			expr, err := json.Marshal(caddyhttp.MatchExpression{Expr: args[0]})
+			m, err := expressionMatcher(od, name, args[0])
 			if err != nil {
-				return od.WrapErr(err)
+				return err
 			}
-			h.SkipRaw = append(h.SkipRaw, caddy.ModuleMap{"expression": expr})
+			h.SkipRaw = append(h.SkipRaw, m)
+
+		case "reject":
+			args := od.RemainingArgs()
+			if len(args) != 1 && len(args) != 2 {
+				return od.Errf("reject: want a CEL expression (in backticks) and an optional message, e.g. reject `{query.limit} > 100` \"limit too large\"; got %d argument(s)", len(args))
+			}
+			m, err := expressionMatcher(od, name, args[0])
+			if err != nil {
+				return err
+			}
+			rule := &RejectRule{MatchRaw: m}
+			if len(args) == 2 {
+				rule.Message = args[1]
+			}
+			h.Reject = append(h.Reject, rule)
+
+		case "lb_retries":
+			if err := once(od); err != nil {
+				return err
+			}
+			v, err := oneArg(od)
+			if err != nil {
+				return err
+			}
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 0 {
+				return od.Errf("lb_retries: want a whole number of retries, 0 or more; got %q", v)
+			}
+			h.Retries = &n
 
 		case "dynamic":
 			return od.Err("dynamic upstreams are not supported in partition; use naming_file")
@@ -212,6 +246,26 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	h.Proxy = rp
 	return nil
+}
+
+// expressionMatcher returns a matcher set of one CEL expression, after
+// compiling it (as its Provision will) so that a bad expression is
+// reported where it is written.
+func expressionMatcher(d *caddyfile.Dispenser, name, expr string) (caddy.ModuleMap, error) {
+	if strings.TrimSpace(expr) == "" {
+		return nil, d.Errf("%s: empty expression", name)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	m := caddyhttp.MatchExpression{Expr: expr}
+	if err := m.Provision(ctx); err != nil {
+		return nil, d.Errf("%s: invalid expression `%s`: %v", name, expr, err)
+	}
+	raw, err := json.Marshal(caddyhttp.MatchExpression{Expr: expr})
+	if err != nil {
+		return nil, d.WrapErr(err)
+	}
+	return caddy.ModuleMap{"expression": raw}, nil
 }
 
 func oneArg(d *caddyfile.Dispenser) (string, error) {

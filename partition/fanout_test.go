@@ -4,6 +4,7 @@ import (
 	"compress/gzip"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"reflect"
 	"strings"
@@ -92,12 +93,22 @@ func TestFanOutReplaysBodyAnd413(t *testing.T) {
 		t.Errorf("status %d body %q", res.status, res.body)
 	}
 	res = post("seventeen bytes!!")
-	if res.status != http.StatusRequestEntityTooLarge {
+	if res.status != http.StatusRequestEntityTooLarge || res.body != "request body larger than max_request_body (16 bytes)\n" {
 		t.Errorf("over the limit: status %d body %q; want 413", res.status, res.body)
 	}
-	if n := b0.hits.Load() + b1.hits.Load(); n != 2 {
-		t.Errorf("backends saw %d requests; the oversized one must not be sent", n)
+	base := e.goroutineBaseline()
+	for i := range badRepeats {
+		// Sent without a Content-Length, the limit is found by reading.
+		req, _ := http.NewRequest(http.MethodPost, e.url("/"), io.MultiReader(strings.NewReader(strings.Repeat("x", 4096))))
+		res, err := e.do(req)
+		if err != nil || res.status != http.StatusRequestEntityTooLarge {
+			t.Fatalf("oversized request %d: status %d, %v; want 413", i, res.status, err)
+		}
 	}
+	if n := b0.hits.Load() + b1.hits.Load(); n != 2 {
+		t.Errorf("backends saw %d requests; the oversized ones must not be sent", n)
+	}
+	e.checkGoroutines(base, fmt.Sprintf("%d oversized requests", badRepeats))
 }
 
 func TestFailLimitAnswersAtOnceAndCancels(t *testing.T) {
@@ -202,6 +213,13 @@ func TestOversizedSubResponseFails(t *testing.T) {
 	if res.status != http.StatusBadGateway || !strings.Contains(res.body, "[p1]response larger than max_response_body (1024 bytes)") {
 		t.Errorf("status %d body %q", res.status, res.body)
 	}
+	base := e.goroutineBaseline()
+	for i := range badRepeats {
+		if res := e.get("/"); res.status != http.StatusBadGateway {
+			t.Fatalf("request %d: status %d body %q; want 502", i, res.status, res.body)
+		}
+	}
+	e.checkGoroutines(base, fmt.Sprintf("%d oversized sub-responses", badRepeats))
 }
 
 func TestSkipPartitions(t *testing.T) {
@@ -225,6 +243,17 @@ func TestSkipPartitions(t *testing.T) {
 	if res.status != http.StatusBadRequest || res.body != "all 3 partitions skipped\n" {
 		t.Errorf("all skipped: status %d body %q; want 400", res.status, res.body)
 	}
+	before := hits(b0, b1, b2)
+	base := e.goroutineBaseline()
+	for i := range badRepeats {
+		if res := e.get("/?only=1"); res.status != http.StatusBadRequest {
+			t.Fatalf("request %d: status %d body %q; want 400", i, res.status, res.body)
+		}
+	}
+	if d := delta(before, hits(b0, b1, b2)); d[0]+d[1]+d[2] != 0 {
+		t.Errorf("backends saw %v requests while every partition was skipped", d)
+	}
+	e.checkGoroutines(base, fmt.Sprintf("%d requests with every partition skipped", badRepeats))
 }
 
 // TestSubResponsesAreDecoded: backends that compress when asked still

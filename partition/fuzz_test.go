@@ -48,7 +48,7 @@ func FuzzParseNamingFile(f *testing.F) {
 				t.Fatalf("bad line error without position: %v", b)
 			}
 		}
-		if _, err := buildLayout(entries, nil); err != nil && !strings.Contains(err.Error(), "may coexist") {
+		if _, err := buildLayout(entries, nil, nil); err != nil && !strings.Contains(err.Error(), "may coexist") {
 			t.Fatalf("layout: %v", err)
 		}
 	})

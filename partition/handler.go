@@ -12,6 +12,7 @@
 package partition
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -31,8 +32,9 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
-	// The default replica selection policy, ewma.
-	_ "github.com/caddy-lbx/lbx/lbpolicy"
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+	// lbpolicy is the default replica selection policy, ewma.
+	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 func init() {
@@ -58,16 +60,21 @@ const StatusHeader = "X-Partition-Status"
 // of M partitions. When upstreams of several schemes coexist (say 3 and 4
 // partitions, during a migration), each request picks one scheme with
 // probability proportional to its capacity: the least number of usable
-// replicas over its partitions (brpc's DynamicPartitionChannel). A scheme
-// with a partition that has no usable replica gets no traffic; when no
-// scheme has capacity, the answer is 503.
+// replicas over its partitions (brpc's DynamicPartitionChannel). A replica
+// is usable when Caddy would send it a request (passive health checks,
+// max_requests) and lbx's outlier detection has not ejected its address.
+// A scheme with a partition that has no usable replica gets no traffic;
+// when no scheme has capacity, the answer is 503.
 //
 // Sub-requests go through an internal reverse_proxy handler configured by
 // Proxy: replicas of a partition are chosen with its load balancing policy
 // (lbx's ewma by default), a failed attempt is retried on another replica
-// of the same partition (lb_retries, default 1), and its transport, header
+// of the same partition (Retries, default 1), and its transport, header
 // operations and passive health checks apply. Each sub-request has its
 // own replacer and request variables.
+//
+// Before any sub-request, the request body is read (413 beyond
+// MaxRequestBody) and the Reject rules are checked (400).
 //
 // A partition fails when its sub-request fails (transport error, timeout,
 // non-2xx status), its response is larger than MaxResponseBody, or the
@@ -125,23 +132,63 @@ type Handler struct {
 	// the chosen scheme is skipped, the answer is 400.
 	SkipRaw caddyhttp.RawMatcherSets `json:"skip,omitempty" caddy:"namespace=http.matchers"`
 
+	// Rules that reject a request with 400 before any sub-request is
+	// sent. They are checked in order against the client request, after
+	// its body has been read (a body over MaxRequestBody is answered 413
+	// first), with the client request's placeholders; the first rule
+	// whose matchers all match rejects the request, and the answer's body
+	// is "request rejected: " followed by the rule's message.
+	Reject []*RejectRule `json:"reject,omitempty"`
+
+	// How many times a failed sub-request is retried on another replica
+	// of its partition (reverse_proxy's load_balancing.retries, which may
+	// be given there instead, but not in both places). 0 disables
+	// retries, unless the proxy's load_balancing.try_duration is set,
+	// which then alone bounds them, as in reverse_proxy. Default: 1.
+	Retries *int `json:"retries,omitempty"`
+
 	// The reverse_proxy handler the sub-requests go through, without
 	// upstreams (they come from Upstreams and NamingFile): load
 	// balancing, retries, transport, header operations (header_up may use
 	// the partition placeholders), rewrite, passive health checks. Its
-	// selection policy defaults to lbx's ewma and lb_retries to 1. Active
-	// health checks and handle_response are not supported.
+	// selection policy defaults to lbx's ewma (whose outlier ejection
+	// also takes a replica out of its scheme's capacity); its retries are
+	// governed by Retries. Active health checks and handle_response are
+	// not supported.
 	Proxy *reverseproxy.Handler `json:"proxy,omitempty"`
 
-	merger  Merger
-	enough  Sufficer // merger as a Sufficer, or nil
-	skip    caddyhttp.MatcherSets
-	proxy   *reverseproxy.Handler
+	merger Merger
+	enough Sufficer // merger as a Sufficer, or nil
+	skip   caddyhttp.MatcherSets
+	proxy  *reverseproxy.Handler
+	// skipEjected: the selection policy does not know lbx's outlier
+	// ejection, so the upstream source leaves ejected replicas out.
+	skipEjected bool
+	// hosts holds references on lbx's per-address state (outlier
+	// ejection) of every replica address this handler has used.
+	hosts   *hoststate.Table
 	static  []Entry
 	current atomic.Pointer[layout]
 	swapMu  sync.Mutex // serializes layout swaps
 	watcher *namingWatcher
 	logger  *zap.Logger
+}
+
+// RejectRule rejects a request that matches it (see Handler.Reject).
+type RejectRule struct {
+	// The matchers, all of which must match the client request for it to
+	// be rejected; in the Caddyfile, one CEL expression.
+	MatchRaw caddy.ModuleMap `json:"match,omitempty" caddy:"namespace=http.matchers"`
+
+	// The reason given in the 400 answer's body; it may contain
+	// placeholders of the client request. Default: the rule's CEL
+	// expression, as written, when it is one, else "reject rule <index>".
+	Message string `json:"message,omitempty"`
+
+	match caddyhttp.MatcherSet
+	// literal: Message is the default, shown as is (an expression's
+	// placeholders are not to be replaced).
+	literal bool
 }
 
 // UpstreamConfig is a static upstream and its partition tag.
@@ -220,10 +267,22 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("skip matchers: %v", err)
 		}
 	}
+	for i, rule := range h.Reject {
+		if err := rule.provision(ctx, i); err != nil {
+			return err
+		}
+	}
 
 	if err := h.provisionProxy(ctx); err != nil {
 		return err
 	}
+	switch h.proxy.LoadBalancing.SelectionPolicy.(type) {
+	case *lbpolicy.EWMASelection, *lbpolicy.PanicSelection:
+		// They skip ejected upstreams themselves, with their panic mode.
+	default:
+		h.skipEjected = true
+	}
+	h.hosts = hoststate.NewTable(hoststate.Config{})
 
 	// The initial upstream list; a naming file must be usable now.
 	if err := h.install(nil); err != nil {
@@ -244,8 +303,36 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	return nil
 }
 
+// provision loads the rule's matchers; i is its index in Handler.Reject.
+func (rule *RejectRule) provision(ctx caddy.Context, i int) error {
+	if rule == nil || len(rule.MatchRaw) == 0 {
+		return fmt.Errorf("reject[%d]: no matchers", i)
+	}
+	mods, err := ctx.LoadModule(rule, "MatchRaw")
+	if err != nil {
+		return fmt.Errorf("reject[%d]: loading matchers: %v", i, err)
+	}
+	var sets caddyhttp.MatcherSets
+	if err := sets.FromInterface([]map[string]any{mods.(map[string]any)}); err != nil {
+		return fmt.Errorf("reject[%d]: %v", i, err)
+	}
+	rule.match = sets[0]
+	if rule.Message == "" {
+		rule.literal = true
+		rule.Message = "reject rule " + strconv.Itoa(i)
+		if len(rule.match) == 1 {
+			if m, ok := rule.match[0].(*caddyhttp.MatchExpression); ok {
+				rule.Message = m.Expr
+			}
+		}
+	}
+	return nil
+}
+
 func (h *Handler) checkLimits() error {
 	switch {
+	case h.Retries != nil && *h.Retries < 0:
+		return fmt.Errorf("retries must not be negative, got %d", *h.Retries)
 	case h.FailLimit < 0:
 		return fmt.Errorf("fail_limit must not be negative, got %d", h.FailLimit)
 	case h.Timeout < 0:
@@ -292,9 +379,11 @@ func (h *Handler) provisionProxy(ctx caddy.Context) error {
 	if tmpl.LoadBalancing.SelectionPolicyRaw == nil {
 		tmpl.LoadBalancing.SelectionPolicyRaw = json.RawMessage(`{"policy":"ewma"}`)
 	}
-	if tmpl.LoadBalancing.Retries == 0 && tmpl.LoadBalancing.TryDuration == 0 {
-		tmpl.LoadBalancing.Retries = defaultRetries
+	retries, err := resolveRetries(h.Retries, tmpl.LoadBalancing)
+	if err != nil {
+		return err
 	}
+	tmpl.LoadBalancing.Retries = retries
 	// The body is replayed from memory; buffering it in reverse_proxy too
 	// makes a retry after a partial send resend the whole body. One byte
 	// over the limit, as a body of exactly the limit would otherwise look
@@ -315,12 +404,29 @@ func (h *Handler) provisionProxy(ctx caddy.Context) error {
 	return nil
 }
 
+// resolveRetries returns the internal reverse_proxy's retry count: the
+// handler's Retries when set (0 included), else the proxy's own
+// load_balancing.retries when set, else the default — unless the proxy
+// retries for a try_duration, whose meaning with 0 retries (no count
+// limit) is kept.
+func resolveRetries(retries *int, lb *reverseproxy.LoadBalancing) (int, error) {
+	switch {
+	case retries != nil && lb.Retries != 0:
+		return 0, fmt.Errorf("retries given twice: %d, and %d in proxy.load_balancing.retries; give one", *retries, lb.Retries)
+	case retries != nil:
+		return *retries, nil
+	case lb.Retries != 0 || lb.TryDuration != 0:
+		return lb.Retries, nil
+	}
+	return defaultRetries, nil
+}
+
 // install makes fileEntries (with the static upstreams) the current
 // upstream list, or leaves the current one if they are not valid.
 func (h *Handler) install(fileEntries []Entry) error {
 	h.swapMu.Lock()
 	defer h.swapMu.Unlock()
-	l, err := buildLayout(mergeEntries(h.static, fileEntries), h.current.Load())
+	l, err := buildLayout(mergeEntries(h.static, fileEntries), h.current.Load(), h.hosts)
 	if err != nil {
 		return err
 	}
@@ -333,10 +439,15 @@ func (h *Handler) Validate() error {
 	return h.checkLimits()
 }
 
-// Cleanup releases nothing of its own: the internal reverse_proxy is
-// cleaned up by Caddy with the config, and the naming file watcher stops
-// when the config's context is cancelled.
-func (h *Handler) Cleanup() error { return nil }
+// Cleanup releases the handler's references on lbx's per-address state.
+// The internal reverse_proxy is cleaned up by Caddy with the config, and
+// the naming file watcher stops when the config's context is cancelled.
+func (h *Handler) Cleanup() error {
+	if h.hosts != nil {
+		h.hosts.Release()
+	}
+	return nil
+}
 
 // ServeHTTP fans the request out and writes the merged response.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
@@ -349,10 +460,32 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
 		return nil
 	}
+	if len(h.Reject) > 0 {
+		if r.Body != nil && r.Body != http.NoBody {
+			// The body was consumed; matchers that read it
+			// ({http.request.body}) see the buffered copy.
+			r.Body = io.NopCloser(bytes.NewReader(body))
+		}
+		for i, rule := range h.Reject {
+			match, err := rule.match.MatchWithError(r)
+			if err != nil {
+				h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating reject[%d]: %v", i, err))
+				return nil
+			}
+			if match {
+				msg := rule.Message
+				if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok && !rule.literal {
+					msg = repl.ReplaceKnown(msg, "")
+				}
+				h.answer(w, r, http.StatusBadRequest, "request rejected: "+msg)
+				return nil
+			}
+		}
+	}
 	l := h.current.Load()
-	sc := l.choose(rand.IntN)
+	sc := l.choose(rand.IntN, hoststate.Now())
 	if sc == nil {
-		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe())
+		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe(hoststate.Now()))
 		return nil
 	}
 	h.fanOut(w, r, sc, body)

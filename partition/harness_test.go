@@ -49,6 +49,9 @@ type env struct {
 	client   *http.Client
 	backends []*backend
 	loaded   bool
+	// global is added to the global options of every config this test
+	// loads (e.g. a log block).
+	global string
 }
 
 func newEnv(t *testing.T) *env {
@@ -119,7 +122,15 @@ func checkNoLeak(t *testing.T) {
 	}
 }
 
-func globalOptions() string {
+// globalOptions returns the test Caddy's global options block, with extra
+// lines added inside it.
+func globalOptions(extra ...string) string {
+	var more strings.Builder
+	for _, l := range extra {
+		if l != "" {
+			more.WriteString("\t" + l + "\n")
+		}
+	}
 	return fmt.Sprintf(`{
 	skip_install_trust
 	admin localhost:%d
@@ -128,15 +139,15 @@ func globalOptions() string {
 	default_bind 127.0.0.1
 	auto_https off
 	grace_period 1ns
-}
-`, adminPort, httpPort, httpsPort)
+%s}
+`, adminPort, httpPort, httpsPort, more.String())
 }
 
 // load reloads Caddy with one site on the test port whose body is site.
 func (e *env) load(site string) {
 	e.t.Helper()
 	e.loaded = true
-	e.tester.InitServer(globalOptions()+fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site), "caddyfile")
+	e.tester.InitServer(globalOptions(e.global)+fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site), "caddyfile")
 	if e.t.Failed() {
 		e.t.FailNow()
 	}
@@ -146,7 +157,7 @@ func (e *env) load(site string) {
 func (e *env) loadErr(site string) error {
 	e.t.Helper()
 	e.load("\trespond ok") // starts the in-process Caddy if need be
-	return postConfig(globalOptions() + fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site))
+	return postConfig(globalOptions(e.global) + fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site))
 }
 
 func postConfig(caddyfile string) error { return post("text/caddyfile", caddyfile) }

@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
 // replica is one upstream address. It is shared by every partition the
@@ -24,13 +26,29 @@ type replica struct {
 	// health failures) and its health check policy is the handler's, so
 	// last.Available() is what Caddy itself would decide now.
 	last atomic.Pointer[reverseproxy.Upstream]
+
+	// stats is lbx's state of the address (outlier ejection), shared with
+	// every handler and selection policy that uses it; nil in layouts
+	// built without a table (tests).
+	stats *hoststate.Stats
 }
 
-// usable reports whether Caddy would send the replica a request now. A
-// replica not tried yet is usable.
-func (r *replica) usable() bool {
+// usable reports whether the replica may take a request at now (a
+// hoststate.Now reading): Caddy would send it one (a replica not tried
+// yet counts as available), and lbx's outlier detection has not ejected
+// it.
+func (r *replica) usable(now int64) bool {
+	if r.stats != nil && r.stats.Ejected(now) {
+		return false
+	}
 	u := r.last.Load()
 	return u == nil || u.Available()
+}
+
+// ejected reports whether lbx's outlier detection has ejected the replica
+// at now.
+func (r *replica) ejected(now int64) bool {
+	return r.stats != nil && r.stats.Ejected(now)
 }
 
 // scheme is one way of partitioning the data: Count partitions, each
@@ -43,12 +61,12 @@ type scheme struct {
 // capacity is the least number of usable replicas over the scheme's
 // partitions (brpc: a PartitionChannel's capacity is the minimum of its
 // sub-channels'); 0 when any partition has none.
-func (s *scheme) capacity() int {
+func (s *scheme) capacity(now int64) int {
 	c := -1
 	for _, reps := range s.parts {
 		n := 0
 		for _, r := range reps {
-			if r.usable() {
+			if r.usable(now) {
 				n++
 			}
 		}
@@ -64,21 +82,27 @@ func (s *scheme) capacity() int {
 
 // describe explains a scheme's capacity for error messages, e.g.
 // "3 partitions: capacity 0 (p2 has no usable replica)".
-func (s *scheme) describe() string {
+func (s *scheme) describe(now int64) string {
 	var empty []string
 	for i, reps := range s.parts {
-		n := 0
+		n, ejected := 0, 0
 		for _, r := range reps {
-			if r.usable() {
+			if r.usable(now) {
 				n++
+			} else if r.ejected(now) {
+				ejected++
 			}
 		}
 		if n == 0 {
-			empty = append(empty, "p"+strconv.Itoa(i))
+			p := "p" + strconv.Itoa(i)
+			if ejected > 0 {
+				p += " (" + strconv.Itoa(ejected) + " ejected)"
+			}
+			empty = append(empty, p)
 		}
 	}
 	if len(empty) == 0 {
-		return fmt.Sprintf("%d partitions: capacity %d", s.count, s.capacity())
+		return fmt.Sprintf("%d partitions: capacity %d", s.count, s.capacity(now))
 	}
 	return fmt.Sprintf("%d partitions: capacity 0 (no usable replica for %s)", s.count, strings.Join(empty, ", "))
 }
@@ -94,8 +118,10 @@ type layout struct {
 
 // buildLayout groups entries (already free of duplicates) into schemes.
 // Replica state is taken over from prev, when given, for addresses it
-// already had.
-func buildLayout(entries []Entry, prev *layout) (*layout, error) {
+// already had; a new replica takes a reference on its address's shared
+// state in hosts, when given (kept until hosts is released, even if a
+// later layout drops the address).
+func buildLayout(entries []Entry, prev *layout, hosts *hoststate.Table) (*layout, error) {
 	l := &layout{entries: entries, byAddr: make(map[string]*replica)}
 	byCount := make(map[int]*scheme)
 	for _, e := range entries {
@@ -110,6 +136,11 @@ func buildLayout(entries []Entry, prev *layout) (*layout, error) {
 			}
 			if r == nil {
 				r = &replica{dial: e.Dial, hostport: hp}
+				if hosts != nil {
+					// Keyed by the dial address reverse_proxy is given,
+					// as the selection policies' tables are.
+					r.stats = hosts.Stats(e.Dial)
+				}
 			}
 			l.byAddr[hp] = r
 		}
@@ -135,14 +166,14 @@ func buildLayout(entries []Entry, prev *layout) (*layout, error) {
 	return l, nil
 }
 
-// choose picks a scheme with probability proportional to its capacity,
-// using intn (a uniform draw in [0, n)). It returns nil when every
+// choose picks a scheme with probability proportional to its capacity at
+// now, using intn (a uniform draw in [0, n)). It returns nil when every
 // scheme has capacity 0.
-func (l *layout) choose(intn func(int) int) *scheme {
+func (l *layout) choose(intn func(int) int, now int64) *scheme {
 	var caps [MaxSchemes]int
 	total := 0
 	for i, s := range l.schemes {
-		caps[i] = s.capacity()
+		caps[i] = s.capacity(now)
 		total += caps[i]
 	}
 	if total == 0 {
@@ -158,14 +189,14 @@ func (l *layout) choose(intn func(int) int) *scheme {
 	return nil // unreachable
 }
 
-// describe explains every scheme's capacity, for the 503 answer.
-func (l *layout) describe() string {
+// describe explains every scheme's capacity at now, for the 503 answer.
+func (l *layout) describe(now int64) string {
 	if len(l.schemes) == 0 {
 		return "no upstreams"
 	}
 	parts := make([]string, len(l.schemes))
 	for i, s := range l.schemes {
-		parts[i] = s.describe()
+		parts[i] = s.describe(now)
 	}
 	return strings.Join(parts, "; ")
 }

@@ -113,7 +113,7 @@ func TestChooseFollowsCapacity(t *testing.T) {
 	for i := range 4 {
 		entries = append(entries, Entry{"d:1", tag(itoa(i) + "/5")})
 	}
-	l, err := buildLayout(entries, nil)
+	l, err := buildLayout(entries, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,7 +121,7 @@ func TestChooseFollowsCapacity(t *testing.T) {
 	const draws = 30000
 	counts := map[int]int{}
 	for range draws {
-		counts[l.choose(rng.IntN).count]++
+		counts[l.choose(rng.IntN, 0).count]++
 	}
 	if counts[5] != 0 {
 		t.Errorf("scheme with a missing partition chosen %d times", counts[5])
@@ -136,8 +136,8 @@ func TestChooseFollowsCapacity(t *testing.T) {
 		t.Errorf("counts %v", counts)
 	}
 
-	empty, _ := buildLayout(entries[len(entries)-4:], nil)
-	if s := empty.choose(rng.IntN); s != nil {
+	empty, _ := buildLayout(entries[len(entries)-4:], nil, nil)
+	if s := empty.choose(rng.IntN, 0); s != nil {
 		t.Errorf("all capacity 0: chose scheme %d", s.count)
 	}
 }

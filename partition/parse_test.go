@@ -121,42 +121,42 @@ func TestBuildLayout(t *testing.T) {
 	}
 	l, err := buildLayout([]Entry{
 		e("a:1", "0/4"), e("a:1", "1/4"), e("b:1", "0/3"), e("b:1", "1/3"), e("c:1", "1/4"),
-	}, nil)
+	}, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(l.schemes) != 2 || l.schemes[0].count != 3 || l.schemes[1].count != 4 {
 		t.Fatalf("schemes %+v", l.schemes)
 	}
-	if l.schemes[0].capacity() != 0 || l.schemes[1].capacity() != 0 {
+	if l.schemes[0].capacity(0) != 0 || l.schemes[1].capacity(0) != 0 {
 		t.Errorf("incomplete schemes must have capacity 0")
 	}
-	if got := l.describe(); got != "3 partitions: capacity 0 (no usable replica for p2); 4 partitions: capacity 0 (no usable replica for p2, p3)" {
+	if got := l.describe(0); got != "3 partitions: capacity 0 (no usable replica for p2); 4 partitions: capacity 0 (no usable replica for p2, p3)" {
 		t.Errorf("describe: %q", got)
 	}
 	if s := l.schemes[1]; len(s.parts[1]) != 2 || s.parts[0][0] != s.parts[1][0] {
 		t.Errorf("one replica per address, shared by its tags: %+v", s.parts)
 	}
 	// Replica state carries over to the next layout.
-	l2, err := buildLayout([]Entry{e("a:1", "0/1")}, l)
+	l2, err := buildLayout([]Entry{e("a:1", "0/1")}, l, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if l2.byAddr["a:1"] != l.byAddr["a:1"] {
 		t.Error("replica state was not carried over")
 	}
-	if l2.schemes[0].capacity() != 1 {
-		t.Errorf("capacity %d; want 1", l2.schemes[0].capacity())
+	if l2.schemes[0].capacity(0) != 1 {
+		t.Errorf("capacity %d; want 1", l2.schemes[0].capacity(0))
 	}
 
 	var many []Entry
 	for m := 1; m <= MaxSchemes+1; m++ {
 		many = append(many, e("a:1", "0/"+itoa(m)))
 	}
-	if _, err := buildLayout(many, nil); err == nil || !strings.Contains(err.Error(), "9 partition schemes (partition counts 1, 2, 3, 4, 5, 6, 7, 8, 9); at most 8 may coexist") {
+	if _, err := buildLayout(many, nil, nil); err == nil || !strings.Contains(err.Error(), "9 partition schemes (partition counts 1, 2, 3, 4, 5, 6, 7, 8, 9); at most 8 may coexist") {
 		t.Errorf("9 schemes: %v", err)
 	}
-	if _, err := buildLayout(many[:MaxSchemes], nil); err != nil {
+	if _, err := buildLayout(many[:MaxSchemes], nil, nil); err != nil {
 		t.Errorf("8 schemes: %v", err)
 	}
 }

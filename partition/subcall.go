@@ -18,6 +18,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
 // subParent is what every sub-request of one fan-out is made from. The
@@ -49,6 +51,9 @@ type subState struct {
 	replicas []*replica
 	given    []givenUpstream
 	tried    []string // hostports of earlier attempts
+	// skipEjected: leave replicas ejected by lbx's outlier detection out
+	// while others are left (for policies that do not know ejection).
+	skipEjected bool
 }
 
 type givenUpstream struct {
@@ -64,7 +69,7 @@ func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int
 	c := &subCall{
 		index: i,
 		rec:   &recorder{header: make(http.Header), limit: h.MaxResponseBody},
-		state: &subState{replicas: sc.parts[i]},
+		state: &subState{replicas: sc.parts[i], skipEjected: h.skipEjected},
 		start: time.Now(),
 	}
 	ctx = context.WithValue(ctx, subStateKey{}, c.state)
@@ -219,9 +224,11 @@ func shortReason(ctx context.Context, err error) error {
 
 // source is the internal reverse_proxy's upstream source: the replicas of
 // the partition whose sub-request is being proxied. A retry gets the
-// replicas not tried yet (all of them, when every one was). Each call
-// returns new Upstream values, as Caddy's own dynamic sources do, since
-// reverse_proxy fills them in per request.
+// replicas not tried yet (all of them, when every one was). When the
+// selection policy does not know lbx's outlier ejection, replicas ejected
+// by it are left out as long as others remain. Each call returns new
+// Upstream values, as Caddy's own dynamic sources do, since reverse_proxy
+// fills them in per request.
 type source struct{}
 
 // GetUpstreams implements reverseproxy.UpstreamSource.
@@ -237,10 +244,20 @@ func (source) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 			}
 		}
 	}
+	// Passes, from the most to the least preferred: replicas not tried
+	// and not ejected; not tried; any.
+	pass := 1
+	var now int64
+	if st.skipEjected {
+		pass, now = 0, hoststate.Now()
+	}
 	pool := make([]*reverseproxy.Upstream, 0, len(st.replicas))
-	for pass := 0; pass < 2 && len(pool) == 0; pass++ {
+	for ; pass < 3 && len(pool) == 0; pass++ {
 		for _, rep := range st.replicas {
-			if pass == 0 && slices.Contains(st.tried, rep.hostport) {
+			if pass < 2 && slices.Contains(st.tried, rep.hostport) {
+				continue
+			}
+			if pass == 0 && rep.ejected(now) {
 				continue
 			}
 			u := &reverseproxy.Upstream{Dial: rep.dial}
