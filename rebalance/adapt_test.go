@@ -1,0 +1,132 @@
+package rebalance
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+)
+
+// TestAdapt adapts each testdata/*.caddyfiletest (a Caddyfile, a line of
+// ten dashes, then the expected JSON or a substring of the expected
+// error), as in Caddy's caddytest/integration/caddyfile_adapt.
+func TestAdapt(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join("testdata", "*.caddyfiletest"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no testdata/*.caddyfiletest files (%v)", err)
+	}
+	for _, file := range files {
+		t.Run(strings.TrimSuffix(filepath.Base(file), ".caddyfiletest"), func(t *testing.T) {
+			data, err := os.ReadFile(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			input, want, ok := strings.Cut(string(data), "\n----------\n")
+			if !ok {
+				t.Fatal("no line of ten dashes")
+			}
+			want = strings.TrimSpace(want)
+			got, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input+"\n"), nil)
+			if !strings.HasPrefix(want, "{") {
+				if err == nil || !strings.Contains(err.Error(), want) {
+					t.Fatalf("error %v; want one containing %q", err, want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("adapting: %v", err)
+			}
+			for _, w := range warnings {
+				t.Errorf("warning: line %d: %s: %s", w.Line, w.Directive, w.Message)
+			}
+			var gotBuf, wantBuf bytes.Buffer
+			if err := json.Indent(&gotBuf, got, "", "\t"); err != nil {
+				t.Fatal(err)
+			}
+			if err := json.Indent(&wantBuf, []byte(want), "", "\t"); err != nil {
+				t.Fatalf("expected JSON: %v", err)
+			}
+			if gotBuf.String() != wantBuf.String() {
+				t.Errorf("adapted JSON differs\n--- got:\n%s\n--- want:\n%s", gotBuf.String(), wantBuf.String())
+			}
+		})
+	}
+}
+
+// TestUnmarshalCaddyfileErrors covers every error path of the global
+// option, each with the place it names.
+func TestUnmarshalCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"rebalance extra", `unexpected argument "extra"`},
+		{"rebalance {\n node_name\n}", "node_name: missing value"},
+		{"rebalance {\n node_name a b\n}", `node_name: one value expected, got another: "b"`},
+		{"rebalance {\n bind a b\n}", "bind: one value expected"},
+		{"rebalance {\n join\n}", "wrong argument count"},
+		{"rebalance {\n metric\n}", "metric: missing value"},
+		{"rebalance {\n metric ram\n}", `metric "ram"`},
+		{"rebalance {\n tags x\n}", `tags: unexpected argument "x"`},
+		{"rebalance {\n tags {\n  zone\n }\n}", "zone: missing value"},
+		{"rebalance {\n tags {\n  zone a\n  zone b\n }\n}", `tag "zone" set twice`},
+		{"rebalance {\n tags {\n  lbx_load 1\n }\n}", `tag "lbx_load": keys starting with lbx_ are reserved`},
+		{"rebalance {\n interval soon\n}", `interval "soon": want a positive duration`},
+		{"rebalance {\n history -1s\n}", `history "-1s": want a positive duration`},
+		{"rebalance {\n freshness 0s\n}", `freshness "0s"`},
+		{"rebalance {\n threshold 0\n}", `threshold "0": want a percentage above 0% and at most 1000%`},
+		{"rebalance {\n threshold x%\n}", `threshold "x%"`},
+		{"rebalance {\n shed_rate 101%\n}", `shed_rate "101%": want a percentage above 0% and at most 100%`},
+		{"rebalance {\n stop_band -1\n}", `stop_band "-1"`},
+		{"rebalance {\n stop_band 30\n}", "stop_band 30% is above threshold 20%"},
+		{"rebalance {\n min_connections -1\n}", `min_connections "-1": want a whole number`},
+		{"rebalance {\n min_connections many\n}", `min_connections "many"`},
+		{"rebalance {\n interval 1s\n interval 2s\n}", "interval set twice"},
+		{"rebalance {\n bogus 1\n}", `unknown option "bogus"`},
+	} {
+		d := caddyfile.NewTestDispenser(tc.in)
+		err := new(App).UnmarshalCaddyfile(d)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
+		}
+		if err != nil && !strings.Contains(err.Error(), "Testfile:") && !strings.Contains(err.Error(), "wrong argument count") {
+			t.Errorf("%q: error %q does not name its line", tc.in, err)
+		}
+	}
+}
+
+// TestProvisionValidateErrors covers the checks that need the whole
+// config: each error names the bad value.
+func TestProvisionValidateErrors(t *testing.T) {
+	for _, tc := range []struct {
+		app  App
+		want string
+	}{
+		{App{NodeName: "n", Metric: "throughput"}, `metric "throughput" is not available yet`},
+		{App{NodeName: "n", Metric: "ram"}, `metric "ram": want`},
+		{App{NodeName: "n", Bind: "nohost"}, `bind "nohost": want host:port`},
+		{App{NodeName: "n", Bind: "127.0.0.1:99999"}, `bind "127.0.0.1:99999": invalid port "99999"`},
+		{App{NodeName: "n", Advertise: "x"}, `advertise "x": want host:port`},
+		{App{NodeName: "n", Join: []string{"10.0.0.1"}}, `join "10.0.0.1": want host:port`},
+		{App{NodeName: "n", EncryptKey: "not base64!"}, "encrypt_key: not valid base64"},
+		{App{NodeName: "n", EncryptKey: "c2hvcnQ="}, "encrypt_key: decodes to 5 bytes; want 16, 24 or 32"},
+		{App{NodeName: "n", EncryptKey: "{env.LBX_TEST_UNSET_KEY}"}, `encrypt_key "{env.LBX_TEST_UNSET_KEY}" is empty once placeholders are replaced`},
+		{App{NodeName: "n", Tags: map[string]string{"lbx_x": "1"}}, `tag "lbx_x": keys starting with lbx_ are reserved`},
+		{App{NodeName: "n", Interval: 2e9, History: 1e9}, "history (1s) must be at least interval (2s)"},
+		{App{NodeName: "n", Threshold: 10, StopBand: 15}, "stop band must be between 0% and the threshold (10%), got 15%"},
+		{App{NodeName: "n", ShedRate: 200}, "shed rate must be above 0% and at most 100%, got 200%"},
+	} {
+		a := tc.app
+		a.source = &fakeSource{}
+		err := a.Provision(testContext(t))
+		if err == nil {
+			err = a.Validate()
+		}
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: error %v; want one containing %q", tc.app, err, tc.want)
+		}
+	}
+}

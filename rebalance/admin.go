@@ -1,0 +1,206 @@
+package rebalance
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"sort"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/dustin/go-humanize"
+)
+
+func init() {
+	caddy.RegisterModule(AdminAPI{})
+}
+
+// AdminAPI serves the cluster as this node sees it on Caddy's admin
+// endpoint:
+//
+//	GET /rebalance/cluster
+//
+// returns, for each rebalance node in the process (normally one), its
+// members with status, load and report age, whether each counts toward the
+// average, this node's own load, connections by state, its last decision
+// and its shed totals. Fields ending in _human repeat numbers for people.
+type AdminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.rebalance",
+		New: func() caddy.Module { return new(AdminAPI) },
+	}
+}
+
+// Routes returns the admin routes.
+func (AdminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{
+		Pattern: "/rebalance/cluster",
+		Handler: caddy.AdminHandlerFunc(handleCluster),
+	}}
+}
+
+// MemberView is one cluster member in the admin API's output.
+type MemberView struct {
+	Name   string `json:"name"`
+	Addr   string `json:"addr"`
+	Status string `json:"status"`
+	// Metric and Load are the member's last load report; absent when it
+	// has not reported.
+	Metric string  `json:"metric,omitempty"`
+	Load   float64 `json:"load"`
+	// ReportAgeMs is how long ago this node saw the member's report
+	// change; -1 when it has not yet.
+	ReportAgeMs int64  `json:"report_age_ms"`
+	ReportAge   string `json:"report_age_human"`
+	// Counted says whether the member counts toward the average; Why
+	// says why not.
+	Counted bool              `json:"counted"`
+	Why     string            `json:"excluded_because,omitempty"`
+	Self    bool              `json:"self,omitempty"`
+	Tags    map[string]string `json:"tags,omitempty"`
+}
+
+// DecisionView is a node's last shedding decision.
+type DecisionView struct {
+	At          time.Time `json:"at"`
+	Local       float64   `json:"local"`
+	Current     float64   `json:"current"`
+	Held        int       `json:"connections_held"`
+	Average     float64   `json:"average"`
+	Balance     float64   `json:"balance"`
+	Counted     int       `json:"members_counted"`
+	Stale       int       `json:"members_stale"`
+	NotAlive    int       `json:"members_not_alive"`
+	OtherMetric int       `json:"members_other_metric"`
+	Shedding    bool      `json:"shedding"`
+	Shed        int       `json:"shed"`
+	Reason      string    `json:"reason"`
+}
+
+// NodeView is one rebalance node in the admin API's output.
+type NodeView struct {
+	Name      string       `json:"node_name"`
+	Bind      string       `json:"bind"`
+	Encrypted bool         `json:"encrypted"`
+	Metric    string       `json:"metric"`
+	Threshold float64      `json:"threshold_percent"`
+	StopBand  float64      `json:"stop_band_percent"`
+	ShedRate  float64      `json:"shed_rate_percent"`
+	MinConns  int          `json:"min_connections"`
+	JoinError string       `json:"join_error,omitempty"`
+	Members   []MemberView `json:"members"`
+	Decision  DecisionView `json:"last_decision"`
+	// Connections are this process's HTTP connections by state.
+	Connections ConnCounts `json:"connections"`
+	// ShedTotal counts the connections this node shed, by how.
+	ShedTotal      ShedResult `json:"shed_total"`
+	ShedTotalHuman string     `json:"shed_total_human"`
+}
+
+// ClusterReport is the body of GET /rebalance/cluster.
+type ClusterReport struct {
+	Nodes []NodeView `json:"nodes"`
+}
+
+// BuildClusterReport assembles the admin view of every node in the
+// process.
+func BuildClusterReport() ClusterReport {
+	rep := ClusterReport{Nodes: []NodeView{}}
+	nodes.Range(func(_, v any) bool {
+		rep.Nodes = append(rep.Nodes, v.(*node).view(time.Now()))
+		return true
+	})
+	sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Bind < rep.Nodes[j].Bind })
+	return rep
+}
+
+// view returns the node's admin view.
+func (n *node) view(now time.Time) NodeView {
+	s := n.driver()
+	members := n.serf.Members()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	v := NodeView{
+		Name:      n.name,
+		Bind:      n.key,
+		Encrypted: n.serf.EncryptionEnabled(),
+		JoinError: n.joinErr,
+		Members:   []MemberView{},
+		Decision: DecisionView{
+			At: n.lastAt, Local: n.local, Current: n.current, Held: n.held,
+			Average: n.last.Average, Balance: n.last.Balance, Counted: n.last.Counted,
+			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric,
+			Shedding: n.last.Shedding, Shed: n.last.Shed, Reason: n.last.Reason,
+		},
+		Connections: tracker.Counts(),
+		ShedTotal:   n.shed,
+	}
+	if s != nil {
+		v.Metric = s.metric
+		v.Threshold = s.params.Threshold * 100
+		v.StopBand = s.params.stopBand() * 100
+		v.ShedRate = s.params.ShedRate * 100
+		v.MinConns = s.params.MinConnections
+	}
+	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded)",
+		humanize.Comma(int64(n.shed.Total())), humanize.Comma(int64(n.shed.Idle)),
+		humanize.Comma(int64(n.shed.Active)), humanize.Comma(int64(n.shed.Hijacked)))
+	var freshness time.Duration
+	var metric string
+	if s != nil {
+		freshness, metric = s.params.Freshness, s.metric
+	}
+	for _, m := range members {
+		mv := MemberView{
+			Name:   m.Name,
+			Addr:   fmt.Sprintf("%s:%d", m.Addr, m.Port),
+			Status: m.Status.String(),
+			Self:   m.Name == n.name,
+			Tags:   m.Tags,
+		}
+		var ok bool
+		mv.Metric, mv.Load, ok = parseLoadTag(m.Tags[LoadTag])
+		at := n.seen[m.Name].at
+		if mv.Self {
+			at = n.lastAt
+		}
+		mv.ReportAgeMs, mv.ReportAge = -1, "no report seen to change yet"
+		if !at.IsZero() {
+			mv.ReportAgeMs = now.Sub(at).Milliseconds()
+			mv.ReportAge = humanize.RelTime(at, now, "ago", "from now")
+		}
+		switch {
+		case mv.Self:
+			mv.Counted = true
+		case m.Status.String() != "alive":
+			mv.Why = "not alive"
+		case !ok:
+			mv.Why = "no load report"
+		case metric != "" && mv.Metric != metric:
+			mv.Why = "reports another metric"
+		case at.IsZero() || now.Sub(at) > freshness:
+			mv.Why = "report not fresh"
+		default:
+			mv.Counted = true
+		}
+		v.Members = append(v.Members, mv)
+	}
+	sort.Slice(v.Members, func(i, j int) bool { return v.Members[i].Name < v.Members[j].Name })
+	return v
+}
+
+func handleCluster(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method not allowed")}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(BuildClusterReport())
+}
+
+// Interface guards
+var _ caddy.AdminRouter = (*AdminAPI)(nil)

@@ -1,0 +1,412 @@
+package rebalance
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"fmt"
+	"maps"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/hashicorp/memberlist"
+	"go.uber.org/zap"
+)
+
+func init() {
+	caddy.RegisterModule(App{})
+}
+
+// Metrics a node can balance on.
+const (
+	MetricConnections = "connections"
+	MetricThroughput  = "throughput"
+	MetricCPU         = "cpu"
+)
+
+// Defaults.
+const (
+	DefaultBind           = "0.0.0.0:7946"
+	DefaultInterval       = time.Second
+	DefaultHistory        = 10 * time.Second
+	DefaultThreshold      = 20.0 // percent
+	DefaultShedRate       = 0.5  // percent
+	DefaultMinConnections = 50
+)
+
+// tracker counts the connections of every Caddy HTTP server in the
+// process: one process is one cluster node. Connections of servers from an
+// earlier config stay counted until they close.
+var tracker = new(ConnTracker)
+
+// App joins this Caddy node to a serf cluster of Caddy nodes, gossips its
+// load (by default the connections its HTTP servers hold, smoothed over
+// `history`), and sheds a share of its connections every interval while it
+// holds far more than the cluster average, so that clients reconnect
+// through the outer load balancer to another node.
+//
+// The cluster average counts only members that serf sees alive and whose
+// load report changed within `freshness`: a failed, left or silent member
+// never skews it. A node starts shedding above average × (1 + threshold)
+// and keeps shedding down to average × (1 + stop_band), never more than
+// that needs, at most `shed_rate` of its connections per interval, never
+// below `min_connections`, and not at all with fewer than 2 fresh members.
+// Shedding is graceful: idle connections first, then active HTTP
+// connections at their next response boundary, upgraded streams last.
+//
+// The serf member survives config reloads (it is shared between configs by
+// bind address) and leaves the cluster when Caddy stops.
+type App struct {
+	// NodeName is this node's unique name in the cluster. Default: the
+	// host name.
+	NodeName string `json:"node_name,omitempty"`
+
+	// Bind is the address (host:port) serf listens on, TCP and UDP.
+	// Default: 0.0.0.0:7946.
+	Bind string `json:"bind,omitempty"`
+
+	// Advertise is the address (host:port) other members use to reach
+	// this one, when it differs from Bind (NAT, containers). Default: the
+	// bind address, or a private IP of this host when binding 0.0.0.0.
+	Advertise string `json:"advertise,omitempty"`
+
+	// Join lists addresses (host:port) of cluster members to join. The
+	// node retries with backoff while it sees no other alive member.
+	// Default: none (a cluster of one until others join it).
+	Join []string `json:"join,omitempty"`
+
+	// EncryptKey is the base64 gossip encryption key (16, 24 or 32 bytes
+	// decoded; e.g. `head -c32 /dev/urandom | base64`), the same on every
+	// node. A node with another key cannot join. Default: none, gossip in
+	// clear text (a warning is logged).
+	EncryptKey string `json:"encrypt_key,omitempty"`
+
+	// Tags are extra serf tags this node publishes (for discovery). Keys
+	// starting with "lbx_" are reserved.
+	Tags map[string]string `json:"tags,omitempty"`
+
+	// Metric is the load to balance: "connections" (the HTTP connections
+	// held, in any state), or "cpu" (this process's CPU use, percent of
+	// one core). "throughput" is reserved and not available yet. Default:
+	// connections.
+	Metric string `json:"metric,omitempty"`
+
+	// Interval is how often the node samples its load, gossips it,
+	// decides and sheds. Default: 1s.
+	Interval caddy.Duration `json:"interval,omitempty"`
+
+	// History is the window over which samples are averaged before they
+	// are gossiped (one sample per interval). Default: 10s.
+	History caddy.Duration `json:"history,omitempty"`
+
+	// Freshness is how recently a member's load report must have changed
+	// for the member to count toward the average. Default: 5 × interval,
+	// at least 3s.
+	Freshness caddy.Duration `json:"freshness,omitempty"`
+
+	// Threshold is the percentage above the cluster average at which a
+	// node starts shedding. Default: 20.
+	Threshold float64 `json:"threshold,omitempty"`
+
+	// StopBand is the percentage above the average down to which a
+	// shedding node keeps shedding; at most Threshold. Stopping at the
+	// threshold itself would leave new nodes stuck below −threshold.
+	// Default: Threshold / 2.
+	StopBand float64 `json:"stop_band,omitempty"`
+
+	// ShedRate is the largest percentage of its connections a node sheds
+	// per interval (at least one connection). Default: 0.5.
+	ShedRate float64 `json:"shed_rate,omitempty"`
+
+	// MinConnections is the number of connections a node never sheds
+	// below, and below which it does not shed at all: with few
+	// connections, imbalance is noise. Default: 50.
+	MinConnections *int `json:"min_connections,omitempty"`
+
+	params   Params
+	interval time.Duration
+	history  time.Duration
+	keyBytes []byte
+	keyID    string
+	bindHost string
+	bindPort int
+	poolKey  string
+	source   loadSource
+	logger   *zap.Logger
+	node     *node // set by Start, cleared by Stop (Caddy calls them in turn)
+}
+
+// CaddyModule returns the Caddy module information.
+func (App) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "rebalance",
+		New: func() caddy.Module { return new(App) },
+	}
+}
+
+// Provision sets defaults, decodes the key and registers the connection
+// tracker with every HTTP server of the config. It does not touch the
+// network (it also runs for `caddy validate`).
+func (a *App) Provision(ctx caddy.Context) error {
+	a.logger = ctx.Logger()
+	repl := caddy.NewReplacer()
+
+	if a.NodeName == "" {
+		host, err := os.Hostname()
+		if err != nil || host == "" {
+			return fmt.Errorf("node_name: not set, and the host name is unavailable: %v", err)
+		}
+		a.NodeName = host
+	}
+	if a.Bind == "" {
+		a.Bind = DefaultBind
+	}
+	if a.Metric == "" {
+		a.Metric = MetricConnections
+	}
+	a.interval = time.Duration(a.Interval)
+	if a.interval == 0 {
+		a.interval = DefaultInterval
+	}
+	a.history = time.Duration(a.History)
+	if a.history == 0 {
+		a.history = DefaultHistory
+	}
+	freshness := time.Duration(a.Freshness)
+	if freshness == 0 {
+		freshness = max(5*a.interval, 3*time.Second)
+	}
+	threshold := a.Threshold
+	if threshold == 0 {
+		threshold = DefaultThreshold
+	}
+	shedRate := a.ShedRate
+	if shedRate == 0 {
+		shedRate = DefaultShedRate
+	}
+	minConns := DefaultMinConnections
+	if a.MinConnections != nil {
+		minConns = *a.MinConnections
+	}
+	a.params = Params{
+		Threshold:      threshold / 100,
+		StopBand:       a.StopBand / 100,
+		ShedRate:       shedRate / 100,
+		MinConnections: minConns,
+		Freshness:      freshness,
+		Metric:         a.Metric,
+	}
+
+	if a.EncryptKey != "" {
+		raw := repl.ReplaceAll(a.EncryptKey, "")
+		if raw == "" {
+			return fmt.Errorf("encrypt_key %q is empty once placeholders are replaced (is the environment variable set?)", a.EncryptKey)
+		}
+		key, err := base64.StdEncoding.DecodeString(raw)
+		if err != nil {
+			return fmt.Errorf("encrypt_key: not valid base64: %v", err)
+		}
+		if err := memberlist.ValidateKey(key); err != nil {
+			return fmt.Errorf("encrypt_key: decodes to %d bytes; want 16, 24 or 32 (AES-128, -192 or -256)", len(key))
+		}
+		a.keyBytes = key
+		sum := sha256.Sum256(key)
+		a.keyID = hex.EncodeToString(sum[:4])
+	}
+	host, port, err := splitHostPort(a.Bind, "bind")
+	if err != nil {
+		return err
+	}
+	a.bindHost, a.bindPort = host, port
+	a.poolKey = net.JoinHostPort(host, strconv.Itoa(port))
+	if port == 0 {
+		// A port chosen by the kernel (tests): every node name its own.
+		a.poolKey += "#" + a.NodeName
+	}
+
+	if a.source == nil {
+		a.source = &processSource{tracker: tracker}
+		a.registerServers(ctx)
+	}
+	return nil
+}
+
+// registerServers hooks the tracker into every server of the config's
+// HTTP app. Caddy applies RegisterConnState and RegisterConnContext
+// callbacks when the HTTP app starts, after every app is provisioned.
+func (a *App) registerServers(ctx caddy.Context) {
+	appIface, err := ctx.AppIfConfigured("http")
+	if err != nil {
+		if a.Metric == MetricConnections {
+			a.logger.Warn("no HTTP app in this config: there are no connections to count or shed", zap.Error(err))
+		}
+		return
+	}
+	httpApp := appIface.(*caddyhttp.App)
+	for _, srv := range httpApp.Servers {
+		srv.RegisterConnState(tracker.ConnState)
+		srv.RegisterConnContext(tracker.ConnContext)
+	}
+}
+
+// Validate checks the configuration.
+func (a *App) Validate() error {
+	switch a.Metric {
+	case MetricConnections, MetricCPU:
+	case MetricThroughput:
+		return fmt.Errorf("metric %q is not available yet; use %q or %q", a.Metric, MetricConnections, MetricCPU)
+	default:
+		return fmt.Errorf("metric %q: want %q, %q or %q", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
+	}
+	if a.interval < 0 {
+		return fmt.Errorf("interval must be positive, got %v", a.interval)
+	}
+	if a.history < a.interval {
+		return fmt.Errorf("history (%v) must be at least interval (%v)", a.history, a.interval)
+	}
+	if err := a.params.Validate(); err != nil {
+		return err
+	}
+	for k := range a.Tags {
+		if strings.HasPrefix(k, "lbx_") {
+			return fmt.Errorf("tag %q: keys starting with lbx_ are reserved", k)
+		}
+	}
+	if a.Advertise != "" {
+		if _, _, err := splitHostPort(a.Advertise, "advertise"); err != nil {
+			return err
+		}
+	}
+	for _, j := range a.Join {
+		if _, _, err := net.SplitHostPort(j); err != nil {
+			return fmt.Errorf("join %q: want host:port: %v", j, err)
+		}
+	}
+	return nil
+}
+
+// settings returns what this config asks of the node.
+func (a *App) settings() *settings {
+	return &settings{
+		owner:     a,
+		params:    a.params,
+		interval:  a.interval,
+		history:   a.history,
+		tags:      maps.Clone(a.Tags),
+		join:      a.Join,
+		metric:    a.Metric,
+		source:    a.source,
+		logger:    a.logger,
+		name:      a.NodeName,
+		keyID:     a.keyID,
+		advertise: a.Advertise,
+	}
+}
+
+// Start joins the cluster, or takes over the member of the config this one
+// replaces (same bind address): no second bind, no leave and rejoin.
+func (a *App) Start() error {
+	s := a.settings()
+	val, loaded, err := nodes.LoadOrNew(a.poolKey, func() (caddy.Destructor, error) {
+		return newNode(a.poolKey, s, a.keyBytes, a.bindHost, a.bindPort)
+	})
+	if err != nil {
+		return fmt.Errorf("rebalance: %v", err)
+	}
+	n := val.(*node)
+	if loaded {
+		if old := n.driver(); old != nil && (old.name != s.name || old.keyID != s.keyID || old.advertise != s.advertise) {
+			a.logger.Warn("node_name, encrypt_key and advertise cannot change while the node runs; they keep their previous values until Caddy restarts",
+				zap.String("node_name", old.name))
+			s.name, s.keyID, s.advertise = old.name, old.keyID, old.advertise
+		}
+		n.attach(s)
+	}
+	a.node = n
+	if a.keyBytes == nil {
+		a.logger.Warn("gossip is not encrypted: anyone who can reach the bind address can join the cluster and read its traffic; set encrypt_key",
+			zap.String("bind", a.Bind))
+	}
+	a.logger.Info("rebalance started",
+		zap.String("node_name", n.name), zap.String("bind", a.Bind), zap.Bool("reused_member", loaded),
+		zap.String("metric", a.Metric), zap.Float64("threshold_percent", a.params.Threshold*100),
+		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
+		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history))
+	return nil
+}
+
+// Stop hands the member back: to the config that replaces this one, or,
+// when none does, the member leaves the cluster and shuts down.
+func (a *App) Stop() error {
+	n := a.node
+	a.node = nil
+	if n == nil {
+		return nil
+	}
+	n.detach(a)
+	_, err := nodes.Delete(a.poolKey)
+	return err
+}
+
+// Cleanup releases the member if Stop did not (it is idempotent).
+func (a *App) Cleanup() error {
+	return a.Stop()
+}
+
+// processSource measures this process: its tracked connections and CPU.
+type processSource struct {
+	tracker *ConnTracker
+
+	mu      sync.Mutex
+	lastCPU time.Duration
+	lastAt  time.Time
+}
+
+// Sample returns the load in the metric's unit and the connections held.
+func (p *processSource) Sample(metric string) (float64, int) {
+	p.tracker.SweepHijacked()
+	held := p.tracker.Counts().Held()
+	switch metric {
+	case MetricCPU:
+		return p.cpuPercent(), held
+	}
+	return float64(held), held
+}
+
+// Shed sheds n connections through the tracker.
+func (p *processSource) Shed(n int) ShedResult { return p.tracker.Shed(n) }
+
+// cpuPercent returns the process's CPU use since the previous call, in
+// percent of one core (0 on the first call).
+func (p *processSource) cpuPercent() float64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	cpu, err := processCPUTime()
+	now := time.Now()
+	if err != nil {
+		return 0
+	}
+	var pct float64
+	if !p.lastAt.IsZero() {
+		if wall := now.Sub(p.lastAt); wall > 0 {
+			pct = 100 * float64(cpu-p.lastCPU) / float64(wall)
+		}
+	}
+	p.lastCPU, p.lastAt = cpu, now
+	return pct
+}
+
+// Interface guards
+var (
+	_ caddy.App          = (*App)(nil)
+	_ caddy.Provisioner  = (*App)(nil)
+	_ caddy.Validator    = (*App)(nil)
+	_ caddy.CleanerUpper = (*App)(nil)
+	_ caddy.Destructor   = (*node)(nil)
+)

@@ -1,0 +1,193 @@
+package rebalance
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+)
+
+func init() {
+	httpcaddyfile.RegisterGlobalOption("rebalance", parseGlobalOption)
+}
+
+// parseGlobalOption turns the `rebalance` global option into the
+// rebalance app.
+func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
+	if existing != nil {
+		return nil, d.Err("rebalance: the global option is already set; use one rebalance block")
+	}
+	app := new(App)
+	if err := app.UnmarshalCaddyfile(d); err != nil {
+		return nil, err
+	}
+	return httpcaddyfile.App{Name: "rebalance", Value: caddyconfig.JSON(app, nil)}, nil
+}
+
+// UnmarshalCaddyfile sets up the app from the `rebalance` global option.
+// Syntax:
+//
+//	rebalance {
+//		node_name       <name>
+//		bind            <host:port>
+//		advertise       <host:port>
+//		join            <host:port>...
+//		encrypt_key     <base64 key>
+//		tags {
+//			<key> <value>
+//		}
+//		metric          connections|throughput|cpu
+//		interval        <duration>
+//		history         <duration>
+//		freshness       <duration>
+//		threshold       <percent>
+//		stop_band       <percent>
+//		shed_rate       <percent>
+//		min_connections <n>
+//	}
+//
+// Every option is optional and may appear once; percentages may be
+// written with or without the % sign (20% or 20).
+func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the option's name
+	if d.NextArg() {
+		return d.Errf("rebalance: unexpected argument %q; options go in a block", d.Val())
+	}
+	seen := make(map[string]bool)
+	for d.NextBlock(0) {
+		opt := d.Val()
+		if seen[opt] {
+			return d.Errf("rebalance: %s set twice", opt)
+		}
+		seen[opt] = true
+		switch opt {
+		case "node_name", "bind", "advertise", "encrypt_key", "metric":
+			val, err := oneArg(d)
+			if err != nil {
+				return err
+			}
+			switch opt {
+			case "node_name":
+				a.NodeName = val
+			case "bind":
+				a.Bind = val
+			case "advertise":
+				a.Advertise = val
+			case "encrypt_key":
+				a.EncryptKey = val
+			case "metric":
+				switch val {
+				case MetricConnections, MetricThroughput, MetricCPU:
+				default:
+					return d.Errf("rebalance: metric %q: want connections, throughput or cpu", val)
+				}
+				a.Metric = val
+			}
+		case "join":
+			a.Join = d.RemainingArgs()
+			if len(a.Join) == 0 {
+				return d.ArgErr()
+			}
+		case "tags":
+			if d.NextArg() {
+				return d.Errf("rebalance: tags: unexpected argument %q; tags go in a block", d.Val())
+			}
+			a.Tags = make(map[string]string)
+			for nesting := d.Nesting(); d.NextBlock(nesting); {
+				key := d.Val()
+				val, err := oneArg(d)
+				if err != nil {
+					return err
+				}
+				if _, dup := a.Tags[key]; dup {
+					return d.Errf("rebalance: tag %q set twice", key)
+				}
+				if strings.HasPrefix(key, "lbx_") {
+					return d.Errf("rebalance: tag %q: keys starting with lbx_ are reserved", key)
+				}
+				a.Tags[key] = val
+			}
+		case "interval", "history", "freshness":
+			val, err := oneArg(d)
+			if err != nil {
+				return err
+			}
+			dur, err := caddy.ParseDuration(val)
+			if err != nil || dur <= 0 {
+				return d.Errf("rebalance: %s %q: want a positive duration such as 1s", opt, val)
+			}
+			switch opt {
+			case "interval":
+				a.Interval = caddy.Duration(dur)
+			case "history":
+				a.History = caddy.Duration(dur)
+			case "freshness":
+				a.Freshness = caddy.Duration(dur)
+			}
+		case "threshold", "stop_band", "shed_rate":
+			val, err := oneArg(d)
+			if err != nil {
+				return err
+			}
+			// A node may sit several times above the average, so the
+			// threshold may exceed 100%; a stop band or shed rate may not.
+			limit := 100.0
+			if opt == "threshold" {
+				limit = 1000
+			}
+			pct, err := strconv.ParseFloat(strings.TrimSuffix(val, "%"), 64)
+			if err != nil || !(pct > 0 && pct <= limit) {
+				return d.Errf("rebalance: %s %q: want a percentage above 0%% and at most %v%%", opt, val, limit)
+			}
+			switch opt {
+			case "threshold":
+				a.Threshold = pct
+			case "stop_band":
+				a.StopBand = pct
+			case "shed_rate":
+				a.ShedRate = pct
+			}
+		case "min_connections":
+			val, err := oneArg(d)
+			if err != nil {
+				return err
+			}
+			n, err := strconv.Atoi(val)
+			if err != nil || n < 0 {
+				return d.Errf("rebalance: min_connections %q: want a whole number, 0 or more", val)
+			}
+			a.MinConnections = &n
+		default:
+			return d.Errf("rebalance: unknown option %q", opt)
+		}
+	}
+	if a.StopBand > 0 {
+		threshold := a.Threshold
+		if threshold == 0 {
+			threshold = DefaultThreshold
+		}
+		if a.StopBand > threshold {
+			return d.Errf("rebalance: stop_band %v%% is above threshold %v%%; the stop band must lie inside it", a.StopBand, threshold)
+		}
+	}
+	return nil
+}
+
+// oneArg reads exactly one argument for the current option.
+func oneArg(d *caddyfile.Dispenser) (string, error) {
+	opt := d.Val()
+	if !d.NextArg() {
+		return "", d.Errf("rebalance: %s: missing value", opt)
+	}
+	val := d.Val()
+	if d.NextArg() {
+		return "", d.Errf("rebalance: %s: one value expected, got another: %q", opt, d.Val())
+	}
+	return val, nil
+}
+
+// Interface guards
+var _ caddyfile.Unmarshaler = (*App)(nil)

@@ -1,0 +1,325 @@
+package rebalance
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/hashicorp/serf/serf"
+
+	"github.com/caddy-lbx/lbx/internal/testutil"
+)
+
+// fakeSource is a load source with a settable load that records sheds.
+type fakeSource struct {
+	mu   sync.Mutex
+	load float64
+	shed int
+}
+
+func (f *fakeSource) Sample(string) (float64, int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.load, int(f.load)
+}
+
+func (f *fakeSource) Shed(n int) ShedResult {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.shed += n
+	f.load -= float64(n)
+	return ShedResult{Idle: n}
+}
+
+func (f *fakeSource) get() (load float64, shed int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.load, f.shed
+}
+
+// testApp provisions and starts a rebalance app on 127.0.0.1 with a port
+// chosen by the kernel and the given source. Stop it with stopApp (or
+// leave it to t.Cleanup).
+func testApp(t *testing.T, name string, src loadSource, mut func(*App)) *App {
+	t.Helper()
+	zero := 0
+	a := &App{
+		NodeName:       name,
+		Bind:           "127.0.0.1:0",
+		Interval:       caddy.Duration(100 * time.Millisecond),
+		History:        caddy.Duration(100 * time.Millisecond),
+		MinConnections: &zero,
+		ShedRate:       10,
+		source:         src,
+	}
+	if mut != nil {
+		mut(a)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := a.Provision(ctx); err != nil {
+		cancel()
+		t.Fatalf("provision %s: %v", name, err)
+	}
+	if err := a.Validate(); err != nil {
+		cancel()
+		t.Fatalf("validate %s: %v", name, err)
+	}
+	if err := a.Start(); err != nil {
+		cancel()
+		t.Fatalf("start %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		a.Stop()
+		cancel() // runs Cleanup: idempotent
+	})
+	return a
+}
+
+// gossipAddr returns the gossip address the app's member listens on.
+// (serf's LocalMember is a copy taken under serf's lock; memberlist's
+// LocalNode is not.)
+func (a *App) gossipAddr() string {
+	m := a.node.serf.LocalMember()
+	return net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
+}
+
+// seesLoads reports whether n's last decision counted want members, and
+// its members' loads.
+func seesLoads(n *node, want int) (bool, string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var b strings.Builder
+	for _, r := range n.members {
+		fmt.Fprintf(&b, "%s:%v:%.0f:%v ", r.Name, r.Status, r.Load, !r.At.IsZero())
+	}
+	return n.last.Counted == want, fmt.Sprintf("counted %d; members %s; reason %q", n.last.Counted, b.String(), n.last.Reason)
+}
+
+// TestClusterGossipAndShed starts three members on loopback that join one
+// another, gossip their loads, and checks that each counts all three and
+// that only the overloaded one sheds, down to the stop band.
+func TestClusterGossipAndShed(t *testing.T) {
+	srcA, srcB, srcC := &fakeSource{load: 400}, &fakeSource{load: 100}, &fakeSource{load: 100}
+	a := testApp(t, "node-a", srcA, nil)
+	join := func(x *App) { x.Join = []string{a.gossipAddr()} }
+	b := testApp(t, "node-b", srcB, join)
+	c := testApp(t, "node-c", srcC, join)
+
+	for _, x := range []*App{a, b, c} {
+		testutil.WaitFor(t, 15*time.Second, x.NodeName+" counts three fresh members", func() (bool, string) { return seesLoads(x.node, 3) })
+	}
+	// a: 400 against an average of 200 sheds; the stop line is 110% of the
+	// average, which itself falls as a sheds: it ends at or below it, and
+	// the others never shed.
+	testutil.WaitFor(t, 20*time.Second, "node-a reaches the stop band", func() (bool, string) {
+		load, shed := srcA.get()
+		a.node.mu.Lock()
+		d := a.node.last
+		a.node.mu.Unlock()
+		return shed > 0 && !d.Shedding, fmt.Sprintf("load %.0f, shed %d, last decision %+v", load, shed, d)
+	})
+	loadA, shedA := srcA.get()
+	avg := (loadA + 200) / 3
+	if loadA > avg*1.1+1 {
+		t.Errorf("node-a stopped at %.0f, above the stop line %.1f", loadA, avg*1.1)
+	}
+	if loadA < avg*1.1-40 {
+		t.Errorf("node-a shed down to %.0f, far below the stop line %.1f (more than needed)", loadA, avg*1.1)
+	}
+	if _, s := srcB.get(); s != 0 {
+		t.Errorf("node-b shed %d", s)
+	}
+	if _, s := srcC.get(); s != 0 {
+		t.Errorf("node-c shed %d", s)
+	}
+	t.Logf("node-a shed %d, ends at %.0f (average %.1f, stop line %.1f)", shedA, loadA, avg, avg*1.1)
+
+	// The admin view shows the three members, counted, with their loads.
+	rec := httptest.NewRecorder()
+	if err := handleCluster(rec, httptest.NewRequest("GET", "/rebalance/cluster", nil)); err != nil {
+		t.Fatal(err)
+	}
+	var rep ClusterReport
+	if err := json.Unmarshal(rec.Body.Bytes(), &rep); err != nil {
+		t.Fatalf("admin body: %v\n%s", err, rec.Body.String())
+	}
+	var nv *NodeView
+	for i := range rep.Nodes {
+		if rep.Nodes[i].Name == "node-b" {
+			nv = &rep.Nodes[i]
+		}
+	}
+	if nv == nil || len(nv.Members) != 3 {
+		t.Fatalf("admin view: no node-b with 3 members:\n%s", rec.Body.String())
+	}
+	for _, m := range nv.Members {
+		if !m.Counted || m.Status != "alive" || m.Metric != "connections" {
+			t.Errorf("admin view of node-b: member %+v", m)
+		}
+	}
+	if nv.Encrypted {
+		t.Error("admin view: encrypted without a key")
+	}
+}
+
+// TestClusterLeaveOnStopAndGhost stops a member: the others see it "left"
+// (a graceful Leave, not a crash) and exclude it from the average.
+func TestClusterLeaveOnStopAndGhost(t *testing.T) {
+	a := testApp(t, "ghost-a", &fakeSource{load: 100}, nil)
+	b := testApp(t, "ghost-b", &fakeSource{load: 100}, func(x *App) { x.Join = []string{a.gossipAddr()} })
+	c := testApp(t, "ghost-c", &fakeSource{load: 0}, func(x *App) { x.Join = []string{a.gossipAddr()} })
+	testutil.WaitFor(t, 15*time.Second, "ghost-a counts three", func() (bool, string) { return seesLoads(a.node, 3) })
+
+	cNode := c.node
+	if err := c.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if st := cNode.serf.State(); st != serf.SerfShutdown {
+		t.Fatalf("after the last Stop, serf state %v; want shutdown", st)
+	}
+	testutil.WaitFor(t, 15*time.Second, "ghost-a sees ghost-c left and counts two", func() (bool, string) {
+		ok, why := seesLoads(a.node, 2)
+		for _, m := range a.node.serf.Members() {
+			if m.Name == "ghost-c" {
+				return ok && m.Status == serf.StatusLeft, fmt.Sprintf("ghost-c %v; %s", m.Status, why)
+			}
+		}
+		return false, "ghost-c not listed"
+	})
+	_ = b
+}
+
+// TestClusterReloadKeepsMember starts a config, then a second one with
+// the same bind address (Caddy starts the new config before stopping the
+// old): the member is reused, not bound twice; stopping the old config
+// leaves it running with the new settings, and stopping the new one
+// leaves the cluster.
+func TestClusterReloadKeepsMember(t *testing.T) {
+	peer := testApp(t, "reload-peer", &fakeSource{load: 10}, nil)
+	// A fixed port, so that the two configs share the pool key.
+	port := freePort(t)
+	bind := "127.0.0.1:" + strconv.Itoa(port)
+	old := testApp(t, "reload-x", &fakeSource{load: 10}, func(x *App) {
+		x.Bind = bind
+		x.Join = []string{peer.gossipAddr()}
+		x.Tags = map[string]string{"zone": "a"}
+	})
+	testutil.WaitFor(t, 15*time.Second, "peer counts reload-x", func() (bool, string) { return seesLoads(peer.node, 2) })
+
+	src2 := &fakeSource{load: 20}
+	neu := testApp(t, "reload-x", src2, func(x *App) {
+		x.Bind = bind
+		x.Tags = map[string]string{"zone": "b"}
+	})
+	if neu.node != old.node {
+		t.Fatal("the new config created a second member instead of reusing the old one")
+	}
+	n := neu.node
+	if err := old.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if st := n.serf.State(); st != serf.SerfAlive {
+		t.Fatalf("after stopping the old config, serf state %v; want alive", st)
+	}
+	// The new settings drive: the peer sees the new tag and the new load.
+	testutil.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
+		for _, m := range peer.node.serf.Members() {
+			if m.Name == "reload-x" {
+				_, load, _ := parseLoadTag(m.Tags[LoadTag])
+				return m.Status == serf.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
+			}
+		}
+		return false, "not listed"
+	})
+	if err := neu.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if st := n.serf.State(); st != serf.SerfShutdown {
+		t.Fatalf("after stopping the last config, serf state %v; want shutdown", st)
+	}
+	// The port is free again.
+	ln, err := net.Listen("tcp", bind)
+	if err != nil {
+		t.Fatalf("bind address still in use after the last Stop: %v", err)
+	}
+	ln.Close()
+}
+
+// TestClusterWrongKeyCannotJoin: a member with another gossip key cannot
+// join, and says why.
+func TestClusterWrongKeyCannotJoin(t *testing.T) {
+	key1 := base64.StdEncoding.EncodeToString([]byte("0123456789abcdef0123456789abcdef"))
+	key2 := base64.StdEncoding.EncodeToString([]byte("fedcba9876543210fedcba9876543210"))
+	a := testApp(t, "key-a", &fakeSource{}, func(x *App) { x.EncryptKey = key1 })
+	good := testApp(t, "key-good", &fakeSource{}, func(x *App) { x.EncryptKey = key1; x.Join = []string{a.gossipAddr()} })
+	bad := testApp(t, "key-bad", &fakeSource{}, func(x *App) { x.EncryptKey = key2; x.Join = []string{a.gossipAddr()} })
+	testutil.WaitFor(t, 15*time.Second, "key-good joins", func() (bool, string) {
+		return good.node.aliveOthers() == 1, fmt.Sprintf("%d others", good.node.aliveOthers())
+	})
+	testutil.WaitFor(t, 15*time.Second, "key-bad reports a join error", func() (bool, string) {
+		bad.node.mu.Lock()
+		defer bad.node.mu.Unlock()
+		return bad.node.joinErr != "", "no join error yet"
+	})
+	bad.node.mu.Lock()
+	joinErr := bad.node.joinErr
+	bad.node.mu.Unlock()
+	t.Logf("join error with the wrong key: %s", joinErr)
+	if n := bad.node.aliveOthers(); n != 0 {
+		t.Errorf("key-bad sees %d other members", n)
+	}
+	for _, m := range a.node.serf.Members() {
+		if m.Name == "key-bad" {
+			t.Errorf("key-a lists key-bad (%v)", m.Status)
+		}
+	}
+	if !a.node.serf.EncryptionEnabled() {
+		t.Error("encryption not enabled with a key")
+	}
+}
+
+// freePort returns a TCP and UDP port free on 127.0.0.1 just now.
+func freePort(t *testing.T) int {
+	t.Helper()
+	for range 20 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		pc, err := net.ListenPacket("udp", ln.Addr().String())
+		ln.Close()
+		if err == nil {
+			pc.Close()
+			return port
+		}
+	}
+	t.Fatal("no free port")
+	return 0
+}
+
+// TestAdminMethod: only GET.
+func TestAdminMethod(t *testing.T) {
+	err := handleCluster(httptest.NewRecorder(), httptest.NewRequest("POST", "/rebalance/cluster", nil))
+	if apiErr, ok := err.(caddy.APIError); !ok || apiErr.HTTPStatus != http.StatusMethodNotAllowed {
+		t.Fatalf("POST: %v; want 405", err)
+	}
+}
+
+// testContext returns a bare Caddy context cancelled at the end of the
+// test.
+func testContext(t *testing.T) caddy.Context {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	return ctx
+}

@@ -1,0 +1,352 @@
+package rebalance
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Connection states the tracker distinguishes.
+const (
+	connNew uint32 = iota
+	connActive
+	connIdle
+	connHijacked
+	numConnStates
+)
+
+// newConnGrace is how long a connection that has not sent its first
+// request is left alone by shedding: net/http's own idle-connection
+// closing (Server.Shutdown) uses the same 5 seconds, since the request may
+// be on its way.
+const newConnGrace = 5 * time.Second
+
+// trackedConn is one connection the tracker knows.
+type trackedConn struct {
+	conn  net.Conn
+	state atomic.Uint32
+	since time.Time // when it was accepted
+	// closeAtBoundary marks an active connection that is shed: it gets
+	// "Connection: close" on its next response (when the request passes
+	// through Middleware) and is closed when it next becomes idle.
+	closeAtBoundary atomic.Bool
+	// closed is set by the first close from the tracker.
+	closed atomic.Bool
+}
+
+// markClosing sets tc's closeAtBoundary and reports whether this call set
+// it.
+func (t *ConnTracker) markClosing(tc *trackedConn) bool {
+	if tc.closeAtBoundary.CompareAndSwap(false, true) {
+		t.closing.Add(1)
+		return true
+	}
+	return false
+}
+
+// closeConn closes tc's connection once, and reports whether this call
+// closed it.
+func (tc *trackedConn) closeConn() bool {
+	if tc.closed.CompareAndSwap(false, true) {
+		_ = tc.conn.Close()
+		return true
+	}
+	return false
+}
+
+// ConnCounts are the connections a tracker holds, by state.
+type ConnCounts struct {
+	// New connections have not sent a request yet.
+	New int `json:"new"`
+	// Active connections have a request in progress (HTTP/1) or at least
+	// one open stream (HTTP/2).
+	Active int `json:"active"`
+	// Idle connections are kept alive between requests.
+	Idle int `json:"idle"`
+	// Hijacked connections were taken over by a handler: WebSocket and
+	// other upgraded streams.
+	Hijacked int `json:"hijacked"`
+	// Closing connections were shed and are not closed yet: active ones
+	// wait for a response boundary; idle ones are gone within moments.
+	// They are included in the other counts.
+	Closing int `json:"closing"`
+}
+
+// Total returns the number of connections held, in any state.
+func (c ConnCounts) Total() int { return c.New + c.Active + c.Idle + c.Hijacked }
+
+// Held returns the connections that count toward this node's load: all of
+// them except those already shed and waiting for a response boundary.
+func (c ConnCounts) Held() int { return c.Total() - c.Closing }
+
+// ShedResult says how a shed was carried out.
+type ShedResult struct {
+	// Idle connections closed at once.
+	Idle int `json:"idle"`
+	// Active connections marked to close at their next response boundary.
+	Active int `json:"active"`
+	// Hijacked (upgraded) connections closed.
+	Hijacked int `json:"hijacked"`
+}
+
+// Total returns the number of connections shed.
+func (r ShedResult) Total() int { return r.Idle + r.Active + r.Hijacked }
+
+// ConnTracker counts the connections of the HTTP servers it is registered
+// with, by state, and sheds them gracefully. Register its ConnState and
+// ConnContext methods with each server (Caddy's
+// Server.RegisterConnState and RegisterConnContext); a tracker may serve
+// several servers, and connections of a server from a previous config stay
+// tracked until they close. It is safe for concurrent use; the per-request
+// cost is a sync.Map load and an atomic store.
+type ConnTracker struct {
+	conns  sync.Map // net.Conn -> *trackedConn
+	counts [numConnStates]atomic.Int64
+	// closing counts tracked connections with closeAtBoundary set.
+	closing atomic.Int64
+
+	// Totals since the tracker was created.
+	shedIdle, shedActive, shedHijacked atomic.Uint64
+	closedAtBoundary                   atomic.Uint64
+
+	shedMu sync.Mutex // one Shed or Sweep at a time
+}
+
+// connCtxKey is the context key under which ConnContext stores the
+// connection's *trackedConn.
+type connCtxKey struct{}
+
+// load returns the tracked connection for c, creating it in state New.
+func (t *ConnTracker) load(c net.Conn) *trackedConn {
+	if v, ok := t.conns.Load(c); ok {
+		return v.(*trackedConn)
+	}
+	tc := &trackedConn{conn: c, since: time.Now()}
+	tc.state.Store(connNew)
+	v, loaded := t.conns.LoadOrStore(c, tc)
+	if !loaded {
+		t.counts[connNew].Add(1)
+	}
+	return v.(*trackedConn)
+}
+
+// setState moves tc to state s, keeping the counts.
+func (t *ConnTracker) setState(tc *trackedConn, s uint32) {
+	old := tc.state.Swap(s)
+	if old != s {
+		t.counts[old].Add(-1)
+		t.counts[s].Add(1)
+	}
+}
+
+// ConnContext stores the connection's tracking entry in the connection's
+// context, for Middleware. Register it with http.Server.ConnContext or
+// Caddy's Server.RegisterConnContext.
+func (t *ConnTracker) ConnContext(ctx context.Context, c net.Conn) context.Context {
+	return context.WithValue(ctx, connCtxKey{}, t.load(c))
+}
+
+// ConnState follows a connection through its states. Register it with
+// http.Server.ConnState or Caddy's Server.RegisterConnState. An active
+// connection that was shed is closed here when it becomes idle: its
+// response has been written and flushed, and no other request has been
+// read from it.
+func (t *ConnTracker) ConnState(c net.Conn, s http.ConnState) {
+	switch s {
+	case http.StateNew:
+		t.load(c)
+	case http.StateActive:
+		t.setState(t.load(c), connActive)
+	case http.StateIdle:
+		tc := t.load(c)
+		// State first, then the flag: Shed sets the flag, then reads the
+		// state, so one of the two sees the other and closes.
+		t.setState(tc, connIdle)
+		if tc.closeAtBoundary.Load() && tc.closeConn() {
+			// net/http then reports StateClosed, which forgets it.
+			t.closedAtBoundary.Add(1)
+		}
+	case http.StateHijacked:
+		t.setState(t.load(c), connHijacked)
+	case http.StateClosed:
+		t.forget(c)
+	}
+}
+
+// forget removes c from the tracker.
+func (t *ConnTracker) forget(c net.Conn) {
+	v, ok := t.conns.LoadAndDelete(c)
+	if !ok {
+		return
+	}
+	tc := v.(*trackedConn)
+	t.counts[tc.state.Load()].Add(-1)
+	if tc.closeAtBoundary.Load() {
+		t.closing.Add(-1)
+	}
+}
+
+// Counts returns the connections held now, by state.
+func (t *ConnTracker) Counts() ConnCounts {
+	return ConnCounts{
+		New:      int(t.counts[connNew].Load()),
+		Active:   int(t.counts[connActive].Load()),
+		Idle:     int(t.counts[connIdle].Load()),
+		Hijacked: int(t.counts[connHijacked].Load()),
+		Closing:  int(t.closing.Load()),
+	}
+}
+
+// ShedTotals returns how many connections were shed since the tracker was
+// created, by how, and how many of the active ones have been closed at a
+// response boundary so far.
+func (t *ConnTracker) ShedTotals() (shed ShedResult, closedAtBoundary uint64) {
+	return ShedResult{
+		Idle:     int(t.shedIdle.Load()),
+		Active:   int(t.shedActive.Load()),
+		Hijacked: int(t.shedHijacked.Load()),
+	}, t.closedAtBoundary.Load()
+}
+
+// Shed sheds up to n connections, gracefully: idle connections first
+// (closed at once; a client that reuses one at that very moment sees the
+// ordinary keep-alive race every HTTP client handles), then active
+// connections (marked, then closed at their next response boundary), and
+// hijacked connections (WebSockets and other upgraded streams) last,
+// closed. New connections younger than 5 s are left alone: their first
+// request may be on its way. Connections already shed are not counted
+// again.
+func (t *ConnTracker) Shed(n int) ShedResult {
+	var res ShedResult
+	if n <= 0 {
+		return res
+	}
+	t.shedMu.Lock()
+	defer t.shedMu.Unlock()
+	now := time.Now()
+	var active, hijacked []*trackedConn
+	t.conns.Range(func(_, v any) bool {
+		tc := v.(*trackedConn)
+		if tc.closeAtBoundary.Load() {
+			return true
+		}
+		switch tc.state.Load() {
+		case connIdle:
+			if res.Idle < n && t.markClosing(tc) {
+				res.Idle++
+				tc.closeConn()
+			}
+		case connNew:
+			if res.Idle < n && now.Sub(tc.since) >= newConnGrace && t.markClosing(tc) {
+				res.Idle++
+				tc.closeConn()
+			}
+		case connActive:
+			if len(active) < n {
+				active = append(active, tc)
+			}
+		case connHijacked:
+			if len(hijacked) < n {
+				hijacked = append(hijacked, tc)
+			}
+		}
+		return true
+	})
+	for _, tc := range active {
+		if res.Total() >= n {
+			break
+		}
+		if t.markClosing(tc) {
+			res.Active++
+			// It may have become idle meanwhile, in which case no
+			// transition will close it: close it now.
+			if tc.state.Load() == connIdle && tc.closeConn() {
+				t.closedAtBoundary.Add(1)
+			}
+		}
+	}
+	for _, tc := range hijacked {
+		if res.Total() >= n {
+			break
+		}
+		res.Hijacked++
+		tc.closeConn()
+		// net/http no longer reports anything about a hijacked conn.
+		t.forget(tc.conn)
+	}
+	t.shedIdle.Add(uint64(res.Idle))
+	t.shedActive.Add(uint64(res.Active))
+	t.shedHijacked.Add(uint64(res.Hijacked))
+	return res
+}
+
+// SweepHijacked forgets hijacked connections that have been closed (net/http
+// reports nothing about a connection after handing it to a handler) and
+// returns how many. A connection whose file descriptor cannot be reached
+// (a listener wrapper that hides it) stays counted until it is shed.
+func (t *ConnTracker) SweepHijacked() int {
+	t.shedMu.Lock()
+	defer t.shedMu.Unlock()
+	swept := 0
+	t.conns.Range(func(_, v any) bool {
+		tc := v.(*trackedConn)
+		if tc.state.Load() == connHijacked && connClosed(tc.conn) {
+			t.forget(tc.conn)
+			swept++
+		}
+		return true
+	})
+	return swept
+}
+
+// connClosed reports whether c's socket is known to be closed. It unwraps
+// TLS (NetConn) and PROXY-protocol (Raw) wrappers down to a syscall.Conn,
+// whose RawConn.Control fails once the descriptor is closed.
+func connClosed(c net.Conn) bool {
+	for range 8 {
+		switch w := c.(type) {
+		case interface{ NetConn() net.Conn }:
+			c = w.NetConn()
+			continue
+		case interface{ Raw() net.Conn }:
+			c = w.Raw()
+			continue
+		}
+		break
+	}
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return false
+	}
+	raw, err := sc.SyscallConn()
+	if err != nil {
+		return true
+	}
+	return raw.Control(func(uintptr) {}) != nil
+}
+
+// ClosingConn reports whether the connection that carries r was shed and
+// should close after this response.
+func ClosingConn(r *http.Request) bool {
+	tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
+	return ok && tc.closeAtBoundary.Load()
+}
+
+// Middleware wraps next so that a response on a connection that was shed
+// carries "Connection: close": HTTP/1.1 clients then open a new connection
+// (through the outer load balancer) for their next request instead of
+// racing the close, and Go's HTTP/2 server turns the header into a
+// graceful GOAWAY. A request on a connection that is shed while its
+// handler runs closes at the next idle transition instead.
+func Middleware(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if ClosingConn(r) {
+			w.Header().Set("Connection", "close")
+		}
+		next.ServeHTTP(w, r)
+	})
+}

@@ -1,0 +1,260 @@
+package rebalance
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+var t0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func defaultParams() Params {
+	return Params{Threshold: 0.2, ShedRate: 0.005, MinConnections: 50, Freshness: 5 * time.Second}
+}
+
+func alive(name string, load float64) Report {
+	return Report{Name: name, Status: StatusAlive, Load: load, At: t0}
+}
+
+func TestDecideTable(t *testing.T) {
+	p := defaultParams()
+	// Two peers at 500 and this node: average with Local x is (1000+x)/3.
+	peers := []Report{alive("b", 500), alive("c", 500)}
+	tests := []struct {
+		name     string
+		p        Params
+		in       Input
+		shed     int
+		shedding bool
+		reason   string
+	}{
+		{
+			name: "alone never sheds",
+			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0},
+			reason: "too few fresh members (1 of 2",
+		},
+		{
+			name: "self entry in members is replaced by Local",
+			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("a", 0)}},
+			reason: "too few fresh members (1 of 2",
+		},
+		{
+			name: "two members suffice",
+			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("b", 0)}},
+			shed: 5, shedding: true, reason: "shed_rate",
+		},
+		{
+			name:   "min_members 3 with two fresh members",
+			p:      Params{Threshold: 0.2, ShedRate: 0.005, Freshness: time.Second, MinMembers: 3},
+			in:     Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("b", 0)}},
+			reason: "too few fresh members (2 of 3",
+		},
+		{
+			// average (1000+600)/3 = 533.3; start line 640: 600 is below.
+			name: "just below the start line",
+			p:    p, in: Input{Self: "a", Local: 600, Held: 600, Now: t0, Members: peers},
+			reason: "within the threshold",
+		},
+		{
+			// Local 670: average 556.67, start line 668: above; stop line
+			// 612.33, so 58 needed, rate ceil(3.35) = 4.
+			name: "just above the start line",
+			p:    p, in: Input{Self: "a", Local: 670, Held: 670, Now: t0, Members: peers},
+			shed: 4, shedding: true, reason: "shed_rate",
+		},
+		{
+			// Exactly on the start line is not above it: peers 600 and
+			// 660, Local 840: average 700, start line 840.
+			name: "exactly on the start line does not start",
+			p:    p, in: Input{Self: "a", Local: 840, Held: 840, Now: t0, Members: []Report{alive("b", 600), alive("c", 660)}},
+			reason: "within the threshold",
+		},
+		{
+			// Shedding, Local 610: average 536.67, stop line 590.33: keep
+			// shedding; needed ceil(610-590.33) = 20, rate ceil(3.05) = 4.
+			name: "inside the band while shedding keeps shedding",
+			p:    p, in: Input{Self: "a", Local: 610, Held: 610, Now: t0, Members: peers, Shedding: true},
+			shed: 4, shedding: true, reason: "shed_rate",
+		},
+		{
+			name: "inside the band while not shedding does not start",
+			p:    p, in: Input{Self: "a", Local: 610, Held: 610, Now: t0, Members: peers},
+			reason: "within the threshold",
+		},
+		{
+			// Shedding, Local 580: average 526.67, stop line 579.33: still
+			// above by 0.67 -> needed 1.
+			name: "never more than needed to reach the stop band",
+			p:    p, in: Input{Self: "a", Local: 580, Held: 580, Now: t0, Members: peers, Shedding: true},
+			shed: 1, shedding: true, reason: "down to the stop band",
+		},
+		{
+			// Stop line for Local 578: average 526, stop 578.6: below.
+			name: "below the stop line stops",
+			p:    p, in: Input{Self: "a", Local: 578, Held: 578, Now: t0, Members: peers, Shedding: true},
+			reason: "reached the stop band",
+		},
+		{
+			// Smoothed Local still high, Current already at the stop line.
+			name: "sizing uses the current load, not the lagging smoothed one",
+			p:    p, in: Input{Self: "a", Local: 1000, Current: 500, Held: 500, Now: t0, Members: []Report{alive("b", 100), alive("c", 100)}, Shedding: true},
+			// average 400, stop 440, Held 500 * (1 - 440/500) = 60 -> rate 3
+			shed: 3, shedding: true, reason: "shed_rate",
+		},
+		{
+			name: "current below the stop line sheds nothing but stays shedding",
+			p:    p, in: Input{Self: "a", Local: 1000, Current: 430, Held: 430, Now: t0, Members: []Report{alive("b", 100), alive("c", 100)}, Shedding: true},
+			shedding: true, reason: "current load already at the stop band",
+		},
+		{
+			name: "never below min_connections",
+			p:    Params{Threshold: 0.2, ShedRate: 0.5, MinConnections: 50, Freshness: time.Second},
+			in:   Input{Self: "a", Local: 60, Held: 60, Now: t0, Members: []Report{alive("b", 0), alive("c", 0)}},
+			shed: 10, shedding: true, reason: "min_connections",
+		},
+		{
+			name: "at min_connections sheds nothing",
+			p:    p, in: Input{Self: "a", Local: 50, Held: 50, Now: t0, Members: []Report{alive("b", 0), alive("c", 0)}},
+			shedding: true, reason: "at or below min_connections",
+		},
+		{
+			name: "a small rate still sheds one connection",
+			p:    Params{Threshold: 0.2, ShedRate: 0.001, Freshness: time.Second},
+			in:   Input{Self: "a", Local: 100, Held: 100, Now: t0, Members: []Report{alive("b", 0)}},
+			shed: 1, shedding: true, reason: "shed_rate",
+		},
+		{
+			name: "empty cluster",
+			p:    p, in: Input{Self: "a", Local: 0, Held: 0, Now: t0, Members: []Report{alive("b", 0)}},
+			reason: "no load in the cluster",
+		},
+		{
+			name: "explicit stop band",
+			p:    Params{Threshold: 0.2, StopBand: 0.05, ShedRate: 1, Freshness: time.Second},
+			// average 300, stop line 315: needed 185
+			in:   Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []Report{alive("b", 100)}},
+			shed: 185, shedding: true, reason: "down to the stop band",
+		},
+		{
+			name: "throughput metric: sized as a share of the connections",
+			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second, Metric: "throughput"},
+			// bytes/s: average 3e6, stop line 3.3e6; 200 connections carry
+			// 5e6: shed 200 × (1 − 3.3/5) = 68.
+			in:   Input{Self: "a", Local: 5e6, Held: 200, Now: t0, Members: []Report{{Name: "b", Status: StatusAlive, Load: 1e6, At: t0, Metric: "throughput"}}},
+			shed: 68, shedding: true, reason: "down to the stop band",
+		},
+		{
+			name: "cpu metric",
+			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second, Metric: "cpu"},
+			// percent: average 50, stop line 55; 100 connections at 90%:
+			// shed 100 × (1 − 55/90) = 38.9 -> 39.
+			in:   Input{Self: "a", Local: 90, Held: 100, Now: t0, Members: []Report{{Name: "b", Status: StatusAlive, Load: 10, At: t0, Metric: "cpu"}}},
+			shed: 39, shedding: true, reason: "down to the stop band",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := tt.p.Validate(); err != nil {
+				t.Fatalf("params: %v", err)
+			}
+			d := Decide(tt.p, tt.in)
+			if d.Shed != tt.shed || d.Shedding != tt.shedding || !strings.Contains(d.Reason, tt.reason) {
+				t.Errorf("got shed %d shedding %v reason %q (avg %.2f); want shed %d shedding %v reason ~%q",
+					d.Shed, d.Shedding, d.Reason, d.Average, tt.shed, tt.shedding, tt.reason)
+			}
+		})
+	}
+}
+
+// TestDecideExcludes checks that failed, left, leaving, silent,
+// never-reporting and other-metric members are left out of the average,
+// and counted by reason.
+func TestDecideExcludes(t *testing.T) {
+	p := defaultParams()
+	p.Metric = "connections"
+	members := []Report{
+		alive("b", 1000),
+		{Name: "failed", Status: StatusFailed, Load: 0, At: t0},
+		{Name: "left", Status: StatusLeft, Load: 0, At: t0},
+		{Name: "leaving", Status: StatusLeaving, Load: 0, At: t0},
+		{Name: "silent", Status: StatusAlive, Load: 0, At: t0.Add(-6 * time.Second)},
+		{Name: "never", Status: StatusAlive},
+		{Name: "cpu", Status: StatusAlive, Load: 3, At: t0, Metric: "cpu"},
+		{Name: "edge", Status: StatusAlive, Load: 1000, At: t0.Add(-5 * time.Second)}, // exactly Freshness old: counts
+	}
+	d := Decide(p, Input{Self: "a", Local: 1000, Held: 1000, Members: members, Now: t0})
+	if d.Counted != 3 || d.NotAlive != 3 || d.Stale != 2 || d.OtherMetric != 1 {
+		t.Errorf("counted %d, not alive %d, stale %d, other metric %d; want 3, 3, 2, 1", d.Counted, d.NotAlive, d.Stale, d.OtherMetric)
+	}
+	if d.Average != 1000 || d.Shed != 0 || d.Shedding {
+		t.Errorf("average %v shed %d shedding %v; want 1000, 0, false", d.Average, d.Shed, d.Shedding)
+	}
+}
+
+func TestParamsValidate(t *testing.T) {
+	ok := defaultParams()
+	bad := []struct {
+		mut  func(*Params)
+		want string
+	}{
+		{func(p *Params) { p.Threshold = 0 }, "threshold must be above 0%, got 0%"},
+		{func(p *Params) { p.Threshold = -0.1 }, "threshold must be above 0%"},
+		{func(p *Params) { p.StopBand = 0.3 }, "stop band must be between 0% and the threshold (20%), got 30%"},
+		{func(p *Params) { p.ShedRate = 0 }, "shed rate must be above 0%"},
+		{func(p *Params) { p.ShedRate = 1.5 }, "at most 100%, got 150%"},
+		{func(p *Params) { p.MinConnections = -1 }, "min_connections must not be negative, got -1"},
+		{func(p *Params) { p.Freshness = 0 }, "freshness must be positive"},
+	}
+	if err := ok.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range bad {
+		p := ok
+		b.mut(&p)
+		err := p.Validate()
+		if err == nil || !strings.Contains(err.Error(), b.want) {
+			t.Errorf("got %v; want an error containing %q", err, b.want)
+		}
+	}
+}
+
+func TestWindow(t *testing.T) {
+	w := NewWindow(3)
+	if w.Mean() != 0 || w.Len() != 0 {
+		t.Fatal("empty window is not 0")
+	}
+	for i, tc := range []struct{ add, mean float64 }{
+		{3, 3}, {6, 4.5}, {9, 6}, {12, 9}, {0, 7}, {0, 4}, {0, 0},
+	} {
+		if got := w.Add(tc.add); got != tc.mean {
+			t.Fatalf("step %d: Add(%v) = %v; want %v", i, tc.add, got, tc.mean)
+		}
+	}
+	// Resize keeps the most recent samples.
+	w = NewWindow(4)
+	for _, v := range []float64{1, 2, 3, 4, 5} {
+		w.Add(v)
+	}
+	w.Resize(2) // keeps 4, 5
+	if w.Mean() != 4.5 || w.Len() != 2 || w.Size() != 2 {
+		t.Fatalf("after Resize(2): mean %v len %d size %d; want 4.5 2 2", w.Mean(), w.Len(), w.Size())
+	}
+	w.Resize(5)
+	if w.Add(9) != 6 {
+		t.Fatalf("after Resize(5) and Add(9): mean %v; want 6", w.Mean())
+	}
+	if NewWindow(0).Size() != 1 {
+		t.Fatal("NewWindow(0) should hold one sample")
+	}
+	// No float drift over many rounds.
+	w = NewWindow(7)
+	for i := range 100000 {
+		w.Add(float64(i%13) * 0.1)
+	}
+	for range 7 {
+		w.Add(1)
+	}
+	if w.Mean() != 1 {
+		t.Fatalf("mean after many samples then seven 1s: %v; want exactly 1", w.Mean())
+	}
+}

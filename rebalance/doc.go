@@ -1,0 +1,18 @@
+// Package rebalance joins the Caddy nodes of a fleet into a serf cluster,
+// gossips each node's load, and sheds a node's excess long-lived
+// connections when it holds far more than the cluster average, so that
+// clients reconnect through the outer load balancer and spread over the
+// fleet (Piko's rebalancing, with hysteresis and without ghost nodes).
+//
+// The pieces, from the inside out:
+//   - Decide (decide.go): the pure shedding decision, and Window, the
+//     smoother;
+//   - the connection tracker (conns.go): connections of every Caddy HTTP
+//     server by state, and graceful shedding (idle first, active ones at
+//     a response boundary, hijacked streams last);
+//   - the node (node.go): the serf member, shared across config reloads
+//     in a caddy.UsagePool keyed by bind address, and the decision loop;
+//   - the Caddy app `rebalance` (app.go) and its Caddyfile global option
+//     (caddyfile.go);
+//   - the admin endpoint GET /rebalance/cluster (admin.go).
+package rebalance

@@ -1,0 +1,465 @@
+package rebalance
+
+import (
+	"bytes"
+	"fmt"
+	"log"
+	"maps"
+	"net"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/dustin/go-humanize"
+	"github.com/hashicorp/memberlist"
+	"github.com/hashicorp/serf/serf"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// LoadTag is the serf member tag in which a node gossips its load:
+// "<metric> <smoothed load> <sequence>". The sequence grows with every
+// report, so a receiver sees a live node's tag change every interval and
+// judges freshness with its own clock (clock skew between nodes does not
+// matter).
+const LoadTag = "lbx_load"
+
+// nodes holds the serf members of this process, keyed by bind address: a
+// config reload starts the new config (which finds the member here) before
+// stopping the old one, so the member survives without leaving, rejoining
+// or binding its port twice. Its Destruct leaves the cluster.
+var nodes = caddy.NewUsagePool()
+
+// settings are what one config asks of the node. The node runs with the
+// settings of the most recently started config that still runs.
+type settings struct {
+	owner     *App
+	params    Params
+	interval  time.Duration
+	history   time.Duration
+	tags      map[string]string
+	join      []string
+	metric    string
+	source    loadSource
+	logger    *zap.Logger
+	name      string // node name: fixed for the member's life
+	keyID     string // fingerprint of the gossip key: fixed too
+	advertise string
+}
+
+// loadSource measures this node's load and sheds its connections.
+type loadSource interface {
+	// Sample returns the load in the metric's unit and the connections
+	// held (those already shed excluded).
+	Sample(metric string) (load float64, held int)
+	// Shed sheds up to n connections.
+	Shed(n int) ShedResult
+}
+
+// seenReport is what this node last saw in a member's load tag, and when
+// it changed.
+type seenReport struct {
+	raw string
+	at  time.Time // zero until the tag is seen to change
+}
+
+// node is this process's serf member and its decision loop.
+type node struct {
+	key    string
+	name   string
+	serf   *serf.Serf
+	logger *zap.Logger
+
+	mu       sync.Mutex
+	owners   []*settings // oldest first; the last one drives
+	window   *Window
+	seq      uint64
+	shedding bool
+	seen     map[string]seenReport
+	members  []Report // as of the last decision
+	last     Decision
+	lastAt   time.Time
+	local    float64
+	current  float64
+	held     int
+	shed     ShedResult // totals since the node started
+	joined   bool
+	joinErr  string
+
+	stop chan struct{}
+	done sync.WaitGroup
+}
+
+// newNode creates the serf member for s and starts its loops. It binds the
+// gossip port.
+func newNode(key string, s *settings, key32 []byte, bindHost string, bindPort int) (*node, error) {
+	n := &node{
+		key:    key,
+		name:   s.name,
+		logger: s.logger.With(zap.String("node", s.name)),
+		seen:   make(map[string]seenReport),
+		window: NewWindow(windowSize(s.history, s.interval)),
+		stop:   make(chan struct{}),
+		owners: []*settings{s},
+	}
+
+	conf := serf.DefaultConfig()
+	conf.Init()
+	conf.NodeName = n.name
+	conf.Tags = n.tagsFor(s, "")
+	stdlog := log.New(&zapWriter{logger: n.logger.Named("serf")}, "", 0)
+	conf.LogOutput = nil
+	conf.Logger = stdlog
+	conf.EnableNameConflictResolution = true
+	// SetTags waits for its broadcast up to BroadcastTimeout (default 5 s,
+	// also the Leave broadcast's wait): keep a step within about two
+	// intervals when no peer acknowledges.
+	conf.BroadcastTimeout = min(max(2*s.interval, 500*time.Millisecond), 5*time.Second)
+	ml := conf.MemberlistConfig
+	ml.BindAddr = bindHost
+	ml.BindPort = bindPort
+	ml.LogOutput = nil
+	ml.Logger = stdlog
+	if s.advertise != "" {
+		host, port, err := splitHostPort(s.advertise, "advertise")
+		if err != nil {
+			return nil, err
+		}
+		ml.AdvertiseAddr = host
+		ml.AdvertisePort = port
+	}
+	if key32 != nil {
+		kr, err := memberlist.NewKeyring(nil, key32)
+		if err != nil {
+			return nil, fmt.Errorf("encrypt_key: %v", err)
+		}
+		ml.Keyring = kr
+	}
+	sf, err := serf.Create(conf)
+	if err != nil {
+		return nil, fmt.Errorf("starting serf on %s: %v", key, err)
+	}
+	n.serf = sf
+	n.done.Add(2)
+	go n.run()
+	go n.joinLoop()
+	return n, nil
+}
+
+// windowSize is the number of samples in history at one per interval.
+func windowSize(history, interval time.Duration) int {
+	if interval <= 0 {
+		return 1
+	}
+	return max(1, int(history/interval))
+}
+
+// Destruct leaves the cluster gracefully and stops serf: the last config
+// using the node has stopped. Leave first: Shutdown alone looks like a
+// crash to the other members.
+func (n *node) Destruct() error {
+	close(n.stop)
+	n.done.Wait()
+	if err := n.serf.Leave(); err != nil {
+		n.logger.Warn("leaving the cluster", zap.Error(err))
+	}
+	err := n.serf.Shutdown()
+	n.logger.Info("left the cluster")
+	return err
+}
+
+// attach makes s the settings that drive the node (a newer config).
+func (n *node) attach(s *settings) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.owners = append(n.owners, s)
+	n.window.Resize(windowSize(s.history, s.interval))
+}
+
+// detach removes the settings of a config that stopped.
+func (n *node) detach(owner *App) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.owners = slices.DeleteFunc(n.owners, func(s *settings) bool { return s.owner == owner })
+	if len(n.owners) > 0 {
+		s := n.owners[len(n.owners)-1]
+		n.window.Resize(windowSize(s.history, s.interval))
+	}
+}
+
+// driver returns the driving settings, or nil.
+func (n *node) driver() *settings {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if len(n.owners) == 0 {
+		return nil
+	}
+	return n.owners[len(n.owners)-1]
+}
+
+// tagsFor returns the member tags for s with the load tag value load.
+func (n *node) tagsFor(s *settings, load string) map[string]string {
+	tags := maps.Clone(s.tags)
+	if tags == nil {
+		tags = make(map[string]string)
+	}
+	if load != "" {
+		tags[LoadTag] = load
+	}
+	return tags
+}
+
+// run is the decision loop: every interval, sample, publish, decide, shed.
+func (n *node) run() {
+	defer n.done.Done()
+	timer := time.NewTimer(0)
+	defer timer.Stop()
+	for {
+		select {
+		case <-n.stop:
+			return
+		case <-timer.C:
+		}
+		s := n.driver()
+		if s == nil {
+			timer.Reset(time.Second)
+			continue
+		}
+		n.safeStep(s)
+		timer.Reset(s.interval)
+	}
+}
+
+// safeStep runs one step, logging a panic instead of crashing Caddy.
+func (n *node) safeStep(s *settings) {
+	defer func() {
+		if r := recover(); r != nil {
+			n.logger.Error("rebalance step panicked", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+		}
+	}()
+	n.step(s, time.Now())
+}
+
+// step samples the load, gossips it, reads the others' reports, decides
+// and sheds.
+func (n *node) step(s *settings, now time.Time) {
+	load, held := s.source.Sample(s.metric)
+
+	n.mu.Lock()
+	local := n.window.Add(load)
+	n.seq++
+	tag := s.metric + " " + strconv.FormatFloat(local, 'g', 6, 64) + " " + strconv.FormatUint(n.seq, 10)
+	shedding := n.shedding
+	n.mu.Unlock()
+
+	if err := n.serf.SetTags(n.tagsFor(s, tag)); err != nil {
+		if c := n.logger.Check(zapcore.DebugLevel, "publishing load"); c != nil {
+			c.Write(zap.Error(err))
+		}
+	}
+
+	members := n.serf.Members()
+	n.mu.Lock()
+	reports := make([]Report, 0, len(members))
+	present := make(map[string]bool, len(members))
+	for _, m := range members {
+		present[m.Name] = true
+		r := Report{Name: m.Name, Status: memberStatus(m.Status)}
+		raw := m.Tags[LoadTag]
+		prev, ok := n.seen[m.Name]
+		switch {
+		case !ok:
+			// First sight: its age is unknown, so it does not count
+			// until it changes.
+			n.seen[m.Name] = seenReport{raw: raw}
+		case raw != prev.raw:
+			n.seen[m.Name] = seenReport{raw: raw, at: now}
+		}
+		r.At = n.seen[m.Name].at
+		if m.Name == n.name {
+			r.At = now
+		}
+		r.Metric, r.Load, _ = parseLoadTag(raw)
+		reports = append(reports, r)
+	}
+	for name := range n.seen {
+		if !present[name] {
+			delete(n.seen, name)
+		}
+	}
+	n.mu.Unlock()
+
+	d := Decide(s.params, Input{
+		Self: n.name, Local: local, Current: load, Held: held,
+		Members: reports, Shedding: shedding, Now: now,
+	})
+	var res ShedResult
+	if d.Shed > 0 {
+		res = s.source.Shed(d.Shed)
+	}
+
+	n.mu.Lock()
+	n.shedding = d.Shedding
+	n.members = reports
+	n.last, n.lastAt = d, now
+	n.local, n.current, n.held = local, load, held
+	n.shed.Idle += res.Idle
+	n.shed.Active += res.Active
+	n.shed.Hijacked += res.Hijacked
+	n.mu.Unlock()
+
+	n.logDecision(s, d, shedding, local, res)
+}
+
+// logDecision writes one line per decision that sheds or changes state,
+// and a debug line otherwise.
+func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult) {
+	lvl := zapcore.DebugLevel
+	msg := "rebalance decision"
+	switch {
+	case res.Total() > 0:
+		lvl, msg = zapcore.InfoLevel, "shedding connections"
+	case d.Shedding && !was:
+		lvl, msg = zapcore.InfoLevel, "started shedding"
+	case !d.Shedding && was:
+		lvl, msg = zapcore.InfoLevel, "stopped shedding"
+	}
+	c := n.logger.Check(lvl, msg)
+	if c == nil {
+		return
+	}
+	c.Write(
+		zap.String("metric", s.metric),
+		zap.String("local", humanize.FormatFloat("#,###.#", local)),
+		zap.String("average", humanize.FormatFloat("#,###.#", d.Average)),
+		zap.String("balance", fmt.Sprintf("%.2fx", d.Balance)),
+		zap.Int("members_counted", d.Counted),
+		zap.Int("shed", res.Total()),
+		zap.Int("shed_idle", res.Idle),
+		zap.Int("shed_active", res.Active),
+		zap.Int("shed_hijacked", res.Hijacked),
+		zap.String("reason", d.Reason),
+	)
+}
+
+// joinLoop joins the configured addresses, and joins again with backoff
+// while this node sees no other alive member (a node that starts before
+// its peers, or after a partition).
+func (n *node) joinLoop() {
+	defer n.done.Done()
+	backoff := time.Second
+	for {
+		s := n.driver()
+		if s != nil && len(s.join) > 0 && n.aliveOthers() == 0 {
+			_, err := n.serf.Join(s.join, true)
+			if err != nil {
+				// serf returns a multierror spread over lines.
+				err = fmt.Errorf("joining %s: %s (a peer with another encrypt_key, or none, cannot be joined either)",
+					strings.Join(s.join, ", "), strings.Join(strings.Fields(err.Error()), " "))
+			}
+			n.mu.Lock()
+			n.joined = err == nil
+			n.joinErr = ""
+			if err != nil {
+				n.joinErr = err.Error()
+			}
+			n.mu.Unlock()
+			if err != nil {
+				n.logger.Warn("cannot join the cluster", zap.Error(err), zap.Duration("retry_in", backoff))
+				backoff = min(2*backoff, 30*time.Second)
+			} else {
+				n.logger.Info("joined the cluster", zap.Strings("join", s.join), zap.Int("members", n.serf.NumNodes()))
+				backoff = time.Second
+			}
+		}
+		select {
+		case <-n.stop:
+			return
+		case <-time.After(backoff):
+		}
+	}
+}
+
+// aliveOthers counts the alive members other than this node.
+func (n *node) aliveOthers() int {
+	c := 0
+	for _, m := range n.serf.Members() {
+		if m.Name != n.name && m.Status == serf.StatusAlive {
+			c++
+		}
+	}
+	return c
+}
+
+// memberStatus converts serf's status.
+func memberStatus(s serf.MemberStatus) MemberStatus {
+	switch s {
+	case serf.StatusAlive:
+		return StatusAlive
+	case serf.StatusLeaving:
+		return StatusLeaving
+	case serf.StatusLeft:
+		return StatusLeft
+	}
+	return StatusFailed
+}
+
+// parseLoadTag reads "<metric> <load> <seq>".
+func parseLoadTag(raw string) (metric string, load float64, ok bool) {
+	f := strings.Fields(raw)
+	if len(f) != 3 {
+		return "", 0, false
+	}
+	v, err := strconv.ParseFloat(f[1], 64)
+	if err != nil || v < 0 || v != v {
+		return "", 0, false
+	}
+	return f[0], v, true
+}
+
+// splitHostPort parses "host:port" for option opt.
+func splitHostPort(addr, opt string) (string, int, error) {
+	host, portStr, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", 0, fmt.Errorf("%s %q: want host:port: %v", opt, addr, err)
+	}
+	port, err := strconv.Atoi(portStr)
+	if err != nil || port < 0 || port > 65535 {
+		return "", 0, fmt.Errorf("%s %q: invalid port %q", opt, addr, portStr)
+	}
+	if host == "" {
+		host = "0.0.0.0"
+	}
+	return host, port, nil
+}
+
+// zapWriter turns serf's and memberlist's log lines ("[WARN] serf: …")
+// into zap entries at the matching level.
+type zapWriter struct{ logger *zap.Logger }
+
+func (w *zapWriter) Write(p []byte) (int, error) {
+	line := string(bytes.TrimSpace(p))
+	lvl := zapcore.InfoLevel
+	for prefix, l := range map[string]zapcore.Level{
+		"[DEBUG]": zapcore.DebugLevel, "[TRACE]": zapcore.DebugLevel, "[INFO]": zapcore.InfoLevel,
+		"[WARN]": zapcore.WarnLevel, "[ERR]": zapcore.ErrorLevel, "[ERROR]": zapcore.ErrorLevel,
+	} {
+		if rest, ok := strings.CutPrefix(line, prefix); ok {
+			lvl, line = l, strings.TrimSpace(rest)
+			break
+		}
+	}
+	// Serf logs every member update (every load report of every member,
+	// every interval) at INFO: that is debug detail here.
+	if lvl == zapcore.InfoLevel && strings.Contains(line, "EventMemberUpdate") {
+		lvl = zapcore.DebugLevel
+	}
+	if c := w.logger.Check(lvl, line); c != nil {
+		c.Write()
+	}
+	return len(p), nil
+}
