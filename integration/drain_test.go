@@ -151,9 +151,13 @@ func TestDrainRecipeSIGTERM(t *testing.T) {
 	}
 	t.Logf("shutdown delay: listener closed %v after SIGTERM; %d× /ready 503 (time until shutdown %v … %v), %d proxied 200s meanwhile",
 		closedAt.Sub(sent).Round(time.Millisecond), drainingSeen, untilShutdown[0], untilShutdown[len(untilShutdown)-1], proxiedWhileDraining)
+	// A request served in the instant between the end of the delay and the
+	// listener closing sees a slightly negative countdown (Caddy computes
+	// it from the scheduled time): allow that, not more.
+	const lateBy = 500 * time.Millisecond
 	for _, s := range untilShutdown {
-		if d, err := time.ParseDuration(s); err != nil || d <= 0 || d > drainDelay {
-			t.Errorf("{http.time_until_shutdown} rendered %q; want a duration in (0, %v]", s, drainDelay)
+		if d, err := time.ParseDuration(s); err != nil || d <= -lateBy || d > drainDelay {
+			t.Errorf("{http.time_until_shutdown} rendered %q; want a duration in (-%v, %v]", s, lateBy, drainDelay)
 		}
 	}
 	if got := closedAt.Sub(sent); got < drainDelay {
