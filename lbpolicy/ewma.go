@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -84,7 +83,7 @@ type EWMASelection struct {
 
 	table    *hoststate.Table
 	observer *healthx.ObservingTransport
-	view     atomic.Pointer[poolView]
+	views    views
 	panic    panicMode
 	logger   *zap.Logger
 }
@@ -253,9 +252,11 @@ func (c ewmaCandidates) choose(k int) int {
 }
 
 func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
-	if v := s.view.Load(); v.matches(pool) {
-		return v
-	}
+	return s.views.get(pool, s.buildView)
+}
+
+// buildView builds the view of a pool the policy has not served yet.
+func (s *EWMASelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 	v := newView(pool)
 	v.members = make([]member, len(pool))
 	for i, u := range pool {
@@ -269,7 +270,6 @@ func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 		v.returned = s.startRamp
 		s.rampNewMembers(v)
 	}
-	s.view.Store(v)
 	return v
 }
 
@@ -374,22 +374,29 @@ func (c ewmaCandidates) bestOfTwo() (int, bool) {
 	return i, true // i is the cheaper or a tie; it was drawn at random
 }
 
-// ReportPool implements hoststate.PoolReporter.
-func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
-	v := s.view.Load()
-	if v == nil {
-		return hoststate.PoolReport{}, false
+// ReportPools implements hoststate.PoolReporter.
+func (s *EWMASelection) ReportPools() []hoststate.PoolReport {
+	var reps []hoststate.PoolReport
+	last := s.views.last.Load()
+	for _, v := range s.views.all() {
+		reps = append(reps, s.report(v, v == last))
 	}
+	return reps
+}
+
+// report describes the pool of v; withBudget adds the retry budget, which
+// is the policy's, to one of its pools' reports.
+func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolReport {
 	now := hoststate.Now()
 	base := s.table.Baseline()
 	rep := hoststate.PoolReport{
 		Policy:         "ewma",
 		Available:      v.availableNow(),
 		PanicThreshold: s.panic.percent(),
-		Panic:          s.panic.on.Load(),
-		PanicEntered:   s.panic.entered.Load(),
+		Panic:          v.panic.on.Load(),
+		PanicEntered:   v.panic.entered.Load(),
 	}
-	if b := s.RetryBudget; b != nil {
+	if b := s.RetryBudget; b != nil && withBudget {
 		rep.RetryBudget = &hoststate.RetryBudgetReport{
 			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.InFlight(), Refused: b.Refused(),
 		}
@@ -412,7 +419,7 @@ func (s *EWMASelection) ReportPool() (hoststate.PoolReport, bool) {
 		}
 		rep.Upstreams = append(rep.Upstreams, m)
 	}
-	return rep, true
+	return rep
 }
 
 // Interface guards

@@ -187,7 +187,9 @@ func TestEWMAConcurrent(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if rep, ok := s.ReportPool(); !ok || len(rep.Upstreams) == 0 {
-		t.Fatal("no pool report after traffic")
+	// one report per pool served, each with its own members
+	reps := s.ReportPools()
+	if len(reps) != 2 || len(reps[0].Upstreams)+len(reps[1].Upstreams) != 25 {
+		t.Fatalf("want reports of the two pools (20 and 5 upstreams), got %d reports", len(reps))
 	}
 }

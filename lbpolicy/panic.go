@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -42,7 +41,7 @@ type PanicSelection struct {
 
 	inner     reverseproxy.Selector
 	innerName string
-	view      atomic.Pointer[poolView]
+	views     views
 	panic     panicMode
 	table     *hoststate.Table // nil without outlier ejection
 	observer  *healthx.ObservingTransport
@@ -134,6 +133,11 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 		if v.keepUnejected {
 			v.availability(pool, now) // fresh even when panic mode is off
 			if kept := v.unejected.Load(); kept != nil {
+				if !v.matches(pool) {
+					// the view was found by dial addresses: these are
+					// fresh Upstream values, filter them instead
+					return p.inner.Select(v.withoutEjected(pool, now), r, w)
+				}
 				return p.inner.Select(*kept, r, w)
 			}
 		}
@@ -154,9 +158,11 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 // requests in flight are counted as usual), same max_requests, but no health
 // state, so Available() reports only whether they are full.
 func (p *PanicSelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
-	if v := p.view.Load(); v.matches(pool) {
-		return v
-	}
+	return p.views.get(pool, p.buildView)
+}
+
+// buildView builds the view of a pool the policy has not served yet.
+func (p *PanicSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 	v := newView(pool)
 	v.shadows = make([]*reverseproxy.Upstream, len(pool))
 	v.shadowOf = make(map[*reverseproxy.Upstream]int, len(pool))
@@ -172,29 +178,33 @@ func (p *PanicSelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 		}
 		v.keepUnejected = true
 	}
-	p.view.Store(v)
 	return v
 }
 
-// ReportPool implements hoststate.PoolReporter.
-func (p *PanicSelection) ReportPool() (hoststate.PoolReport, bool) {
-	v := p.view.Load()
-	if v == nil {
-		return hoststate.PoolReport{}, false
+// ReportPools implements hoststate.PoolReporter.
+func (p *PanicSelection) ReportPools() []hoststate.PoolReport {
+	var reps []hoststate.PoolReport
+	for _, v := range p.views.all() {
+		reps = append(reps, p.report(v))
 	}
+	return reps
+}
+
+// report describes the pool of v.
+func (p *PanicSelection) report(v *poolView) hoststate.PoolReport {
 	rep := hoststate.PoolReport{
 		Policy:         "panic(" + p.innerName + ")",
 		Available:      v.availableNow(),
 		PanicThreshold: p.panic.percent(),
-		Panic:          p.panic.on.Load(),
-		PanicEntered:   p.panic.entered.Load(),
+		Panic:          v.panic.on.Load(),
+		PanicEntered:   v.panic.entered.Load(),
 	}
 	now := hoststate.Now()
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
 		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
 	}
-	return rep, true
+	return rep
 }
 
 // Interface guards

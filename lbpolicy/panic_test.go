@@ -7,6 +7,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
@@ -44,7 +47,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 	}
 	count := func() map[int]int {
 		// past the availability cache, so the ejection is seen
-		p.view.Load().countedAt.Store(-countEvery)
+		p.views.last.Load().countedAt.Store(-countEvery)
 		got := map[int]int{}
 		for range 400 {
 			u := p.Select(pool, nil, nil)
@@ -62,7 +65,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 	if got[1] != 0 || got[0]+got[2]+got[3] != 400 {
 		t.Fatalf("with pool[1] ejected (not in panic): picks %v", got)
 	}
-	if rep, _ := p.ReportPool(); rep.Available != 3 || rep.Upstreams[1].Available {
+	if rep := p.ReportPools()[0]; rep.Available != 3 || rep.Upstreams[1].Available {
 		t.Fatalf("report: available %d, pool[1] available %v", rep.Available, rep.Upstreams[1].Available)
 	}
 
@@ -72,7 +75,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 	if got[1] == 0 || got[2] == 0 || got[3] == 0 {
 		t.Fatalf("in panic mode every upstream must be used again: picks %v", got)
 	}
-	if !p.panic.on.Load() {
+	if !p.views.last.Load().panic.on.Load() {
 		t.Fatal("pool with 1 of 4 available is not in panic mode")
 	}
 }
@@ -83,4 +86,56 @@ func TestPanicOutlierAroundEWMAIsAnError(t *testing.T) {
 	defer cancel()
 	wantErr(t, p.Provision(ctx), "configure outlier ejection inside the ewma policy")
 	_ = p.Cleanup()
+}
+
+// TestPanicModeIsPerPool: one policy serving two pools (as for the
+// partitions of a partition handler), one healthy and one mostly ejected,
+// alternately, with fresh Upstream values every time. Each pool has its
+// own view and panic mode: the mostly-ejected one enters panic once, the
+// healthy one never, instead of one shared mode flipping on every request.
+func TestPanicModeIsPerPool(t *testing.T) {
+	core, logs := observer.New(zap.InfoLevel)
+	s := &EWMASelection{Outlier: &healthx.Outlier{MaxEjectionPercent: percent(100)}}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := s.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s.logger = zap.New(core)
+	s.panic.logger = s.logger
+	t.Cleanup(func() { _ = s.Cleanup() })
+
+	both := newPool(t, 8) // distinct dial addresses
+	healthy, sick := both[:4], both[4:]
+	fresh := func(pool reverseproxy.UpstreamPool) reverseproxy.UpstreamPool {
+		out := make(reverseproxy.UpstreamPool, len(pool))
+		for i, u := range pool {
+			out[i] = &reverseproxy.Upstream{Host: u.Host, Dial: u.Dial}
+		}
+		return out
+	}
+	for _, u := range sick[1:] {
+		if _, _, ok := s.table.Stats(u.Dial).Eject(hoststate.Now(), time.Hour,
+			func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
+			t.Fatal("eject")
+		}
+	}
+	for range 200 {
+		if s.Select(fresh(healthy), nil, nil) == nil || s.Select(fresh(sick), nil, nil) == nil {
+			t.Fatal("nothing chosen")
+		}
+	}
+	if n := s.views.n; n != 2 {
+		t.Fatalf("%d views for two pools of fresh Upstream values; want 2", n)
+	}
+	entered := logs.FilterMessageSnippet("entered panic").Len()
+	left := logs.FilterMessageSnippet("left panic").Len()
+	if entered != 1 || left != 0 {
+		t.Fatalf("panic mode entered %d and left %d times; want the sick pool to enter once", entered, left)
+	}
+	for _, rep := range s.ReportPools() {
+		if want := rep.Upstreams[0].Dial == sick[0].Dial; rep.Panic != want {
+			t.Fatalf("pool of %s: panic %v, want %v", rep.Upstreams[0].Dial, rep.Panic, want)
+		}
+	}
 }

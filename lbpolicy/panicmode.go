@@ -15,13 +15,18 @@ const DefaultPanicThreshold = 50.0
 
 // panicMode decides, per request, whether a pool has so few available
 // upstreams that health should be ignored, and logs and counts the
-// transitions. It is shared by the ewma policy and the panic wrapper.
+// transitions. It is shared by the ewma policy and the panic wrapper; the
+// state it decides on is each pool's (panicState, in the pool's view).
 type panicMode struct {
 	threshold float64 // fraction of the pool, 0 disables
 	policy    string
 	logger    *zap.Logger
 	events    healthx.Emitter
+}
 
+// panicState is one pool's panic mode: whether it is on, and how often it
+// was entered.
+type panicState struct {
 	on      atomic.Bool
 	entered atomic.Uint64
 }
@@ -41,23 +46,23 @@ func (m *panicMode) check(v *poolView, pool reverseproxy.UpstreamPool, now int64
 	if m.threshold <= 0 {
 		return false
 	}
-	return m.decide(v.availability(pool, now), len(pool))
+	return m.decide(&v.panic, v.availability(pool, now), len(pool))
 }
 
-// decide applies the threshold to a count of available upstreams and
-// records a transition.
-func (m *panicMode) decide(avail, total int) bool {
+// decide applies the threshold to a count of available upstreams of the
+// pool whose state is st and records a transition.
+func (m *panicMode) decide(st *panicState, avail, total int) bool {
 	panicking := float64(avail) < m.threshold*float64(total)
-	if panicking != m.on.Load() && m.on.CompareAndSwap(!panicking, panicking) {
-		m.transition(panicking, avail, total)
+	if panicking != st.on.Load() && st.on.CompareAndSwap(!panicking, panicking) {
+		m.transition(st, panicking, avail, total)
 	}
 	return panicking
 }
 
-func (m *panicMode) transition(on bool, avail, total int) {
+func (m *panicMode) transition(st *panicState, on bool, avail, total int) {
 	msg, lvl, event := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel, healthx.EventPanicLeft
 	if on {
-		m.entered.Add(1)
+		st.entered.Add(1)
 		msg, lvl, event = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel, healthx.EventPanicEntered
 	}
 	m.events.Emit(event, map[string]any{

@@ -15,6 +15,7 @@ func TestPanicDecisionAroundThreshold(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
 	fifty := 50.0
 	m := newPanicMode(&fifty, "test", zap.New(core), healthx.Emitter{})
+	var st panicState
 	steps := []struct {
 		avail, total int
 		want         bool
@@ -31,11 +32,11 @@ func TestPanicDecisionAroundThreshold(t *testing.T) {
 		{4, 10, true},
 	}
 	for i, s := range steps {
-		if got := m.decide(s.avail, s.total); got != s.want {
+		if got := m.decide(&st, s.avail, s.total); got != s.want {
 			t.Fatalf("step %d: %d/%d available: panic=%v, want %v", i, s.avail, s.total, got, s.want)
 		}
 	}
-	if got := m.entered.Load(); got != 3 {
+	if got := st.entered.Load(); got != 3 {
 		t.Fatalf("entered panic %d times, want 3", got)
 	}
 	entered := logs.FilterMessageSnippet("entered panic").Len()
@@ -52,7 +53,8 @@ func TestPanicDisabledAndHundredPercent(t *testing.T) {
 		t.Fatal("0% must disable panic mode")
 	}
 	all := newPanicMode(&hundred, "t", zap.NewNop(), healthx.Emitter{})
-	if !all.decide(3, 4) || all.decide(4, 4) {
+	var st panicState
+	if !all.decide(&st, 3, 4) || all.decide(&st, 4, 4) {
 		t.Fatal("at 100%, any unavailable upstream means panic, none means not")
 	}
 	def := newPanicMode(nil, "t", zap.NewNop(), healthx.Emitter{})
@@ -84,9 +86,10 @@ func TestPanicTransitionsEmitEvents(t *testing.T) {
 		}
 	}
 	m := newPanicMode(nil, "ewma", zap.NewNop(), healthx.NewEmitter(ctx))
-	m.decide(1, 4)
-	m.decide(0, 4) // still in panic: no event
-	m.decide(4, 4)
+	var st panicState
+	m.decide(&st, 1, 4)
+	m.decide(&st, 0, 4) // still in panic: no event
+	m.decide(&st, 4, 4)
 	if len(rec) != 2 {
 		t.Fatalf("want 2 events (entered, left), got %d", len(rec))
 	}

@@ -83,7 +83,12 @@ func TestSlowStartNewMember(t *testing.T) {
 			t.Fatalf("old member %s ramps", u.Dial)
 		}
 	}
-	rep, _ := s.ReportPool()
+	var rep hoststate.PoolReport
+	for _, r := range s.ReportPools() {
+		if len(r.Upstreams) == len(grown) {
+			rep = r
+		}
+	}
 	if p := rep.Upstreams[3].SlowStartPercent; p == nil || *p != 10 {
 		t.Fatalf("report of the new member: slow start weight %v, want 10%%", fmtPercent(p))
 	}

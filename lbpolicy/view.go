@@ -15,10 +15,8 @@ import (
 const countEvery = int64(5e6)
 
 // poolView is what a policy derived from one upstream pool: per-member
-// state and weights in pool order, and a cached availability count. A
-// policy keeps the view of the last pool it saw and rebuilds it when the
-// pool changes (a config with static upstreams always passes the same
-// slice; dynamic upstream sources pass the same slice between refreshes).
+// state and weights in pool order, a cached availability count and the
+// pool's panic mode. A policy keeps its views in a views cache.
 type poolView struct {
 	// first and ups identify the pool: the address of its first element
 	// and a copy of its members.
@@ -31,6 +29,8 @@ type poolView struct {
 
 	countedAt atomic.Int64
 	available atomic.Int64
+	panic     panicState
+	usedAt    atomic.Int64 // hoststate clock; see views
 
 	// returned, when set, is called by a count for member i that Caddy
 	// deems healthy again after an earlier count saw it unhealthy.
@@ -112,6 +112,17 @@ func (v *poolView) countAvailable(pool reverseproxy.UpstreamPool, now int64) int
 	return n
 }
 
+// withoutEjected returns the members of pool that are not ejected at now.
+func (v *poolView) withoutEjected(pool reverseproxy.UpstreamPool, now int64) []*reverseproxy.Upstream {
+	kept := make([]*reverseproxy.Upstream, 0, len(pool))
+	for i, u := range pool {
+		if !v.members[i].stats.Ejected(now) {
+			kept = append(kept, u)
+		}
+	}
+	return kept
+}
+
 // filterEjected updates v.unejected, given how many members are ejected.
 func (v *poolView) filterEjected(pool reverseproxy.UpstreamPool, ejected int, now int64) {
 	if ejected == 0 {
@@ -120,12 +131,7 @@ func (v *poolView) filterEjected(pool reverseproxy.UpstreamPool, ejected int, no
 		}
 		return
 	}
-	kept := make([]*reverseproxy.Upstream, 0, len(pool)-ejected)
-	for i, u := range pool {
-		if !v.members[i].stats.Ejected(now) {
-			kept = append(kept, u)
-		}
-	}
+	kept := v.withoutEjected(pool, now)
 	v.unejected.Store(&kept)
 }
 

@@ -54,10 +54,11 @@ type PoolMember struct {
 	SlowStartPercent *float64 `json:"slow_start_weight_percent,omitempty"`
 }
 
-// PoolReporter is implemented by selection policies that can describe their
-// pool for the admin API.
+// PoolReporter is implemented by selection policies that can describe
+// the pools they serve for the admin API: usually one, several when one
+// policy serves several pools (the partitions of a partition handler).
 type PoolReporter interface {
-	ReportPool() (PoolReport, bool)
+	ReportPools() []PoolReport
 }
 
 var (
@@ -90,9 +91,7 @@ func Pools() []PoolReport {
 	poolsMu.Unlock()
 	out := make([]PoolReport, 0, len(rs))
 	for _, r := range rs {
-		if rep, ok := r.ReportPool(); ok {
-			out = append(out, rep)
-		}
+		out = append(out, r.ReportPools()...)
 	}
 	sort.Slice(out, func(i, j int) bool {
 		a, b := out[i], out[j]

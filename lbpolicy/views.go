@@ -1,0 +1,116 @@
+package lbpolicy
+
+import (
+	"sync"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+)
+
+// views holds a policy's views of the pools it serves. Usually there is
+// one: a config's static upstreams, passed as the same slice every time.
+// One policy can serve several pools, though — each partition of a
+// `partition` handler is a pool of its own, and its sub-requests hand the
+// policy fresh Upstream values every time — and a view's state (member
+// state, the availability count, panic mode) belongs to its pool, not to
+// the policy: shared, a healthy partition and one in panic would flip the
+// mode on every request. A view is found by identity first (free), then by
+// its members' dial addresses, in order.
+type views struct {
+	last atomic.Pointer[poolView]
+
+	mu    sync.RWMutex
+	byKey map[uint64][]*poolView // by dialsKey
+	n     int
+}
+
+// maxViews bounds how many views a policy keeps; a source whose pools keep
+// changing makes the policy start over rather than grow without end.
+const maxViews = 64
+
+// recentViews is how long a view found by its dial addresses stays in the
+// reports after it was last used.
+const recentViews = int64(5 * 60 * 1e9)
+
+// get returns the view of pool, building it with build the first time.
+func (c *views) get(pool reverseproxy.UpstreamPool, build func(reverseproxy.UpstreamPool) *poolView) *poolView {
+	if v := c.last.Load(); v.matches(pool) {
+		return v
+	}
+	key := dialsKey(pool)
+	c.mu.RLock()
+	v := c.find(key, pool)
+	c.mu.RUnlock()
+	if v == nil {
+		c.mu.Lock()
+		if v = c.find(key, pool); v == nil {
+			v = build(pool)
+			if c.n >= maxViews || c.byKey == nil {
+				c.byKey, c.n = map[uint64][]*poolView{}, 0
+			}
+			c.byKey[key] = append(c.byKey[key], v)
+			c.n++
+		}
+		c.mu.Unlock()
+	}
+	v.usedAt.Store(hoststate.Clock())
+	if v.matches(pool) {
+		c.last.Store(v)
+	}
+	return v
+}
+
+func (c *views) find(key uint64, pool reverseproxy.UpstreamPool) *poolView {
+	for _, v := range c.byKey[key] {
+		if v.sameDials(pool) {
+			return v
+		}
+	}
+	return nil
+}
+
+// all returns the views to report: the last one used, and the others used
+// in the last recentViews.
+func (c *views) all() []*poolView {
+	last := c.last.Load()
+	now := hoststate.Now()
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	var out []*poolView
+	for _, vs := range c.byKey {
+		for _, v := range vs {
+			if v == last || now-v.usedAt.Load() < recentViews {
+				out = append(out, v)
+			}
+		}
+	}
+	return out
+}
+
+// dialsKey hashes the dial addresses of pool, in order (FNV-1a).
+func dialsKey(pool reverseproxy.UpstreamPool) uint64 {
+	h := uint64(14695981039346656037)
+	for _, u := range pool {
+		for i := 0; i < len(u.Dial); i++ {
+			h = (h ^ uint64(u.Dial[i])) * 1099511628211
+		}
+		h = (h ^ 0xff) * 1099511628211 // separator
+	}
+	return h
+}
+
+// sameDials reports whether v was built from a pool with pool's dial
+// addresses, in order.
+func (v *poolView) sameDials(pool reverseproxy.UpstreamPool) bool {
+	if len(pool) != len(v.ups) {
+		return false
+	}
+	for i, u := range pool {
+		if u.Dial != v.ups[i].Dial {
+			return false
+		}
+	}
+	return true
+}
