@@ -34,6 +34,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	partition [<matcher>] {
 //		to <address> <N/M> [<address> <N/M>...]
 //		naming_file <path>
+//		serf_tag [<member tag>] {
+//			port     <port>
+//			port_tag <member tag>
+//			tag      <key> <value>
+//		}
 //		poll_interval <duration>
 //		fail_limit <n>
 //		timeout <duration>
@@ -108,6 +113,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.NamingFile = v
+
+		case "serf_tag":
+			if err := once(od); err != nil {
+				return err
+			}
+			sn, err := parseSerfTag(od)
+			if err != nil {
+				return err
+			}
+			h.Serf = sn
 
 		case "poll_interval", "timeout":
 			if err := once(od); err != nil {
@@ -285,3 +300,62 @@ func oneArg(d *caddyfile.Dispenser) (string, error) {
 
 // Interface guards
 var _ caddyfile.Unmarshaler = (*Handler)(nil)
+
+// parseSerfTag parses the serf_tag option (see SerfNaming):
+//
+//	serf_tag [<member tag>] {
+//		port     <port>
+//		port_tag <member tag>
+//		tag      <key> <value>
+//	}
+//
+// The member tag defaults to "partition"; `tag` may be repeated.
+func parseSerfTag(d *caddyfile.Dispenser) (*SerfNaming, error) {
+	sn := new(SerfNaming)
+	args := d.RemainingArgs()
+	switch len(args) {
+	case 0:
+	case 1:
+		sn.PartitionTag = args[0]
+	default:
+		return nil, d.Errf("serf_tag: at most one argument (the member tag holding the partition tags), got %d", len(args))
+	}
+	seen := make(map[string]bool)
+	for d.NextBlock(0) {
+		opt := d.Val()
+		if opt != "tag" && seen[opt] {
+			return nil, d.Errf("serf_tag: %s already specified", opt)
+		}
+		seen[opt] = true
+		switch opt {
+		case "port", "port_tag":
+			v := d.RemainingArgs()
+			if len(v) != 1 {
+				return nil, d.Errf("serf_tag: %s: want one value, got %d", opt, len(v))
+			}
+			if opt == "port" {
+				sn.Port = v[0]
+			} else {
+				sn.PortTag = v[0]
+			}
+		case "tag":
+			kv := d.RemainingArgs()
+			if len(kv) != 2 {
+				return nil, d.Errf("serf_tag: tag: want <key> <value>, got %d argument(s)", len(kv))
+			}
+			if sn.Tags == nil {
+				sn.Tags = make(map[string]string)
+			}
+			if _, dup := sn.Tags[kv[0]]; dup {
+				return nil, d.Errf("serf_tag: tag %q already specified", kv[0])
+			}
+			sn.Tags[kv[0]] = kv[1]
+		default:
+			return nil, d.Errf("serf_tag: unknown option %q (want port, port_tag or tag)", opt)
+		}
+	}
+	if err := sn.validate(); err != nil {
+		return nil, d.Errf("serf_tag: %v", strings.TrimPrefix(err.Error(), "serf: "))
+	}
+	return sn, nil
+}

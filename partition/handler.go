@@ -97,8 +97,15 @@ type Handler struct {
 	NamingFile string `json:"naming_file,omitempty"`
 
 	// How often the naming file is checked for changes (modification time
-	// and size). Default: 1s.
+	// and size), and the serf member list read. Default: 1s.
 	PollInterval caddy.Duration `json:"poll_interval,omitempty"`
+
+	// Upstreams from the member tags of this node's rebalance cluster
+	// (which needs the rebalance app in the config): each alive member's
+	// tag "partition" (by default) holds its partition tags, e.g. "0/3" or
+	// "0/3,1/4". They are added to Upstreams and the naming file's, and
+	// follow the members: a new list replaces the old atomically.
+	Serf *SerfNaming `json:"serf,omitempty"`
 
 	// How many failed partitions fail the whole request. Default (or 0):
 	// the number of partitions of the chosen scheme, i.e. the request
@@ -171,7 +178,10 @@ type Handler struct {
 	current atomic.Pointer[layout]
 	swapMu  sync.Mutex // serializes layout swaps
 	watcher *namingWatcher
-	logger  *zap.Logger
+	// The naming file's and the serf members' entries (under swapMu).
+	fileEntries []Entry
+	serfEntries []Entry
+	logger      *zap.Logger
 }
 
 // RejectRule rejects a request that matches it (see Handler.Reject).
@@ -243,8 +253,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			h.static = append(h.static, e)
 		}
 	}
-	if len(h.static) == 0 && h.NamingFile == "" {
-		return errors.New("no upstreams: give tagged upstreams (to <address> <N/M>) or a naming_file")
+	if len(h.static) == 0 && h.NamingFile == "" && h.Serf == nil {
+		return errors.New("no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
 	}
 
 	if h.MergeRaw != nil {
@@ -299,6 +309,15 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			return err
 		}
 		go h.watcher.run(ctx.Done())
+	}
+	if h.Serf != nil {
+		// The rebalance app's member starts after every module is
+		// provisioned: the list fills in once it runs.
+		sw, err := newSerfWatcher(ctx, h.Serf, time.Duration(h.PollInterval), h.logger, h.installSerf)
+		if err != nil {
+			return err
+		}
+		go sw.run(ctx.Done())
 	}
 	return nil
 }
@@ -421,13 +440,28 @@ func resolveRetries(retries *int, lb *reverseproxy.LoadBalancing) (int, error) {
 	return defaultRetries, nil
 }
 
-// install makes fileEntries (with the static upstreams) the current
-// upstream list, or leaves the current one if they are not valid.
+// install makes fileEntries (with the static upstreams and the serf
+// members') the current upstream list, or leaves the current one if they
+// are not valid.
 func (h *Handler) install(fileEntries []Entry) error {
+	return h.installPart(&h.fileEntries, fileEntries)
+}
+
+// installSerf is install for the serf members' entries.
+func (h *Handler) installSerf(serfEntries []Entry) error {
+	return h.installPart(&h.serfEntries, serfEntries)
+}
+
+// installPart replaces one source's entries (*part) and swaps in the
+// layout of all sources, or restores *part if the result is not valid.
+func (h *Handler) installPart(part *[]Entry, entries []Entry) error {
 	h.swapMu.Lock()
 	defer h.swapMu.Unlock()
-	l, err := buildLayout(mergeEntries(h.static, fileEntries), h.current.Load(), h.hosts)
+	prev := *part
+	*part = entries
+	l, err := buildLayout(mergeEntries(mergeEntries(h.static, h.fileEntries), h.serfEntries), h.current.Load(), h.hosts)
 	if err != nil {
+		*part = prev
 		return err
 	}
 	h.current.Store(l)
