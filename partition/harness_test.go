@@ -97,6 +97,7 @@ func checkNoLeak(t *testing.T) {
 	ours := []string{
 		"partition.(*Handler).",
 		"partition.(*namingWatcher).run",
+		"partition.(*serfWatcher).run",
 	}
 	var last string
 	deadline := time.Now().Add(5 * time.Second)
