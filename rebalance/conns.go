@@ -2,6 +2,7 @@ package rebalance
 
 import (
 	"context"
+	"crypto/tls"
 	"net"
 	"net/http"
 	"sync"
@@ -36,6 +37,50 @@ type trackedConn struct {
 	closeAtBoundary atomic.Bool
 	// closed is set by the first close from the tracker.
 	closed atomic.Bool
+	// h2 is set once the connection is seen to speak HTTP/2: over TLS
+	// from its ALPN protocol; in clear text (h2c) when a request on it
+	// passes through CloseHandler or Middleware (Go's server reports
+	// h2c connections' states like HTTP/1 ones).
+	h2 atomic.Bool
+}
+
+// h2IdleCloseDelay is how long a shed HTTP/2 connection is left idle
+// before the tracker closes it: Go's HTTP/2 server reports a connection
+// idle when its last stream's handler returns, before the response's
+// last frames are written, so closing at once could cut them off. A
+// response that passed through CloseHandler sent a GOAWAY and the server
+// closes the connection itself, usually sooner.
+const h2IdleCloseDelay = time.Second
+
+// baseConn returns the connection net/http accepted for c: Go's server
+// hands cleartext HTTP/2 (h2c) connections to its HTTP/2 server wrapped
+// in a *tls.Conn that is not one, and reports their HTTP/2 states with
+// the wrapper, while ConnContext and StateClosed see the accepted one.
+func baseConn(c net.Conn) (base net.Conn, h2 bool) {
+	if tc, ok := c.(*tls.Conn); ok {
+		if u, ok := tc.NetConn().(interface{ UnencryptedNetConn() net.Conn }); ok {
+			return u.UnencryptedNetConn(), true
+		}
+		return c, tc.ConnectionState().NegotiatedProtocol == "h2"
+	}
+	return c, false
+}
+
+// closeIdle closes tc, which is idle and shed. An HTTP/2 connection is
+// closed after h2IdleCloseDelay if it is still idle then.
+func (t *ConnTracker) closeIdle(tc *trackedConn) {
+	if !tc.h2.Load() {
+		if tc.closeConn() {
+			// net/http then reports StateClosed, which forgets it.
+			t.closedAtBoundary.Add(1)
+		}
+		return
+	}
+	time.AfterFunc(h2IdleCloseDelay, func() {
+		if tc.state.Load() == connIdle && tc.closeConn() {
+			t.closedAtBoundary.Add(1)
+		}
+	})
 }
 
 // markClosing sets tc's closeAtBoundary and reports whether this call set
@@ -156,6 +201,10 @@ func (t *ConnTracker) ConnContext(ctx context.Context, c net.Conn) context.Conte
 // response has been written and flushed, and no other request has been
 // read from it.
 func (t *ConnTracker) ConnState(c net.Conn, s http.ConnState) {
+	c, h2 := baseConn(c)
+	if h2 && s != http.StateClosed {
+		t.load(c).h2.Store(true)
+	}
 	switch s {
 	case http.StateNew:
 		t.load(c)
@@ -166,9 +215,8 @@ func (t *ConnTracker) ConnState(c net.Conn, s http.ConnState) {
 		// State first, then the flag: Shed sets the flag, then reads the
 		// state, so one of the two sees the other and closes.
 		t.setState(tc, connIdle)
-		if tc.closeAtBoundary.Load() && tc.closeConn() {
-			// net/http then reports StateClosed, which forgets it.
-			t.closedAtBoundary.Add(1)
+		if tc.closeAtBoundary.Load() {
+			t.closeIdle(tc)
 		}
 	case http.StateHijacked:
 		t.setState(t.load(c), connHijacked)
@@ -264,8 +312,8 @@ func (t *ConnTracker) Shed(n int) ShedResult {
 			res.Active++
 			// It may have become idle meanwhile, in which case no
 			// transition will close it: close it now.
-			if tc.state.Load() == connIdle && tc.closeConn() {
-				t.closedAtBoundary.Add(1)
+			if tc.state.Load() == connIdle {
+				t.closeIdle(tc)
 			}
 		}
 	}
@@ -344,6 +392,9 @@ func ClosingConn(r *http.Request) bool {
 // handler runs closes at the next idle transition instead.
 func Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn); ok && r.ProtoMajor >= 2 {
+			tc.h2.Store(true)
+		}
 		if ClosingConn(r) {
 			w.Header().Set("Connection", "close")
 		}
