@@ -214,6 +214,10 @@ func TestEWMATransportOptionsUnchanged(t *testing.T) {
 	request_buffers 4k
 	response_buffers 4k
 }`, b.addr, policy))
+			// The reload ended the old config's server, which sends
+			// GOAWAY on its connections; start on a fresh one rather than
+			// race it with a body that cannot be replayed.
+			h2c.CloseIdleConnections()
 			// Fits the buffer: forwarded with its length.
 			if r := post(3000); r.ContentLength != 3000 || r.Chunked {
 				t.Errorf("%q: buffered 3000-byte body arrived with Content-Length %d (chunked %v), want 3000",
