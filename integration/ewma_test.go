@@ -192,8 +192,20 @@ func TestEWMATransportOptionsUnchanged(t *testing.T) {
 		post := func(n int) seenRequest {
 			t.Helper()
 			body := payload(n)
-			// A reader of unknown length.
-			res, err := h2c.Post(e.url("/up"), "application/octet-stream", io.MultiReader(bytes.NewReader(body)))
+			// A reader of unknown length, which the client can produce
+			// again: a request that meets the GOAWAY of a server being
+			// replaced by a reload is retried, as any client should.
+			unknownLength := func() (io.ReadCloser, error) {
+				return io.NopCloser(io.MultiReader(bytes.NewReader(body))), nil
+			}
+			req, err := http.NewRequest(http.MethodPost, e.url("/up"), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Header.Set("Content-Type", "application/octet-stream")
+			req.Body, _ = unknownLength()
+			req.GetBody = unknownLength
+			res, err := h2c.Do(req)
 			if err != nil {
 				t.Fatalf("POST %d bytes: %v", n, err)
 			}
@@ -214,10 +226,6 @@ func TestEWMATransportOptionsUnchanged(t *testing.T) {
 	request_buffers 4k
 	response_buffers 4k
 }`, b.addr, policy))
-			// The reload ended the old config's server, which sends
-			// GOAWAY on its connections; start on a fresh one rather than
-			// race it with a body that cannot be replayed.
-			h2c.CloseIdleConnections()
 			// Fits the buffer: forwarded with its length.
 			if r := post(3000); r.ContentLength != 3000 || r.Chunked {
 				t.Errorf("%q: buffered 3000-byte body arrived with Content-Length %d (chunked %v), want 3000",
