@@ -139,6 +139,7 @@ type App struct {
 	poolKey  string
 	source   loadSource
 	logger   *zap.Logger
+	events   emitter
 	node     *node // set by Start, cleared by Stop (Caddy calls them in turn)
 }
 
@@ -155,6 +156,10 @@ func (App) CaddyModule() caddy.ModuleInfo {
 // network (it also runs for `caddy validate`).
 func (a *App) Provision(ctx caddy.Context) error {
 	a.logger = ctx.Logger()
+	a.events = newEmitter(ctx)
+	if err := registerMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %v", err)
+	}
 	repl := caddy.NewReplacer()
 
 	if a.NodeName == "" {
@@ -303,6 +308,7 @@ func (a *App) settings() *settings {
 		metric:    a.Metric,
 		source:    a.source,
 		logger:    a.logger,
+		events:    a.events,
 		name:      a.NodeName,
 		keyID:     a.keyID,
 		advertise: a.Advertise,

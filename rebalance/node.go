@@ -46,6 +46,7 @@ type settings struct {
 	metric    string
 	source    loadSource
 	logger    *zap.Logger
+	events    emitter
 	name      string // node name: fixed for the member's life
 	keyID     string // fingerprint of the gossip key: fixed too
 	advertise string
@@ -87,8 +88,10 @@ type node struct {
 	current  float64
 	held     int
 	shed     ShedResult // totals since the node started
-	joined   bool
-	joinErr  string
+	// shedDecisions counts the intervals that shed since the node started.
+	shedDecisions uint64
+	joined        bool
+	joinErr       string
 
 	stop chan struct{}
 	done sync.WaitGroup
@@ -310,9 +313,15 @@ func (n *node) step(s *settings, now time.Time) {
 	n.shed.Idle += res.Idle
 	n.shed.Active += res.Active
 	n.shed.Hijacked += res.Hijacked
+	if res.Total() > 0 {
+		n.shedDecisions++
+	}
 	n.mu.Unlock()
 
 	n.logDecision(s, d, shedding, local, res)
+	if res.Total() > 0 {
+		s.events.emitShed(n.name, s.metric, local, d, res)
+	}
 }
 
 // logDecision writes one line per decision that sheds or changes state,

@@ -1,0 +1,161 @@
+package rebalance
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/caddy-lbx/lbx/internal/testutil"
+)
+
+// eventRecorder records the events it handles.
+type eventRecorder struct {
+	mu     sync.Mutex
+	events []caddy.Event
+}
+
+func (r *eventRecorder) Handle(_ context.Context, e caddy.Event) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.events = append(r.events, e)
+	return nil
+}
+
+func (r *eventRecorder) get() []caddy.Event {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]caddy.Event(nil), r.events...)
+}
+
+// startAppCtx is testApp with the caller's context.
+func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource) *App {
+	t.Helper()
+	zero := 0
+	a := &App{
+		NodeName: name, Bind: "127.0.0.1:0", MinConnections: &zero, ShedRate: 10, source: src,
+		Interval: caddy.Duration(100 * time.Millisecond), History: caddy.Duration(100 * time.Millisecond),
+	}
+	if err := a.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Stop() })
+	return a
+}
+
+// TestShedEventAndMetrics runs two members, one overloaded, with a real
+// events app in the overloaded one's config: each interval that sheds
+// emits rebalance_shed with what it shed, and the metrics agree with the
+// load source and the events.
+func TestShedEventAndMetrics(t *testing.T) {
+	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evApp, err := ctx.App("events")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := new(eventRecorder)
+	if err := evApp.(*caddyevents.App).On(EventShed, rec); err != nil {
+		t.Fatal(err)
+	}
+	srcA, srcB := &fakeSource{load: 400}, &fakeSource{load: 100}
+	a := startAppCtx(t, ctx, "ev-a", srcA)
+	testApp(t, "ev-b", srcB, func(x *App) { x.Join = []string{a.gossipAddr()} })
+
+	testutil.WaitFor(t, 20*time.Second, "ev-a sheds, then reaches the stop band", func() (bool, string) {
+		load, shed := srcA.get()
+		a.node.mu.Lock()
+		d := a.node.last
+		a.node.mu.Unlock()
+		return shed > 0 && !d.Shedding, fmt.Sprintf("load %.0f, shed %d, last decision %+v", load, shed, d)
+	})
+	_, shed := srcA.get()
+
+	events := rec.get()
+	if len(events) == 0 {
+		t.Fatal("no rebalance_shed event")
+	}
+	total := 0
+	for _, e := range events {
+		d := e.Data
+		if e.Name() != EventShed || d["node"] != "ev-a" || d["metric"] != MetricConnections || d["members_counted"] != 2 {
+			t.Errorf("event %s %v", e.Name(), d)
+		}
+		count, _ := d["count"].(int)
+		if count <= 0 || d["idle"] != count || d["active"] != 0 || d["hijacked"] != 0 {
+			t.Errorf("event counts %v", d)
+		}
+		if local, avg := d["local"].(float64), d["average"].(float64); !(local > avg && avg > 0) {
+			t.Errorf("event local %v, average %v: want local above a positive average", local, avg)
+		}
+		total += count
+	}
+	if total != shed {
+		t.Errorf("events add up to %d shed; the source shed %d", total, shed)
+	}
+
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(metricsCollector{tracker: new(ConnTracker)})
+	val := func(name string, labels map[string]string) float64 {
+		t.Helper()
+		v, ok := metricValue(t, reg, name, labels)
+		if !ok {
+			t.Fatalf("no %s%v", name, labels)
+		}
+		return v
+	}
+	nodeA, nodeB := map[string]string{"node": "ev-a"}, map[string]string{"node": "ev-b"}
+	if v := val("caddy_lbx_rebalance_shed_decisions_total", nodeA); v != float64(len(events)) {
+		t.Errorf("ev-a shed_decisions_total = %v; want %d (one per event)", v, len(events))
+	}
+	for kind, want := range map[string]int{"idle": shed, "active": 0, "hijacked": 0} {
+		if v := val("caddy_lbx_rebalance_connections_shed_total", map[string]string{"node": "ev-a", "kind": kind}); v != float64(want) {
+			t.Errorf("ev-a connections_shed_total{kind=%q} = %v; want %d", kind, v, want)
+		}
+	}
+	if v := val("caddy_lbx_rebalance_shed_decisions_total", nodeB); v != 0 {
+		t.Errorf("ev-b shed_decisions_total = %v; want 0", v)
+	}
+	for _, l := range []map[string]string{nodeA, nodeB} {
+		if v := val("caddy_lbx_rebalance_members_counted", l); v != 2 {
+			t.Errorf("%v members_counted = %v; want 2", l, v)
+		}
+	}
+	if v := val("caddy_lbx_rebalance_local_load", nodeB); v != 100 {
+		t.Errorf("ev-b local_load = %v; want 100", v)
+	}
+	if loadA, _ := srcA.get(); val("caddy_lbx_rebalance_cluster_average", nodeB) != (loadA+100)/2 {
+		// ev-b may not have seen ev-a's last report yet: allow one interval.
+		testutil.WaitFor(t, 2*time.Second, "ev-b's average settles", func() (bool, string) {
+			v, _ := metricValue(t, reg, "caddy_lbx_rebalance_cluster_average", nodeB)
+			return v == (loadA+100)/2, fmt.Sprintf("average %v, want %v", v, (loadA+100)/2)
+		})
+	}
+}
+
+// TestEventNoEventsApp: without an events app in the config the emitter
+// sends nothing and does not create one.
+func TestEventNoEventsApp(t *testing.T) {
+	ctx := testContext(t)
+	e := newEmitter(ctx)
+	if e.app != nil {
+		t.Fatal("emitter has an events app without one configured")
+	}
+	e.emitShed("n", MetricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1})
+	if _, err := ctx.AppIfConfigured("events"); err == nil {
+		t.Fatal("the events app was created")
+	}
+}

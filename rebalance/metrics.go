@@ -1,0 +1,77 @@
+package rebalance
+
+import (
+	"errors"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metricsCollector exposes the rebalance state as Prometheus metrics. It
+// reads the connection tracker and the nodes' last decisions at scrape
+// time, so neither requests nor the decision loop pay for metrics.
+type metricsCollector struct {
+	tracker *ConnTracker // the process's tracker; tests use their own
+}
+
+var (
+	descConnections = prometheus.NewDesc("caddy_lbx_rebalance_connections",
+		"HTTP connections this process holds, by state (new: no request yet).", []string{"state"}, nil)
+	descLocalLoad = prometheus.NewDesc("caddy_lbx_rebalance_local_load",
+		"This node's smoothed load, as gossiped, in the unit of its metric.", []string{"node"}, nil)
+	descClusterAverage = prometheus.NewDesc("caddy_lbx_rebalance_cluster_average",
+		"Cluster average load over the members counted in the last decision; 0 when too few count.", []string{"node"}, nil)
+	descMembersCounted = prometheus.NewDesc("caddy_lbx_rebalance_members_counted",
+		"Members (this node included) counted toward the average in the last decision.", []string{"node"}, nil)
+	descShedDecisions = prometheus.NewDesc("caddy_lbx_rebalance_shed_decisions_total",
+		"Intervals in which this node shed connections.", []string{"node"}, nil)
+	descConnectionsShed = prometheus.NewDesc("caddy_lbx_rebalance_connections_shed_total",
+		"Connections this node shed, by kind.", []string{"node", "kind"}, nil)
+)
+
+// Describe implements prometheus.Collector.
+func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted, descShedDecisions, descConnectionsShed} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
+	c := m.tracker.Counts()
+	for _, s := range []struct {
+		state string
+		n     int
+	}{{"new", c.New}, {"idle", c.Idle}, {"active", c.Active}, {"hijacked", c.Hijacked}} {
+		ch <- prometheus.MustNewConstMetric(descConnections, prometheus.GaugeValue, float64(s.n), s.state)
+	}
+	// One node per process, except briefly when a reload changes the bind
+	// address (and in tests): the node label keeps their series apart.
+	nodes.Range(func(_, v any) bool {
+		n := v.(*node)
+		n.mu.Lock()
+		name, local, avg, counted := n.name, n.local, n.last.Average, n.last.Counted
+		decisions, shed := n.shedDecisions, n.shed
+		n.mu.Unlock()
+		ch <- prometheus.MustNewConstMetric(descLocalLoad, prometheus.GaugeValue, local, name)
+		ch <- prometheus.MustNewConstMetric(descClusterAverage, prometheus.GaugeValue, avg, name)
+		ch <- prometheus.MustNewConstMetric(descMembersCounted, prometheus.GaugeValue, float64(counted), name)
+		ch <- prometheus.MustNewConstMetric(descShedDecisions, prometheus.CounterValue, float64(decisions), name)
+		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Idle), name, "idle")
+		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Active), name, "active")
+		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Hijacked), name, "hijacked")
+		return true
+	})
+}
+
+// registerMetrics adds the rebalance metrics to the config's metrics
+// registry (the one Caddy's /metrics endpoints serve). Registering again
+// (a reload) is harmless.
+func registerMetrics(ctx caddy.Context) error {
+	err := ctx.GetMetricsRegistry().Register(metricsCollector{tracker: tracker})
+	var are prometheus.AlreadyRegisteredError
+	if err != nil && !errors.As(err, &are) {
+		return err
+	}
+	return nil
+}
