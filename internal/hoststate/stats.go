@@ -112,8 +112,10 @@ func (s *Stats) estimate(now int64) (est float64, age float64) {
 	return float64(e), float64(now - s.stampNs.Load())
 }
 
-// observe folds one finished round trip into the estimate.
-func (s *Stats) observe(now, start int64, outcome Outcome, cfg *Config) (sample float64) {
+// observe folds one finished round trip into the estimate. base is the
+// pool's typical latency, the least a failure is charged against: a host
+// never sampled has no estimate of its own to double.
+func (s *Stats) observe(now, start int64, outcome Outcome, cfg *Config, base float64) (sample float64) {
 	s.pending.Add(-1)
 	elapsed := float64(now - start)
 	s.mu.Lock()
@@ -123,7 +125,7 @@ func (s *Stats) observe(now, start int64, outcome Outcome, cfg *Config) (sample 
 		sample = elapsed
 		s.samples.Add(1)
 	case Failure:
-		sample = failureSample(elapsed, est, float64(cfg.MaxPenalty))
+		sample = failureSample(elapsed, max(est, base), float64(cfg.MaxPenalty))
 		s.samples.Add(1)
 		s.failures.Add(1)
 		s.lastFailureNs.Store(now)

@@ -139,7 +139,7 @@ const baselineWeight = 1.0 / 64
 // Observe records a finished round trip that started at start (from
 // s.Begin) on s.
 func (t *Table) Observe(s *Stats, start int64, outcome Outcome) {
-	sample := s.observe(Now(), start, outcome, &t.cfg)
+	sample := s.observe(Now(), start, outcome, &t.cfg, t.Baseline())
 	if outcome != Success || sample <= 0 {
 		return
 	}

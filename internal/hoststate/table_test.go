@@ -152,3 +152,22 @@ func TestConcurrentObserve(t *testing.T) {
 		t.Fatalf("lost samples: %d", samples)
 	}
 }
+
+// TestFirstFailureOfNewHostIsNotFast: a host never sampled that fails in
+// 100µs has no estimate of its own to double; it is charged at least twice
+// the pool's typical latency, so the retry of that very request does not
+// pick it again as the "fastest" upstream.
+func TestFirstFailureOfNewHostIsNotFast(t *testing.T) {
+	tb := NewTable(Config{})
+	defer tb.Release()
+	ok, hole := tb.Stats(t.Name()+"-ok"), tb.Stats(t.Name()+"-hole")
+	for range 20 {
+		observeAt(tb, ok, 2*time.Millisecond, Success)
+	}
+	base := tb.Baseline()
+	observeAt(tb, hole, 100*time.Microsecond, Failure)
+	if e := tb.Estimate(hole, Now()); e < 2*base-1 { // estimates are whole nanoseconds
+		t.Fatalf("a new host's first fast failure is estimated at %v; want at least twice the pool's %v",
+			time.Duration(e), time.Duration(base))
+	}
+}
