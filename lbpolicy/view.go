@@ -29,6 +29,7 @@ type poolView struct {
 
 	countedAt atomic.Int64
 	available atomic.Int64
+	epoch     atomic.Uint64 // hoststate.EjectionEpoch at the last count
 	panic     panicState
 	usedAt    atomic.Int64 // hoststate clock; see views
 
@@ -74,13 +75,17 @@ func newView(pool reverseproxy.UpstreamPool) *poolView {
 }
 
 // availability returns how many members of pool are available, counting
-// again when the last count is older than countEvery.
+// again when the last count is older than countEvery or an upstream was
+// ejected or returned early since (anywhere: the epoch is process-wide, and
+// ejections are rare), so an ejection takes effect on the next request.
 func (v *poolView) availability(pool reverseproxy.UpstreamPool, now int64) int {
-	if now-v.countedAt.Load() < countEvery {
+	epoch := hoststate.EjectionEpoch()
+	if now-v.countedAt.Load() < countEvery && v.epoch.Load() == epoch {
 		return int(v.available.Load())
 	}
 	n := v.countAvailable(pool, now)
 	v.available.Store(int64(n))
+	v.epoch.Store(epoch)
 	v.countedAt.Store(now)
 	return n
 }

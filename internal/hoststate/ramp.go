@@ -51,5 +51,6 @@ func (s *Stats) Restore(now int64) bool {
 	s.ejectedUntilNs.Store(now)
 	s.restoreDue.Store(false)
 	s.probePasses.Store(0)
+	ejectionEpoch.Add(1)
 	return true
 }

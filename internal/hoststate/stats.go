@@ -23,6 +23,14 @@ func Now() int64 {
 	return n
 }
 
+// ejectionEpoch counts ejections and early returns process-wide, so that
+// cached counts of available upstreams can tell they are stale.
+var ejectionEpoch atomic.Uint64
+
+// EjectionEpoch returns a number that changes whenever an upstream is
+// ejected or returns early anywhere in the process.
+func EjectionEpoch() uint64 { return ejectionEpoch.Load() }
+
 // Clock returns the latest time any caller read with Now. Reading the clock
 // costs more than the rest of a selection on some virtual machines, while
 // every proxied attempt reads it twice anyway (see ObservingTransport), so
@@ -231,6 +239,7 @@ func (s *Stats) Eject(now int64, decay time.Duration, duration func(multiplier i
 	s.ejections.Store(m)
 	s.ejectionsTotal.Add(1)
 	s.noteEjection(reason)
+	ejectionEpoch.Add(1)
 	// The estimate was charged for the failures that led here; when the
 	// host returns it starts afresh at the pool's typical latency, like a
 	// new host, and slow start (if any) shapes its share.
