@@ -1,63 +1,12 @@
 package rebalance
 
 import (
-	"bytes"
-	"encoding/json"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
-	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 )
-
-// TestAdapt adapts each testdata/*.caddyfiletest (a Caddyfile, a line of
-// ten dashes, then the expected JSON or a substring of the expected
-// error), as in Caddy's caddytest/integration/caddyfile_adapt.
-func TestAdapt(t *testing.T) {
-	files, err := filepath.Glob(filepath.Join("testdata", "*.caddyfiletest"))
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no testdata/*.caddyfiletest files (%v)", err)
-	}
-	for _, file := range files {
-		t.Run(strings.TrimSuffix(filepath.Base(file), ".caddyfiletest"), func(t *testing.T) {
-			data, err := os.ReadFile(file)
-			if err != nil {
-				t.Fatal(err)
-			}
-			input, want, ok := strings.Cut(string(data), "\n----------\n")
-			if !ok {
-				t.Fatal("no line of ten dashes")
-			}
-			want = strings.TrimSpace(want)
-			got, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input+"\n"), nil)
-			if !strings.HasPrefix(want, "{") {
-				if err == nil || !strings.Contains(err.Error(), want) {
-					t.Fatalf("error %v; want one containing %q", err, want)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatalf("adapting: %v", err)
-			}
-			for _, w := range warnings {
-				t.Errorf("warning: line %d: %s: %s", w.Line, w.Directive, w.Message)
-			}
-			var gotBuf, wantBuf bytes.Buffer
-			if err := json.Indent(&gotBuf, got, "", "\t"); err != nil {
-				t.Fatal(err)
-			}
-			if err := json.Indent(&wantBuf, []byte(want), "", "\t"); err != nil {
-				t.Fatalf("expected JSON: %v", err)
-			}
-			if gotBuf.String() != wantBuf.String() {
-				t.Errorf("adapted JSON differs\n--- got:\n%s\n--- want:\n%s", gotBuf.String(), wantBuf.String())
-			}
-		})
-	}
-}
 
 // TestUnmarshalCaddyfileErrors covers every error path of the global
 // option, each with the place it names.

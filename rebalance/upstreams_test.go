@@ -7,8 +7,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,7 +14,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/hashicorp/serf/serf"
 	"go.uber.org/zap"
@@ -349,47 +346,5 @@ func TestSerfUpstreamsUnmarshalCaddyfile(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
 		}
-	}
-}
-
-// TestSerfUpstreamsAdapt runs the golden adapt tests of `dynamic serf`
-// (testdata/upstreams_serf*.caddyfiletest, the format TestAdapt reads).
-func TestSerfUpstreamsAdapt(t *testing.T) {
-	files, _ := filepath.Glob(filepath.Join("testdata", "upstreams_serf*.caddyfiletest"))
-	if len(files) == 0 {
-		t.Fatal("no testdata/upstreams_serf*.caddyfiletest")
-	}
-	for _, file := range files {
-		t.Run(filepath.Base(file), func(t *testing.T) {
-			data, err := os.ReadFile(file)
-			if err != nil {
-				t.Fatal(err)
-			}
-			input, want, ok := strings.Cut(string(data), "\n----------\n")
-			if !ok {
-				t.Fatal("no line of ten dashes")
-			}
-			want = strings.TrimSpace(want)
-			got, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input+"\n"), nil)
-			if !strings.HasPrefix(want, "{") {
-				if err == nil || !strings.Contains(err.Error(), want) {
-					t.Fatalf("error %v; want one containing %q", err, want)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			var g, w any
-			json.Unmarshal(got, &g)
-			if err := json.Unmarshal([]byte(want), &w); err != nil {
-				t.Fatalf("expected JSON: %v", err)
-			}
-			gb, _ := json.MarshalIndent(g, "", "\t")
-			wb, _ := json.MarshalIndent(w, "", "\t")
-			if string(gb) != string(wb) {
-				t.Errorf("adapted JSON differs\n--- got:\n%s\n--- want:\n%s", gb, wb)
-			}
-		})
 	}
 }
