@@ -2,7 +2,6 @@ package partition
 
 import (
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"strconv"
@@ -10,8 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-lbx/lbx/internal/testutil"
+
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/hashicorp/serf/serf"
 
 	"github.com/caddy-lbx/lbx/rebalance"
 )
@@ -72,42 +72,6 @@ func TestSerfTagCaddyfileErrors(t *testing.T) {
 	}
 }
 
-// rawSerf starts a plain serf member on 127.0.0.1 with tags, joined to
-// join when given; it leaves and shuts down at the end of the test.
-func rawSerf(t *testing.T, name string, tags map[string]string, join string) *serf.Serf {
-	t.Helper()
-	conf := serf.DefaultConfig()
-	conf.Init()
-	conf.NodeName = name
-	conf.Tags = tags
-	conf.LogOutput = io.Discard
-	conf.BroadcastTimeout = time.Second
-	conf.MemberlistConfig.BindAddr = "127.0.0.1"
-	conf.MemberlistConfig.BindPort = 0
-	conf.MemberlistConfig.LogOutput = io.Discard
-	s, err := serf.Create(conf)
-	if err != nil {
-		t.Fatalf("serf member %s: %v", name, err)
-	}
-	t.Cleanup(func() {
-		if s.State() != serf.SerfShutdown {
-			s.Leave()
-			s.Shutdown()
-		}
-	})
-	if join != "" {
-		if _, err := s.Join([]string{join}, true); err != nil {
-			t.Fatalf("%s joining %s: %v", name, join, err)
-		}
-	}
-	return s
-}
-
-func gossipAddr(s *serf.Serf) string {
-	m := s.LocalMember()
-	return net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
-}
-
 func portOf(b *backend) string {
 	_, p, _ := net.SplitHostPort(b.addr)
 	return p
@@ -124,13 +88,13 @@ func portOf(b *backend) string {
 func TestSerfNamingFollowsMembers(t *testing.T) {
 	e := newEnv(t)
 	b0, b1, b2, bad, web := e.backend("b0"), e.backend("b1"), e.backend("b2"), e.backend("bad"), e.backend("web")
-	m0 := rawSerf(t, "m0", map[string]string{"partition": "0/2", "http_port": portOf(b0), "role": "search"}, "")
-	rawSerf(t, "m1", map[string]string{"partition": "1/2", "http_port": portOf(b1), "role": "search"}, gossipAddr(m0))
-	rawSerf(t, "mbad", map[string]string{"partition": "0/2,2/2", "http_port": portOf(bad), "role": "search"}, gossipAddr(m0))
-	rawSerf(t, "mweb", map[string]string{"partition": "0/2", "http_port": portOf(web), "role": "web"}, gossipAddr(m0))
+	m0 := testutil.SerfMember(t, "m0", map[string]string{"partition": "0/2", "http_port": portOf(b0), "role": "search"}, "")
+	testutil.SerfMember(t, "m1", map[string]string{"partition": "1/2", "http_port": portOf(b1), "role": "search"}, testutil.SerfAddr(m0))
+	testutil.SerfMember(t, "mbad", map[string]string{"partition": "0/2,2/2", "http_port": portOf(bad), "role": "search"}, testutil.SerfAddr(m0))
+	testutil.SerfMember(t, "mweb", map[string]string{"partition": "0/2", "http_port": portOf(web), "role": "web"}, testutil.SerfAddr(m0))
 
 	e.global = fmt.Sprintf("rebalance {\n\t\tnode_name front\n\t\tbind 127.0.0.1:%d\n\t\tjoin %s\n\t\tinterval 100ms\n\t\thistory 100ms\n\t}",
-		freeUDPTCPPort(t), gossipAddr(m0))
+		freeUDPTCPPort(t), testutil.SerfAddr(m0))
 	e.load(`	partition {
 		serf_tag partition {
 			port_tag http_port
@@ -149,7 +113,7 @@ func TestSerfNamingFollowsMembers(t *testing.T) {
 	load.waitRequests(t, 100)
 
 	// A 3-partition member (all three partitions on one backend) joins.
-	rawSerf(t, "m2", map[string]string{"partition": "0/3,1/3,2/3", "http_port": portOf(b2), "role": "search"}, gossipAddr(m0))
+	testutil.SerfMember(t, "m2", map[string]string{"partition": "0/3,1/3,2/3", "http_port": portOf(b2), "role": "search"}, testutil.SerfAddr(m0))
 	start := time.Now()
 	waitFor(t, 10*time.Second, "the 3-partition member takes requests", func() (bool, string) {
 		return b2.hits.Load() > 0, fmt.Sprintf("b2 hits %d", b2.hits.Load())

@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -15,49 +14,10 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/hashicorp/serf/serf"
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
-
-// rawMember starts a plain serf member on 127.0.0.1 (a port chosen by the
-// kernel) with tags, joined to join when given. It leaves and shuts down
-// at the end of the test unless the test did.
-func rawMember(t *testing.T, name string, tags map[string]string, join string) *serf.Serf {
-	t.Helper()
-	conf := serf.DefaultConfig()
-	conf.Init()
-	conf.NodeName = name
-	conf.Tags = tags
-	conf.LogOutput = io.Discard
-	conf.BroadcastTimeout = time.Second
-	conf.MemberlistConfig.BindAddr = "127.0.0.1"
-	conf.MemberlistConfig.BindPort = 0
-	conf.MemberlistConfig.LogOutput = io.Discard
-	s, err := serf.Create(conf)
-	if err != nil {
-		t.Fatalf("serf member %s: %v", name, err)
-	}
-	t.Cleanup(func() {
-		if s.State() != serf.SerfShutdown {
-			s.Leave()
-			s.Shutdown()
-		}
-	})
-	if join != "" {
-		if _, err := s.Join([]string{join}, true); err != nil {
-			t.Fatalf("%s joining %s: %v", name, join, err)
-		}
-	}
-	return s
-}
-
-// serfAddr is a raw member's gossip address.
-func serfAddr(s *serf.Serf) string {
-	m := s.LocalMember()
-	return net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
-}
 
 // namedBackend is an HTTP server on 127.0.0.1 that answers with its name.
 func namedBackend(t *testing.T, name string) (port string) {
@@ -104,10 +64,10 @@ func getDials(t *testing.T, su *SerfUpstreams) []string {
 // goroutines read it.
 func TestSerfUpstreamsFollowMembers(t *testing.T) {
 	front := testApp(t, "front", &fakeSource{}, func(a *App) { a.Tags = map[string]string{"role": "edge"} })
-	api1 := rawMember(t, "api-1", map[string]string{"role": "api", "http_port": "9001"}, front.gossipAddr())
-	api2 := rawMember(t, "api-2", map[string]string{"role": "api", "http_port": "9002"}, front.gossipAddr())
-	rawMember(t, "web-1", map[string]string{"role": "web", "http_port": "9003"}, front.gossipAddr())
-	rawMember(t, "api-noport", map[string]string{"role": "api"}, front.gossipAddr())
+	api1 := testutil.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": "9001"}, front.gossipAddr())
+	api2 := testutil.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": "9002"}, front.gossipAddr())
+	testutil.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": "9003"}, front.gossipAddr())
+	testutil.SerfMember(t, "api-noport", map[string]string{"role": "api"}, front.gossipAddr())
 	_ = api1
 
 	su := newTestSource(front, SerfUpstreams{
@@ -178,7 +138,7 @@ func TestSerfUpstreamsFollowMembers(t *testing.T) {
 // fallback and exclude_self on the local member.
 func TestSerfUpstreamsPortAndSelf(t *testing.T) {
 	front := testApp(t, "self", &fakeSource{}, func(a *App) { a.Tags = map[string]string{"role": "api", "http_port": "7000"} })
-	rawMember(t, "other", map[string]string{"role": "api"}, front.gossipAddr())
+	testutil.SerfMember(t, "other", map[string]string{"role": "api"}, front.gossipAddr())
 
 	su := newTestSource(front, SerfUpstreams{Tags: map[string]string{"role": "api"}, Port: "8080", PortTag: "http_port"})
 	testutil.WaitFor(t, 10*time.Second, "both listed", func() (bool, string) {
@@ -205,9 +165,9 @@ func TestSerfUpstreamsPortAndSelf(t *testing.T) {
 // requests.
 func TestSerfUpstreamsCaddy(t *testing.T) {
 	p1, p2, p3 := namedBackend(t, "api-1"), namedBackend(t, "api-2"), namedBackend(t, "web-1")
-	api1 := rawMember(t, "api-1", map[string]string{"role": "api", "http_port": p1}, "")
-	api2 := rawMember(t, "api-2", map[string]string{"role": "api", "http_port": p2}, serfAddr(api1))
-	rawMember(t, "web-1", map[string]string{"role": "web", "http_port": p3}, serfAddr(api1))
+	api1 := testutil.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": p1}, "")
+	api2 := testutil.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": p2}, testutil.SerfAddr(api1))
+	testutil.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": p3}, testutil.SerfAddr(api1))
 
 	httpPort, gossipPort := freePort(t), freePort(t)
 	cfg := fmt.Sprintf(`{
@@ -223,7 +183,7 @@ func TestSerfUpstreamsCaddy(t *testing.T) {
 			}}},
 			"rebalance": {"node_name": "front", "bind": "127.0.0.1:%d", "join": [%q], "interval": "100ms", "history": "100ms"}
 		}
-	}`, httpPort, gossipPort, serfAddr(api1))
+	}`, httpPort, gossipPort, testutil.SerfAddr(api1))
 	if err := caddy.Load([]byte(cfg), true); err != nil {
 		t.Fatal(err)
 	}
