@@ -75,9 +75,14 @@ type DecisionView struct {
 	Stale       int       `json:"members_stale"`
 	NotAlive    int       `json:"members_not_alive"`
 	OtherMetric int       `json:"members_other_metric"`
-	Shedding    bool      `json:"shedding"`
-	Shed        int       `json:"shed"`
-	Reason      string    `json:"reason"`
+	// Shedding is true while the node is in a shedding phase: above the
+	// stop band, or Lifting an underloaded member toward the average.
+	Shedding   bool    `json:"shedding"`
+	Lifting    bool    `json:"lifting"`
+	Lowest     float64 `json:"lowest"`
+	LowestName string  `json:"lowest_member,omitempty"`
+	Shed       int     `json:"shed"`
+	Reason     string  `json:"reason"`
 }
 
 // NodeView is one rebalance node in the admin API's output.
@@ -133,7 +138,8 @@ func (n *node) view(now time.Time) NodeView {
 			At: n.lastAt, Local: n.local, Current: n.current, Held: n.held,
 			Average: n.last.Average, Balance: n.last.Balance, Counted: n.last.Counted,
 			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric,
-			Shedding: n.last.Shedding, Shed: n.last.Shed, Reason: n.last.Reason,
+			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: n.last.Lowest, LowestName: n.last.LowestName,
+			Shed: n.last.Shed, Reason: n.last.Reason,
 		},
 		Connections: tracker.Counts(),
 		ShedTotal:   n.shed,

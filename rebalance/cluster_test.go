@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -21,10 +22,43 @@ import (
 )
 
 // fakeSource is a load source with a settable load that records sheds.
+// In a fakeFleet, what it sheds reconnects to a random source of the
+// fleet; alone, shed connections are gone.
 type fakeSource struct {
+	mu    sync.Mutex
+	load  float64
+	shed  int
+	fleet *fakeFleet
+}
+
+// fakeFleet is the outer balancer of a set of fake sources: every shed
+// connection reconnects to one of them at random, possibly the one that
+// shed it, as clients do through a random TCP balancer.
+type fakeFleet struct {
 	mu   sync.Mutex
-	load float64
-	shed int
+	rng  *rand.Rand
+	srcs []*fakeSource
+}
+
+// newFakeFleet returns one source per load, in a fleet.
+func newFakeFleet(loads ...float64) []*fakeSource {
+	f := &fakeFleet{rng: rand.New(rand.NewPCG(1, 2))}
+	for _, l := range loads {
+		f.srcs = append(f.srcs, &fakeSource{load: l, fleet: f})
+	}
+	return f.srcs
+}
+
+// land reconnects n clients.
+func (f *fakeFleet) land(n int) {
+	for range n {
+		f.mu.Lock()
+		dst := f.srcs[f.rng.IntN(len(f.srcs))]
+		f.mu.Unlock()
+		dst.mu.Lock()
+		dst.load++
+		dst.mu.Unlock()
+	}
 }
 
 func (f *fakeSource) Sample(string) (float64, int) {
@@ -35,9 +69,12 @@ func (f *fakeSource) Sample(string) (float64, int) {
 
 func (f *fakeSource) Shed(n int) ShedResult {
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	f.shed += n
 	f.load -= float64(n)
+	f.mu.Unlock()
+	if f.fleet != nil {
+		f.fleet.land(n)
+	}
 	return ShedResult{Idle: n}
 }
 
@@ -109,7 +146,8 @@ func seesLoads(n *node, want int) (bool, string) {
 // another, gossip their loads, and checks that each counts all three and
 // that only the overloaded one sheds, down to the stop band.
 func TestClusterGossipAndShed(t *testing.T) {
-	srcA, srcB, srcC := &fakeSource{load: 400}, &fakeSource{load: 100}, &fakeSource{load: 100}
+	fleet := newFakeFleet(400, 100, 100)
+	srcA, srcB, srcC := fleet[0], fleet[1], fleet[2]
 	a := testApp(t, "node-a", srcA, nil)
 	join := func(x *App) { x.Join = []string{a.gossipAddr()} }
 	b := testApp(t, "node-b", srcB, join)
@@ -118,23 +156,29 @@ func TestClusterGossipAndShed(t *testing.T) {
 	for _, x := range []*App{a, b, c} {
 		testutil.WaitFor(t, 15*time.Second, x.NodeName+" counts three fresh members", func() (bool, string) { return seesLoads(x.node, 3) })
 	}
-	// a: 400 against an average of 200 sheds; the stop line is 110% of the
-	// average, which itself falls as a sheds: it ends at or below it, and
-	// the others never shed.
+	// a: 400 against an average of 200 sheds, and its clients land on a
+	// random member (a third of them back on a): a ends between the
+	// average (lifting b and c goes no further) and the stop line, 110% of
+	// it, and the others never shed.
 	testutil.WaitFor(t, 20*time.Second, "node-a reaches the stop band", func() (bool, string) {
 		load, shed := srcA.get()
 		a.node.mu.Lock()
 		d := a.node.last
 		a.node.mu.Unlock()
-		return shed > 0 && !d.Shedding, fmt.Sprintf("load %.0f, shed %d, last decision %+v", load, shed, d)
+		return shed > 0 && !d.Active(), fmt.Sprintf("load %.0f, shed %d, last decision %+v", load, shed, d)
 	})
 	loadA, shedA := srcA.get()
-	avg := (loadA + 200) / 3
+	loadB, _ := srcB.get()
+	loadC, _ := srcC.get()
+	if total := loadA + loadB + loadC; total != 600 {
+		t.Fatalf("the fleet holds %.0f connections; want 600", total)
+	}
+	const avg = 200.0
 	if loadA > avg*1.1+1 {
 		t.Errorf("node-a stopped at %.0f, above the stop line %.1f", loadA, avg*1.1)
 	}
-	if loadA < avg*1.1-40 {
-		t.Errorf("node-a shed down to %.0f, far below the stop line %.1f (more than needed)", loadA, avg*1.1)
+	if loadA < avg-5 {
+		t.Errorf("node-a shed down to %.0f, below the average %.0f (more than needed)", loadA, avg)
 	}
 	if _, s := srcB.get(); s != 0 {
 		t.Errorf("node-b shed %d", s)

@@ -77,6 +77,12 @@ type Params struct {
 	// Metric is this node's metric name; reports in another metric are
 	// excluded. Empty accepts every report.
 	Metric string
+	// LiftPatience is how long lifting may go on without the lowest
+	// member's load rising before that member is left out of the average
+	// for a while (a member that gets no new connections, e.g. one the
+	// outer balancer does not send to, must not keep the others
+	// shedding). 0 means 2 × Freshness.
+	LiftPatience time.Duration
 }
 
 // stopBand returns the effective stop band.
@@ -86,6 +92,20 @@ func (p Params) stopBand() float64 {
 	}
 	return p.Threshold / 2
 }
+
+// liftPatience returns the effective lift patience.
+func (p Params) liftPatience() time.Duration {
+	if p.LiftPatience > 0 {
+		return p.LiftPatience
+	}
+	return 2 * p.Freshness
+}
+
+// liftIgnoreFactor is how many lift patiences a member that gained no
+// connections stays out of the average: if it is still stuck when it
+// counts again, it costs at most one patience of shedding in every
+// liftIgnoreFactor+1.
+const liftIgnoreFactor = 10
 
 // Validate reports settings that cannot work, naming the bad value.
 func (p Params) Validate() error {
@@ -123,18 +143,47 @@ type Input struct {
 	// Members are the reports of the cluster's members, as serf lists
 	// them (any status, any age).
 	Members []Report
-	// Shedding is the previous decision's Shedding (the hysteresis state).
+	// Shedding is the previous decision's Shedding (the high rule's
+	// hysteresis state).
 	Shedding bool
+	// Lift is the previous decision's Lift.
+	Lift LiftState
 	// Now is the decision's time, for freshness.
 	Now time.Time
+}
+
+// LiftState is the lift rule's state, passed from one decision to the
+// next. The zero value is "not lifting".
+type LiftState struct {
+	// Lifting is true while this node sheds toward the average to lift
+	// an underloaded member.
+	Lifting bool
+	// Member is the lowest member when lifting started or last made
+	// progress, Low its load then, and Since when that was.
+	Member string
+	Low    float64
+	Since  time.Time
+	// Ignored is a member that gained no connections while this node
+	// lifted it for LiftPatience: it is left out of the average until
+	// IgnoredUntil (it evidently gets no new connections, e.g. the outer
+	// balancer does not send it any).
+	Ignored      string
+	IgnoredUntil time.Time
 }
 
 // Decision is the outcome of one decision.
 type Decision struct {
 	// Shed is how many connections to shed now.
 	Shed int
-	// Shedding is the hysteresis state to pass to the next decision.
+	// Shedding is the high rule's hysteresis state to pass to the next
+	// decision: true from above the threshold down to the stop band.
 	Shedding bool
+	// Lift is the lift rule's state to pass to the next decision.
+	Lift LiftState
+	// Lowest is the lowest load among the counted members (this node
+	// included), and LowestName its member; zero when there is no average.
+	Lowest     float64
+	LowestName string
 	// Average is the cluster average load over the counted members; 0
 	// when too few members count.
 	Average float64
@@ -144,27 +193,45 @@ type Decision struct {
 	// Counted is the number of members in the average, this node
 	// included.
 	Counted int
-	// Stale, NotAlive and OtherMetric count the members excluded, and why.
-	Stale, NotAlive, OtherMetric int
+	// Stale, NotAlive, OtherMetric and Ignored count the members
+	// excluded, and why (Ignored: Lift.Ignored).
+	Stale, NotAlive, OtherMetric, Ignored int
 	// Reason says in a few words why Shed is what it is.
 	Reason string
 }
 
 // Decide computes how many connections this node should shed now. It is
-// a pure function: all state is in Input (Shedding) and Decision.
+// a pure function: all state is in Input (Shedding, Lift) and Decision.
 //
 // The cluster average counts only members that are alive, report the same
 // metric, and whose report is younger than Freshness; this node always
 // counts, with Local. With fewer than MinMembers counted it never sheds.
-// A node starts shedding when Local exceeds average × (1 + Threshold),
-// keeps shedding while Local exceeds average × (1 + StopBand), and stops
-// at or below that. Each decision sheds at most what brings Current down
-// to the stop line (scaled to connections as Held × (1 − stop/Current)),
-// at most ceil(Held × ShedRate), and never takes Held below
-// MinConnections.
+//
+// Two rules make a node shed. The high rule: a node starts shedding when
+// Local exceeds average × (1 + Threshold), keeps shedding while Local
+// exceeds average × (1 + StopBand), and stops at or below that. The lift
+// rule: while some counted member is below average × (1 − Threshold) (a
+// node that joined, say), every node above the average sheds toward the
+// average, until the lowest member reaches average × (1 − StopBand). The
+// high rule alone only works when as many nodes join as there were: from
+// 10 to 11 nodes the old ones sit at 1.1× the average, inside the band,
+// and the new one would get no connection at all. A shed client lands on
+// the underloaded member only with probability 1/members, so lifting is
+// given up when the lowest member's load has not risen for LiftPatience:
+// that member is then left out of the average for 10 × LiftPatience (a
+// member that gets no new connections, e.g. one the outer balancer does
+// not send to, would otherwise keep the cluster shedding forever, under
+// either rule).
+//
+// Each decision sheds at most what brings Current down to the stop line
+// (the average while lifting), scaled to connections as
+// Held × (1 − line/Current), at most ceil(Held × ShedRate), and never
+// takes Held below MinConnections.
 func Decide(p Params, in Input) Decision {
 	d := Decision{}
+	ignoring := in.Lift.Ignored != "" && in.Now.Before(in.Lift.IgnoredUntil)
 	var sum float64
+	lowest, lowestName := in.Local, in.Self
 	for _, m := range in.Members {
 		if m.Name == in.Self {
 			continue
@@ -179,13 +246,22 @@ func Decide(p Params, in Input) Decision {
 		case m.At.IsZero() || in.Now.Sub(m.At) > p.Freshness:
 			d.Stale++
 			continue
+		case ignoring && m.Name == in.Lift.Ignored:
+			d.Ignored++
+			continue
 		}
 		sum += m.Load
 		d.Counted++
+		if m.Load < lowest {
+			lowest, lowestName = m.Load, m.Name
+		}
 	}
 	sum += in.Local
 	d.Counted++
 
+	if ignoring {
+		d.Lift = LiftState{Ignored: in.Lift.Ignored, IgnoredUntil: in.Lift.IgnoredUntil}
+	}
 	minMembers := max(p.MinMembers, 2)
 	if d.Counted < minMembers {
 		d.Reason = fmt.Sprintf("too few fresh members (%d of %d needed)", d.Counted, minMembers)
@@ -197,20 +273,25 @@ func Decide(p Params, in Input) Decision {
 		return d
 	}
 	d.Balance = in.Local / d.Average
+	d.Lowest, d.LowestName = lowest, lowestName
 
 	startLine := d.Average * (1 + p.Threshold)
 	stopLine := d.Average * (1 + p.stopBand())
+	d.Shedding = in.Shedding && in.Local > stopLine || !in.Shedding && in.Local > startLine
+	d.Lift = nextLift(p, in, d.Lift, d.Average, lowest, lowestName)
+	line := stopLine
 	switch {
-	case in.Shedding && in.Local > stopLine:
-		d.Shedding = true
-	case !in.Shedding && in.Local > startLine:
-		d.Shedding = true
+	case d.Lift.Lifting:
+		line = d.Average
+	case d.Shedding:
+	case d.Lift.Ignored == lowestName && !ignoring:
+		d.Reason = fmt.Sprintf("%s gained no connections while lifted; left out of the average for a while", lowestName)
+		return d
+	case in.Shedding:
+		d.Reason = "reached the stop band"
+		return d
 	default:
-		if in.Shedding {
-			d.Reason = "reached the stop band"
-		} else {
-			d.Reason = "within the threshold"
-		}
+		d.Reason = "within the threshold"
 		return d
 	}
 
@@ -222,13 +303,16 @@ func Decide(p Params, in Input) Decision {
 	if current <= 0 {
 		current = in.Local
 	}
-	// Connections to shed to bring the current load down to the stop line.
+	// Connections to shed to bring the current load down to the line.
 	// The epsilon keeps float noise (e.g. 1100.0000001) from asking for one
 	// more connection than needed.
-	excess := float64(in.Held) * (1 - stopLine/current)
+	excess := float64(in.Held) * (1 - line/current)
 	needed := int(math.Ceil(excess - 1e-9))
 	if needed <= 0 {
 		d.Reason = "current load already at the stop band"
+		if d.Lift.Lifting {
+			d.Reason = "current load already at the average"
+		}
 		return d
 	}
 	limit := int(math.Ceil(float64(in.Held)*p.ShedRate - 1e-9))
@@ -237,10 +321,50 @@ func Decide(p Params, in Input) Decision {
 	switch d.Shed {
 	case needed:
 		d.Reason = "shedding down to the stop band"
+		if d.Lift.Lifting {
+			d.Reason = "shedding down to the average"
+		}
 	case limit:
 		d.Reason = "shedding at shed_rate"
 	default:
 		d.Reason = "shedding down to min_connections"
 	}
+	if d.Lift.Lifting {
+		d.Reason += fmt.Sprintf(" to lift %s", lowestName)
+	}
 	return d
 }
+
+// nextLift returns the lift rule's next state; kept holds what carries
+// over whatever happens (the member left out, if any). Lifting needs this
+// node above the average; it starts when the lowest member is below
+// average × (1 − Threshold) and goes on until that member reaches
+// average × (1 − StopBand), as long as the lowest member's load keeps
+// rising within LiftPatience. When it does not, lifting stops and that
+// member is left out of the average for liftIgnoreFactor × LiftPatience.
+func nextLift(p Params, in Input, kept LiftState, avg, lowest float64, lowestName string) LiftState {
+	prev := in.Lift
+	line := avg * (1 - p.Threshold)
+	if prev.Lifting {
+		line = avg * (1 - p.stopBand())
+	}
+	if lowest >= line || in.Local <= avg {
+		return kept
+	}
+	next := kept
+	next.Lifting, next.Member, next.Low, next.Since = true, lowestName, lowest, in.Now
+	switch {
+	case !prev.Lifting, lowestName != prev.Member, lowest > prev.Low:
+		// Started, or the lowest member gained (or another is lowest
+		// now): patience starts over.
+		return next
+	case in.Now.Sub(prev.Since) > p.liftPatience():
+		return LiftState{Ignored: lowestName, IgnoredUntil: in.Now.Add(liftIgnoreFactor * p.liftPatience())}
+	}
+	next.Low, next.Since = prev.Low, prev.Since
+	return next
+}
+
+// Active reports whether the node is in a shedding phase: above the stop
+// band, or lifting an underloaded member.
+func (d Decision) Active() bool { return d.Shedding || d.Lift.Lifting }

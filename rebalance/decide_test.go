@@ -1,6 +1,7 @@
 package rebalance
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -102,8 +103,10 @@ func TestDecideTable(t *testing.T) {
 			shed: 3, shedding: true, reason: "shed_rate",
 		},
 		{
+			// average 733.3, stop line 806.7: Local is above, Current
+			// below; the lowest, 600, is above the low line 586.7.
 			name: "current below the stop line sheds nothing but stays shedding",
-			p:    p, in: Input{Self: "a", Local: 1000, Current: 430, Held: 430, Now: t0, Members: []Report{alive("b", 100), alive("c", 100)}, Shedding: true},
+			p:    p, in: Input{Self: "a", Local: 1000, Current: 700, Held: 700, Now: t0, Members: []Report{alive("b", 600), alive("c", 600)}, Shedding: true},
 			shedding: true, reason: "current load already at the stop band",
 		},
 		{
@@ -131,25 +134,32 @@ func TestDecideTable(t *testing.T) {
 		{
 			name: "explicit stop band",
 			p:    Params{Threshold: 0.2, StopBand: 0.05, ShedRate: 1, Freshness: time.Second},
-			// average 300, stop line 315: needed 185
-			in:   Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []Report{alive("b", 100)}},
-			shed: 185, shedding: true, reason: "down to the stop band",
+			// average 360, stop line 378: needed 122; the lowest, 290, is
+			// above the low line 288.
+			in:   Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []Report{alive("b", 290), alive("c", 290)}},
+			shed: 122, shedding: true, reason: "down to the stop band",
 		},
 		{
 			name: "throughput metric: sized as a share of the connections",
 			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second, Metric: "throughput"},
-			// bytes/s: average 3e6, stop line 3.3e6; 200 connections carry
-			// 5e6: shed 200 × (1 − 3.3/5) = 68.
-			in:   Input{Self: "a", Local: 5e6, Held: 200, Now: t0, Members: []Report{{Name: "b", Status: StatusAlive, Load: 1e6, At: t0, Metric: "throughput"}}},
-			shed: 68, shedding: true, reason: "down to the stop band",
+			// bytes/s: average 3.667e6, stop line 4.033e6; 200 connections
+			// carry 5e6: shed 200 × (1 − 4.033/5) = 38.7 -> 39.
+			in: Input{Self: "a", Local: 5e6, Held: 200, Now: t0, Members: []Report{
+				{Name: "b", Status: StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
+				{Name: "c", Status: StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
+			}},
+			shed: 39, shedding: true, reason: "down to the stop band",
 		},
 		{
 			name: "cpu metric",
 			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second, Metric: "cpu"},
-			// percent: average 50, stop line 55; 100 connections at 90%:
-			// shed 100 × (1 − 55/90) = 38.9 -> 39.
-			in:   Input{Self: "a", Local: 90, Held: 100, Now: t0, Members: []Report{{Name: "b", Status: StatusAlive, Load: 10, At: t0, Metric: "cpu"}}},
-			shed: 39, shedding: true, reason: "down to the stop band",
+			// percent: average 66.7, stop line 73.3; 100 connections at
+			// 90%: shed 100 × (1 − 73.3/90) = 18.5 -> 19.
+			in: Input{Self: "a", Local: 90, Held: 100, Now: t0, Members: []Report{
+				{Name: "b", Status: StatusAlive, Load: 55, At: t0, Metric: "cpu"},
+				{Name: "c", Status: StatusAlive, Load: 55, At: t0, Metric: "cpu"},
+			}},
+			shed: 19, shedding: true, reason: "down to the stop band",
 		},
 	}
 	for _, tt := range tests {
@@ -256,5 +266,154 @@ func TestWindow(t *testing.T) {
 	}
 	if w.Mean() != 1 {
 		t.Fatalf("mean after many samples then seven 1s: %v; want exactly 1", w.Mean())
+	}
+}
+
+// TestDecideLift covers the lift rule: a member below the low line
+// (average × (1 − threshold)) makes the nodes above the average shed
+// toward the average, inside the high rule's band too, until the lowest
+// member reaches average × (1 − stop band).
+func TestDecideLift(t *testing.T) {
+	p := defaultParams()
+	// Ten nodes at 1000 (this one included) and one new at 0: average
+	// 909.1, so this node is at 1.1×, inside the threshold; the new one is
+	// below the low line 727.3.
+	addOne := []Report{alive("new", 0)}
+	for i := range 9 {
+		addOne = append(addOne, alive(fmt.Sprintf("old%d", i), 1000))
+	}
+	tests := []struct {
+		name     string
+		p        Params
+		in       Input
+		shed     int
+		lifting  bool
+		shedding bool
+		reason   string
+	}{
+		{
+			// needed 1000 × (1 − 909.1/1000) = 90.9 -> 91; rate 5.
+			name: "10 to 11 nodes: the old ones lift the new one",
+			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: addOne},
+			shed: 5, lifting: true, reason: "shed_rate to lift new",
+		},
+		{
+			name: "sized down to the average, not the stop band",
+			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second},
+			in:   Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: addOne},
+			shed: 91, lifting: true, reason: "down to the average to lift new",
+		},
+		{
+			name: "a node at the average does not lift",
+			p:    p, in: Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []Report{alive("b", 1000), alive("c", 0)}},
+			reason: "within the threshold",
+		},
+		{
+			// average 300: low line 240, lift stop line 270.
+			name: "lowest between the two lines does not start lifting",
+			p:    p, in: Input{Self: "a", Local: 310, Held: 310, Now: t0, Members: []Report{alive("b", 340), alive("c", 250)}},
+			reason: "within the threshold",
+		},
+		{
+			name: "lowest between the two lines keeps lifting",
+			p:    p, in: Input{Self: "a", Local: 310, Held: 310, Now: t0, Members: []Report{alive("b", 340), alive("c", 250)},
+				Lift: LiftState{Lifting: true, Member: "c", Low: 240, Since: t0}},
+			shed: 2, lifting: true, reason: "shed_rate to lift c",
+		},
+		{
+			name: "lowest at the lift stop line stops",
+			p:    p, in: Input{Self: "a", Local: 290, Held: 290, Now: t0, Members: []Report{alive("b", 340), alive("c", 270)},
+				Lift: LiftState{Lifting: true, Member: "c", Low: 240, Since: t0}},
+			reason: "within the threshold",
+		},
+		{
+			name: "current already at the average",
+			p:    p, in: Input{Self: "a", Local: 1000, Current: 900, Held: 900, Now: t0, Members: addOne},
+			lifting: true, reason: "current load already at the average",
+		},
+		{
+			name: "high rule and lift together: down to the average",
+			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second},
+			// average 400: above the start line 480; lowest 0.
+			in:   Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("b", 200), alive("c", 0)}},
+			shed: 600, lifting: true, shedding: true, reason: "down to the average to lift c",
+		},
+		{
+			name: "min_connections holds while lifting",
+			p:    p, in: Input{Self: "a", Local: 50, Held: 50, Now: t0, Members: []Report{alive("b", 40), alive("c", 0)}},
+			lifting: true, shedding: true, reason: "at or below min_connections",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := Decide(tt.p, tt.in)
+			if d.Shed != tt.shed || d.Lift.Lifting != tt.lifting || d.Shedding != tt.shedding || !strings.Contains(d.Reason, tt.reason) {
+				t.Errorf("got shed %d lifting %v shedding %v reason %q (avg %.2f, lowest %s %.1f); want shed %d lifting %v shedding %v reason ~%q",
+					d.Shed, d.Lift.Lifting, d.Shedding, d.Reason, d.Average, d.LowestName, d.Lowest, tt.shed, tt.lifting, tt.shedding, tt.reason)
+			}
+			if d.Active() != (tt.lifting || tt.shedding) {
+				t.Errorf("Active() = %v", d.Active())
+			}
+		})
+	}
+}
+
+// TestDecideLiftPatience walks the lift rule's state through decisions:
+// patience starts over while the lowest member gains; when it gains
+// nothing for LiftPatience, lifting stops and the member is left out of
+// the average for 10 × LiftPatience, then counts again.
+func TestDecideLiftPatience(t *testing.T) {
+	p := defaultParams() // patience 2 × 5 s
+	// Nine peers and this node at 1000: inside the threshold (1.1× the
+	// average of 909 with the stuck member, 1× without), so only the lift
+	// rule sheds.
+	members := func(low float64) []Report {
+		ms := []Report{alive("stuck", low)}
+		for i := range 9 {
+			ms = append(ms, alive(fmt.Sprintf("old%d", i), 1000))
+		}
+		return ms
+	}
+	at := func(s int) time.Time { return t0.Add(time.Duration(s) * time.Second) }
+	step := func(in Input, sec int, low float64) Decision {
+		in.Now = at(sec)
+		in.Members = members(low)
+		for i := range in.Members {
+			in.Members[i].At = in.Now
+		}
+		return Decide(p, in)
+	}
+	in := Input{Self: "a", Local: 1000, Held: 1000}
+	d := step(in, 0, 0)
+	if !d.Lift.Lifting || d.Lift.Member != "stuck" || !d.Lift.Since.Equal(at(0)) {
+		t.Fatalf("start: %+v", d.Lift)
+	}
+	in.Lift = d.Lift
+	d = step(in, 8, 10) // gained: patience starts over
+	if !d.Lift.Lifting || !d.Lift.Since.Equal(at(8)) || d.Lift.Low != 10 {
+		t.Fatalf("after a gain: %+v", d.Lift)
+	}
+	in.Lift = d.Lift
+	d = step(in, 18, 10) // 10 s without a gain: exactly the patience, still lifting
+	if !d.Lift.Lifting || !d.Lift.Since.Equal(at(8)) {
+		t.Fatalf("at the patience: %+v", d.Lift)
+	}
+	in.Lift = d.Lift
+	d = step(in, 19, 9) // past it: give up, leave it out
+	if d.Lift.Lifting || d.Shed != 0 || d.Lift.Ignored != "stuck" || !d.Lift.IgnoredUntil.Equal(at(119)) {
+		t.Fatalf("past the patience: shed %d %+v (%s)", d.Shed, d.Lift, d.Reason)
+	}
+	if !strings.Contains(d.Reason, "stuck gained no connections") {
+		t.Errorf("reason %q", d.Reason)
+	}
+	in.Lift = d.Lift
+	d = step(in, 50, 0) // left out: the average is 1000, nothing to do
+	if d.Ignored != 1 || d.Counted != 10 || d.Average != 1000 || d.Shed != 0 || d.Active() {
+		t.Fatalf("while left out: ignored %d counted %d average %v shed %d %+v", d.Ignored, d.Counted, d.Average, d.Shed, d.Lift)
+	}
+	in.Lift = d.Lift
+	d = step(in, 119, 0) // counts again: lifting starts again
+	if d.Ignored != 0 || !d.Lift.Lifting || d.Shed == 0 {
+		t.Fatalf("after the pause: ignored %d shed %d %+v", d.Ignored, d.Shed, d.Lift)
 	}
 }

@@ -79,7 +79,8 @@ type node struct {
 	owners   []*settings // oldest first; the last one drives
 	window   *Window
 	seq      uint64
-	shedding bool
+	shedding bool      // the high rule's hysteresis state
+	lift     LiftState // the lift rule's state
 	seen     map[string]seenReport
 	members  []Report // as of the last decision
 	last     Decision
@@ -256,7 +257,7 @@ func (n *node) step(s *settings, now time.Time) {
 	local := n.window.Add(load)
 	n.seq++
 	tag := s.metric + " " + strconv.FormatFloat(local, 'g', 6, 64) + " " + strconv.FormatUint(n.seq, 10)
-	shedding := n.shedding
+	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
 	if err := n.serf.SetTags(n.tagsFor(s, tag)); err != nil {
@@ -298,7 +299,7 @@ func (n *node) step(s *settings, now time.Time) {
 
 	d := Decide(s.params, Input{
 		Self: n.name, Local: local, Current: load, Held: held,
-		Members: reports, Shedding: shedding, Now: now,
+		Members: reports, Shedding: shedding, Lift: lift, Now: now,
 	})
 	var res ShedResult
 	if d.Shed > 0 {
@@ -306,7 +307,7 @@ func (n *node) step(s *settings, now time.Time) {
 	}
 
 	n.mu.Lock()
-	n.shedding = d.Shedding
+	n.shedding, n.lift = d.Shedding, d.Lift
 	n.members = reports
 	n.last, n.lastAt = d, now
 	n.local, n.current, n.held = local, load, held
@@ -318,7 +319,7 @@ func (n *node) step(s *settings, now time.Time) {
 	}
 	n.mu.Unlock()
 
-	n.logDecision(s, d, shedding, local, res)
+	n.logDecision(s, d, shedding || lift.Lifting, local, res)
 	if res.Total() > 0 {
 		s.events.emitShed(n.name, s.metric, local, d, res)
 	}
@@ -332,9 +333,9 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 	switch {
 	case res.Total() > 0:
 		lvl, msg = zapcore.InfoLevel, "shedding connections"
-	case d.Shedding && !was:
+	case d.Active() && !was:
 		lvl, msg = zapcore.InfoLevel, "started shedding"
-	case !d.Shedding && was:
+	case !d.Active() && was:
 		lvl, msg = zapcore.InfoLevel, "stopped shedding"
 	}
 	c := n.logger.Check(lvl, msg)
@@ -347,6 +348,9 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 		zap.String("average", humanize.FormatFloat("#,###.#", d.Average)),
 		zap.String("balance", fmt.Sprintf("%.2fx", d.Balance)),
 		zap.Int("members_counted", d.Counted),
+		zap.String("lowest", humanize.FormatFloat("#,###.#", d.Lowest)),
+		zap.String("lowest_member", d.LowestName),
+		zap.Bool("lifting", d.Lift.Lifting),
 		zap.Int("shed", res.Total()),
 		zap.Int("shed_idle", res.Idle),
 		zap.Int("shed_active", res.Active),
