@@ -2,7 +2,6 @@ package integration
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -21,6 +20,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-lbx/lbx/integration/fleet"
 )
 
 // The drain recipe's timings, shortened from examples/drain.Caddyfile's.
@@ -64,8 +65,8 @@ func TestDrainRecipeSIGTERM(t *testing.T) {
 	defer probe.CloseIdleConnections()
 
 	waitFor(t, 30*time.Second, "caddy to serve the recipe", func() (bool, string) {
-		if proc.hasExited() {
-			t.Fatalf("caddy exited before serving: %v\nstderr:\n%s", proc.waitErr, proc.stderr.String())
+		if proc.Exited() {
+			t.Fatalf("caddy exited before serving: %v\nstderr:\n%s", proc.WaitErr(), proc.Log())
 		}
 		status, body, err := drainGet(probe, front+"/ready")
 		if err != nil || status != http.StatusOK || body != "ready" {
@@ -105,7 +106,7 @@ func TestDrainRecipeSIGTERM(t *testing.T) {
 	}
 
 	sent := time.Now()
-	if err := proc.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := proc.Signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("sending SIGTERM: %v", err)
 	}
 
@@ -212,19 +213,19 @@ func TestDrainRecipeSIGTERM(t *testing.T) {
 
 	// The exit: by itself, status 0, as soon as nothing is in flight.
 	select {
-	case <-proc.exited:
+	case <-proc.Done():
 	case <-time.After(time.Until(sent.Add(drainDelay + drainGrace + 5*time.Second))):
 		t.Fatalf("caddy still running %v after SIGTERM (delay %v + grace %v + 5s margin)", time.Since(sent).Round(time.Millisecond), drainDelay, drainGrace)
 	}
 	exitAt := time.Now()
 	t.Logf("exit %v after SIGTERM, %v after the last request was released", exitAt.Sub(sent).Round(time.Millisecond), exitAt.Sub(released).Round(time.Millisecond))
-	if proc.waitErr != nil {
-		t.Errorf("caddy exited with %v; want status 0\nstderr:\n%s", proc.waitErr, proc.stderr.String())
+	if proc.WaitErr() != nil {
+		t.Errorf("caddy exited with %v; want status 0\nstderr:\n%s", proc.WaitErr(), proc.Log())
 	}
 	if got := exitAt.Sub(released); got >= drainGrace {
 		t.Errorf("caddy exited %v after the last request finished: the grace period ran out instead of ending when nothing was in flight", got)
 	}
-	checkDrainLog(t, proc.stderr.String())
+	checkDrainLog(t, proc.Log())
 }
 
 // An in-process unload of the recipe's site (the same reload path every
@@ -388,96 +389,37 @@ func drainProcessConfig(t *testing.T, dials []string) drainConfig {
 // skipping the test if the go command cannot.
 func drainBuildCaddy(t *testing.T) string {
 	t.Helper()
-	goBin, err := exec.LookPath("go")
-	if err != nil {
+	if _, err := exec.LookPath("go"); err != nil {
 		t.Skipf("no go command to build cmd/caddy: %v", err)
 	}
 	bin := filepath.Join(t.TempDir(), "caddy")
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, goBin, "build", "-o", bin, "github.com/caddy-lbx/lbx/cmd/caddy").CombinedOutput()
-	if err != nil {
-		t.Skipf("go build ./cmd/caddy failed: %v\n%s", err, out)
+	if err := fleet.BuildCaddy(ctx, "", bin); err != nil {
+		t.Skip(err)
 	}
 	return bin
 }
 
-type drainProc struct {
-	cmd     *exec.Cmd
-	stderr  *drainBuffer
-	exited  chan struct{} // closed when the process has exited; waitErr is set
-	waitErr error
-}
-
-func (p *drainProc) hasExited() bool {
-	select {
-	case <-p.exited:
-		return true
-	default:
-		return false
-	}
-}
-
 // startDrainCaddy runs `caddy run` on config, with its home, config and
 // data directories in the test's temporary directory. The process is
-// killed in the test's cleanup if it is still running.
-func startDrainCaddy(t *testing.T, bin, config string) *drainProc {
+// killed in the test's cleanup if it is still running, and its log shown
+// if the test failed.
+func startDrainCaddy(t *testing.T, bin, config string) *fleet.Proc {
 	t.Helper()
-	dir := t.TempDir()
-	cfgPath := filepath.Join(dir, "drain.Caddyfile")
-	if err := os.WriteFile(cfgPath, []byte(config), 0o600); err != nil {
+	p, err := fleet.StartProc(bin, t.TempDir(), config)
+	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, "run", "--config", cfgPath)
-	cmd.Dir = dir
-	cmd.Env = append(os.Environ(),
-		"HOME="+dir,
-		"XDG_CONFIG_HOME="+filepath.Join(dir, "config"),
-		"XDG_DATA_HOME="+filepath.Join(dir, "data"),
-	)
-	p := &drainProc{cmd: cmd, stderr: new(drainBuffer), exited: make(chan struct{})}
-	cmd.Stdout = p.stderr
-	cmd.Stderr = p.stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting caddy: %v", err)
-	}
-	go func() {
-		p.waitErr = cmd.Wait()
-		close(p.exited)
-	}()
 	t.Cleanup(func() {
-		if !p.hasExited() {
-			_ = cmd.Process.Kill()
-		}
-		select {
-		case <-p.exited:
-		case <-time.After(10 * time.Second):
-			t.Errorf("caddy (pid %d) still running 10s after SIGKILL", cmd.Process.Pid)
+		if err := p.Kill(); err != nil {
+			t.Error(err)
 		}
 		if t.Failed() {
-			t.Logf("caddy's log:\n%s", p.stderr.String())
+			t.Logf("caddy's log:\n%s", p.Log())
 		}
 	})
 	return p
-}
-
-// drainBuffer is a bytes.Buffer safe for the process's output copier and
-// the test to use at once.
-type drainBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *drainBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *drainBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // checkDrainLog fails the test on any error or panic in Caddy's log (JSON

@@ -7,6 +7,7 @@
 //
 //	go run ./integration/bench [flags]
 //	go run ./integration/bench -quick   # a smoke test of well under a minute
+//	go run ./integration/bench rebalance [flags]   # the rebalance scale-out, with a plot
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -47,13 +48,20 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/caddy-lbx/lbx/integration/fleet"
 	"github.com/caddy-lbx/lbx/integration/loadmodel"
 )
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if _, err := run(ctx, os.Args[1:], commandLine(os.Args), os.Stdout, os.Stderr); err != nil {
+	var err error
+	if len(os.Args) > 1 && os.Args[1] == "rebalance" {
+		_, err = runRebalance(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	} else {
+		_, err = run(ctx, os.Args[1:], commandLine(os.Args), os.Stdout, os.Stderr)
+	}
+	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			os.Exit(0)
 		}
@@ -377,10 +385,8 @@ func moduleRoot(ctx context.Context) (string, error) {
 func buildCaddy(ctx context.Context, root, dir string, progress io.Writer) (string, error) {
 	bin := filepath.Join(dir, "caddy")
 	fmt.Fprintf(progress, "building ./cmd/caddy in %s …\n", root)
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/caddy")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build ./cmd/caddy: %w\n%s", err, out)
+	if err := fleet.BuildCaddy(ctx, root, bin); err != nil {
+		return "", err
 	}
 	return bin, nil
 }

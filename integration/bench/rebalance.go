@@ -1,0 +1,181 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/caddy-lbx/lbx/integration/fleet"
+)
+
+// rebalanceConfig is `bench rebalance`'s configuration, from flags.
+type rebalanceConfig struct {
+	clients  int
+	every    time.Duration
+	runs     int
+	plot     string
+	caddyBin string
+	converge time.Duration
+	settings fleet.Settings
+}
+
+// parseRebalanceFlags reads `bench rebalance`'s flags.
+func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, error) {
+	fs := flag.NewFlagSet("bench rebalance", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: go run ./integration/bench rebalance [flags]\n\n"+
+			"Runs the rebalance scale-out with real Caddy processes: 3 nodes under\n"+
+			"long-lived clients behind a random TCP balancer, 3 more join (and one with\n"+
+			"the wrong gossip key), then 2 more while one node is reloaded and one is\n"+
+			"killed. Prints a Markdown table per run and the medians, and draws the\n"+
+			"connections per node over time of the median run as a PNG.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	c := &rebalanceConfig{}
+	fs.IntVar(&c.clients, "clients", 3000, "long-lived keep-alive clients")
+	fs.DurationVar(&c.every, "every", time.Second, "each client's request period")
+	fs.IntVar(&c.runs, "runs", 3, "runs; the summary shows the median of each measure")
+	fs.StringVar(&c.plot, "plot", "docs/rebalance-scaleout.png", "write the median run's plot to this PNG file, relative to the module root (empty: none)")
+	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
+	fs.DurationVar(&c.converge, "converge", 90*time.Second, "the longest wait for the fleet to converge, per phase")
+	fs.StringVar(&c.settings.Interval, "interval", "200ms", "rebalance interval")
+	fs.StringVar(&c.settings.History, "history", "1s", "rebalance history")
+	fs.StringVar(&c.settings.Freshness, "freshness", "1s", "rebalance freshness")
+	fs.Float64Var(&c.settings.Threshold, "threshold", 20, "rebalance threshold, percent")
+	fs.Float64Var(&c.settings.ShedRate, "shed-rate", 5, "rebalance shed_rate, percent per interval (raised from 0.5 for speed)")
+	fs.IntVar(&c.settings.MinConnections, "min-connections", 5, "rebalance min_connections")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	switch {
+	case fs.NArg() > 0:
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	case c.clients < 60:
+		return nil, fmt.Errorf("-clients must be at least 60 (10 per node), got %d", c.clients)
+	case c.every <= 0:
+		return nil, fmt.Errorf("-every must be positive, got %v", c.every)
+	case c.runs < 1:
+		return nil, fmt.Errorf("-runs must be at least 1, got %d", c.runs)
+	case c.converge <= 0:
+		return nil, fmt.Errorf("-converge must be positive, got %v", c.converge)
+	}
+	return c, nil
+}
+
+// runRebalance is `bench rebalance`.
+func runRebalance(ctx context.Context, args []string, cmdline string, out, progress io.Writer) ([]*fleet.ScaleOutResult, error) {
+	cfg, err := parseRebalanceFlags(args, progress)
+	if err != nil {
+		return nil, err
+	}
+	tmp, err := os.MkdirTemp("", "lbx-bench-rebalance-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	root, err := moduleRoot(ctx)
+	if err != nil {
+		return nil, err
+	}
+	bin, source := cfg.caddyBin, "Caddy binary given with -caddy"
+	if bin == "" {
+		if bin, err = buildCaddy(ctx, root, tmp, progress); err != nil {
+			return nil, err
+		}
+		source = "./cmd/caddy built from " + gitState(ctx, root)
+	}
+	fmt.Fprintf(out, "# Rebalance scale-out\n\n`%s`; %s; %d clients, a request every %v each; interval %s, history %s, freshness %s, threshold %g%%, shed_rate %g%%, min_connections %d; load average %s at the start.\n\n",
+		cmdline, source, cfg.clients, cfg.every, cfg.settings.Interval, cfg.settings.History, cfg.settings.Freshness,
+		cfg.settings.Threshold, cfg.settings.ShedRate, cfg.settings.MinConnections, loadAverage())
+
+	var results []*fleet.ScaleOutResult
+	for i := range cfg.runs {
+		if ctx.Err() != nil {
+			return results, ctx.Err()
+		}
+		fmt.Fprintf(progress, "run %d of %d …\n", i+1, cfg.runs)
+		res, err := fleet.ScaleOut{
+			Bin: bin, Dir: filepath.Join(tmp, fmt.Sprintf("run%d", i+1)),
+			Clients: cfg.clients, Every: cfg.every, Settings: cfg.settings, Converge: cfg.converge,
+			Logf: func(format string, args ...any) { fmt.Fprintf(progress, "  "+format+"\n", args...) },
+		}.Run()
+		if err != nil {
+			return results, fmt.Errorf("run %d: %w", i+1, err)
+		}
+		results = append(results, res)
+	}
+	writeRebalanceReport(out, results)
+
+	if cfg.plot != "" {
+		median := medianRun(results)
+		path := cfg.plot
+		if !filepath.IsAbs(path) {
+			path = filepath.Join(root, path)
+		}
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			return results, err
+		}
+		f, err := os.Create(path)
+		if err != nil {
+			return results, err
+		}
+		title := fmt.Sprintf("lbx rebalance: %d long-lived clients, 3 -> 6 -> 8 nodes, random outer balancer (run %d of %d)",
+			cfg.clients, slices.Index(results, median)+1, len(results))
+		err = median.Timeline.WritePNG(f, title, cfg.settings.Threshold/100)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return results, fmt.Errorf("writing %s: %v", path, err)
+		}
+		fmt.Fprintf(out, "\nPlot of run %d (the median convergence time): %s\n", slices.Index(results, median)+1, cfg.plot)
+	}
+	return results, nil
+}
+
+// medianRun returns the run with the median phase-1 convergence time.
+func medianRun(results []*fleet.ScaleOutResult) *fleet.ScaleOutResult {
+	sorted := slices.Clone(results)
+	slices.SortFunc(sorted, func(a, b *fleet.ScaleOutResult) int { return int(a.Converged - b.Converged) })
+	return sorted[(len(sorted)-1)/2]
+}
+
+// writeRebalanceReport prints one row per run and the medians.
+func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult) {
+	fmt.Fprintf(w, "**3 → 6 nodes** (and a node with the wrong key)\n\n")
+	fmt.Fprintf(w, "| run | before | after | converged | shed | moved | ideal | shed / ideal | shed / (2 × moved) | requests | failed | reconnections | wrong key joined |\n")
+	fmt.Fprintf(w, "|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|\n")
+	var conv, ratio, ratio2 []float64
+	for i, r := range results {
+		ri := float64(r.Shed) / r.Ideal
+		r2 := float64(r.Shed) / float64(max(2*r.Moved, 1))
+		conv, ratio, ratio2 = append(conv, r.Converged.Seconds()), append(ratio, ri), append(ratio2, r2)
+		joined := "no"
+		if len(r.WrongKey.SeenBy) > 0 || r.WrongKey.Alive != 1 {
+			joined = fmt.Sprintf("**yes** (%v)", r.WrongKey.SeenBy)
+		}
+		fmt.Fprintf(w, "| %d | %v | %v | %.1f s | %d | %d | %.0f | %.2f× | %.2f× | %d | %d | %d | %s |\n",
+			i+1, r.Before, r.After, r.Converged.Seconds(), r.Shed, r.Moved, r.Ideal, ri, r2, r.Requests, len(r.Errors), r.Reconnections, joined)
+	}
+	fmt.Fprintf(w, "\nMedians: converged after %.1f s; shed %.2f× the ideal, %.2f× twice the moved count.\n\n", median(conv), median(ratio), median(ratio2))
+
+	fmt.Fprintf(w, "**6 → 8 nodes, a reload and a kill -9 while the fleet sheds**\n\n")
+	fmt.Fprintf(w, "| run | reload: new tag everywhere | not-alive sightings | join/leave events | bind errors | kill: out of the averages | marked failed | survivors stable | final | failed requests (phase 2) |\n")
+	fmt.Fprintf(w, "|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|\n")
+	var excl, failed, stable []float64
+	for i, r := range results {
+		k := r.Kill
+		excl, failed, stable = append(excl, k.Excluded.Seconds()), append(failed, k.MarkedFailed.Seconds()), append(stable, k.Stable.Seconds())
+		fmt.Fprintf(w, "| %d | %.2f s | %d | %d | %d | %.1f s | %.1f s | %.1f s | %v | %d |\n",
+			i+1, r.Reload.TagSeen.Seconds(), len(r.Reload.NotAlive), r.Reload.Rejoins, r.Reload.BindErrors,
+			k.Excluded.Seconds(), k.MarkedFailed.Seconds(), k.Stable.Seconds(), k.Final, len(r.Phase2Errors))
+	}
+	fmt.Fprintf(w, "\nMedians after the kill: out of every survivor's average after %.1f s, marked failed by serf after %.1f s, survivors stable after %.1f s.\n",
+		median(excl), median(failed), median(stable))
+}

@@ -1,0 +1,112 @@
+package fleet
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptrace"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Clients are long-lived HTTP/1.1 clients: each holds one keep-alive
+// connection through the balancer and sends a request every period; when
+// the connection closes, the next request opens a new one (through the
+// balancer, to a random node).
+type Clients struct {
+	// Connects counts the connections opened (not reused).
+	Connects atomic.Int64
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu      sync.Mutex
+	reqs    int
+	errs    []string
+	retried int
+}
+
+// StartClients starts n clients sending GET / to addr every period, each
+// expecting 200 "ok". The clients are spread over the first period.
+func StartClients(addr string, n int, every time.Duration) *Clients {
+	ctx, cancel := context.WithCancel(context.Background())
+	cs := &Clients{cancel: cancel}
+	for range n {
+		cs.wg.Add(1)
+		go func() {
+			defer cs.wg.Done()
+			tr := &http.Transport{MaxIdleConnsPerHost: 1, MaxConnsPerHost: 1, DisableCompression: true}
+			defer tr.CloseIdleConnections()
+			cl := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(rand.N(every)):
+			}
+			tick := time.NewTicker(every)
+			defer tick.Stop()
+			for {
+				cs.one(ctx, cl, "http://"+addr+"/")
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+				}
+			}
+		}()
+	}
+	return cs
+}
+
+// Close stops every client and waits for them.
+func (cs *Clients) Close() {
+	cs.cancel()
+	cs.wg.Wait()
+}
+
+// Stats returns the requests sent, the errors (one line each) and how many
+// requests Go's transport wrote twice: it retries an idempotent request
+// transparently when a keep-alive connection's close crossed it on the
+// wire (RFC 9112 §9.3.1), before any of it reached the server.
+func (cs *Clients) Stats() (requests int, errs []string, retried int) {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	return cs.reqs, append([]string(nil), cs.errs...), cs.retried
+}
+
+func (cs *Clients) one(ctx context.Context, cl *http.Client, url string) {
+	var writes atomic.Int32
+	tctx := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		GotConn: func(i httptrace.GotConnInfo) {
+			if !i.Reused {
+				cs.Connects.Add(1)
+			}
+		},
+		WroteRequest: func(httptrace.WroteRequestInfo) { writes.Add(1) },
+	})
+	req, _ := http.NewRequestWithContext(tctx, http.MethodGet, url, nil)
+	res, err := cl.Do(req)
+	var body []byte
+	if err == nil {
+		body, err = io.ReadAll(res.Body)
+		res.Body.Close()
+	}
+	if ctx.Err() != nil {
+		return // the run is over
+	}
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	cs.reqs++
+	if writes.Load() > 1 {
+		cs.retried++
+	}
+	switch {
+	case err != nil:
+		cs.errs = append(cs.errs, fmt.Sprintf("%s: %v", time.Now().Format("15:04:05.000"), err))
+	case res.StatusCode != http.StatusOK || string(body) != "ok":
+		cs.errs = append(cs.errs, fmt.Sprintf("%s: status %d, body %.40q", time.Now().Format("15:04:05.000"), res.StatusCode, body))
+	}
+}

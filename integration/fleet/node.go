@@ -1,0 +1,259 @@
+package fleet
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Settings are the rebalance settings every node of a fleet runs with.
+type Settings struct {
+	Interval, History, Freshness string  // Caddy durations
+	Threshold                    float64 // percent
+	ShedRate                     float64 // percent
+	MinConnections               int
+}
+
+// NodeSpec is one node's configuration.
+type NodeSpec struct {
+	Name string
+	// Join is the gossip address of a member to join; empty for the
+	// first node.
+	Join string
+	// Key is the base64 gossip key, passed in the environment as
+	// LBX_GOSSIP_KEY and read by the Caddyfile's {env.LBX_GOSSIP_KEY}.
+	Key string
+	// Tags are extra serf tags.
+	Tags map[string]string
+	Settings
+}
+
+// Node is one running Caddy node: its admin, HTTP and gossip addresses.
+type Node struct {
+	Name              string
+	Admin, HTTP, Serf string
+	Spec              NodeSpec
+	Proc              *Proc
+}
+
+// freePort returns a port that was free on 127.0.0.1 a moment ago.
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// Caddyfile returns the node's configuration: the rebalance global option
+// and one site, with rebalance_close, that answers "ok".
+func (n *Node) Caddyfile(spec NodeSpec) string {
+	var opts []string
+	if spec.Join != "" {
+		opts = append(opts, "join "+spec.Join)
+	}
+	if spec.Key != "" {
+		opts = append(opts, "encrypt_key {env.LBX_GOSSIP_KEY}")
+	}
+	if len(spec.Tags) > 0 {
+		keys := make([]string, 0, len(spec.Tags))
+		for k := range spec.Tags {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		tags := "tags {\n"
+		for _, k := range keys {
+			tags += fmt.Sprintf("\t\t\t%s %s\n", k, spec.Tags[k])
+		}
+		opts = append(opts, tags+"\t\t}")
+	}
+	s := spec.Settings
+	return fmt.Sprintf(`{
+	admin %s
+	persist_config off
+	auto_https off
+	default_bind 127.0.0.1
+	log {
+		exclude admin.api
+	}
+	rebalance {
+		node_name %s
+		bind %s
+		%s
+		interval %s
+		history %s
+		freshness %s
+		threshold %g%%
+		shed_rate %g%%
+		min_connections %d
+	}
+}
+
+http://%s {
+	rebalance_close
+	respond "ok"
+}
+`, n.Admin, spec.Name, n.Serf, strings.Join(opts, "\n\t\t"), s.Interval, s.History, s.Freshness,
+		s.Threshold, s.ShedRate, s.MinConnections, n.HTTP)
+}
+
+// StartNode starts a node on free loopback ports, its files in dir, and
+// waits up to 20 s for its admin API to answer.
+func StartNode(bin, dir string, spec NodeSpec) (*Node, error) {
+	n := &Node{Name: spec.Name, Spec: spec}
+	var ports [3]int
+	for i := range ports {
+		p, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		ports[i] = p
+	}
+	n.Admin = fmt.Sprintf("127.0.0.1:%d", ports[0])
+	n.HTTP = fmt.Sprintf("127.0.0.1:%d", ports[1])
+	n.Serf = fmt.Sprintf("127.0.0.1:%d", ports[2])
+	var env []string
+	if spec.Key != "" {
+		env = append(env, "LBX_GOSSIP_KEY="+spec.Key)
+	}
+	proc, err := StartProc(bin, dir, n.Caddyfile(spec), env...)
+	if err != nil {
+		return nil, err
+	}
+	n.Proc = proc
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if proc.Exited() {
+			return nil, fmt.Errorf("%s exited: %v\n%s", spec.Name, proc.WaitErr(), proc.Log())
+		}
+		_, err := n.View()
+		if err == nil {
+			return n, nil
+		}
+		if time.Now().After(deadline) {
+			_ = proc.Kill()
+			return nil, fmt.Errorf("%s's admin API did not answer within 20s: %v\n%s", spec.Name, err, proc.Log())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// View is the part of a node's GET /rebalance/cluster this package reads.
+type View struct {
+	Name      string `json:"node_name"`
+	JoinError string `json:"join_error"`
+	Members   []struct {
+		Name    string            `json:"name"`
+		Status  string            `json:"status"`
+		Counted bool              `json:"counted"`
+		Tags    map[string]string `json:"tags"`
+	} `json:"members"`
+	Decision struct {
+		At       time.Time `json:"at"`
+		Counted  int       `json:"members_counted"`
+		Shedding bool      `json:"shedding"`
+		Lifting  bool      `json:"lifting"`
+		Average  float64   `json:"average"`
+		Reason   string    `json:"reason"`
+	} `json:"last_decision"`
+	Connections struct {
+		New, Active, Idle, Hijacked, Closing int
+	} `json:"connections"`
+	ShedTotal struct {
+		Idle, Active, Hijacked int
+	} `json:"shed_total"`
+}
+
+// Held returns the connections the node holds, those shed and closing
+// excluded.
+func (v View) Held() int {
+	c := v.Connections
+	return c.New + c.Active + c.Idle + c.Hijacked - c.Closing
+}
+
+// Shed returns the connections the node has shed since it started.
+func (v View) Shed() int { return v.ShedTotal.Idle + v.ShedTotal.Active + v.ShedTotal.Hijacked }
+
+// Member returns the member named name in the view.
+func (v View) Member(name string) (status string, counted bool, tags map[string]string, ok bool) {
+	for _, m := range v.Members {
+		if m.Name == name {
+			return m.Status, m.Counted, m.Tags, true
+		}
+	}
+	return "", false, nil, false
+}
+
+// Alive counts the members the node sees alive.
+func (v View) Alive() int {
+	c := 0
+	for _, m := range v.Members {
+		if m.Status == "alive" {
+			c++
+		}
+	}
+	return c
+}
+
+var adminClient = &http.Client{Timeout: 5 * time.Second}
+
+// View reads the node's GET /rebalance/cluster.
+func (n *Node) View() (View, error) {
+	var body struct {
+		Nodes []View `json:"nodes"`
+	}
+	if err := n.admin(http.MethodGet, "/rebalance/cluster", "", nil, &body); err != nil {
+		return View{}, err
+	}
+	if len(body.Nodes) != 1 {
+		return View{}, fmt.Errorf("%s: %d rebalance nodes in the admin view; want 1", n.Name, len(body.Nodes))
+	}
+	return body.Nodes[0], nil
+}
+
+// Reload loads spec through the node's admin API (POST /load with a
+// Caddyfile): a real config reload of the running process.
+func (n *Node) Reload(spec NodeSpec) error {
+	if err := n.admin(http.MethodPost, "/load", "text/caddyfile", strings.NewReader(n.Caddyfile(spec)), nil); err != nil {
+		return err
+	}
+	n.Spec = spec
+	return nil
+}
+
+// admin sends one request to the admin API and decodes a JSON answer
+// into out, when out is not nil.
+func (n *Node) admin(method, path, ctype string, body io.Reader, out any) error {
+	req, err := http.NewRequest(method, "http://"+n.Admin+path, body)
+	if err != nil {
+		return err
+	}
+	if ctype != "" {
+		req.Header.Set("Content-Type", ctype)
+	}
+	res, err := adminClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	data, err := io.ReadAll(res.Body)
+	if err != nil {
+		return err
+	}
+	if res.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s %s %s: status %d: %s", n.Name, method, path, res.StatusCode, data)
+	}
+	if out == nil {
+		return nil
+	}
+	if err := json.Unmarshal(data, out); err != nil {
+		return fmt.Errorf("%s %s: decoding %s: %v", n.Name, path, data, err)
+	}
+	return nil
+}

@@ -1,0 +1,147 @@
+// Package fleet runs a fleet of real Caddy processes (this repository's
+// cmd/caddy) on loopback, for the rebalance acceptance test and the
+// benchmark command: nodes joined in a serf cluster, a TCP balancer in
+// front that gives each new connection to a random node, long-lived HTTP
+// clients, a record of every node's connections over time, and a plot of
+// it. Everything it starts is stopped by Close; every wait has a deadline.
+package fleet
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// BuildCaddy builds github.com/caddy-lbx/lbx/cmd/caddy to path, with the
+// go command run in dir (the current directory when empty), which must be
+// inside the lbx module.
+func BuildCaddy(ctx context.Context, dir, path string) error {
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", path, "github.com/caddy-lbx/lbx/cmd/caddy")
+	cmd.Dir = dir
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("go build cmd/caddy: %v\n%s", err, out)
+	}
+	return nil
+}
+
+// Proc is one `caddy run` process.
+type Proc struct {
+	cmd    *exec.Cmd
+	log    *syncBuffer
+	exited chan struct{} // closed when the process has exited; waitErr is set
+	// waitErr is the process's exit, once exited is closed.
+	waitErr error
+}
+
+// StartProc runs `bin run --config <dir>/Caddyfile` with caddyfile, its
+// home, config and data directories in dir, and env added to the
+// environment. Stop it with Kill or Stop.
+func StartProc(bin, dir, caddyfile string, env ...string) (*Proc, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	cfgPath := filepath.Join(dir, "Caddyfile")
+	if err := os.WriteFile(cfgPath, []byte(caddyfile), 0o600); err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(bin, "run", "--config", cfgPath)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(),
+		"HOME="+dir,
+		"XDG_CONFIG_HOME="+filepath.Join(dir, "config"),
+		"XDG_DATA_HOME="+filepath.Join(dir, "data"),
+	)
+	cmd.Env = append(cmd.Env, env...)
+	p := &Proc{cmd: cmd, log: new(syncBuffer), exited: make(chan struct{})}
+	cmd.Stdout = p.log
+	cmd.Stderr = p.log
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting caddy: %v", err)
+	}
+	go func() {
+		p.waitErr = cmd.Wait()
+		close(p.exited)
+	}()
+	return p, nil
+}
+
+// Pid returns the process ID.
+func (p *Proc) Pid() int { return p.cmd.Process.Pid }
+
+// Exited reports whether the process has exited.
+func (p *Proc) Exited() bool {
+	select {
+	case <-p.exited:
+		return true
+	default:
+		return false
+	}
+}
+
+// Done is closed when the process has exited.
+func (p *Proc) Done() <-chan struct{} { return p.exited }
+
+// WaitErr is how the process exited; valid once Done is closed.
+func (p *Proc) WaitErr() error { return p.waitErr }
+
+// Log returns what the process wrote to stdout and stderr so far.
+func (p *Proc) Log() string { return p.log.String() }
+
+// Signal sends sig to the process.
+func (p *Proc) Signal(sig os.Signal) error { return p.cmd.Process.Signal(sig) }
+
+// Kill sends SIGKILL and waits up to 10 s for the process to exit.
+func (p *Proc) Kill() error {
+	if !p.Exited() {
+		_ = p.cmd.Process.Kill()
+	}
+	select {
+	case <-p.exited:
+		return nil
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("caddy (pid %d) still running 10s after SIGKILL", p.Pid())
+	}
+}
+
+// Stop sends SIGTERM and waits up to timeout for the process to exit,
+// then kills it.
+func (p *Proc) Stop(timeout time.Duration) error {
+	if !p.Exited() {
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	select {
+	case <-p.exited:
+		return nil
+	case <-time.After(timeout):
+		if err := p.Kill(); err != nil {
+			return err
+		}
+		return fmt.Errorf("caddy (pid %d) did not exit within %v of SIGTERM; killed", p.Pid(), timeout)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for the process's output copier and
+// readers to use at once.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
