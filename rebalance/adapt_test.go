@@ -79,3 +79,20 @@ func TestProvisionValidateErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestListenerWrapperUnmarshalCaddyfile: the wrapper takes no arguments
+// and no block; each error names its line.
+func TestListenerWrapperUnmarshalCaddyfile(t *testing.T) {
+	if err := new(ListenerWrapper).UnmarshalCaddyfile(caddyfile.NewTestDispenser("rebalance")); err != nil {
+		t.Fatalf("bare wrapper: %v", err)
+	}
+	for _, tc := range []struct{ in, want string }{
+		{"rebalance in", `rebalance listener wrapper: unexpected argument "in"; it takes none, at Testfile:1`},
+		{"rebalance {\n direction in\n}", "rebalance listener wrapper: unexpected block; it takes no options, at Testfile:2"},
+	} {
+		err := new(ListenerWrapper).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
+		}
+	}
+}
