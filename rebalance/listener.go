@@ -228,21 +228,41 @@ func (c *countingConn) Write(p []byte) (int, error) {
 // when it ends, in a single interval.
 const zeroCopyChunk = 1 << 20
 
+// maxLimitDepth is how many *io.LimitedReader levels ReadFrom looks
+// through for a file or socket. net/http passes a response body limited
+// to its length, and Caddy's write-deadline wrapper limits it again per
+// 64 KiB chunk: two levels, while the socket's own ReadFrom (sendfile,
+// splice) looks through one only.
+const maxLimitDepth = 4
+
 // ReadFrom implements io.ReaderFrom, which net/http uses to send a
-// response body from a file with sendfile. When r is a file or a socket
-// (possibly behind an *io.LimitedReader, as net/http passes it) and the
-// inner connection has its own ReadFrom, it delegates in chunks of 1 MiB,
-// keeping the zero-copy path and counting after each chunk; otherwise it
-// copies through Write.
+// response body from a file with sendfile. When r is a file or a socket,
+// possibly behind *io.LimitedReader (as net/http and Caddy pass it), and
+// the inner connection has its own ReadFrom, it hands the inner
+// ReadFrom the file or socket under a single limit, in chunks of at most
+// 1 MiB, keeping the zero-copy path and counting after each chunk; the
+// limits r carried are reduced by what was sent, as reading through them
+// would have. Any other source is copied through Write.
 func (c *countingConn) ReadFrom(r io.Reader) (int64, error) {
 	rf, ok := c.Conn.(io.ReaderFrom)
 	if !ok {
 		return c.copyFrom(r)
 	}
+	var levels [maxLimitDepth]*io.LimitedReader
+	depth := 0
 	src, limit := r, int64(math.MaxInt64)
-	lr, limited := r.(*io.LimitedReader)
-	if limited {
-		src, limit = lr.R, lr.N
+	for {
+		lr, ok := src.(*io.LimitedReader)
+		if !ok {
+			break
+		}
+		if depth == len(levels) {
+			return c.copyFrom(r)
+		}
+		levels[depth] = lr
+		depth++
+		limit = min(limit, lr.N)
+		src = lr.R
 	}
 	if _, zeroCopy := src.(syscall.Conn); !zeroCopy {
 		return c.copyFrom(r)
@@ -256,7 +276,7 @@ func (c *countingConn) ReadFrom(r io.Reader) (int64, error) {
 		if n > 0 {
 			total += n
 			limit -= n
-			if limited {
+			for _, lr := range levels[:depth] {
 				lr.N -= n
 			}
 			c.counters.out.Add(uint64(n))

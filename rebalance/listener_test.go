@@ -15,6 +15,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -138,6 +139,24 @@ func TestCountingConnReadFrom(t *testing.T) {
 	if err != nil || n2 != size-n {
 		t.Fatalf("ReadFrom(file) = %d, %v; want %d", n2, err, size-n)
 	}
+	// The file two limits deep, as Caddy passes a file_server body
+	// (net/http's limit to the length, Caddy's 64 KiB write chunk):
+	// still zero-copy, and both limits are reduced.
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		t.Fatal(err)
+	}
+	outer := &io.LimitedReader{R: &io.LimitedReader{R: f, N: 100_000}, N: 65_536}
+	if n, err := rf.ReadFrom(outer); n != 65_536 || err != nil || outer.N != 0 || outer.R.(*io.LimitedReader).N != 100_000-65_536 {
+		t.Fatalf("ReadFrom(limit of a limit) = %d, %v; N left %d and %d", n, err, outer.N, outer.R.(*io.LimitedReader).N)
+	}
+	// Deeper than anyone nests limits: copied through Write.
+	var deep io.Reader = f
+	for range maxLimitDepth + 1 {
+		deep = io.LimitReader(deep, 1000)
+	}
+	if n, err := rf.ReadFrom(deep); n != 1000 || err != nil {
+		t.Fatalf("ReadFrom(deep limits) = %d, %v", n, err)
+	}
 	// Not a file: copied through Write.
 	n3, err := rf.ReadFrom(bytes.NewReader([]byte("tail")))
 	if err != nil || n3 != 4 {
@@ -145,11 +164,12 @@ func TestCountingConnReadFrom(t *testing.T) {
 	}
 	srv.Close()
 	got := <-received
-	if !bytes.Equal(got, append(data, "tail"...)) {
-		t.Fatalf("peer received %d bytes, not the file and the tail", len(got))
+	want := slices.Concat(data, data[:65_536], data[65_536:66_536], []byte("tail"))
+	if !bytes.Equal(got, want) {
+		t.Fatalf("peer received %d bytes, not the %d of the file, its parts and the tail", len(got), len(want))
 	}
-	if tot := bc.totals(); tot.Out != size+4 || tot.OutZeroCopy != size || tot.In != 0 {
-		t.Fatalf("totals %+v; want out %d of which %d zero-copy", tot, size+4, size)
+	if tot := bc.totals(); tot.Out != uint64(len(want)) || tot.OutZeroCopy != size+65_536 || tot.In != 0 {
+		t.Fatalf("totals %+v; want out %d of which %d zero-copy", tot, len(want), size+65_536)
 	}
 
 	// A limited reader that is already exhausted sends nothing.
