@@ -420,3 +420,50 @@ func BenchmarkCountingConn(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkCountingConnTCPWrite writes 16 KiB per call to a loopback TCP
+// connection drained by another goroutine, bare and through the wrapper:
+// the atomic add next to a real write.
+func BenchmarkCountingConnTCPWrite(b *testing.B) {
+	for _, counted := range []bool{false, true} {
+		name := "bare"
+		if counted {
+			name = "counted"
+		}
+		b.Run(name, func(b *testing.B) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer ln.Close()
+			drained := make(chan struct{})
+			go func() {
+				defer close(drained)
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				defer c.Close()
+				io.Copy(io.Discard, c)
+			}()
+			raw, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				b.Fatal(err)
+			}
+			var c net.Conn = raw
+			if counted {
+				c = &countingConn{Conn: raw, counters: new(byteCounters)}
+			}
+			buf := make([]byte, 16<<10)
+			b.SetBytes(int64(len(buf)))
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := c.Write(buf); err != nil {
+					b.Fatal(err)
+				}
+			}
+			c.Close()
+			<-drained
+		})
+	}
+}
