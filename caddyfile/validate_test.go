@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
 
 // TestValidateJSON loads JSON configs with caddy.Validate, which decodes,
@@ -193,4 +194,56 @@ func proxyConfig(n int, policy string) []byte {
 			}]}]
 		}}}}
 	}`)
+}
+
+// TestValidateRebalanceThroughput adapts Caddyfiles with `metric
+// throughput` and validates them as `caddy validate` does: with the
+// rebalance listener wrapper in the servers option the config is valid;
+// without it, it is refused with the fix.
+func TestValidateRebalanceThroughput(t *testing.T) {
+	const withWrapper = `{
+	servers {
+		listener_wrappers {
+			rebalance
+			tls
+		}
+	}
+	rebalance {
+		bind 127.0.0.1:0
+		metric throughput
+	}
+}
+
+http://:8884 {
+	respond "ok"
+}
+`
+	withoutWrapper := strings.Replace(withWrapper, "listener_wrappers {\n\t\t\trebalance\n\t\t\ttls\n\t\t}", "trusted_proxies static private_ranges", 1)
+	if withoutWrapper == withWrapper {
+		t.Fatal("the test's Caddyfile did not change")
+	}
+	for _, tt := range []struct {
+		name, caddyfile, wantErr string
+	}{
+		{"with the wrapper", withWrapper, ""},
+		{"without the wrapper", withoutWrapper, "metric throughput needs the rebalance listener wrapper: add `listener_wrappers { rebalance tls }`"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(tt.caddyfile), nil)
+			if err != nil {
+				t.Fatalf("adapting: %v", err)
+			}
+			var cfg caddy.Config
+			if err := json.Unmarshal(out, &cfg); err != nil {
+				t.Fatal(err)
+			}
+			err = caddy.Validate(&cfg)
+			switch {
+			case tt.wantErr == "" && err != nil:
+				t.Fatalf("want a valid config, got: %v", err)
+			case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)):
+				t.Fatalf("error %v; want one containing %q", err, tt.wantErr)
+			}
+		})
+	}
 }

@@ -54,7 +54,9 @@ func TestProvisionValidateErrors(t *testing.T) {
 		app  App
 		want string
 	}{
-		{App{NodeName: "n", Metric: "throughput"}, `metric "throughput" is not available yet`},
+		// The process's own source (no test source): throughput needs a
+		// server with the listener wrapper, and this config has none.
+		{App{NodeName: "n", Metric: "throughput", source: nil}, "metric throughput needs the rebalance listener wrapper: add `listener_wrappers { rebalance tls }`"},
 		{App{NodeName: "n", Metric: "ram"}, `metric "ram": want`},
 		{App{NodeName: "n", Bind: "nohost"}, `bind "nohost": want host:port`},
 		{App{NodeName: "n", Bind: "127.0.0.1:99999"}, `bind "127.0.0.1:99999": invalid port "99999"`},
@@ -69,13 +71,32 @@ func TestProvisionValidateErrors(t *testing.T) {
 		{App{NodeName: "n", ShedRate: 200}, "shed rate must be above 0% and at most 100%, got 200%"},
 	} {
 		a := tc.app
-		a.source = &fakeSource{}
+		if tc.app.Metric != MetricThroughput {
+			a.source = &fakeSource{}
+		}
 		err := a.Provision(testContext(t))
 		if err == nil {
 			err = a.Validate()
 		}
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: error %v; want one containing %q", tc.app, err, tc.want)
+		}
+	}
+}
+
+// TestListenerWrapperUnmarshalCaddyfile: the wrapper takes no arguments
+// and no block; each error names its line.
+func TestListenerWrapperUnmarshalCaddyfile(t *testing.T) {
+	if err := new(ListenerWrapper).UnmarshalCaddyfile(caddyfile.NewTestDispenser("rebalance")); err != nil {
+		t.Fatalf("bare wrapper: %v", err)
+	}
+	for _, tc := range []struct{ in, want string }{
+		{"rebalance in", `rebalance listener wrapper: unexpected argument "in"; it takes none, at Testfile:1`},
+		{"rebalance {\n direction in\n}", "rebalance listener wrapper: unexpected block; it takes no options, at Testfile:2"},
+	} {
+		err := new(ListenerWrapper).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
 		}
 	}
 }

@@ -22,8 +22,10 @@ func init() {
 //
 // returns, for each rebalance node in the process (normally one), its
 // members with status, load and report age, whether each counts toward the
-// average, this node's own load, connections by state, its last decision
-// and its shed totals. Fields ending in _human repeat numbers for people.
+// average, this node's own load, connections by state, the bytes counted
+// by the rebalance listener wrapper, its last decision and its shed
+// totals. Fields ending in _human repeat numbers for people (loads in
+// their metric's unit: "12 MB/s" for throughput).
 type AdminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -49,8 +51,9 @@ type MemberView struct {
 	Status string `json:"status"`
 	// Metric and Load are the member's last load report; absent when it
 	// has not reported.
-	Metric string  `json:"metric,omitempty"`
-	Load   float64 `json:"load"`
+	Metric    string  `json:"metric,omitempty"`
+	Load      float64 `json:"load"`
+	LoadHuman string  `json:"load_human,omitempty"`
 	// ReportAgeMs is how long ago this node saw the member's report
 	// change; -1 when it has not yet.
 	ReportAgeMs int64  `json:"report_age_ms"`
@@ -65,16 +68,22 @@ type MemberView struct {
 
 // DecisionView is a node's last shedding decision.
 type DecisionView struct {
-	At          time.Time `json:"at"`
-	Local       float64   `json:"local"`
-	Current     float64   `json:"current"`
-	Held        int       `json:"connections_held"`
-	Average     float64   `json:"average"`
-	Balance     float64   `json:"balance"`
-	Counted     int       `json:"members_counted"`
-	Stale       int       `json:"members_stale"`
-	NotAlive    int       `json:"members_not_alive"`
-	OtherMetric int       `json:"members_other_metric"`
+	At           time.Time `json:"at"`
+	Local        float64   `json:"local"`
+	LocalHuman   string    `json:"local_human"`
+	Current      float64   `json:"current"`
+	CurrentHuman string    `json:"current_human"`
+	Held         int       `json:"connections_held"`
+	Average      float64   `json:"average"`
+	AverageHuman string    `json:"average_human"`
+	Balance      float64   `json:"balance"`
+	Counted      int       `json:"members_counted"`
+	Stale        int       `json:"members_stale"`
+	NotAlive     int       `json:"members_not_alive"`
+	OtherMetric  int       `json:"members_other_metric"`
+	// Ignored counts members left out because they gained no
+	// connections while lifted.
+	Ignored int `json:"members_ignored"`
 	// Shedding is true while the node is in a shedding phase: above the
 	// stop band, or Lifting an underloaded member toward the average.
 	Shedding   bool    `json:"shedding"`
@@ -100,9 +109,32 @@ type NodeView struct {
 	Decision  DecisionView `json:"last_decision"`
 	// Connections are this process's HTTP connections by state.
 	Connections ConnCounts `json:"connections"`
+	// Bytes are this process's byte totals, as the rebalance listener
+	// wrapper counts them (metric throughput's source).
+	Bytes BytesView `json:"bytes"`
 	// ShedTotal counts the connections this node shed, by how.
 	ShedTotal      ShedResult `json:"shed_total"`
 	ShedTotalHuman string     `json:"shed_total_human"`
+}
+
+// BytesView is the process's byte totals in the admin API's output.
+type BytesView struct {
+	ByteTotals
+	InHuman  string `json:"in_human"`
+	OutHuman string `json:"out_human"`
+	// Counting says whether a server of a loaded config has the rebalance
+	// listener wrapper; without it the totals stay 0.
+	Counting bool `json:"counting"`
+}
+
+// bytesView returns the admin view of b.
+func bytesView(b ByteTotals) BytesView {
+	return BytesView{
+		ByteTotals: b,
+		InHuman:    humanize.Bytes(b.In),
+		OutHuman:   humanize.Bytes(b.Out),
+		Counting:   countedServers.any(),
+	}
 }
 
 // ClusterReport is the body of GET /rebalance/cluster.
@@ -137,15 +169,19 @@ func (n *node) view(now time.Time) NodeView {
 		Decision: DecisionView{
 			At: n.lastAt, Local: n.local, Current: n.current, Held: n.held,
 			Average: n.last.Average, Balance: n.last.Balance, Counted: n.last.Counted,
-			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric,
+			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric, Ignored: n.last.Ignored,
 			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: n.last.Lowest, LowestName: n.last.LowestName,
 			Shed: n.last.Shed, Reason: n.last.Reason,
 		},
 		Connections: tracker.Counts(),
+		Bytes:       bytesView(traffic.totals()),
 		ShedTotal:   n.shed,
 	}
 	if s != nil {
 		v.Metric = s.metric
+		v.Decision.LocalHuman = formatLoad(s.metric, n.local)
+		v.Decision.CurrentHuman = formatLoad(s.metric, n.current)
+		v.Decision.AverageHuman = formatLoad(s.metric, n.last.Average)
 		v.Threshold = s.params.Threshold * 100
 		v.StopBand = s.params.stopBand() * 100
 		v.ShedRate = s.params.ShedRate * 100
@@ -169,6 +205,9 @@ func (n *node) view(now time.Time) NodeView {
 		}
 		var ok bool
 		mv.Metric, mv.Load, ok = parseLoadTag(m.Tags[LoadTag])
+		if ok {
+			mv.LoadHuman = formatLoad(mv.Metric, mv.Load)
+		}
 		at := n.seen[m.Name].at
 		if mv.Self {
 			at = n.lastAt
@@ -189,6 +228,8 @@ func (n *node) view(now time.Time) NodeView {
 			mv.Why = "reports another metric"
 		case at.IsZero() || now.Sub(at) > freshness:
 			mv.Why = "report not fresh"
+		case n.lift.Ignored == m.Name && now.Before(n.lift.IgnoredUntil):
+			mv.Why = "gained no connections while lifted; left out for " + humanize.RelTime(now, n.lift.IgnoredUntil, "", "")
 		default:
 			mv.Counted = true
 		}

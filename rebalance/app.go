@@ -8,6 +8,7 @@ import (
 	"maps"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -92,8 +93,20 @@ type App struct {
 	Tags map[string]string `json:"tags,omitempty"`
 
 	// Metric is the load to balance: "connections" (the HTTP connections
-	// held, in any state), or "cpu" (this process's CPU use, percent of
-	// one core). "throughput" is reserved and not available yet. Default:
+	// held, in any state), "throughput" (bytes per second read from and
+	// written to this process's HTTP connections over the last interval,
+	// TLS records included), or "cpu" (this process's CPU use, percent of
+	// one core).
+	//
+	// Throughput needs the `rebalance` listener wrapper
+	// (caddy.listeners.rebalance) before `tls` in the listener_wrappers of
+	// at least one HTTP server of the config; a config without it does not
+	// load. With throughput and cpu, the connections to shed are sized as
+	// connections × (1 − stop line / current load): that assumes the load
+	// is spread evenly over the connections, and a node whose bytes flow
+	// through a few heavy streams sheds its idle connections first, which
+	// carry none, so it keeps shedding at up to shed_rate per interval
+	// until the measured load falls into the stop band. Default:
 	// connections.
 	Metric string `json:"metric,omitempty"`
 
@@ -141,6 +154,15 @@ type App struct {
 	logger   *zap.Logger
 	events   emitter
 	node     *node // set by Start, cleared by Stop (Caddy calls them in turn)
+
+	// httpApp is the config's HTTP app, when it has one and the process is
+	// measured (no test source).
+	httpApp *caddyhttp.App
+	// checkWrapper says that metric throughput must find a server with the
+	// listener wrapper; checkAtStart defers the check to Start when the
+	// HTTP app was still being provisioned (see nestedInHTTP).
+	checkWrapper bool
+	checkAtStart bool
 }
 
 // CaddyModule returns the Caddy module information.
@@ -236,8 +258,60 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 
 	if a.source == nil {
-		a.source = &processSource{tracker: tracker}
+		src := &processSource{tracker: tracker, counters: traffic}
+		src.bytes.prime(traffic.totals().Total(), time.Now())
+		a.source = src
 		a.registerServers(ctx)
+		a.checkWrapper = a.Metric == MetricThroughput
+		a.checkAtStart = nestedInHTTP(ctx)
+	}
+	return nil
+}
+
+// nestedInHTTP reports whether the app is being provisioned from within
+// the HTTP app's provisioning: a handler (`dynamic serf` upstreams) asked
+// for it. The HTTP app's servers, and their listener wrappers, may then
+// not all be provisioned yet.
+func nestedInHTTP(ctx caddy.Context) bool {
+	for _, m := range ctx.Modules() {
+		if _, ok := m.(*caddyhttp.App); ok {
+			return true
+		}
+	}
+	return false
+}
+
+// errNoListenerWrapper says how to make metric throughput measure
+// something.
+const errNoListenerWrapper = "metric throughput needs the rebalance listener wrapper: add `listener_wrappers { rebalance tls }` " +
+	"to the servers global option (JSON: \"listener_wrappers\": [{\"wrapper\": \"rebalance\"}, {\"wrapper\": \"tls\"}] in a server)"
+
+// checkThroughputWrapper returns an error when metric throughput has no
+// bytes to measure: no HTTP server of the config has the rebalance
+// listener wrapper. Servers without it are named in a warning: their
+// bytes are not part of the load.
+func (a *App) checkThroughputWrapper() error {
+	if !a.checkWrapper {
+		return nil
+	}
+	if a.httpApp == nil {
+		return fmt.Errorf("%s; this config has no HTTP app", errNoListenerWrapper)
+	}
+	var counted, uncounted []string
+	for name, srv := range a.httpApp.Servers {
+		if countedServers.has(srv) {
+			counted = append(counted, name)
+		} else {
+			uncounted = append(uncounted, name)
+		}
+	}
+	if len(counted) == 0 {
+		return fmt.Errorf("%s; no HTTP server of this config has it", errNoListenerWrapper)
+	}
+	if len(uncounted) > 0 {
+		slices.Sort(uncounted)
+		a.logger.Warn("metric throughput: these HTTP servers have no rebalance listener wrapper, their bytes are not part of the load",
+			zap.Strings("servers", uncounted))
 	}
 	return nil
 }
@@ -254,6 +328,7 @@ func (a *App) registerServers(ctx caddy.Context) {
 		return
 	}
 	httpApp := appIface.(*caddyhttp.App)
+	a.httpApp = httpApp
 	for _, srv := range httpApp.Servers {
 		srv.RegisterConnState(tracker.ConnState)
 		srv.RegisterConnContext(tracker.ConnContext)
@@ -263,9 +338,7 @@ func (a *App) registerServers(ctx caddy.Context) {
 // Validate checks the configuration.
 func (a *App) Validate() error {
 	switch a.Metric {
-	case MetricConnections, MetricCPU:
-	case MetricThroughput:
-		return fmt.Errorf("metric %q is not available yet; use %q or %q", a.Metric, MetricConnections, MetricCPU)
+	case MetricConnections, MetricThroughput, MetricCPU:
 	default:
 		return fmt.Errorf("metric %q: want %q, %q or %q", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
 	}
@@ -293,6 +366,9 @@ func (a *App) Validate() error {
 			return fmt.Errorf("join %q: want host:port: %v", j, err)
 		}
 	}
+	if !a.checkAtStart {
+		return a.checkThroughputWrapper()
+	}
 	return nil
 }
 
@@ -318,6 +394,12 @@ func (a *App) settings() *settings {
 // Start joins the cluster, or takes over the member of the config this one
 // replaces (same bind address): no second bind, no leave and rejoin.
 func (a *App) Start() error {
+	if a.checkAtStart {
+		// Every app is provisioned by now.
+		if err := a.checkThroughputWrapper(); err != nil {
+			return err
+		}
+	}
 	s := a.settings()
 	val, loaded, err := nodes.LoadOrNew(a.poolKey, func() (caddy.Destructor, error) {
 		return newNode(a.poolKey, s, a.keyBytes, a.bindHost, a.bindPort)
@@ -365,13 +447,16 @@ func (a *App) Cleanup() error {
 	return a.Stop()
 }
 
-// processSource measures this process: its tracked connections and CPU.
+// processSource measures this process: its tracked connections, the
+// bytes its listener wrappers count, and its CPU.
 type processSource struct {
-	tracker *ConnTracker
+	tracker  *ConnTracker
+	counters *byteCounters
 
 	mu      sync.Mutex
 	lastCPU time.Duration
 	lastAt  time.Time
+	bytes   rateMeter
 }
 
 // Sample returns the load in the metric's unit and the connections held.
@@ -381,8 +466,18 @@ func (p *processSource) Sample(metric string) (float64, int) {
 	switch metric {
 	case MetricCPU:
 		return p.cpuPercent(), held
+	case MetricThroughput:
+		return p.bytesPerSecond(time.Now()), held
 	}
 	return float64(held), held
+}
+
+// bytesPerSecond returns the bytes read and written per second since the
+// previous sample.
+func (p *processSource) bytesPerSecond(now time.Time) float64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.bytes.sample(p.counters.totals().Total(), now)
 }
 
 // Shed sheds n connections through the tracker.

@@ -176,6 +176,29 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// UnmarshalCaddyfile sets up the listener wrapper, which has no options,
+// from its line in the servers global option's listener_wrappers block.
+// Syntax (before tls):
+//
+//	{
+//		servers {
+//			listener_wrappers {
+//				rebalance
+//				tls
+//			}
+//		}
+//	}
+func (w *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the wrapper's name
+	if d.NextArg() {
+		return d.Errf("rebalance listener wrapper: unexpected argument %q; it takes none", d.Val())
+	}
+	if d.NextBlock(0) {
+		return d.Errf("rebalance listener wrapper: unexpected block; it takes no options")
+	}
+	return nil
+}
+
 // oneArg reads exactly one argument for the current option.
 func oneArg(d *caddyfile.Dispenser) (string, error) {
 	opt := d.Val()
@@ -190,4 +213,7 @@ func oneArg(d *caddyfile.Dispenser) (string, error) {
 }
 
 // Interface guards
-var _ caddyfile.Unmarshaler = (*App)(nil)
+var (
+	_ caddyfile.Unmarshaler = (*App)(nil)
+	_ caddyfile.Unmarshaler = (*ListenerWrapper)(nil)
+)

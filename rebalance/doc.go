@@ -10,6 +10,9 @@
 //   - the connection tracker (conns.go): connections of every Caddy HTTP
 //     server by state, and graceful shedding (idle first, active ones at
 //     a response boundary, hijacked streams last);
+//   - the listener wrapper `caddy.listeners.rebalance` (listener.go):
+//     counts the bytes of every connection it accepts, for the
+//     throughput metric; it goes before `tls` in listener_wrappers;
 //   - the node (node.go): the serf member, shared across config reloads
 //     in a caddy.UsagePool keyed by bind address, and the decision loop;
 //   - the Caddy app `rebalance` (app.go) and its Caddyfile global option

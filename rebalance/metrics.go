@@ -8,10 +8,12 @@ import (
 )
 
 // metricsCollector exposes the rebalance state as Prometheus metrics. It
-// reads the connection tracker and the nodes' last decisions at scrape
-// time, so neither requests nor the decision loop pay for metrics.
+// reads the connection tracker, the byte counters and the nodes' last
+// decisions at scrape time, so neither requests nor the decision loop pay
+// for metrics.
 type metricsCollector struct {
-	tracker *ConnTracker // the process's tracker; tests use their own
+	tracker *ConnTracker  // the process's tracker; tests use their own
+	traffic *byteCounters // the process's byte counters; nil reads zeros
 }
 
 var (
@@ -27,11 +29,15 @@ var (
 		"Intervals in which this node shed connections.", []string{"node"}, nil)
 	descConnectionsShed = prometheus.NewDesc("caddy_lbx_rebalance_connections_shed_total",
 		"Connections this node shed, by kind.", []string{"node", "kind"}, nil)
+	descBytes = prometheus.NewDesc("caddy_lbx_rebalance_bytes_total",
+		"Bytes read from (in) and written to (out) the connections the rebalance listener wrapper accepted, TLS records included.", []string{"direction"}, nil)
+	descTLSUncounted = prometheus.NewDesc("caddy_lbx_rebalance_tls_connections_not_counted_total",
+		"Connections the rebalance listener wrapper passed through uncounted because they were already TLS (the wrapper is placed after tls).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted, descShedDecisions, descConnectionsShed} {
+	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted, descShedDecisions, descConnectionsShed, descBytes, descTLSUncounted} {
 		ch <- d
 	}
 }
@@ -45,6 +51,10 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 	}{{"new", c.New}, {"idle", c.Idle}, {"active", c.Active}, {"hijacked", c.Hijacked}} {
 		ch <- prometheus.MustNewConstMetric(descConnections, prometheus.GaugeValue, float64(s.n), s.state)
 	}
+	b := m.traffic.totals()
+	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(b.In), "in")
+	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(b.Out), "out")
+	ch <- prometheus.MustNewConstMetric(descTLSUncounted, prometheus.CounterValue, float64(b.TLSUncounted))
 	// One node per process, except briefly when a reload changes the bind
 	// address (and in tests): the node label keeps their series apart.
 	nodes.Range(func(_, v any) bool {
@@ -68,7 +78,7 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 // registry (the one Caddy's /metrics endpoints serve). Registering again
 // (a reload) is harmless.
 func registerMetrics(ctx caddy.Context) error {
-	err := ctx.GetMetricsRegistry().Register(metricsCollector{tracker: tracker})
+	err := ctx.GetMetricsRegistry().Register(metricsCollector{tracker: tracker, traffic: traffic})
 	var are prometheus.AlreadyRegisteredError
 	if err != nil && !errors.As(err, &are) {
 		return err

@@ -57,7 +57,11 @@ func TestMetricsPedantic(t *testing.T) {
 		return !a.node.lastAt.IsZero(), "no decision yet"
 	})
 	reg := prometheus.NewPedanticRegistry()
-	if err := reg.Register(metricsCollector{tracker: new(ConnTracker)}); err != nil {
+	bc := new(byteCounters)
+	bc.in.Add(1234)
+	bc.out.Add(56789)
+	bc.tlsUncounted.Add(2)
+	if err := reg.Register(metricsCollector{tracker: new(ConnTracker), traffic: bc}); err != nil {
 		t.Fatal(err)
 	}
 	mfs, err := reg.Gather()
@@ -69,7 +73,8 @@ func TestMetricsPedantic(t *testing.T) {
 		names[mf.GetName()] = true
 	}
 	for _, n := range []string{"caddy_lbx_rebalance_connections", "caddy_lbx_rebalance_local_load", "caddy_lbx_rebalance_cluster_average",
-		"caddy_lbx_rebalance_members_counted", "caddy_lbx_rebalance_shed_decisions_total", "caddy_lbx_rebalance_connections_shed_total"} {
+		"caddy_lbx_rebalance_members_counted", "caddy_lbx_rebalance_shed_decisions_total", "caddy_lbx_rebalance_connections_shed_total",
+		"caddy_lbx_rebalance_bytes_total", "caddy_lbx_rebalance_tls_connections_not_counted_total"} {
 		if !names[n] {
 			t.Errorf("no %s", n)
 		}
@@ -79,6 +84,14 @@ func TestMetricsPedantic(t *testing.T) {
 	}
 	if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_members_counted", map[string]string{"node": "metrics-node"}); !ok || v != 1 {
 		t.Errorf("members_counted = %v (%v); want 1 (alone)", v, ok)
+	}
+	for dir, want := range map[string]float64{"in": 1234, "out": 56789} {
+		if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_bytes_total", map[string]string{"direction": dir}); !ok || v != want {
+			t.Errorf("bytes_total{direction=%q} = %v (%v); want %v", dir, v, ok, want)
+		}
+	}
+	if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_tls_connections_not_counted_total", map[string]string{}); !ok || v != 2 {
+		t.Errorf("tls_connections_not_counted_total = %v (%v); want 2", v, ok)
 	}
 	problems, err := promtest.GatherAndLint(reg)
 	if err != nil {

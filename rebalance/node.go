@@ -344,8 +344,8 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 	}
 	c.Write(
 		zap.String("metric", s.metric),
-		zap.String("local", humanize.FormatFloat("#,###.#", local)),
-		zap.String("average", humanize.FormatFloat("#,###.#", d.Average)),
+		zap.String("local", formatLoad(s.metric, local)),
+		zap.String("average", formatLoad(s.metric, d.Average)),
 		zap.String("balance", fmt.Sprintf("%.2fx", d.Balance)),
 		zap.Int("members_counted", d.Counted),
 		zap.String("lowest", humanize.FormatFloat("#,###.#", d.Lowest)),
@@ -357,6 +357,21 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 		zap.Int("shed_hijacked", res.Hijacked),
 		zap.String("reason", d.Reason),
 	)
+}
+
+// formatLoad writes a load for people in its metric's unit: bytes per
+// second in SI units for throughput ("12 MB/s", as network rates are
+// quoted), otherwise the number ("1,234" connections, "45.1" percent of a
+// core).
+func formatLoad(metric string, v float64) string {
+	if metric == MetricThroughput {
+		if !(v > 0) {
+			return "0 B/s"
+		}
+		// Far beyond any link; keeps the conversion defined.
+		return humanize.Bytes(uint64(min(v, 1e18))) + "/s"
+	}
+	return humanize.FormatFloat("#,###.#", v)
 }
 
 // joinLoop joins the configured addresses, and joins again with backoff

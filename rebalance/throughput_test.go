@@ -1,0 +1,282 @@
+package rebalance
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-lbx/lbx/internal/testutil"
+)
+
+// TestRateMeter covers the sampling math: the first sample, deltas, zero
+// and negative intervals, and a counter that went backwards.
+func TestRateMeter(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	var m rateMeter
+	if r := m.sample(5_000, t0); r != 0 {
+		t.Fatalf("first sample = %v; want 0 (no baseline)", r)
+	}
+	if r := m.sample(15_000, t0.Add(2*time.Second)); r != 5_000 {
+		t.Fatalf("10000 bytes in 2s = %v; want 5000", r)
+	}
+	if r := m.sample(15_000, t0.Add(3*time.Second)); r != 0 {
+		t.Fatalf("no bytes in 1s = %v; want 0", r)
+	}
+	if r := m.sample(16_000, t0.Add(3500*time.Millisecond)); r != 2_000 {
+		t.Fatalf("1000 bytes in 0.5s = %v; want 2000", r)
+	}
+	// Zero interval: the previous rate, and the baseline stays, so the
+	// next sample measures the whole time since 3.5s.
+	if r := m.sample(99_000, t0.Add(3500*time.Millisecond)); r != 2_000 {
+		t.Fatalf("zero interval = %v; want the previous rate 2000", r)
+	}
+	if r := m.sample(20_000, t0.Add(4500*time.Millisecond)); r != 4_000 {
+		t.Fatalf("4000 bytes since the last real sample, 1s = %v; want 4000", r)
+	}
+	// A clock step back behaves like a zero interval.
+	if r := m.sample(30_000, t0.Add(time.Second)); r != 4_000 {
+		t.Fatalf("negative interval = %v; want the previous rate", r)
+	}
+	// A counter that went backwards restarts.
+	if r := m.sample(10, t0.Add(5*time.Second)); r != 0 {
+		t.Fatalf("counter reset = %v; want 0", r)
+	}
+	if r := m.sample(1_010, t0.Add(6*time.Second)); r != 1_000 {
+		t.Fatalf("after the reset = %v; want 1000", r)
+	}
+
+	// A primed meter measures from the prime on.
+	var p rateMeter
+	p.prime(1_000, t0)
+	if r := p.sample(4_000, t0.Add(time.Second)); r != 3_000 {
+		t.Fatalf("after prime = %v; want 3000", r)
+	}
+}
+
+// TestProcessSourceThroughput: the throughput sample is the bytes read
+// and written per second since the previous sample, from the counters,
+// with the held connections from the tracker.
+func TestProcessSourceThroughput(t *testing.T) {
+	bc := new(byteCounters)
+	tr := new(ConnTracker)
+	a, b := net.Pipe()
+	defer a.Close()
+	defer b.Close()
+	tr.ConnState(a, http.StateNew)
+	src := &processSource{tracker: tr, counters: bc}
+	t0 := time.Now()
+	src.bytes.prime(bc.totals().Total(), t0)
+	bc.in.Add(3_000_000)
+	bc.out.Add(9_000_000)
+	if r := src.bytesPerSecond(t0.Add(2 * time.Second)); r != 6_000_000 {
+		t.Fatalf("12 MB in 2 s = %v B/s; want 6e6", r)
+	}
+	if got := formatLoad(MetricThroughput, 6_000_000); got != "6.0 MB/s" {
+		t.Errorf("formatLoad = %q; want 6.0 MB/s", got)
+	}
+	if got := formatLoad(MetricThroughput, -1); got != "0 B/s" {
+		t.Errorf("formatLoad(-1) = %q", got)
+	}
+	if got := formatLoad(MetricConnections, 1234); got != "1,234.0" {
+		t.Errorf("formatLoad(connections) = %q", got)
+	}
+	load, held := src.Sample(MetricThroughput)
+	if held != 1 || load < 0 {
+		t.Fatalf("Sample = %v, %d; want a rate and 1 connection held", load, held)
+	}
+}
+
+// TestThroughputNeedsListenerWrapper: with metric throughput, a config
+// in which no HTTP server has the rebalance listener wrapper does not
+// load, and says how to fix it; one server with it is enough; a server
+// that lists it twice (counting every byte twice) is rejected. When the
+// rebalance app is provisioned from inside the HTTP app (a `dynamic serf`
+// upstream asks for it, before every server is provisioned), the check
+// waits for Start: it never fails a config that has the wrapper, and
+// still refuses one that has none.
+func TestThroughputNeedsListenerWrapper(t *testing.T) {
+	const wrappers = `"listener_wrappers": [{"wrapper": "rebalance"}, {"wrapper": "tls"}],`
+	server := func(name, extra string) string {
+		return fmt.Sprintf(`%q: {"listen": ["127.0.0.1:%d"], %s "routes": [{"handle": [{"handler": "static_response", "body": "ok"}]}]}`, name, freePort(t), extra)
+	}
+	serfServer := func(name, extra string) string {
+		return fmt.Sprintf(`%q: {"listen": ["127.0.0.1:%d"], %s "routes": [{"handle": [{"handler": "reverse_proxy", "dynamic_upstreams": {"source": "serf", "port": "80"}}]}]}`, name, freePort(t), extra)
+	}
+	config := func(metric string, servers ...string) []byte {
+		apps := `"rebalance": {"node_name": "check", "bind": "127.0.0.1:0", "metric": "` + metric + `"}`
+		if len(servers) > 0 {
+			apps = `"http": {"servers": {` + strings.Join(servers, ", ") + `}}, ` + apps
+		}
+		return []byte(`{"admin": {"disabled": true}, "apps": {` + apps + `}}`)
+	}
+	validate := func(cfg []byte) error {
+		var c caddy.Config
+		if err := json.Unmarshal(cfg, &c); err != nil {
+			t.Fatal(err)
+		}
+		return caddy.Validate(&c)
+	}
+	const fix = "metric throughput needs the rebalance listener wrapper: add `listener_wrappers { rebalance tls }` to the servers global option"
+	for _, tc := range []struct {
+		name string
+		cfg  []byte
+		want string // "" for valid
+	}{
+		{"no wrapper", config("throughput", server("s", "")), fix + ` (JSON: "listener_wrappers": [{"wrapper": "rebalance"}, {"wrapper": "tls"}] in a server); no HTTP server of this config has it`},
+		{"no HTTP app", config("throughput"), fix},
+		{"wrapper", config("throughput", server("s", wrappers)), ""},
+		{"wrapper after tls is still a wrapper", config("throughput", server("s", `"listener_wrappers": [{"wrapper": "rebalance"}],`)), ""},
+		{"one server of two", config("throughput", server("a", ""), server("b", wrappers)), ""},
+		{"connections need no wrapper", config("connections", server("s", "")), ""},
+		{"listed twice", config("connections", server("s", `"listener_wrappers": [{"wrapper": "rebalance"}, {"wrapper": "rebalance"}, {"wrapper": "tls"}],`)), "listed twice"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := validate(tc.cfg)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("want a valid config, got %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("error %v; want one containing %q", err, tc.want)
+			}
+		})
+	}
+	if countedServers.any() {
+		t.Error("the registry still holds servers of configs that were only validated")
+	}
+
+	// Provisioned from inside the HTTP app: Caddy provisions apps and
+	// servers in map order, so run both configs often enough to meet
+	// every order.
+	withWrapper := config("throughput", serfServer("a", ""), server("b", wrappers))
+	withoutWrapper := config("throughput", serfServer("a", ""), server("b", ""))
+	for range 12 {
+		if err := validate(withWrapper); err != nil {
+			t.Fatalf("a config with the wrapper on one server: %v", err)
+		}
+		err := caddy.Load(withoutWrapper, true)
+		if err == nil || !strings.Contains(err.Error(), fix) {
+			caddy.Stop()
+			t.Fatalf("loading a config without the wrapper: %v; want %q", err, fix)
+		}
+	}
+}
+
+// simConn is a connection the tracker holds; closing it reports
+// StateClosed, as net/http does when a socket closes.
+type simConn struct {
+	net.Conn
+	tracker *ConnTracker
+	closed  atomic.Bool
+}
+
+func (c *simConn) Close() error {
+	if c.closed.CompareAndSwap(false, true) {
+		c.tracker.ConnState(c, http.StateClosed)
+	}
+	return nil
+}
+
+// simTraffic is a node's traffic on the real pieces: a ConnTracker with
+// idle connections, byte counters and processSource's sampling and
+// shedding. Before each sample every held connection adds perConn bytes
+// per second since the previous sample (half in, half out), so a
+// connection shed stops carrying bytes, and the rate the node measures is
+// exactly held × perConn, whatever the scheduling.
+type simTraffic struct {
+	*processSource
+	perConn float64
+
+	mu   sync.Mutex
+	last time.Time
+}
+
+func newSimTraffic(conns int, perConn float64) *simTraffic {
+	tr := new(ConnTracker)
+	for range conns {
+		c := &simConn{tracker: tr}
+		tr.ConnState(c, http.StateNew)
+		tr.ConnState(c, http.StateActive)
+		tr.ConnState(c, http.StateIdle)
+	}
+	src := &processSource{tracker: tr, counters: new(byteCounters)}
+	src.bytes.prime(0, time.Now())
+	return &simTraffic{processSource: src, perConn: perConn}
+}
+
+func (s *simTraffic) Sample(metric string) (float64, int) {
+	s.mu.Lock()
+	now := time.Now()
+	if !s.last.IsZero() {
+		b := float64(s.tracker.Counts().Held()) * s.perConn * now.Sub(s.last).Seconds()
+		s.counters.in.Add(uint64(b / 2))
+		s.counters.out.Add(uint64(b - b/2))
+	}
+	s.last = now
+	s.mu.Unlock()
+	return s.processSource.Sample(metric)
+}
+
+// TestThroughputClusterSheds runs two real rebalance nodes on loopback
+// with metric throughput. Each connection carries 10 kB/s: node A holds
+// 300 (3 MB/s), node B 100 (1 MB/s). A is busier by bytes per second
+// than average × 1.2 and sheds, sized as connections × (1 − stop line /
+// current), down to the stop band (average × 1.1: 122 connections or
+// fewer); B never sheds. Both gossip "throughput" and the admin view
+// shows the loads as bytes per second.
+func TestThroughputClusterSheds(t *testing.T) {
+	const perConn = 10_000
+	simA, simB := newSimTraffic(300, perConn), newSimTraffic(100, perConn)
+	throughput := func(x *App) { x.Metric = MetricThroughput }
+	a := testApp(t, "bytes-a", simA, throughput)
+	b := testApp(t, "bytes-b", simB, func(x *App) { throughput(x); x.Join = []string{a.gossipAddr()} })
+	testutil.WaitFor(t, 15*time.Second, "both nodes count two fresh members", func() (bool, string) {
+		okA, whyA := seesLoads(a.node, 2)
+		okB, whyB := seesLoads(b.node, 2)
+		return okA && okB, whyA + "; " + whyB
+	})
+	testutil.WaitFor(t, 20*time.Second, "bytes-a sheds down to the stop band", func() (bool, string) {
+		a.node.mu.Lock()
+		d, shed := a.node.last, a.node.shed
+		a.node.mu.Unlock()
+		held := simA.tracker.Counts().Held()
+		return shed.Total() > 0 && !d.Shedding && held <= 122, fmt.Sprintf("held %d, shed %+v, last decision %+v", held, shed, d)
+	})
+	heldA := simA.tracker.Counts().Held()
+	// Sized by bytes: no more than a few connections past the line.
+	if heldA < 110 {
+		t.Errorf("bytes-a shed down to %d connections; the stop band is at 122 (more than needed)", heldA)
+	}
+	if shed, _ := simA.tracker.ShedTotals(); shed.Total() != 300-heldA || shed.Idle != shed.Total() {
+		t.Errorf("bytes-a's tracker shed %+v; want %d idle connections", shed, 300-heldA)
+	}
+	if shed, _ := simB.tracker.ShedTotals(); shed.Total() != 0 || simB.tracker.Counts().Held() != 100 {
+		t.Errorf("bytes-b shed %+v", shed)
+	}
+	t.Logf("bytes-a: 300 → %d connections (%s)", heldA, formatLoad(MetricThroughput, float64(heldA*perConn)))
+
+	var nv *NodeView
+	for _, v := range BuildClusterReport().Nodes {
+		if v.Name == "bytes-b" {
+			nv = &v
+		}
+	}
+	if nv == nil {
+		t.Fatal("no bytes-b in the admin view")
+	}
+	for _, m := range nv.Members {
+		if m.Metric != MetricThroughput || !strings.HasSuffix(m.LoadHuman, "B/s") || !m.Counted {
+			t.Errorf("admin view of bytes-b: member %+v", m)
+		}
+	}
+	if !strings.HasSuffix(nv.Decision.AverageHuman, "MB/s") {
+		t.Errorf("admin view of bytes-b: average %q; want MB/s", nv.Decision.AverageHuman)
+	}
+}
