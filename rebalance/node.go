@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log"
 	"maps"
+	"math"
 	"net"
 	"runtime/debug"
 	"slices"
@@ -424,7 +425,7 @@ func parseLoadTag(raw string) (metric string, load float64, ok bool) {
 		return "", 0, false
 	}
 	v, err := strconv.ParseFloat(f[1], 64)
-	if err != nil || v < 0 || v != v {
+	if err != nil || v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
 		return "", 0, false
 	}
 	return f[0], v, true
