@@ -176,6 +176,76 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// UnmarshalCaddyfile sets up the selection policy from Caddyfile tokens.
+// Syntax:
+//
+//	lb_policy cluster_load {
+//		port_tag <tag key>
+//		port     <port>
+//		refresh  <duration>
+//	}
+//
+// Every option is optional and may appear once; with neither port nor
+// port_tag, upstreams are matched to members by IP alone.
+func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the policy's name
+	if d.NextArg() {
+		return d.Errf("lb_policy cluster_load: unexpected argument %q; options go in a block", d.Val())
+	}
+	seen := make(map[string]bool)
+	for d.NextBlock(0) {
+		opt := d.Val()
+		if seen[opt] {
+			return d.Errf("lb_policy cluster_load: %s set twice", opt)
+		}
+		seen[opt] = true
+		switch opt {
+		case "port_tag":
+			val, err := policyArg(d)
+			if err != nil {
+				return err
+			}
+			p.PortTag = val
+		case "port":
+			val, err := policyArg(d)
+			if err != nil {
+				return err
+			}
+			if _, err := ParsePort(val); err != nil {
+				return d.Errf("lb_policy cluster_load: %v", err)
+			}
+			p.Port = val
+		case "refresh":
+			val, err := policyArg(d)
+			if err != nil {
+				return err
+			}
+			dur, err := caddy.ParseDuration(val)
+			if err != nil || dur <= 0 {
+				return d.Errf("lb_policy cluster_load: refresh %q: want a positive duration such as 1s", val)
+			}
+			p.Refresh = caddy.Duration(dur)
+		default:
+			return d.Errf("lb_policy cluster_load: unknown option %q; want port_tag, port or refresh", opt)
+		}
+	}
+	return nil
+}
+
+// policyArg reads exactly one argument for the current option of
+// lb_policy cluster_load.
+func policyArg(d *caddyfile.Dispenser) (string, error) {
+	opt := d.Val()
+	if !d.NextArg() {
+		return "", d.Errf("lb_policy cluster_load: %s: missing value", opt)
+	}
+	val := d.Val()
+	if d.NextArg() {
+		return "", d.Errf("lb_policy cluster_load: %s: one value expected, got another: %q", opt, d.Val())
+	}
+	return val, nil
+}
+
 // oneArg reads exactly one argument for the current option.
 func oneArg(d *caddyfile.Dispenser) (string, error) {
 	opt := d.Val()
