@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/serf/serf"
@@ -180,4 +181,14 @@ func (a *App) memberLoads(now time.Time) ([]memberLoad, error) {
 		})
 	}
 	return out, nil
+}
+
+// stepClock returns the coarse clock of the app's node (node.steps), or
+// nil when the node is not running.
+func (a *App) stepClock() *atomic.Int64 {
+	n := a.runningNode()
+	if n == nil {
+		return nil
+	}
+	return &n.steps
 }

@@ -55,8 +55,10 @@ func init() {
 //
 // The loads are read from the cluster at most every Refresh, by the one
 // request that finds them out of date while the others use the previous
-// reading; a selection looks up the two upstreams drawn in that reading
-// and allocates nothing.
+// reading; a selection looks up the two upstreams drawn in that reading,
+// reads no clock (the age of the reading is measured in the app's
+// decision steps, which is when new reports arrive) and allocates
+// nothing.
 //
 // It needs the rebalance app in the same config (the `rebalance` global
 // option); without it the config does not load.
@@ -71,17 +73,19 @@ type ClusterLoadSelection struct {
 	// matched to members by IP alone.
 	Port string `json:"port,omitempty"`
 
-	// Refresh is the longest time between two readings of the members'
-	// loads. The app takes in a new report once per interval, so a
-	// shorter refresh only re-judges freshness. Default: the rebalance
-	// app's interval (1s by default).
+	// Refresh is the time between two readings of the members' loads.
+	// The app takes in the members' reports once per interval, and the
+	// loads are read again at the first request after the app has taken
+	// in reports Refresh after those last read: a refresh shorter than
+	// the interval has the effect of the interval. Default: the
+	// rebalance app's interval (1s by default).
 	Refresh caddy.Duration `json:"refresh,omitempty"`
 
 	refresh time.Duration
 	logger  *zap.Logger
-	// source reads the members and their loads: the app's memberLoads
+	// source is where the members and their loads are read: the app
 	// (tests substitute their own).
-	source func(now time.Time) ([]memberLoad, error)
+	source loadReader
 
 	mu      sync.Mutex // held by the request that refreshes
 	lastErr string     // the last error logged (under mu)
@@ -89,10 +93,24 @@ type ClusterLoadSelection struct {
 	snap    atomic.Pointer[loadSnapshot]
 }
 
+// loadReader is where the policy reads the members' loads: the rebalance
+// app.
+type loadReader interface {
+	// memberLoads returns the members with their loads, judged at now.
+	memberLoads(now time.Time) ([]memberLoad, error)
+	// stepClock returns a clock (monoSince) that advances each time new
+	// reports are taken in, or nil when there is none.
+	stepClock() *atomic.Int64
+}
+
 // loadSnapshot is one reading of the members' loads, never changed once
 // stored.
 type loadSnapshot struct {
-	at time.Time
+	// at is when the reading was made: by clock, the source's step
+	// clock, read per request instead of the system clock; or, when the
+	// source has none (its node is not running), by monoSince(time.Now()).
+	at    int64
+	clock *atomic.Int64
 	// loads maps a dial address (or, matching by IP, a member's IP in
 	// its canonical text form) to the fresh load of the one alive member
 	// it designates.
@@ -102,12 +120,15 @@ type loadSnapshot struct {
 	pool   int     // the size of the pool mean was computed over
 	known  int     // how many of those upstreams have a fresh load
 	others int     // alive members with a fresh load that match no upstream of the pool
-	// hosts holds, for each upstream of the pool measured, the load it
-	// is compared at, keyed by its Host: Caddy keeps one Host per dial
-	// address, across requests and the fresh Upstream values of dynamic
-	// sources, and a pointer is cheaper to look up than the address.
+	// hosts and compared hold, for the i-th upstream of the pool
+	// measured, its Host and the load it is compared at. Caddy keeps one
+	// Host per dial address, across requests and the fresh Upstream values
+	// of dynamic sources, so while a pool keeps its order (static
+	// upstreams; dynamic serf's sorted list) a selection finds an
+	// upstream's load by its position, without hashing its address.
 	// Other upstreams are looked up by dial address.
-	hosts map[*reverseproxy.Host]float64
+	hosts    []*reverseproxy.Host
+	compared []float64
 }
 
 // loadState is what a refresh logs when it changes.
@@ -139,7 +160,7 @@ func (p *ClusterLoadSelection) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("lb_policy cluster_load: %v", err)
 	}
 	app := appIface.(*App)
-	p.source = app.memberLoads
+	p.source = app
 	p.refresh = time.Duration(p.Refresh)
 	if p.refresh == 0 {
 		p.refresh = app.interval
@@ -171,37 +192,48 @@ func (p *ClusterLoadSelection) Select(pool reverseproxy.UpstreamPool, _ *http.Re
 }
 
 // snapshot returns the current reading of the loads for pool. When it is
-// older than Refresh, or was made for a pool of another size (the mean is
-// the pool's), one request refreshes it while the others use it as is.
+// Refresh old, or was made for a pool of another size (the mean is the
+// pool's), one request refreshes it while the others use it as is.
 func (p *ClusterLoadSelection) snapshot(pool reverseproxy.UpstreamPool) *loadSnapshot {
 	s := p.snap.Load()
-	if s != nil && s.pool == len(pool) && time.Since(s.at) < p.refresh {
+	if s != nil && s.pool == len(pool) && !s.expired(p.refresh) {
 		return s
 	}
 	if s == nil {
 		p.mu.Lock()
-		s = p.refreshLocked(pool, time.Now())
+		s = p.refreshLocked(pool)
 		p.mu.Unlock()
 	} else if p.mu.TryLock() {
-		s = p.refreshLocked(pool, time.Now())
+		s = p.refreshLocked(pool)
 		p.mu.Unlock()
 	}
 	return s
 }
 
+// expired reports whether the snapshot is refresh old. By the step clock
+// that is once the node has taken in reports refresh after the ones
+// read, so the loads are re-read when they can have changed, at most
+// every refresh, and a selection does not read the system clock.
+func (s *loadSnapshot) expired(refresh time.Duration) bool {
+	if s.clock != nil {
+		return s.clock.Load()-s.at >= int64(refresh)
+	}
+	return monoSince(time.Now())-s.at >= int64(refresh)
+}
+
 // refreshLocked reads the loads (or, when only the pool's size changed,
 // recomputes the mean) and stores a new snapshot; p.mu is held.
-func (p *ClusterLoadSelection) refreshLocked(pool reverseproxy.UpstreamPool, now time.Time) *loadSnapshot {
+func (p *ClusterLoadSelection) refreshLocked(pool reverseproxy.UpstreamPool) *loadSnapshot {
 	prev := p.snap.Load()
-	current := prev != nil && now.Sub(prev.at) < p.refresh
+	current := prev != nil && !prev.expired(p.refresh)
 	if current && prev.pool == len(pool) {
 		return prev // another request refreshed it meanwhile
 	}
 	var s *loadSnapshot
 	if current {
-		s = &loadSnapshot{at: prev.at, loads: prev.loads, byIP: prev.byIP}
+		s = &loadSnapshot{at: prev.at, clock: prev.clock, loads: prev.loads, byIP: prev.byIP}
 	} else {
-		s = p.read(now)
+		s = p.read()
 	}
 	s.measure(pool)
 	p.snap.Store(s)
@@ -218,28 +250,36 @@ func (p *ClusterLoadSelection) refreshLocked(pool reverseproxy.UpstreamPool, now
 
 // read builds a snapshot from the members' loads. When they cannot be
 // read it is empty (every upstream neutral) and the error is logged once.
-func (p *ClusterLoadSelection) read(now time.Time) *loadSnapshot {
-	members, err := p.source(now)
+func (p *ClusterLoadSelection) read() *loadSnapshot {
+	now := time.Now()
+	clock := p.source.stepClock()
+	at := monoSince(now)
+	if clock != nil {
+		at = clock.Load() // before the reports it stands for are read
+	}
+	members, err := p.source.memberLoads(now)
 	if err != nil {
 		if msg := err.Error(); msg != p.lastErr {
 			p.logger.Warn("cannot read the cluster's loads; choosing by requests in flight", zap.Error(err))
 			p.lastErr = msg
 		}
-		return &loadSnapshot{at: now}
+		return &loadSnapshot{at: monoSince(now)}
 	}
 	if p.lastErr != "" {
 		p.logger.Info("cluster loads readable again")
 		p.lastErr = ""
 	}
-	return buildLoads(members, p.Port, p.PortTag, now)
+	s := buildLoads(members, p.Port, p.PortTag)
+	s.at, s.clock = at, clock
+	return s
 }
 
 // buildLoads maps each address that designates exactly one alive member
 // to that member's load, when it counts: the dial address the member is
 // reached at (its IP and the port in its tag portTag, else port), or, when
 // neither port nor portTag is given, its IP.
-func buildLoads(members []memberLoad, port, portTag string, now time.Time) *loadSnapshot {
-	s := &loadSnapshot{at: now, loads: make(map[string]float64), byIP: port == "" && portTag == ""}
+func buildLoads(members []memberLoad, port, portTag string) *loadSnapshot {
+	s := &loadSnapshot{loads: make(map[string]float64), byIP: port == "" && portTag == ""}
 	alive := make(map[string]int)
 	keys := make([]string, len(members))
 	for i, m := range members {
@@ -280,11 +320,10 @@ func (s *loadSnapshot) measure(pool reverseproxy.UpstreamPool) {
 		s.mean = sum / float64(s.known)
 	}
 	s.others = max(0, len(s.loads)-s.known)
-	s.hosts = make(map[*reverseproxy.Host]float64, len(pool))
-	for _, u := range pool {
-		if u.Host != nil {
-			s.hosts[u.Host] = s.loadAt(u.Dial)
-		}
+	s.hosts = make([]*reverseproxy.Host, len(pool))
+	s.compared = make([]float64, len(pool))
+	for i, u := range pool {
+		s.hosts[i], s.compared[i] = u.Host, s.loadAt(u.Dial)
 	}
 }
 
@@ -298,11 +337,11 @@ func (s *loadSnapshot) lookup(dial string) (float64, bool) {
 	return v, ok
 }
 
-// load returns the load to compare for u: its member's fresh load, else
-// the pool's mean.
-func (s *loadSnapshot) load(u *reverseproxy.Upstream) float64 {
-	if v, ok := s.hosts[u.Host]; ok {
-		return v
+// load returns the load to compare for u, the i-th upstream of the pool:
+// its member's fresh load, else the pool's mean.
+func (s *loadSnapshot) load(i int, u *reverseproxy.Upstream) float64 {
+	if i < len(s.hosts) && s.hosts[i] == u.Host && u.Host != nil {
+		return s.compared[i]
 	}
 	return s.loadAt(u.Dial)
 }
@@ -441,7 +480,7 @@ type poolLoads struct {
 
 func (c poolLoads) Len() int           { return len(c.pool) }
 func (c poolLoads) Usable(i int) bool  { return c.pool[i].Available() }
-func (c poolLoads) Load(i int) float64 { return c.snap.load(c.pool[i]) }
+func (c poolLoads) Load(i int) float64 { return c.snap.load(i, c.pool[i]) }
 func (c poolLoads) InFlight(i int) int { return c.pool[i].NumRequests() }
 
 // Interface guards

@@ -232,17 +232,20 @@ func TestClusterLoadMatching(t *testing.T) {
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := buildLoads(tc.members, tc.port, tc.portTag, time.Now())
+			s := buildLoads(tc.members, tc.port, tc.portTag)
 			pool := newUpstreams(tc.dials...)
 			s.measure(pool)
 			for i, d := range tc.dials {
 				// through the Host cache, and for an upstream whose Host the
 				// snapshot has not seen (by dial address)
-				if got := s.load(pool[i]); got != tc.want[i] {
+				if got := s.load(i, pool[i]); got != tc.want[i] {
 					t.Errorf("%s: load %v; want %v", d, got, tc.want[i])
 				}
-				if got := s.load(newUpstreams(d)[0]); got != tc.want[i] {
-					t.Errorf("%s, uncached: load %v; want %v", d, got, tc.want[i])
+				if got := s.load(i, newUpstreams(d)[0]); got != tc.want[i] {
+					t.Errorf("%s, another Host: load %v; want %v", d, got, tc.want[i])
+				}
+				if got := s.load(len(pool)-1-i, pool[i]); got != tc.want[i] {
+					t.Errorf("%s, at another position: load %v; want %v", d, got, tc.want[i])
 				}
 			}
 			if s.known != tc.known || s.pool != len(pool) {
@@ -277,10 +280,20 @@ func newUpstreams(dials ...string) reverseproxy.UpstreamPool {
 	return pool
 }
 
+// fakeReader is a source of loads: what read returns, and clock as the
+// step clock (none when nil: the policy then uses the system clock).
+type fakeReader struct {
+	read  func() ([]memberLoad, error)
+	clock *atomic.Int64
+}
+
+func (f fakeReader) memberLoads(time.Time) ([]memberLoad, error) { return f.read() }
+func (f fakeReader) stepClock() *atomic.Int64                    { return f.clock }
+
 // fixedPolicy returns a policy, set up as Provision would, whose members
-// are those source returns, read at most every hour.
-func fixedPolicy(portTag string, source func(time.Time) ([]memberLoad, error)) *ClusterLoadSelection {
-	return &ClusterLoadSelection{PortTag: portTag, refresh: time.Hour, logger: zap.NewNop(), source: source}
+// are those read returns, read at most every hour.
+func fixedPolicy(portTag string, read func() ([]memberLoad, error)) *ClusterLoadSelection {
+	return &ClusterLoadSelection{PortTag: portTag, refresh: time.Hour, logger: zap.NewNop(), source: fakeReader{read: read}}
 }
 
 // loadsPool returns a pool of one upstream per load, and the members that
@@ -323,13 +336,16 @@ type leastLoadedOnly struct{ p *ClusterLoadSelection }
 
 func (l leastLoadedOnly) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	s := l.p.snapshot(pool)
-	var best *reverseproxy.Upstream
-	for _, u := range pool {
-		if u.Available() && (best == nil || s.load(u) < s.load(best)) {
-			best = u
+	best := -1
+	for i, u := range pool {
+		if u.Available() && (best < 0 || s.load(i, u) < s.load(best, pool[best])) {
+			best = i
 		}
 	}
-	return best
+	if best < 0 {
+		return nil
+	}
+	return pool[best]
 }
 
 // TestClusterLoadNoHerd: ten upstreams, one far less loaded than the
@@ -345,7 +361,7 @@ func TestClusterLoadNoHerd(t *testing.T) {
 	}
 	loads[3] = 10
 	pool, members := loadsPool(loads...)
-	p := fixedPolicy("http_port", func(time.Time) ([]memberLoad, error) { return members, nil })
+	p := fixedPolicy("http_port", func() ([]memberLoad, error) { return members, nil })
 
 	ours := selectShares(p, pool, picks)[3]
 	herd := selectShares(leastLoadedOnly{p}, pool, picks)[3]
@@ -376,7 +392,7 @@ func TestClusterLoadShares(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool, members := loadsPool(tc.loads...)
-			p := fixedPolicy("http_port", func(time.Time) ([]memberLoad, error) { return members, nil })
+			p := fixedPolicy("http_port", func() ([]memberLoad, error) { return members, nil })
 			got := selectShares(p, pool, picks)
 			t.Logf("loads %v: shares %.3f", tc.loads, got)
 			for i := range got {
@@ -398,7 +414,7 @@ func TestClusterLoadSelectEdges(t *testing.T) {
 	pool, members := loadsPool(100, 200)
 	var broken atomic.Bool
 	broken.Store(true)
-	p := fixedPolicy("http_port", func(time.Time) ([]memberLoad, error) {
+	p := fixedPolicy("http_port", func() ([]memberLoad, error) {
 		if broken.Load() {
 			return nil, ErrNotRunning
 		}
@@ -426,7 +442,7 @@ func TestClusterLoadSelectEdges(t *testing.T) {
 // expire makes the policy's snapshot out of date.
 func expire(p *ClusterLoadSelection) {
 	s := *p.snap.Load()
-	s.at = s.at.Add(-2 * p.refresh)
+	s.at -= 2 * int64(p.refresh)
 	p.snap.Store(&s)
 }
 
@@ -436,7 +452,7 @@ func expire(p *ClusterLoadSelection) {
 func TestClusterLoadRefresh(t *testing.T) {
 	pool, members := loadsPool(100, 200, 300, 400)
 	var reads atomic.Int32
-	p := fixedPolicy("http_port", func(time.Time) ([]memberLoad, error) {
+	p := fixedPolicy("http_port", func() ([]memberLoad, error) {
 		reads.Add(1)
 		return members, nil
 	})
@@ -479,6 +495,29 @@ func TestClusterLoadRefresh(t *testing.T) {
 	// (AllocsPerRun's warm-up run takes the pool-size change)
 	if a := testing.AllocsPerRun(1000, func() { p.Select(pool, nil, nil) }); a != 0 {
 		t.Errorf("Select allocates %v per call", a)
+	}
+
+	// With the app's step clock, the age of a reading is counted on it.
+	var clock atomic.Int64
+	p.source = fakeReader{read: func() ([]memberLoad, error) {
+		reads.Add(1)
+		return members, nil
+	}, clock: &clock}
+	p.refresh = time.Second
+	expire(p)
+	p.Select(pool, nil, nil)
+	before := reads.Load()
+	clock.Add(int64(999 * time.Millisecond))
+	for range 100 {
+		p.Select(pool, nil, nil)
+	}
+	if r := reads.Load() - before; r != 0 {
+		t.Errorf("%d reads before the step clock moved a refresh on; want 0", r)
+	}
+	clock.Add(int64(time.Millisecond))
+	p.Select(pool, nil, nil)
+	if r := reads.Load() - before; r != 1 {
+		t.Errorf("%d reads once the step clock moved a refresh on; want 1", r)
 	}
 }
 
@@ -741,7 +780,9 @@ func BenchmarkClusterLoadSelect(b *testing.B) {
 					for i := range members {
 						members[i] = member(fmt.Sprint("m", i), fmt.Sprintf("10.0.%d.%d", i/250, i%250+1), "", float64(100+i%7), true)
 					}
-					p.source = func(time.Time) ([]memberLoad, error) { return members, nil }
+					// with a step clock, as the app has
+					p.source = fakeReader{read: func() ([]memberLoad, error) { return members, nil }, clock: new(atomic.Int64)}
+					p.logger = zap.NewNop() // its one line per change would break the output
 					if p.Select(pool, nil, nil); p.snap.Load().known != n {
 						b.Fatalf("%d of %d upstreams have a load", p.snap.Load().known, n)
 					}
@@ -764,7 +805,8 @@ func BenchmarkClusterLoadSelect(b *testing.B) {
 // returns its policy and pool.
 func proxyWithPolicy(b *testing.B, policy string, n int) (reverseproxy.Selector, reverseproxy.UpstreamPool) {
 	ctx, err := caddy.ProvisionContext(&caddy.Config{AppsRaw: caddy.ModuleMap{
-		"rebalance": json.RawMessage(`{"node_name": "bench", "bind": "127.0.0.1:0"}`),
+		// metric cpu: no HTTP app here, and none is needed for it (no warning)
+		"rebalance": json.RawMessage(`{"node_name": "bench", "bind": "127.0.0.1:0", "metric": "cpu"}`),
 	}})
 	if err != nil {
 		b.Fatal(err)
