@@ -152,6 +152,19 @@ func TestValidateJSON(t *testing.T) {
 			policy:    `{"policy": "panic", "selection_policy": {"policy": "ewma", "weights": [1, 2]}}`,
 			wantErr:   "ewma: 2 weights given for 3 upstreams",
 		},
+		{
+			// cluster_load reads its loads from the rebalance app.
+			name:      "cluster_load without the rebalance app",
+			upstreams: 2,
+			policy:    `{"policy": "cluster_load", "port_tag": "http_port"}`,
+			wantErr:   "lb_policy cluster_load: no rebalance app in this config",
+		},
+		{
+			name:      "cluster_load port out of range",
+			upstreams: 2,
+			policy:    `{"policy": "cluster_load", "port": "0"}`,
+			wantErr:   `lb_policy cluster_load: port "0": want a number from 1 to 65535`,
+		},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var cfg caddy.Config

@@ -190,10 +190,9 @@ func (n *node) view(now time.Time) NodeView {
 	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded)",
 		humanize.Comma(int64(n.shed.Total())), humanize.Comma(int64(n.shed.Idle)),
 		humanize.Comma(int64(n.shed.Active)), humanize.Comma(int64(n.shed.Hijacked)))
-	var freshness time.Duration
-	var metric string
+	var params Params
 	if s != nil {
-		freshness, metric = s.params.Freshness, s.metric
+		params = s.params
 	}
 	for _, m := range members {
 		mv := MemberView{
@@ -217,21 +216,27 @@ func (n *node) view(now time.Time) NodeView {
 			mv.ReportAgeMs = now.Sub(at).Milliseconds()
 			mv.ReportAge = humanize.RelTime(at, now, "ago", "from now")
 		}
+		r := Report{Name: m.Name, Status: memberStatus(m.Status), Load: mv.Load, At: at, Metric: mv.Metric}
 		switch {
 		case mv.Self:
 			mv.Counted = true
-		case m.Status.String() != "alive":
+		case r.Status != StatusAlive:
 			mv.Why = "not alive"
 		case !ok:
 			mv.Why = "no load report"
-		case metric != "" && mv.Metric != metric:
-			mv.Why = "reports another metric"
-		case at.IsZero() || now.Sub(at) > freshness:
-			mv.Why = "report not fresh"
-		case n.lift.Ignored == m.Name && now.Before(n.lift.IgnoredUntil):
-			mv.Why = "gained no connections while lifted; left out for " + humanize.RelTime(now, n.lift.IgnoredUntil, "", "")
 		default:
-			mv.Counted = true
+			switch params.standing(r, now) {
+			case otherMetric:
+				mv.Why = "reports another metric"
+			case stale:
+				mv.Why = "report not fresh"
+			default:
+				if n.lift.Ignored == m.Name && now.Before(n.lift.IgnoredUntil) {
+					mv.Why = "gained no connections while lifted; left out for " + humanize.RelTime(now, n.lift.IgnoredUntil, "", "")
+					break
+				}
+				mv.Counted = true
+			}
 		}
 		v.Members = append(v.Members, mv)
 	}

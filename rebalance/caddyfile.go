@@ -65,7 +65,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		seen[opt] = true
 		switch opt {
 		case "node_name", "bind", "advertise", "encrypt_key", "metric":
-			val, err := oneArg(d)
+			val, err := oneArg(d, "rebalance")
 			if err != nil {
 				return err
 			}
@@ -98,7 +98,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			a.Tags = make(map[string]string)
 			for nesting := d.Nesting(); d.NextBlock(nesting); {
 				key := d.Val()
-				val, err := oneArg(d)
+				val, err := oneArg(d, "rebalance")
 				if err != nil {
 					return err
 				}
@@ -111,7 +111,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.Tags[key] = val
 			}
 		case "interval", "history", "freshness":
-			val, err := oneArg(d)
+			val, err := oneArg(d, "rebalance")
 			if err != nil {
 				return err
 			}
@@ -128,7 +128,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.Freshness = caddy.Duration(dur)
 			}
 		case "threshold", "stop_band", "shed_rate":
-			val, err := oneArg(d)
+			val, err := oneArg(d, "rebalance")
 			if err != nil {
 				return err
 			}
@@ -151,7 +151,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.ShedRate = pct
 			}
 		case "min_connections":
-			val, err := oneArg(d)
+			val, err := oneArg(d, "rebalance")
 			if err != nil {
 				return err
 			}
@@ -199,15 +199,72 @@ func (w *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// oneArg reads exactly one argument for the current option.
-func oneArg(d *caddyfile.Dispenser) (string, error) {
+// UnmarshalCaddyfile sets up the selection policy from Caddyfile tokens.
+// Syntax:
+//
+//	lb_policy cluster_load {
+//		port_tag <tag key>
+//		port     <port>
+//		refresh  <duration>
+//	}
+//
+// Every option is optional and may appear once; with neither port nor
+// port_tag, upstreams are matched to members by IP alone.
+func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the policy's name
+	if d.NextArg() {
+		return d.Errf("lb_policy cluster_load: unexpected argument %q; options go in a block", d.Val())
+	}
+	seen := make(map[string]bool)
+	for d.NextBlock(0) {
+		opt := d.Val()
+		if seen[opt] {
+			return d.Errf("lb_policy cluster_load: %s set twice", opt)
+		}
+		seen[opt] = true
+		switch opt {
+		case "port_tag":
+			val, err := oneArg(d, "lb_policy cluster_load")
+			if err != nil {
+				return err
+			}
+			p.PortTag = val
+		case "port":
+			val, err := oneArg(d, "lb_policy cluster_load")
+			if err != nil {
+				return err
+			}
+			if _, err := ParsePort(val); err != nil {
+				return d.Errf("lb_policy cluster_load: %v", err)
+			}
+			p.Port = val
+		case "refresh":
+			val, err := oneArg(d, "lb_policy cluster_load")
+			if err != nil {
+				return err
+			}
+			dur, err := caddy.ParseDuration(val)
+			if err != nil || dur <= 0 {
+				return d.Errf("lb_policy cluster_load: refresh %q: want a positive duration such as 1s", val)
+			}
+			p.Refresh = caddy.Duration(dur)
+		default:
+			return d.Errf("lb_policy cluster_load: unknown option %q; want port_tag, port or refresh", opt)
+		}
+	}
+	return nil
+}
+
+// oneArg reads exactly one argument for the current option; errors start
+// with prefix (the directive or option they are in).
+func oneArg(d *caddyfile.Dispenser, prefix string) (string, error) {
 	opt := d.Val()
 	if !d.NextArg() {
-		return "", d.Errf("rebalance: %s: missing value", opt)
+		return "", d.Errf("%s: %s: missing value", prefix, opt)
 	}
 	val := d.Val()
 	if d.NextArg() {
-		return "", d.Errf("rebalance: %s: one value expected, got another: %q", opt, d.Val())
+		return "", d.Errf("%s: %s: one value expected, got another: %q", prefix, opt, d.Val())
 	}
 	return val, nil
 }

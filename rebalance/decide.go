@@ -124,6 +124,36 @@ func (p Params) Validate() error {
 	return nil
 }
 
+// standing is whether a member's report counts toward the cluster
+// average, or why not.
+type standing int
+
+const (
+	counted standing = iota
+	notAlive
+	otherMetric
+	stale
+	// ignored: the lift rule left it out (Decide's own; see LiftState).
+	ignored
+)
+
+// standing judges one member's report at now: it counts when the member
+// is alive, reports p's metric (or p accepts every metric, or the report
+// names none), and was seen to change within p.Freshness. It is the one
+// rule for the cluster average (Decide), the admin view and the
+// cluster_load selection policy.
+func (p Params) standing(r Report, now time.Time) standing {
+	switch {
+	case r.Status != StatusAlive:
+		return notAlive
+	case p.Metric != "" && r.Metric != "" && r.Metric != p.Metric:
+		return otherMetric
+	case r.At.IsZero() || now.Sub(r.At) > p.Freshness:
+		return stale
+	}
+	return counted
+}
+
 // Input is what one decision looks at.
 type Input struct {
 	// Self is this node's name; its entry in Members, if any, is replaced
@@ -236,24 +266,25 @@ func Decide(p Params, in Input) Decision {
 		if m.Name == in.Self {
 			continue
 		}
-		switch {
-		case m.Status != StatusAlive:
-			d.NotAlive++
-			continue
-		case p.Metric != "" && m.Metric != "" && m.Metric != p.Metric:
-			d.OtherMetric++
-			continue
-		case m.At.IsZero() || in.Now.Sub(m.At) > p.Freshness:
-			d.Stale++
-			continue
-		case ignoring && m.Name == in.Lift.Ignored:
-			d.Ignored++
-			continue
+		st := p.standing(m, in.Now)
+		if st == counted && ignoring && m.Name == in.Lift.Ignored {
+			st = ignored
 		}
-		sum += m.Load
-		d.Counted++
-		if m.Load < lowest {
-			lowest, lowestName = m.Load, m.Name
+		switch st {
+		case notAlive:
+			d.NotAlive++
+		case otherMetric:
+			d.OtherMetric++
+		case stale:
+			d.Stale++
+		case ignored:
+			d.Ignored++
+		default:
+			sum += m.Load
+			d.Counted++
+			if m.Load < lowest {
+				lowest, lowestName = m.Load, m.Name
+			}
 		}
 	}
 	sum += in.Local

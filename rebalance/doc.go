@@ -17,5 +17,8 @@
 //     in a caddy.UsagePool keyed by bind address, and the decision loop;
 //   - the Caddy app `rebalance` (app.go) and its Caddyfile global option
 //     (caddyfile.go);
-//   - the admin endpoint GET /rebalance/cluster (admin.go).
+//   - the admin endpoint GET /rebalance/cluster (admin.go);
+//   - discovery and balancing from the cluster: the dynamic upstream
+//     source `serf` (upstreams.go) and the selection policy
+//     `cluster_load`, two random choices by gossiped load (policy.go).
 package rebalance

@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/hashicorp/serf/serf"
 )
@@ -126,4 +128,67 @@ func ParsePort(s string) (int, error) {
 		return 0, fmt.Errorf("port %q: want a number from 1 to 65535", s)
 	}
 	return p, nil
+}
+
+// memberLoad is a member with its last load report, judged by the rule of
+// the cluster average.
+type memberLoad struct {
+	Member
+	// Load is the member's gossiped, smoothed load, in the unit of the
+	// metric; meaningful only when Counts.
+	Load float64
+	// Counts is true when the report counts toward the cluster average
+	// now (Params.standing): the member is alive, its tag holds a valid
+	// report in this node's metric, and the tag was seen to change within
+	// freshness. This node's own report counts once it has gossiped one
+	// within freshness.
+	Counts bool
+}
+
+// memberLoads returns every member serf knows, with its load as the
+// node's decision loop last saw it (the tag and when it last changed, in
+// node.seen) judged at now by the app's freshness and metric. It reads
+// serf's member list and locks the node briefly: callers on a request path
+// must cache what they build from it. It returns ErrNotRunning before the
+// app has started or after it stopped.
+func (a *App) memberLoads(now time.Time) ([]memberLoad, error) {
+	n := a.runningNode()
+	if n == nil {
+		return nil, ErrNotRunning
+	}
+	ms := n.serf.Members()
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	out := make([]memberLoad, 0, len(ms))
+	for _, m := range ms {
+		self := m.Name == n.name
+		seen := n.seen[m.Name]
+		r := Report{Name: m.Name, Status: memberStatus(m.Status), At: seen.at}
+		var ok bool
+		r.Metric, r.Load, ok = parseLoadTag(seen.raw)
+		if self && len(n.owners) > 0 {
+			// The value this node gossips, as of its last step.
+			r.Metric, r.Load, r.At = n.owners[len(n.owners)-1].metric, n.local, n.lastAt
+			ok = !n.lastAt.IsZero()
+		}
+		out = append(out, memberLoad{
+			Member: Member{
+				Name: m.Name, Addr: m.Addr, Port: m.Port,
+				Status: r.Status, Tags: m.Tags, Self: self,
+			},
+			Load:   r.Load,
+			Counts: ok && a.params.standing(r, now) == counted,
+		})
+	}
+	return out, nil
+}
+
+// stepClock returns the coarse clock of the app's node (node.steps), or
+// nil when the node is not running.
+func (a *App) stepClock() *atomic.Int64 {
+	n := a.runningNode()
+	if n == nil {
+		return nil
+	}
+	return &n.steps
 }

@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"log"
 	"maps"
+	"math"
 	"net"
 	"runtime/debug"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -94,9 +96,22 @@ type node struct {
 	joined        bool
 	joinErr       string
 
+	// steps is the node's coarse clock: when its last decision step
+	// took in the members' reports, as monoSince. It advances once per
+	// interval; policies that cache what they read from the node compare
+	// it with their cache's age instead of reading the clock per request.
+	steps atomic.Int64
+
 	stop chan struct{}
 	done sync.WaitGroup
 }
+
+// monoEpoch is the origin of monoSince.
+var monoEpoch = time.Now()
+
+// monoSince returns t on a monotonic clock, in nanoseconds since the
+// process loaded this package (wall-clock changes do not move it).
+func monoSince(t time.Time) int64 { return int64(t.Sub(monoEpoch)) }
 
 // newNode creates the serf member for s and starts its loops. It binds the
 // gossip port.
@@ -310,6 +325,7 @@ func (n *node) step(s *settings, now time.Time) {
 	n.shedding, n.lift = d.Shedding, d.Lift
 	n.members = reports
 	n.last, n.lastAt = d, now
+	n.steps.Store(monoSince(now))
 	n.local, n.current, n.held = local, load, held
 	n.shed.Idle += res.Idle
 	n.shed.Active += res.Active
@@ -443,7 +459,7 @@ func parseLoadTag(raw string) (metric string, load float64, ok bool) {
 		return "", 0, false
 	}
 	v, err := strconv.ParseFloat(f[1], 64)
-	if err != nil || v < 0 || v != v {
+	if err != nil || v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
 		return "", 0, false
 	}
 	return f[0], v, true
