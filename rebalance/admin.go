@@ -77,27 +77,38 @@ type DecisionView struct {
 	OtherMetric int       `json:"members_other_metric"`
 	Shedding    bool      `json:"shedding"`
 	Shed        int       `json:"shed"`
-	Reason      string    `json:"reason"`
+	// Forced is the number of shed connections closed in that interval
+	// because they reached no response boundary within
+	// boundary_timeout.
+	Forced int    `json:"forced_closes"`
+	Reason string `json:"reason"`
 }
 
 // NodeView is one rebalance node in the admin API's output.
 type NodeView struct {
-	Name      string       `json:"node_name"`
-	Bind      string       `json:"bind"`
-	Encrypted bool         `json:"encrypted"`
-	Metric    string       `json:"metric"`
-	Threshold float64      `json:"threshold_percent"`
-	StopBand  float64      `json:"stop_band_percent"`
-	ShedRate  float64      `json:"shed_rate_percent"`
-	MinConns  int          `json:"min_connections"`
-	JoinError string       `json:"join_error,omitempty"`
-	Members   []MemberView `json:"members"`
-	Decision  DecisionView `json:"last_decision"`
+	Name      string `json:"node_name"`
+	Bind      string `json:"bind"`
+	Encrypted bool   `json:"encrypted"`
+	Metric    string `json:"metric"`
+	// BoundaryTimeout is boundary_timeout in milliseconds; 0: never
+	// forced.
+	BoundaryTimeout int64        `json:"boundary_timeout_ms"`
+	Threshold       float64      `json:"threshold_percent"`
+	StopBand        float64      `json:"stop_band_percent"`
+	ShedRate        float64      `json:"shed_rate_percent"`
+	MinConns        int          `json:"min_connections"`
+	JoinError       string       `json:"join_error,omitempty"`
+	Members         []MemberView `json:"members"`
+	Decision        DecisionView `json:"last_decision"`
 	// Connections are this process's HTTP connections by state.
 	Connections ConnCounts `json:"connections"`
 	// ShedTotal counts the connections this node shed, by how.
-	ShedTotal      ShedResult `json:"shed_total"`
-	ShedTotalHuman string     `json:"shed_total_human"`
+	ShedTotal ShedResult `json:"shed_total"`
+	// ForcedCloses counts the shed active connections this node closed
+	// because they reached no response boundary within boundary_timeout
+	// (they are also in shed_total.active).
+	ForcedCloses   uint64 `json:"forced_closes_total"`
+	ShedTotalHuman string `json:"shed_total_human"`
 }
 
 // ClusterReport is the body of GET /rebalance/cluster.
@@ -133,10 +144,11 @@ func (n *node) view(now time.Time) NodeView {
 			At: n.lastAt, Local: n.local, Current: n.current, Held: n.held,
 			Average: n.last.Average, Balance: n.last.Balance, Counted: n.last.Counted,
 			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric,
-			Shedding: n.last.Shedding, Shed: n.last.Shed, Reason: n.last.Reason,
+			Shedding: n.last.Shedding, Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
 		},
-		Connections: tracker.Counts(),
-		ShedTotal:   n.shed,
+		Connections:  tracker.Counts(),
+		ShedTotal:    n.shed,
+		ForcedCloses: n.forced,
 	}
 	if s != nil {
 		v.Metric = s.metric
@@ -144,10 +156,12 @@ func (n *node) view(now time.Time) NodeView {
 		v.StopBand = s.params.stopBand() * 100
 		v.ShedRate = s.params.ShedRate * 100
 		v.MinConns = s.params.MinConnections
+		v.BoundaryTimeout = s.boundary.Milliseconds()
 	}
-	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded)",
+	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded); %s forced closed at boundary_timeout",
 		humanize.Comma(int64(n.shed.Total())), humanize.Comma(int64(n.shed.Idle)),
-		humanize.Comma(int64(n.shed.Active)), humanize.Comma(int64(n.shed.Hijacked)))
+		humanize.Comma(int64(n.shed.Active)), humanize.Comma(int64(n.shed.Hijacked)),
+		humanize.Comma(int64(n.forced)))
 	var freshness time.Duration
 	var metric string
 	if s != nil {

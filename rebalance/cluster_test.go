@@ -33,6 +33,8 @@ func (f *fakeSource) Sample(string) (float64, int) {
 	return f.load, int(f.load)
 }
 
+func (f *fakeSource) Sweep(time.Duration, time.Duration) SweepResult { return SweepResult{} }
+
 func (f *fakeSource) Shed(n int) ShedResult {
 	f.mu.Lock()
 	defer f.mu.Unlock()

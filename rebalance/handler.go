@@ -75,7 +75,7 @@ type closeWriter struct {
 func (cw *closeWriter) WriteHeader(status int) {
 	if !cw.wroteHeader && status >= 200 {
 		cw.wroteHeader = true
-		if cw.tc.closeAtBoundary.Load() {
+		if cw.tc.closeAtBoundary() {
 			cw.Header().Set("Connection", "close")
 		}
 	}

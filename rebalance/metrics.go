@@ -27,11 +27,14 @@ var (
 		"Intervals in which this node shed connections.", []string{"node"}, nil)
 	descConnectionsShed = prometheus.NewDesc("caddy_lbx_rebalance_connections_shed_total",
 		"Connections this node shed, by kind.", []string{"node", "kind"}, nil)
+	descForcedCloses = prometheus.NewDesc("caddy_lbx_rebalance_forced_closes_total",
+		"Shed active connections this node closed because they reached no response boundary within boundary_timeout.", []string{"node"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted, descShedDecisions, descConnectionsShed} {
+	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted,
+		descShedDecisions, descConnectionsShed, descForcedCloses} {
 		ch <- d
 	}
 }
@@ -45,13 +48,14 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 	}{{"new", c.New}, {"idle", c.Idle}, {"active", c.Active}, {"hijacked", c.Hijacked}} {
 		ch <- prometheus.MustNewConstMetric(descConnections, prometheus.GaugeValue, float64(s.n), s.state)
 	}
+
 	// One node per process, except briefly when a reload changes the bind
 	// address (and in tests): the node label keeps their series apart.
 	nodes.Range(func(_, v any) bool {
 		n := v.(*node)
 		n.mu.Lock()
 		name, local, avg, counted := n.name, n.local, n.last.Average, n.last.Counted
-		decisions, shed := n.shedDecisions, n.shed
+		decisions, shed, forced := n.shedDecisions, n.shed, n.forced
 		n.mu.Unlock()
 		ch <- prometheus.MustNewConstMetric(descLocalLoad, prometheus.GaugeValue, local, name)
 		ch <- prometheus.MustNewConstMetric(descClusterAverage, prometheus.GaugeValue, avg, name)
@@ -60,6 +64,7 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Idle), name, "idle")
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Active), name, "active")
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Hijacked), name, "hijacked")
+		ch <- prometheus.MustNewConstMetric(descForcedCloses, prometheus.CounterValue, float64(forced), name)
 		return true
 	})
 }
