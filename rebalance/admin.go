@@ -22,8 +22,9 @@ func init() {
 //
 // returns, for each rebalance node in the process (normally one), its
 // members with status, load and report age, whether each counts toward the
-// average, this node's own load, connections by state, its last decision
-// and its shed totals. Fields ending in _human repeat numbers for people.
+// average, this node's own load, connections by state, its last decision,
+// its shed totals, forced closes (boundary_timeout) and how shed
+// WebSockets closed. Fields ending in _human repeat numbers for people.
 type AdminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -109,6 +110,9 @@ type NodeView struct {
 	// (they are also in shed_total.active).
 	ForcedCloses   uint64 `json:"forced_closes_total"`
 	ShedTotalHuman string `json:"shed_total_human"`
+	// WebSocketCloses says how the WebSocket streams this process shed
+	// through rebalance_close ended: with a close frame, or without.
+	WebSocketCloses WebSocketCloses `json:"websocket_closes"`
 }
 
 // ClusterReport is the body of GET /rebalance/cluster.
@@ -146,9 +150,10 @@ func (n *node) view(now time.Time) NodeView {
 			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric,
 			Shedding: n.last.Shedding, Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
 		},
-		Connections:  tracker.Counts(),
-		ShedTotal:    n.shed,
-		ForcedCloses: n.forced,
+		Connections:     tracker.Counts(),
+		ShedTotal:       n.shed,
+		ForcedCloses:    n.forced,
+		WebSocketCloses: tracker.WebSocketCloses(),
 	}
 	if s != nil {
 		v.Metric = s.metric

@@ -54,6 +54,10 @@ type trackedConn struct {
 	// shedAt is when it was shed, as time since trackerEpoch; written by
 	// Shed and read by Sweep, both under the tracker's shedMu.
 	shedAt atomic.Int64
+	// ws is set by CloseHandler when the connection is upgraded to a
+	// WebSocket whose frames it follows: the tracker then closes the
+	// stream with a close frame instead of cutting it (see wsclose.go).
+	ws atomic.Pointer[wsConn]
 	// closed is set by the first close from the tracker.
 	closed atomic.Bool
 	// h2 is set once the connection is seen to speak HTTP/2: over TLS
@@ -116,6 +120,22 @@ func (t *ConnTracker) markClosing(tc *trackedConn) bool {
 	if tc.shed.CompareAndSwap(notShed, shedClosing) {
 		tc.shedAt.Store(int64(time.Since(trackerEpoch)))
 		t.closing.Add(1)
+		return true
+	}
+	return false
+}
+
+// closeStream closes tc, a hijacked connection, and reports whether this
+// call did: a WebSocket whose frames CloseHandler follows gets a close
+// frame at its next frame boundary and is closed shortly after; any
+// other stream is closed at once.
+func (t *ConnTracker) closeStream(tc *trackedConn) bool {
+	ws := tc.ws.Load()
+	if ws == nil {
+		return tc.closeConn()
+	}
+	if tc.closed.CompareAndSwap(false, true) {
+		ws.closeGracefully(&t.wsCloses)
 		return true
 	}
 	return false
@@ -194,6 +214,7 @@ type ConnTracker struct {
 	// Totals since the tracker was created.
 	shedIdle, shedActive, shedHijacked atomic.Uint64
 	closedAtBoundary, forced           atomic.Uint64
+	wsCloses                           wsCloseCounters
 
 	shedMu sync.Mutex // one Shed or Sweep at a time
 }
@@ -313,7 +334,8 @@ func (t *ConnTracker) ForcedTotal() uint64 { return t.forced.Load() }
 // hijacked connections (WebSockets and other upgraded streams) last,
 // closed. New connections younger than 5 s are left alone: their first
 // request may be on its way. Connections already shed are not counted
-// again, even once they count toward Held again (Sweep).
+// again, even once they count toward Held again (Sweep). A WebSocket
+// behind CloseHandler gets a close frame (going away) first.
 func (t *ConnTracker) Shed(n int) ShedResult {
 	var res ShedResult
 	if n <= 0 {
@@ -369,7 +391,7 @@ func (t *ConnTracker) Shed(n int) ShedResult {
 		}
 		if t.markClosing(tc) {
 			res.Hijacked++
-			tc.closeConn()
+			t.closeStream(tc)
 			// net/http no longer reports anything about a hijacked conn.
 			t.forget(tc.conn)
 		}
@@ -404,7 +426,8 @@ type SweepResult struct {
 //     a second time;
 //   - with boundaryTimeout > 0, a shed connection still active (or
 //     upgraded since) boundaryTimeout after it was shed is closed anyway,
-//     cutting its response.
+//     cutting its response; an upgraded WebSocket behind CloseHandler gets
+//     a close frame first.
 //
 // Zero recountAfter or boundaryTimeout turns that part off.
 func (t *ConnTracker) Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult {
@@ -432,7 +455,7 @@ func (t *ConnTracker) sweep(now, recountAfter, boundaryTimeout time.Duration) Sw
 		age := now - time.Duration(tc.shedAt.Load())
 		if boundaryTimeout > 0 && age >= boundaryTimeout && (state == connActive || state == connHijacked) {
 			if state == connHijacked {
-				if tc.closeConn() {
+				if t.closeStream(tc) {
 					res.Forced++
 				}
 				t.forget(tc.conn)

@@ -29,12 +29,14 @@ var (
 		"Connections this node shed, by kind.", []string{"node", "kind"}, nil)
 	descForcedCloses = prometheus.NewDesc("caddy_lbx_rebalance_forced_closes_total",
 		"Shed active connections this node closed because they reached no response boundary within boundary_timeout.", []string{"node"}, nil)
+	descWebSocketCloses = prometheus.NewDesc("caddy_lbx_rebalance_websocket_closes_total",
+		"WebSocket streams shed through rebalance_close, by how they ended (close_frame: a 1001 close frame was sent; without_frame: closed without one).", []string{"result"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted,
-		descShedDecisions, descConnectionsShed, descForcedCloses} {
+		descShedDecisions, descConnectionsShed, descForcedCloses, descWebSocketCloses} {
 		ch <- d
 	}
 }
@@ -48,6 +50,9 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 	}{{"new", c.New}, {"idle", c.Idle}, {"active", c.Active}, {"hijacked", c.Hijacked}} {
 		ch <- prometheus.MustNewConstMetric(descConnections, prometheus.GaugeValue, float64(s.n), s.state)
 	}
+	ws := m.tracker.WebSocketCloses()
+	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.CloseFrame), "close_frame")
+	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.WithoutFrame), "without_frame")
 
 	// One node per process, except briefly when a reload changes the bind
 	// address (and in tests): the node label keeps their series apart.
