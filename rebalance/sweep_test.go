@@ -439,3 +439,45 @@ func TestNodeForcedCloses(t *testing.T) {
 	}
 	ts.waitCounts("the stream forgotten", func(c ConnCounts) bool { return c.Total() == 0 })
 }
+
+// TestShedStreamForcedHTTP2: a long HTTP/2 stream (server-sent events over
+// h2c, behind CloseHandler) on a shed connection writes no new response
+// header, so no GOAWAY goes out and the connection stays active; the
+// boundary timeout closes it.
+func TestShedStreamForcedHTTP2(t *testing.T) {
+	cs := newCloseServer(t, true)
+	p := new(http.Protocols)
+	p.SetUnencryptedHTTP2(true)
+	tr := &http.Transport{Protocols: p}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr}).Get("http://" + cs.addr + "/stream")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.ProtoMajor != 2 {
+		t.Fatalf("protocol %s; want HTTP/2", resp.Proto)
+	}
+	events := &eventStream{body: bufio.NewReader(resp.Body)}
+	if _, err := events.next(); err != nil {
+		t.Fatal(err)
+	}
+	ts := &trackedServer{t: t, tracker: cs.tracker, addr: cs.addr}
+	ts.waitCounts("the connection active", func(c ConnCounts) bool { return c.Active == 1 })
+	if r := cs.tracker.Shed(1); r != (ShedResult{Active: 1}) {
+		t.Fatalf("Shed(1) = %+v; want the HTTP/2 connection", r)
+	}
+	forced := 0
+	testutil.WaitFor(t, 10*time.Second, "the connection forced closed", func() (bool, string) {
+		forced += cs.tracker.Sweep(time.Hour, 200*time.Millisecond).Forced
+		return forced > 0, fmt.Sprintf("%+v", cs.tracker.Counts())
+	})
+	var readErr error
+	for readErr == nil {
+		_, readErr = events.next()
+	}
+	ts.waitCounts("the connection forgotten", func(c ConnCounts) bool { return c.Total() == 0 })
+	if forced != 1 {
+		t.Errorf("forced %d; want 1", forced)
+	}
+}
