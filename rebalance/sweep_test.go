@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -279,8 +280,10 @@ func TestShedStreamNotForced(t *testing.T) {
 // TestShedStreamForced: with a boundary timeout, a shed stream that never
 // ends is closed once the timeout has passed (counted as forced, once),
 // while a shed request in flight at the same time that completes within
-// the timeout gets its whole response and closes at its boundary. The
-// sweeps run all along, every few milliseconds.
+// the timeout gets its whole response and closes at its boundary. Sweeps
+// run all along, every few milliseconds, on a clock the test moves past
+// the timeout once the request is done, so that "within the timeout"
+// does not depend on how fast the machine is.
 func TestShedStreamForced(t *testing.T) {
 	ts := newTrackedServer(t)
 	sc, rc := ts.dial(), ts.dial()
@@ -294,11 +297,12 @@ func TestShedStreamForced(t *testing.T) {
 	<-ts.entered
 	ts.waitCounts("the stream and the request active", func(c ConnCounts) bool { return c.Active == 2 })
 
-	const timeout = 2 * time.Second // far beyond what /block needs once released
+	const timeout = 30 * time.Second
 	if r := ts.tracker.Shed(2); r != (ShedResult{Active: 2}) {
 		t.Fatalf("Shed(2) = %+v; want both active connections", r)
 	}
 	var (
+		skew   atomic.Int64 // added to the sweeps' clock
 		mu     sync.Mutex
 		swept  SweepResult
 		sweeps int
@@ -308,7 +312,7 @@ func TestShedStreamForced(t *testing.T) {
 	go func() {
 		defer close(done)
 		for {
-			r := ts.tracker.Sweep(time.Hour, timeout)
+			r := ts.tracker.sweep(time.Since(trackerEpoch)+time.Duration(skew.Load()), time.Hour, timeout)
 			mu.Lock()
 			swept.Forced += r.Forced
 			swept.Overdue += r.Overdue
@@ -322,10 +326,14 @@ func TestShedStreamForced(t *testing.T) {
 		}
 	}()
 	defer func() { close(stop); <-done }()
-	testutil.WaitFor(t, 5*time.Second, "sweeps running", func() (bool, string) {
+	sweptSoFar := func() (SweepResult, int) {
 		mu.Lock()
 		defer mu.Unlock()
-		return sweeps >= 3, fmt.Sprint(sweeps, " sweeps")
+		return swept, sweeps
+	}
+	testutil.WaitFor(t, 5*time.Second, "sweeps running", func() (bool, string) {
+		_, n := sweptSoFar()
+		return n >= 3, fmt.Sprint(n, " sweeps")
 	})
 
 	// The request completes within the timeout: whole, then closed.
@@ -337,8 +345,18 @@ func TestShedStreamForced(t *testing.T) {
 	if !rc.closedByServer() {
 		t.Error("the shed request's connection was not closed after its response")
 	}
+	ts.waitCounts("the request's connection forgotten", func(c ConnCounts) bool { return c.Total() == 1 && c.Closing == 1 })
+	if got, _ := sweptSoFar(); got != (SweepResult{}) {
+		t.Fatalf("sweeps within the timeout did %+v; want nothing", got)
+	}
+	for range 3 { // the stream goes on
+		if _, err := events.next(); err != nil {
+			t.Fatalf("the stream ended within the timeout: %v", err)
+		}
+	}
 
-	// The stream is cut once the timeout has passed.
+	// The timeout passes: the stream is cut.
+	skew.Store(int64(timeout))
 	var readErr error
 	for readErr == nil {
 		_, readErr = events.next()
@@ -347,10 +365,12 @@ func TestShedStreamForced(t *testing.T) {
 		t.Errorf("the stream ended cleanly; want it cut (an unexpected EOF)")
 	}
 	ts.waitCounts("both forgotten", func(c ConnCounts) bool { return c.Total() == 0 && c.Closing == 0 })
-	mu.Lock()
-	got := swept
-	mu.Unlock()
-	if got != (SweepResult{Forced: 1}) {
+	_, n := sweptSoFar()
+	testutil.WaitFor(t, 5*time.Second, "more sweeps", func() (bool, string) {
+		_, m := sweptSoFar()
+		return m >= n+3, fmt.Sprint(m-n, " more sweeps")
+	})
+	if got, _ := sweptSoFar(); got != (SweepResult{Forced: 1}) {
 		t.Errorf("sweeps added up to %+v; want exactly one forced (the stream)", got)
 	}
 	if _, atBoundary := ts.tracker.ShedTotals(); atBoundary != 1 || ts.tracker.ForcedTotal() != 1 {

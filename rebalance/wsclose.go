@@ -153,7 +153,8 @@ type WebSocketCloses struct {
 
 // WebSocketCloses returns how the WebSocket streams shed through
 // rebalance_close ended so far. A stream shed less than about a second
-// ago may not be counted yet.
+// ago may not be counted yet (a close frame is counted just after it is
+// written).
 func (t *ConnTracker) WebSocketCloses() WebSocketCloses {
 	return WebSocketCloses{
 		CloseFrame:    t.wsCloses.frame.Load(),
@@ -224,7 +225,7 @@ func (c *wsConn) Write(p []byte) (int, error) {
 func (c *wsConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
 	if err != nil && c.phase.Load() == wsSent {
-		c.shut(wsSent)
+		c.shut(wsSent, nil)
 	}
 	return n, err
 }
@@ -272,8 +273,8 @@ func (c *wsConn) closeGracefully(counts *wsCloseCounters) {
 	// The deadline must not need mu: a write stalled on a client that
 	// does not read holds it, and closing the connection is what frees it.
 	time.AfterFunc(c.linger, func() {
-		if c.shut(wsWaiting) || c.shut(wsSending) {
-			c.counts.noFrame.Add(1)
+		if !c.shut(wsWaiting, &c.counts.noFrame) {
+			c.shut(wsSending, &c.counts.noFrame)
 		}
 	})
 	// An idle stream at a boundary gets its frame now, not at the next
@@ -311,9 +312,7 @@ func (c *wsConn) sendClose() {
 		return
 	}
 	if _, err := c.Conn.Write(closeFrameGoingAway); err != nil {
-		if c.shut(wsSending) {
-			c.counts.noFrame.Add(1)
-		}
+		c.shut(wsSending, &c.counts.noFrame)
 		return
 	}
 	if !c.phase.CompareAndSwap(wsSending, wsSent) {
@@ -323,14 +322,18 @@ func (c *wsConn) sendClose() {
 	if c.midFrame {
 		c.counts.afterFrameEnd.Add(1)
 	}
-	time.AfterFunc(c.linger, func() { c.shut(wsSent) })
+	time.AfterFunc(c.linger, func() { c.shut(wsSent, nil) })
 }
 
 // shut closes the connection if it is in phase from, and reports whether
-// it did.
-func (c *wsConn) shut(from uint32) bool {
+// it did; it adds one to count (if any) first, so that whoever sees the
+// connection close sees it counted.
+func (c *wsConn) shut(from uint32, count *atomic.Uint64) bool {
 	if !c.phase.CompareAndSwap(from, wsClosed) {
 		return false
+	}
+	if count != nil {
+		count.Add(1)
 	}
 	_ = c.Conn.Close()
 	return true

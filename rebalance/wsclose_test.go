@@ -364,9 +364,10 @@ func TestWSConnCloseAtBoundary(t *testing.T) {
 	if n, err := ws.Write([]byte("x")); n != 0 || !errors.Is(err, net.ErrClosed) {
 		t.Errorf("write after the close: %d, %v; want net.ErrClosed", n, err)
 	}
-	if f, a, nf := counts.frame.Load(), counts.afterFrameEnd.Load(), counts.noFrame.Load(); f != 1 || a != 0 || nf != 0 {
-		t.Errorf("counts: %d close frames (%d after a frame end), %d without; want 1, 0, 0", f, a, nf)
-	}
+	testutil.WaitFor(t, 5*time.Second, "counted", func() (bool, string) {
+		f, a, nf := counts.frame.Load(), counts.afterFrameEnd.Load(), counts.noFrame.Load()
+		return f == 1 && a == 0 && nf == 0, fmt.Sprintf("%d close frames (%d after a frame end), %d without; want 1, 0, 0", f, a, nf)
+	})
 }
 
 // TestWSConnCloseMidFrame: a stream shed in the middle of a frame (at
@@ -610,9 +611,10 @@ func TestCloseHandlerHijack(t *testing.T) {
 			}
 		})
 	}
-	if c := tr.WebSocketCloses(); c.CloseFrame != 1 || c.WithoutFrame != 0 {
-		t.Errorf("tracker counts %+v; want one close frame", c)
-	}
+	testutil.WaitFor(t, 5*time.Second, "the tracker counts one close frame", func() (bool, string) {
+		c := tr.WebSocketCloses()
+		return c.CloseFrame == 1 && c.WithoutFrame == 0, fmt.Sprintf("%+v", c)
+	})
 	reg := prometheus.NewPedanticRegistry()
 	reg.MustRegister(metricsCollector{tracker: tr})
 	for result, want := range map[string]float64{"close_frame": 1, "without_frame": 0} {
