@@ -61,7 +61,7 @@ type loadSource interface {
 	// without a response boundary after boundaryTimeout (0: never).
 	Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult
 	// Sample returns the load in the metric's unit and the connections
-	// held (those already shed excluded).
+	// held (those shed and still closing excluded; overdue ones count).
 	Sample(metric string) (load float64, held int)
 	// Shed sheds up to n connections.
 	Shed(n int) ShedResult
