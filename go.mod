@@ -5,6 +5,7 @@ go 1.26.8
 require (
 	github.com/caddyserver/caddy/v2 v2.11.9
 	github.com/dustin/go-humanize v1.1.0
+	github.com/gorilla/websocket v1.5.3
 	github.com/hashicorp/memberlist v0.7.0
 	github.com/hashicorp/serf v0.11.0
 	github.com/pires/go-proxyproto v0.15.0

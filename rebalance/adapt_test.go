@@ -34,6 +34,11 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rebalance {\n min_connections -1\n}", `min_connections "-1": want a whole number`},
 		{"rebalance {\n min_connections many\n}", `min_connections "many"`},
 		{"rebalance {\n interval 1s\n interval 2s\n}", "interval set twice"},
+		{"rebalance {\n boundary_timeout\n}", "boundary_timeout: missing value"},
+		{"rebalance {\n boundary_timeout -1s\n}", `boundary_timeout "-1s": want a duration such as 30s, or 0 to never force`},
+		{"rebalance {\n boundary_timeout soon\n}", `boundary_timeout "soon"`},
+		{"rebalance {\n boundary_timeout 1s 2s\n}", `boundary_timeout: one value expected, got another: "2s"`},
+		{"rebalance {\n boundary_timeout 1s\n boundary_timeout 2s\n}", "boundary_timeout set twice"},
 		{"rebalance {\n bogus 1\n}", `unknown option "bogus"`},
 	} {
 		d := caddyfile.NewTestDispenser(tc.in)
@@ -69,6 +74,7 @@ func TestProvisionValidateErrors(t *testing.T) {
 		{App{NodeName: "n", Interval: 2e9, History: 1e9}, "history (1s) must be at least interval (2s)"},
 		{App{NodeName: "n", Threshold: 10, StopBand: 15}, "stop band must be between 0% and the threshold (10%), got 15%"},
 		{App{NodeName: "n", ShedRate: 200}, "shed rate must be above 0% and at most 100%, got 200%"},
+		{App{NodeName: "n", BoundaryTimeout: -1e9}, "boundary_timeout must not be negative, got -1s"},
 	} {
 		a := tc.app
 		if tc.app.Metric != MetricThroughput {

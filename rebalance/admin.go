@@ -23,9 +23,10 @@ func init() {
 // returns, for each rebalance node in the process (normally one), its
 // members with status, load and report age, whether each counts toward the
 // average, this node's own load, connections by state, the bytes counted
-// by the rebalance listener wrapper, its last decision and its shed
-// totals. Fields ending in _human repeat numbers for people (loads in
-// their metric's unit: "12 MB/s" for throughput).
+// by the rebalance listener wrapper, its last decision, its shed totals,
+// forced closes (boundary_timeout) and how shed WebSockets closed. Fields
+// ending in _human repeat numbers for people (loads in their metric's
+// unit: "12 MB/s" for throughput).
 type AdminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -91,30 +92,44 @@ type DecisionView struct {
 	Lowest     float64 `json:"lowest"`
 	LowestName string  `json:"lowest_member,omitempty"`
 	Shed       int     `json:"shed"`
-	Reason     string  `json:"reason"`
+	// Forced is the number of shed connections closed in that interval
+	// because they reached no response boundary within
+	// boundary_timeout.
+	Forced int    `json:"forced_closes"`
+	Reason string `json:"reason"`
 }
 
 // NodeView is one rebalance node in the admin API's output.
 type NodeView struct {
-	Name      string       `json:"node_name"`
-	Bind      string       `json:"bind"`
-	Encrypted bool         `json:"encrypted"`
-	Metric    string       `json:"metric"`
-	Threshold float64      `json:"threshold_percent"`
-	StopBand  float64      `json:"stop_band_percent"`
-	ShedRate  float64      `json:"shed_rate_percent"`
-	MinConns  int          `json:"min_connections"`
-	JoinError string       `json:"join_error,omitempty"`
-	Members   []MemberView `json:"members"`
-	Decision  DecisionView `json:"last_decision"`
+	Name      string `json:"node_name"`
+	Bind      string `json:"bind"`
+	Encrypted bool   `json:"encrypted"`
+	Metric    string `json:"metric"`
+	// BoundaryTimeout is boundary_timeout in milliseconds; 0: never
+	// forced.
+	BoundaryTimeout int64        `json:"boundary_timeout_ms"`
+	Threshold       float64      `json:"threshold_percent"`
+	StopBand        float64      `json:"stop_band_percent"`
+	ShedRate        float64      `json:"shed_rate_percent"`
+	MinConns        int          `json:"min_connections"`
+	JoinError       string       `json:"join_error,omitempty"`
+	Members         []MemberView `json:"members"`
+	Decision        DecisionView `json:"last_decision"`
 	// Connections are this process's HTTP connections by state.
 	Connections ConnCounts `json:"connections"`
 	// Bytes are this process's byte totals, as the rebalance listener
 	// wrapper counts them (metric throughput's source).
 	Bytes BytesView `json:"bytes"`
 	// ShedTotal counts the connections this node shed, by how.
-	ShedTotal      ShedResult `json:"shed_total"`
-	ShedTotalHuman string     `json:"shed_total_human"`
+	ShedTotal ShedResult `json:"shed_total"`
+	// ForcedCloses counts the shed active connections this node closed
+	// because they reached no response boundary within boundary_timeout
+	// (they are also in shed_total.active).
+	ForcedCloses   uint64 `json:"forced_closes_total"`
+	ShedTotalHuman string `json:"shed_total_human"`
+	// WebSocketCloses says how the WebSocket streams this process shed
+	// through rebalance_close ended: with a close frame, or without.
+	WebSocketCloses WebSocketCloses `json:"websocket_closes"`
 }
 
 // BytesView is the process's byte totals in the admin API's output.
@@ -171,11 +186,13 @@ func (n *node) view(now time.Time) NodeView {
 			Average: n.last.Average, Balance: n.last.Balance, Counted: n.last.Counted,
 			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric, Ignored: n.last.Ignored,
 			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: n.last.Lowest, LowestName: n.last.LowestName,
-			Shed: n.last.Shed, Reason: n.last.Reason,
+			Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
 		},
-		Connections: tracker.Counts(),
-		Bytes:       bytesView(traffic.totals()),
-		ShedTotal:   n.shed,
+		Connections:     tracker.Counts(),
+		Bytes:           bytesView(traffic.totals()),
+		ShedTotal:       n.shed,
+		ForcedCloses:    n.forced,
+		WebSocketCloses: tracker.WebSocketCloses(),
 	}
 	if s != nil {
 		v.Metric = s.metric
@@ -186,10 +203,12 @@ func (n *node) view(now time.Time) NodeView {
 		v.StopBand = s.params.stopBand() * 100
 		v.ShedRate = s.params.ShedRate * 100
 		v.MinConns = s.params.MinConnections
+		v.BoundaryTimeout = s.boundary.Milliseconds()
 	}
-	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded)",
+	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded); %s forced closed at boundary_timeout",
 		humanize.Comma(int64(n.shed.Total())), humanize.Comma(int64(n.shed.Idle)),
-		humanize.Comma(int64(n.shed.Active)), humanize.Comma(int64(n.shed.Hijacked)))
+		humanize.Comma(int64(n.shed.Active)), humanize.Comma(int64(n.shed.Hijacked)),
+		humanize.Comma(int64(n.forced)))
 	var params Params
 	if s != nil {
 		params = s.params

@@ -60,6 +60,9 @@ var tracker = new(ConnTracker)
 // below `min_connections`, and not at all with fewer than 2 fresh members.
 // Shedding is graceful: idle connections first, then active HTTP
 // connections at their next response boundary, upgraded streams last.
+// A shed connection whose response does not end (server-sent events, a
+// long poll) counts toward the load again once it has been open `history`
+// since the shed, and is closed anyway after `boundary_timeout` if set.
 //
 // The serf member survives config reloads (it is shared between configs by
 // bind address) and leaves the cluster when Caddy stops.
@@ -142,9 +145,21 @@ type App struct {
 	// connections, imbalance is noise. Default: 50.
 	MinConnections *int `json:"min_connections,omitempty"`
 
+	// BoundaryTimeout is how long a shed active connection is given to
+	// reach a response boundary (the end of its response in flight:
+	// server-sent events, a long poll, an endless download, a long
+	// HTTP/2 stream); once exceeded, it is closed anyway, cutting that
+	// response, and counted and logged as forced. Whatever it is, a shed
+	// connection still open `history` after the shed counts toward this
+	// node's load again (it is not shed twice). Default: 0, never forced:
+	// as with gRPC's MaxConnectionAgeGrace, a response in flight is not
+	// cut unless the operator asks.
+	BoundaryTimeout caddy.Duration `json:"boundary_timeout,omitempty"`
+
 	params   Params
 	interval time.Duration
 	history  time.Duration
+	boundary time.Duration
 	keyBytes []byte
 	keyID    string
 	bindHost string
@@ -205,6 +220,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if a.history == 0 {
 		a.history = DefaultHistory
 	}
+	a.boundary = time.Duration(a.BoundaryTimeout)
 	freshness := time.Duration(a.Freshness)
 	if freshness == 0 {
 		freshness = max(5*a.interval, 3*time.Second)
@@ -348,6 +364,9 @@ func (a *App) Validate() error {
 	if a.history < a.interval {
 		return fmt.Errorf("history (%v) must be at least interval (%v)", a.history, a.interval)
 	}
+	if a.boundary < 0 {
+		return fmt.Errorf("boundary_timeout must not be negative, got %v", a.boundary)
+	}
 	if err := a.params.Validate(); err != nil {
 		return err
 	}
@@ -379,6 +398,7 @@ func (a *App) settings() *settings {
 		params:    a.params,
 		interval:  a.interval,
 		history:   a.history,
+		boundary:  a.boundary,
 		tags:      maps.Clone(a.Tags),
 		join:      a.Join,
 		metric:    a.Metric,
@@ -425,7 +445,8 @@ func (a *App) Start() error {
 		zap.String("node_name", n.name), zap.String("bind", a.Bind), zap.Bool("reused_member", loaded),
 		zap.String("metric", a.Metric), zap.Float64("threshold_percent", a.params.Threshold*100),
 		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
-		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history))
+		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history),
+		zap.Duration("boundary_timeout", a.boundary))
 	return nil
 }
 
@@ -459,9 +480,13 @@ type processSource struct {
 	bytes   rateMeter
 }
 
+// Sweep runs the tracker's once-per-interval pass.
+func (p *processSource) Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult {
+	return p.tracker.Sweep(recountAfter, boundaryTimeout)
+}
+
 // Sample returns the load in the metric's unit and the connections held.
 func (p *processSource) Sample(metric string) (float64, int) {
-	p.tracker.SweepHijacked()
 	held := p.tracker.Counts().Held()
 	switch metric {
 	case MetricCPU:

@@ -47,10 +47,12 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 //		stop_band       <percent>
 //		shed_rate       <percent>
 //		min_connections <n>
+//		boundary_timeout <duration>
 //	}
 //
 // Every option is optional and may appear once; percentages may be
-// written with or without the % sign (20% or 20).
+// written with or without the % sign (20% or 20). boundary_timeout may be
+// 0 (the default: never forced).
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the option's name
 	if d.NextArg() {
@@ -150,6 +152,16 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			case "shed_rate":
 				a.ShedRate = pct
 			}
+		case "boundary_timeout":
+			val, err := oneArg(d, "rebalance")
+			if err != nil {
+				return err
+			}
+			dur, err := caddy.ParseDuration(val)
+			if err != nil || dur < 0 {
+				return d.Errf("rebalance: boundary_timeout %q: want a duration such as 30s, or 0 to never force", val)
+			}
+			a.BoundaryTimeout = caddy.Duration(dur)
 		case "min_connections":
 			val, err := oneArg(d, "rebalance")
 			if err != nil {

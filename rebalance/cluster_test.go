@@ -67,6 +67,8 @@ func (f *fakeSource) Sample(string) (float64, int) {
 	return f.load, int(f.load)
 }
 
+func (f *fakeSource) Sweep(time.Duration, time.Duration) SweepResult { return SweepResult{} }
+
 func (f *fakeSource) Shed(n int) ShedResult {
 	f.mu.Lock()
 	f.shed += n

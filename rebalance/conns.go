@@ -26,15 +26,38 @@ const (
 // be on its way.
 const newConnGrace = 5 * time.Second
 
+// Shed states of a tracked connection: they keep the Closing and Overdue
+// counts exact whichever of Shed, Sweep and net/http's StateClosed gets
+// to a connection first.
+const (
+	notShed     uint32 = iota
+	shedClosing        // shed, not closed yet: not counted toward Held
+	shedOverdue        // shed, still open `history` later: counted again
+	shedGone           // forgotten by the tracker
+)
+
+// trackerEpoch is the origin of trackedConn.shedAt: durations since it
+// use the monotonic clock, so a wall-clock step cannot force or recount
+// a connection early.
+var trackerEpoch = time.Now()
+
 // trackedConn is one connection the tracker knows.
 type trackedConn struct {
 	conn  net.Conn
 	state atomic.Uint32
 	since time.Time // when it was accepted
-	// closeAtBoundary marks an active connection that is shed: it gets
-	// "Connection: close" on its next response (when the request passes
-	// through Middleware) and is closed when it next becomes idle.
-	closeAtBoundary atomic.Bool
+	// shed is the connection's shed state (notShed, shedClosing, …). A
+	// shed active connection gets "Connection: close" on its next
+	// response (when the request passes through Middleware or
+	// CloseHandler) and is closed when it next becomes idle.
+	shed atomic.Uint32
+	// shedAt is when it was shed, as time since trackerEpoch; written by
+	// Shed and read by Sweep, both under the tracker's shedMu.
+	shedAt atomic.Int64
+	// ws is set by CloseHandler when the connection is upgraded to a
+	// WebSocket whose frames it follows: the tracker then closes the
+	// stream with a close frame instead of cutting it (see wsclose.go).
+	ws atomic.Pointer[wsConn]
 	// closed is set by the first close from the tracker.
 	closed atomic.Bool
 	// h2 is set once the connection is seen to speak HTTP/2: over TLS
@@ -42,6 +65,13 @@ type trackedConn struct {
 	// passes through CloseHandler or Middleware (Go's server reports
 	// h2c connections' states like HTTP/1 ones).
 	h2 atomic.Bool
+}
+
+// closeAtBoundary reports whether tc was shed and is to close at its
+// next response boundary (overdue ones too: they still close there).
+func (tc *trackedConn) closeAtBoundary() bool {
+	s := tc.shed.Load()
+	return s == shedClosing || s == shedOverdue
 }
 
 // h2IdleCloseDelay is how long a shed HTTP/2 connection is left idle
@@ -83,11 +113,29 @@ func (t *ConnTracker) closeIdle(tc *trackedConn) {
 	})
 }
 
-// markClosing sets tc's closeAtBoundary and reports whether this call set
-// it.
+// markClosing marks tc shed (counted in Closing, out of Held) and
+// reports whether this call did: a connection is shed at most once, and
+// never after the tracker forgot it. The caller holds shedMu.
 func (t *ConnTracker) markClosing(tc *trackedConn) bool {
-	if tc.closeAtBoundary.CompareAndSwap(false, true) {
+	if tc.shed.CompareAndSwap(notShed, shedClosing) {
+		tc.shedAt.Store(int64(time.Since(trackerEpoch)))
 		t.closing.Add(1)
+		return true
+	}
+	return false
+}
+
+// closeStream closes tc, a hijacked connection, and reports whether this
+// call did: a WebSocket whose frames CloseHandler follows gets a close
+// frame at its next frame boundary and is closed shortly after; any
+// other stream is closed at once.
+func (t *ConnTracker) closeStream(tc *trackedConn) bool {
+	ws := tc.ws.Load()
+	if ws == nil {
+		return tc.closeConn()
+	}
+	if tc.closed.CompareAndSwap(false, true) {
+		ws.closeGracefully(&t.wsCloses)
 		return true
 	}
 	return false
@@ -119,13 +167,21 @@ type ConnCounts struct {
 	// wait for a response boundary; idle ones are gone within moments.
 	// They are included in the other counts.
 	Closing int `json:"closing"`
+	// Overdue connections were shed and are still open `history` (the
+	// smoothing window) later: a response that does not end (server-sent
+	// events, a long poll, an endless download, a long HTTP/2 stream).
+	// They count toward Held again, are included in the other counts and
+	// not in Closing, and still close at their response boundary (or at
+	// boundary_timeout).
+	Overdue int `json:"overdue"`
 }
 
 // Total returns the number of connections held, in any state.
 func (c ConnCounts) Total() int { return c.New + c.Active + c.Idle + c.Hijacked }
 
 // Held returns the connections that count toward this node's load: all of
-// them except those already shed and waiting for a response boundary.
+// them except those already shed and waiting for a response boundary (for
+// at most `history`: overdue ones count again).
 func (c ConnCounts) Held() int { return c.Total() - c.Closing }
 
 // ShedResult says how a shed was carried out.
@@ -151,12 +207,14 @@ func (r ShedResult) Total() int { return r.Idle + r.Active + r.Hijacked }
 type ConnTracker struct {
 	conns  sync.Map // net.Conn -> *trackedConn
 	counts [numConnStates]atomic.Int64
-	// closing counts tracked connections with closeAtBoundary set.
-	closing atomic.Int64
+	// closing and overdue count tracked connections in the shed states
+	// shedClosing and shedOverdue.
+	closing, overdue atomic.Int64
 
 	// Totals since the tracker was created.
 	shedIdle, shedActive, shedHijacked atomic.Uint64
-	closedAtBoundary                   atomic.Uint64
+	closedAtBoundary, forced           atomic.Uint64
+	wsCloses                           wsCloseCounters
 
 	shedMu sync.Mutex // one Shed or Sweep at a time
 }
@@ -215,7 +273,7 @@ func (t *ConnTracker) ConnState(c net.Conn, s http.ConnState) {
 		// State first, then the flag: Shed sets the flag, then reads the
 		// state, so one of the two sees the other and closes.
 		t.setState(tc, connIdle)
-		if tc.closeAtBoundary.Load() {
+		if tc.closeAtBoundary() {
 			t.closeIdle(tc)
 		}
 	case http.StateHijacked:
@@ -233,8 +291,11 @@ func (t *ConnTracker) forget(c net.Conn) {
 	}
 	tc := v.(*trackedConn)
 	t.counts[tc.state.Load()].Add(-1)
-	if tc.closeAtBoundary.Load() {
+	switch tc.shed.Swap(shedGone) {
+	case shedClosing:
 		t.closing.Add(-1)
+	case shedOverdue:
+		t.overdue.Add(-1)
 	}
 }
 
@@ -246,6 +307,7 @@ func (t *ConnTracker) Counts() ConnCounts {
 		Idle:     int(t.counts[connIdle].Load()),
 		Hijacked: int(t.counts[connHijacked].Load()),
 		Closing:  int(t.closing.Load()),
+		Overdue:  int(t.overdue.Load()),
 	}
 }
 
@@ -260,6 +322,11 @@ func (t *ConnTracker) ShedTotals() (shed ShedResult, closedAtBoundary uint64) {
 	}, t.closedAtBoundary.Load()
 }
 
+// ForcedTotal returns how many shed connections Sweep closed since the
+// tracker was created because they did not reach a response boundary
+// within the boundary timeout.
+func (t *ConnTracker) ForcedTotal() uint64 { return t.forced.Load() }
+
 // Shed sheds up to n connections, gracefully: idle connections first
 // (closed at once; a client that reuses one at that very moment sees the
 // ordinary keep-alive race every HTTP client handles), then active
@@ -267,7 +334,8 @@ func (t *ConnTracker) ShedTotals() (shed ShedResult, closedAtBoundary uint64) {
 // hijacked connections (WebSockets and other upgraded streams) last,
 // closed. New connections younger than 5 s are left alone: their first
 // request may be on its way. Connections already shed are not counted
-// again.
+// again, even once they count toward Held again (Sweep). A WebSocket
+// behind CloseHandler gets a close frame (going away) first.
 func (t *ConnTracker) Shed(n int) ShedResult {
 	var res ShedResult
 	if n <= 0 {
@@ -279,7 +347,7 @@ func (t *ConnTracker) Shed(n int) ShedResult {
 	var active, hijacked []*trackedConn
 	t.conns.Range(func(_, v any) bool {
 		tc := v.(*trackedConn)
-		if tc.closeAtBoundary.Load() {
+		if tc.shed.Load() != notShed {
 			return true
 		}
 		switch tc.state.Load() {
@@ -321,10 +389,12 @@ func (t *ConnTracker) Shed(n int) ShedResult {
 		if res.Total() >= n {
 			break
 		}
-		res.Hijacked++
-		tc.closeConn()
-		// net/http no longer reports anything about a hijacked conn.
-		t.forget(tc.conn)
+		if t.markClosing(tc) {
+			res.Hijacked++
+			t.closeStream(tc)
+			// net/http no longer reports anything about a hijacked conn.
+			t.forget(tc.conn)
+		}
 	}
 	t.shedIdle.Add(uint64(res.Idle))
 	t.shedActive.Add(uint64(res.Active))
@@ -332,23 +402,79 @@ func (t *ConnTracker) Shed(n int) ShedResult {
 	return res
 }
 
-// SweepHijacked forgets hijacked connections that have been closed (net/http
-// reports nothing about a connection after handing it to a handler) and
-// returns how many. A connection whose file descriptor cannot be reached
-// (a listener wrapper that hides it) stays counted until it is shed.
-func (t *ConnTracker) SweepHijacked() int {
+// SweepResult says what one Sweep did.
+type SweepResult struct {
+	// Hijacked connections found closed, and forgotten.
+	Hijacked int
+	// Overdue shed connections, still open recountAfter after they were
+	// shed, count toward Held again from this sweep on.
+	Overdue int
+	// Forced shed connections were closed because they had not reached a
+	// response boundary within the boundary timeout.
+	Forced int
+}
+
+// Sweep is the tracker's pass over its connections, once per decision
+// interval (nothing here runs per request):
+//   - it forgets hijacked connections that have been closed (net/http
+//     reports nothing about a connection after handing it to a handler);
+//     one whose file descriptor cannot be reached (a listener wrapper
+//     that hides it) stays counted until it is shed;
+//   - a shed connection still open recountAfter (the app's `history`)
+//     after it was shed counts toward Held again: it is evidently not
+//     closing soon, and the node may shed others instead. It is not shed
+//     a second time;
+//   - with boundaryTimeout > 0, a shed connection still active (or
+//     upgraded since) boundaryTimeout after it was shed is closed anyway,
+//     cutting its response; an upgraded WebSocket behind CloseHandler gets
+//     a close frame first.
+//
+// Zero recountAfter or boundaryTimeout turns that part off.
+func (t *ConnTracker) Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult {
+	return t.sweep(time.Since(trackerEpoch), recountAfter, boundaryTimeout)
+}
+
+// sweep is Sweep at now (time since trackerEpoch).
+func (t *ConnTracker) sweep(now, recountAfter, boundaryTimeout time.Duration) SweepResult {
 	t.shedMu.Lock()
 	defer t.shedMu.Unlock()
-	swept := 0
+	var res SweepResult
 	t.conns.Range(func(_, v any) bool {
 		tc := v.(*trackedConn)
-		if tc.state.Load() == connHijacked && connClosed(tc.conn) {
+		state := tc.state.Load()
+		if state == connHijacked && connClosed(tc.conn) {
 			t.forget(tc.conn)
-			swept++
+			res.Hijacked++
+			return true
+		}
+		if !tc.closeAtBoundary() || tc.closed.Load() {
+			// Not shed, or closed by the tracker and about to be
+			// forgotten.
+			return true
+		}
+		age := now - time.Duration(tc.shedAt.Load())
+		if boundaryTimeout > 0 && age >= boundaryTimeout && (state == connActive || state == connHijacked) {
+			if state == connHijacked {
+				if t.closeStream(tc) {
+					res.Forced++
+				}
+				t.forget(tc.conn)
+			} else if tc.closeConn() {
+				// net/http reports StateClosed once the handler
+				// returns, which forgets it.
+				res.Forced++
+			}
+			return true
+		}
+		if recountAfter > 0 && age >= recountAfter && tc.shed.CompareAndSwap(shedClosing, shedOverdue) {
+			t.closing.Add(-1)
+			t.overdue.Add(1)
+			res.Overdue++
 		}
 		return true
 	})
-	return swept
+	t.forced.Add(uint64(res.Forced))
+	return res
 }
 
 // connClosed reports whether c's socket is known to be closed. It unwraps
@@ -381,7 +507,7 @@ func connClosed(c net.Conn) bool {
 // should close after this response.
 func ClosingConn(r *http.Request) bool {
 	tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
-	return ok && tc.closeAtBoundary.Load()
+	return ok && tc.closeAtBoundary()
 }
 
 // Middleware wraps next so that a response on a connection that was shed

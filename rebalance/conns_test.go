@@ -39,6 +39,7 @@ func newTrackedServer(t *testing.T) *trackedServer {
 		}
 		io.WriteString(w, "done")
 	})
+	mux.HandleFunc("/stream", serveEndlessEvents)
 	mux.HandleFunc("/upgrade", func(w http.ResponseWriter, r *http.Request) {
 		conn, brw, err := http.NewResponseController(w).Hijack()
 		if err != nil {
@@ -165,7 +166,7 @@ func TestConnTrackerCounts(t *testing.T) {
 	// sweep notices the closed socket.
 	u.conn.Close()
 	testutil.WaitFor(t, 5*time.Second, "sweep forgets the closed hijacked connection", func() (bool, string) {
-		ts.tracker.SweepHijacked()
+		ts.tracker.Sweep(0, 0)
 		c := ts.tracker.Counts()
 		return c.Hijacked == 0, spew(c)
 	})

@@ -8,8 +8,13 @@
 //   - Decide (decide.go): the pure shedding decision, and Window, the
 //     smoother;
 //   - the connection tracker (conns.go): connections of every Caddy HTTP
-//     server by state, and graceful shedding (idle first, active ones at
-//     a response boundary, hijacked streams last);
+//     server by state, graceful shedding (idle first, active ones at a
+//     response boundary, hijacked streams last), and the per-interval
+//     sweep (shed streams that never end count again, or are closed at
+//     boundary_timeout);
+//   - the rebalance_close handler (handler.go), and the WebSocket frame
+//     follower that closes a shed WebSocket with a close frame
+//     (wsclose.go);
 //   - the listener wrapper `caddy.listeners.rebalance` (listener.go):
 //     counts the bytes of every connection it accepts, for the
 //     throughput metric; it goes before `tls` in listener_wrappers;

@@ -6,9 +6,11 @@ import (
 )
 
 // EventShed is the Caddy event a node emits after each interval in which
-// it shed connections. Data: node, metric, local (smoothed load), average
-// (cluster average), members_counted, count (connections shed), idle,
-// active, hijacked (count by kind).
+// it shed connections, or closed shed ones that reached no response
+// boundary within boundary_timeout. Data: node, metric, local (smoothed
+// load), average (cluster average), members_counted, count (connections
+// shed), idle, active, hijacked (count by kind), forced (shed earlier and
+// closed this interval at boundary_timeout).
 const EventShed = "rebalance_shed"
 
 // emitter sends Caddy events on behalf of the rebalance app whose context
@@ -35,8 +37,8 @@ func (e emitter) emit(name string, data map[string]any) {
 	}
 }
 
-// emitShed announces an interval that shed res.
-func (e emitter) emitShed(node, metric string, local float64, d Decision, res ShedResult) {
+// emitShed announces an interval that shed res, or forced closes.
+func (e emitter) emitShed(node, metric string, local float64, d Decision, res ShedResult, forced int) {
 	e.emit(EventShed, map[string]any{
 		"node":            node,
 		"metric":          metric,
@@ -47,5 +49,6 @@ func (e emitter) emitShed(node, metric string, local float64, d Decision, res Sh
 		"idle":            res.Idle,
 		"active":          res.Active,
 		"hijacked":        res.Hijacked,
+		"forced":          forced,
 	})
 }

@@ -157,7 +157,7 @@ func TestEventNoEventsApp(t *testing.T) {
 	if e.app != nil {
 		t.Fatal("emitter has an events app without one configured")
 	}
-	e.emitShed("n", MetricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1})
+	e.emitShed("n", MetricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
 	if _, err := ctx.AppIfConfigured("events"); err == nil {
 		t.Fatal("the events app was created")
 	}

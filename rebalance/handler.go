@@ -1,7 +1,9 @@
 package rebalance
 
 import (
+	"bufio"
 	"io"
+	"net"
 	"net/http"
 
 	"github.com/caddyserver/caddy/v2"
@@ -34,6 +36,17 @@ func init() {
 // (after its response), which an HTTP/1.1 client sees as an ordinary
 // keep-alive close. Put it in every site that holds long-lived client
 // connections; it costs one context lookup per response.
+//
+// It also makes shedding an upgraded WebSocket graceful. When a handler
+// (reverse_proxy) answers an HTTP/1.1 WebSocket upgrade with 101 and
+// hijacks the connection, the connection it gets follows the frames it
+// writes to the client, and a shed sends a Close frame (1001, going away)
+// at the next frame boundary, drops what the proxy writes after it, and
+// closes the connection 1 s later or as soon as the client closes its
+// end; a stream still inside a frame 1 s after the shed is closed without
+// one. Other upgrades, HTTP/2 WebSockets (extended CONNECT: a stream, not
+// a hijacked connection) and routes without this handler are closed as
+// before.
 type CloseHandler struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -58,28 +71,56 @@ func (CloseHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		// connection's last frames before closing it.
 		tc.h2.Store(true)
 	}
-	return next.ServeHTTP(&closeWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, tc: tc}, r)
+	return next.ServeHTTP(&closeWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, tc: tc, req: r}, r)
 }
 
 // closeWriter adds "Connection: close" to the final response header when
-// its connection is marked for closing at that moment.
+// its connection is marked for closing at that moment, and follows the
+// frames of a WebSocket it hands over to a hijacking handler.
 type closeWriter struct {
 	*caddyhttp.ResponseWriterWrapper
 	tc          *trackedConn
+	req         *http.Request
 	wroteHeader bool
+	switched    bool // a 101 Switching Protocols response went through
 }
 
 // WriteHeader adds the header to a final (non-1xx) response on a shed
 // connection. A 101 Switching Protocols response is left alone: the
 // connection is being upgraded and is shed as a hijacked one.
 func (cw *closeWriter) WriteHeader(status int) {
+	if status == http.StatusSwitchingProtocols {
+		cw.switched = true
+	}
 	if !cw.wroteHeader && status >= 200 {
 		cw.wroteHeader = true
-		if cw.tc.closeAtBoundary.Load() {
+		if cw.tc.closeAtBoundary() {
 			cw.Header().Set("Connection", "close")
 		}
 	}
 	cw.ResponseWriterWrapper.WriteHeader(status)
+}
+
+// Hijack hands the connection to the handler (reverse_proxy does, after
+// a 101 response). For a WebSocket upgrade answered 101 through this
+// writer, the connection (and the buffered writer returned with it)
+// follows the frames written to the client, and is registered with the
+// tracker so that a shed closes it with a close frame. Anything else
+// gets the connection as it is: the tracker closes it when shed.
+func (cw *closeWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	conn, brw, err := http.NewResponseController(cw.ResponseWriterWrapper).Hijack()
+	// net/http flushes a 101 written before Hijack and hands back an
+	// empty buffered writer; bytes already in it would have bypassed
+	// the frame count, so such a stream is left alone.
+	if err != nil || !cw.switched || !isWebSocketUpgrade(cw.req) || brw == nil || brw.Writer.Buffered() > 0 {
+		return conn, brw, err
+	}
+	ws := newWSConn(conn)
+	brw.Writer.Reset(ws)
+	// A shed in the instant between net/http's StateHijacked and this
+	// store closes the socket, as without this handler.
+	cw.tc.ws.Store(ws)
+	return ws, brw, nil
 }
 
 // Write writes the header first, as net/http does implicitly.
@@ -137,5 +178,6 @@ var (
 	_ caddyhttp.MiddlewareHandler = (*CloseHandler)(nil)
 	_ caddyfile.Unmarshaler       = (*CloseHandler)(nil)
 	_ http.Flusher                = (*closeWriter)(nil)
+	_ http.Hijacker               = (*closeWriter)(nil)
 	_ io.ReaderFrom               = (*closeWriter)(nil)
 )

@@ -52,6 +52,8 @@ func newCloseServer(t *testing.T, h2c bool) *closeServer {
 			if wait(r) {
 				w.(io.ReaderFrom).ReadFrom(strings.NewReader("read"))
 			}
+		case "/stream": // server-sent events that never end
+			serveEndlessEvents(w, r)
 		default: // implicit header on Write
 			io.WriteString(w, "ok")
 		}

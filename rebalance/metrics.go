@@ -33,11 +33,16 @@ var (
 		"Bytes read from (in) and written to (out) the connections the rebalance listener wrapper accepted, TLS records included.", []string{"direction"}, nil)
 	descTLSUncounted = prometheus.NewDesc("caddy_lbx_rebalance_tls_connections_not_counted_total",
 		"Connections the rebalance listener wrapper passed through uncounted because they were already TLS (the wrapper is placed after tls).", nil, nil)
+	descForcedCloses = prometheus.NewDesc("caddy_lbx_rebalance_forced_closes_total",
+		"Shed active connections this node closed because they reached no response boundary within boundary_timeout.", []string{"node"}, nil)
+	descWebSocketCloses = prometheus.NewDesc("caddy_lbx_rebalance_websocket_closes_total",
+		"WebSocket streams shed through rebalance_close, by how they ended (close_frame: a 1001 close frame was sent; without_frame: closed without one).", []string{"result"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted, descShedDecisions, descConnectionsShed, descBytes, descTLSUncounted} {
+	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted,
+		descShedDecisions, descConnectionsShed, descBytes, descTLSUncounted, descForcedCloses, descWebSocketCloses} {
 		ch <- d
 	}
 }
@@ -55,13 +60,17 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(b.In), "in")
 	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(b.Out), "out")
 	ch <- prometheus.MustNewConstMetric(descTLSUncounted, prometheus.CounterValue, float64(b.TLSUncounted))
+	ws := m.tracker.WebSocketCloses()
+	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.CloseFrame), "close_frame")
+	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.WithoutFrame), "without_frame")
+
 	// One node per process, except briefly when a reload changes the bind
 	// address (and in tests): the node label keeps their series apart.
 	nodes.Range(func(_, v any) bool {
 		n := v.(*node)
 		n.mu.Lock()
 		name, local, avg, counted := n.name, n.local, n.last.Average, n.last.Counted
-		decisions, shed := n.shedDecisions, n.shed
+		decisions, shed, forced := n.shedDecisions, n.shed, n.forced
 		n.mu.Unlock()
 		ch <- prometheus.MustNewConstMetric(descLocalLoad, prometheus.GaugeValue, local, name)
 		ch <- prometheus.MustNewConstMetric(descClusterAverage, prometheus.GaugeValue, avg, name)
@@ -70,6 +79,7 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Idle), name, "idle")
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Active), name, "active")
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Hijacked), name, "hijacked")
+		ch <- prometheus.MustNewConstMetric(descForcedCloses, prometheus.CounterValue, float64(forced), name)
 		return true
 	})
 }

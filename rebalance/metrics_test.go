@@ -74,7 +74,8 @@ func TestMetricsPedantic(t *testing.T) {
 	}
 	for _, n := range []string{"caddy_lbx_rebalance_connections", "caddy_lbx_rebalance_local_load", "caddy_lbx_rebalance_cluster_average",
 		"caddy_lbx_rebalance_members_counted", "caddy_lbx_rebalance_shed_decisions_total", "caddy_lbx_rebalance_connections_shed_total",
-		"caddy_lbx_rebalance_bytes_total", "caddy_lbx_rebalance_tls_connections_not_counted_total"} {
+		"caddy_lbx_rebalance_bytes_total", "caddy_lbx_rebalance_tls_connections_not_counted_total",
+		"caddy_lbx_rebalance_forced_closes_total", "caddy_lbx_rebalance_websocket_closes_total"} {
 		if !names[n] {
 			t.Errorf("no %s", n)
 		}

@@ -43,6 +43,7 @@ type settings struct {
 	params    Params
 	interval  time.Duration
 	history   time.Duration
+	boundary  time.Duration // boundary_timeout; 0: never forced
 	tags      map[string]string
 	join      []string
 	metric    string
@@ -56,8 +57,13 @@ type settings struct {
 
 // loadSource measures this node's load and sheds its connections.
 type loadSource interface {
+	// Sweep runs once per interval, before Sample: it forgets closed
+	// upgraded connections, counts shed connections open recountAfter
+	// after the shed toward the load again, and closes those still
+	// without a response boundary after boundaryTimeout (0: never).
+	Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult
 	// Sample returns the load in the metric's unit and the connections
-	// held (those already shed excluded).
+	// held (those shed and still closing excluded; overdue ones count).
 	Sample(metric string) (load float64, held int)
 	// Shed sheds up to n connections.
 	Shed(n int) ShedResult
@@ -91,6 +97,9 @@ type node struct {
 	current  float64
 	held     int
 	shed     ShedResult // totals since the node started
+	forced   uint64     // shed connections closed at boundary_timeout, since the node started
+	// lastForced is the number forced in the last interval.
+	lastForced int
 	// shedDecisions counts the intervals that shed since the node started.
 	shedDecisions uint64
 	joined        bool
@@ -263,9 +272,10 @@ func (n *node) safeStep(s *settings) {
 	n.step(s, time.Now())
 }
 
-// step samples the load, gossips it, reads the others' reports, decides
-// and sheds.
+// step sweeps the connections, samples the load, gossips it, reads the
+// others' reports, decides and sheds.
 func (n *node) step(s *settings, now time.Time) {
+	sw := s.source.Sweep(s.history, s.boundary)
 	load, held := s.source.Sample(s.metric)
 
 	n.mu.Lock()
@@ -333,22 +343,26 @@ func (n *node) step(s *settings, now time.Time) {
 	if res.Total() > 0 {
 		n.shedDecisions++
 	}
+	n.forced += uint64(sw.Forced)
+	n.lastForced = sw.Forced
 	n.mu.Unlock()
 
-	n.logDecision(s, d, shedding || lift.Lifting, local, res)
-	if res.Total() > 0 {
-		s.events.emitShed(n.name, s.metric, local, d, res)
+	n.logDecision(s, d, shedding || lift.Lifting, local, res, sw)
+	if res.Total() > 0 || sw.Forced > 0 {
+		s.events.emitShed(n.name, s.metric, local, d, res, sw.Forced)
 	}
 }
 
-// logDecision writes one line per decision that sheds or changes state,
-// and a debug line otherwise.
-func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult) {
+// logDecision writes one line per decision that sheds, changes state or
+// forces shed connections closed, and a debug line otherwise.
+func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw SweepResult) {
 	lvl := zapcore.DebugLevel
 	msg := "rebalance decision"
 	switch {
 	case res.Total() > 0:
 		lvl, msg = zapcore.InfoLevel, "shedding connections"
+	case sw.Forced > 0:
+		lvl, msg = zapcore.InfoLevel, "closed shed connections past boundary_timeout"
 	case d.Active() && !was:
 		lvl, msg = zapcore.InfoLevel, "started shedding"
 	case !d.Active() && was:
@@ -371,6 +385,8 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 		zap.Int("shed_idle", res.Idle),
 		zap.Int("shed_active", res.Active),
 		zap.Int("shed_hijacked", res.Hijacked),
+		zap.Int("forced", sw.Forced),
+		zap.Int("overdue", sw.Overdue),
 		zap.String("reason", d.Reason),
 	)
 }

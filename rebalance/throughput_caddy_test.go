@@ -178,7 +178,7 @@ func TestThroughputCaddy(t *testing.T) {
 	settle := func(t *testing.T) {
 		t.Helper()
 		testutil.WaitFor(t, 10*time.Second, "the phase's connections closed", func() (bool, string) {
-			tracker.SweepHijacked()
+			tracker.Sweep(0, 0)
 			c := tracker.Counts()
 			return c.Total() <= baseConns, fmt.Sprintf("%+v (before: %d)", c, baseConns)
 		})
