@@ -80,18 +80,6 @@ func chooseBestOfK[C candidates](c C, k int) int {
 	return best
 }
 
-// twoDistinct maps a random word to two distinct indices in [0, n), n ≥ 2,
-// using each half of the word with a multiply-shift (Lemire's reduction;
-// its bias, below n/2³², is immaterial here).
-func twoDistinct(r uint64, n int) (int, int) {
-	i := int((r & 0xffffffff) * uint64(n) >> 32)
-	j := int((r >> 32) * uint64(n-1) >> 32)
-	if j >= i {
-		j++
-	}
-	return i, j
-}
-
 // drawUsable returns a random usable index other than not (-1 excludes
 // nothing), or -1 after drawTries misses.
 func drawUsable[C candidates](c C, n, not int) int {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/randpick"
 )
 
 func init() {
@@ -364,7 +365,7 @@ func (c ewmaCandidates) Cost(i int) cost {
 // to the first draw, which is random). It reports
 // false when a draw hit an unusable upstream, for chooseBestOfK to retry.
 func (c ewmaCandidates) bestOfTwo() (int, bool) {
-	i, j := twoDistinct(rand.Uint64(), len(c.pool))
+	i, j := randpick.TwoDistinct(rand.Uint64(), len(c.pool))
 	if !c.Usable(i) || !c.Usable(j) {
 		return -1, false
 	}

@@ -201,12 +201,18 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		}
 //	}
 func (w *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the wrapper's name
+	return noOptions(d, "rebalance listener wrapper")
+}
+
+// noOptions consumes the name of a directive or module that takes no
+// argument and no block, and rejects either; errors start with what.
+func noOptions(d *caddyfile.Dispenser, what string) error {
+	d.Next() // the name
 	if d.NextArg() {
-		return d.Errf("rebalance listener wrapper: unexpected argument %q; it takes none", d.Val())
+		return d.Errf("%s: unexpected argument %q; it takes none", what, d.Val())
 	}
 	if d.NextBlock(0) {
-		return d.Errf("rebalance listener wrapper: unexpected block; it takes no options")
+		return d.Errf("%s: unexpected block; it takes no options", what)
 	}
 	return nil
 }

@@ -54,11 +54,10 @@ func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource) *
 	return a
 }
 
-// TestShedEventAndMetrics runs two members, one overloaded, with a real
-// events app in the overloaded one's config: each interval that sheds
-// emits rebalance_shed with what it shed, and the metrics agree with the
-// load source and the events.
-func TestShedEventAndMetrics(t *testing.T) {
+// eventsContext returns a context whose config has a real events app,
+// and a recorder of the rebalance_shed events it sees.
+func eventsContext(t *testing.T) (caddy.Context, *eventRecorder) {
+	t.Helper()
 	ctx, err := caddy.ProvisionContext(&caddy.Config{})
 	if err != nil {
 		t.Fatal(err)
@@ -71,6 +70,15 @@ func TestShedEventAndMetrics(t *testing.T) {
 	if err := evApp.(*caddyevents.App).On(EventShed, rec); err != nil {
 		t.Fatal(err)
 	}
+	return ctx, rec
+}
+
+// TestShedEventAndMetrics runs two members, one overloaded, with a real
+// events app in the overloaded one's config: each interval that sheds
+// emits rebalance_shed with what it shed, and the metrics agree with the
+// load source and the events.
+func TestShedEventAndMetrics(t *testing.T) {
+	ctx, rec := eventsContext(t)
 	fleet := newFakeFleet(400, 100)
 	srcA, srcB := fleet[0], fleet[1]
 	a := startAppCtx(t, ctx, "ev-a", srcA)

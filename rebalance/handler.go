@@ -163,14 +163,7 @@ func parseCloseHandler(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, err
 //
 // It takes no arguments and no block.
 func (*CloseHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the directive's name
-	if d.NextArg() {
-		return d.Errf("rebalance_close: unexpected argument %q; it takes none", d.Val())
-	}
-	if d.NextBlock(0) {
-		return d.Errf("rebalance_close: unexpected block; it takes no options")
-	}
-	return nil
+	return noOptions(d, "rebalance_close")
 }
 
 // Interface guards

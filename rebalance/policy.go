@@ -14,6 +14,8 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/randpick"
 )
 
 func init() {
@@ -403,7 +405,7 @@ func chooseLessLoaded[C loadCandidates](c C) int {
 		return -1
 	}
 	for range pairTries {
-		i, j := twoDistinct(rand.Uint64(), n)
+		i, j := randpick.TwoDistinct(rand.Uint64(), n)
 		if c.Usable(i) && c.Usable(j) {
 			return lessLoaded(c, i, j)
 		}
@@ -458,18 +460,6 @@ func lessLoaded[C loadCandidates](c C, i, j int) int {
 		return j
 	}
 	return i
-}
-
-// twoDistinct maps a random word to two distinct indices in [0, n),
-// n ≥ 2, in random order: one from each half of the word by
-// multiply-shift (its bias, below n/2³², is immaterial).
-func twoDistinct(r uint64, n int) (int, int) {
-	i := int((r & 0xffffffff) * uint64(n) >> 32)
-	j := int((r >> 32) * uint64(n-1) >> 32)
-	if j >= i {
-		j++
-	}
-	return i, j
 }
 
 // poolLoads presents a pool and a snapshot to the choosing rule.

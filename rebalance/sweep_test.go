@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
@@ -385,18 +384,7 @@ func TestShedStreamForced(t *testing.T) {
 // admin view and the forced_closes_total metric.
 func TestNodeForcedCloses(t *testing.T) {
 	ts := newTrackedServer(t)
-	ctx, err := caddy.ProvisionContext(&caddy.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	evApp, err := ctx.App("events")
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec := new(eventRecorder)
-	if err := evApp.(*caddyevents.App).On(EventShed, rec); err != nil {
-		t.Fatal(err)
-	}
+	ctx, rec := eventsContext(t)
 	src := &processSource{tracker: ts.tracker}
 	zero := 0
 	a := &App{

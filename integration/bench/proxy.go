@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,6 +15,8 @@ import (
 	"syscall"
 	"text/template"
 	"time"
+
+	"github.com/caddy-lbx/lbx/integration/fleet"
 )
 
 // process is a child process started by the benchmark, with its output in
@@ -155,16 +156,6 @@ func (p *proxy) stop() error {
 		return nil
 	}
 	return p.proc.stop()
-}
-
-// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
 }
 
 // proxyEnv is the environment of proxy processes: the benchmark's own,
@@ -310,7 +301,7 @@ type tools struct {
 // startProxy starts the load balancer that pol names in a new directory
 // under dir, in front of upstreams, and waits until it answers.
 func startProxy(ctx context.Context, t tools, pol policy, dir string, upstreams []string) (*proxy, error) {
-	port, err := freePort()
+	port, err := fleet.FreePort()
 	if err != nil {
 		return nil, err
 	}
@@ -319,7 +310,7 @@ func startProxy(ctx context.Context, t tools, pol policy, dir string, upstreams 
 	adminURL := ""
 	switch pol.kind {
 	case kindCaddy:
-		if c.AdminPort, err = freePort(); err != nil {
+		if c.AdminPort, err = fleet.FreePort(); err != nil {
 			return nil, err
 		}
 		adminURL = "http://127.0.0.1:" + strconv.Itoa(c.AdminPort) + "/"

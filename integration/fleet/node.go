@@ -41,8 +41,8 @@ type Node struct {
 	Proc              *Proc
 }
 
-// freePort returns a port that was free on 127.0.0.1 a moment ago.
-func freePort() (int, error) {
+// FreePort returns a TCP port that was free on 127.0.0.1 a moment ago.
+func FreePort() (int, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
@@ -109,7 +109,7 @@ func StartNode(bin, dir string, spec NodeSpec) (*Node, error) {
 	n := &Node{Name: spec.Name, Spec: spec}
 	var ports [3]int
 	for i := range ports {
-		p, err := freePort()
+		p, err := FreePort()
 		if err != nil {
 			return nil, err
 		}
