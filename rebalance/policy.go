@@ -446,15 +446,23 @@ func chooseScan[C loadCandidates](c C) int {
 	return lessLoaded(c, a, b)
 }
 
-// lessLoaded returns whichever of i and j has the lower load; at equal
-// loads, the one with fewer requests in flight; at a full tie, i (callers
-// pass i and j in random order).
+// loadTieBand is how far apart two gossiped loads may be and still count
+// as equal (10%: half the rebalance app's default threshold). The loads
+// are up to an interval and a history old; a strict comparison between
+// two nearly equal members would send every request of a reporting
+// interval to one of them (with two upstreams, all of them), then flip.
+const loadTieBand = 0.1
+
+// lessLoaded returns whichever of i and j has the lower load, loads
+// within loadTieBand of each other counting as equal; at equal loads, the
+// one with fewer requests in flight; at a full tie, i (callers pass i and
+// j in random order).
 func lessLoaded[C loadCandidates](c C, i, j int) int {
 	li, lj := c.Load(i), c.Load(j)
 	switch {
-	case lj < li:
+	case lj*(1+loadTieBand) < li:
 		return j
-	case li < lj:
+	case li*(1+loadTieBand) < lj:
 		return i
 	case c.InFlight(j) < c.InFlight(i):
 		return j

@@ -55,6 +55,10 @@ func TestChooseLessLoaded(t *testing.T) {
 		{name: "pool of 2: the lower load, always", c: fakeCandidates{loads: []float64{20, 10}}, want: []int{1}},
 		{name: "pool of 2, equal loads: fewer in flight", c: fakeCandidates{loads: []float64{10, 10}, inFlight: []int{3, 1}}, want: []int{1}},
 		{name: "pool of 2, full tie: either", c: fakeCandidates{loads: []float64{10, 10}, inFlight: []int{2, 2}}, want: []int{0, 1}},
+		// Loads within 10% of each other count as equal.
+		{name: "pool of 2, loads 10% apart: in flight decides", c: fakeCandidates{loads: []float64{100, 110}, inFlight: []int{3, 1}}, want: []int{1}},
+		{name: "pool of 2, loads 10% apart, same in flight: either", c: fakeCandidates{loads: []float64{110, 100}, inFlight: []int{1, 1}}, want: []int{0, 1}},
+		{name: "pool of 2, loads just over 10% apart: the lower", c: fakeCandidates{loads: []float64{100, 110.5}, inFlight: []int{3, 1}}, want: []int{0}},
 		{name: "pool of 2, the less loaded unavailable", c: fakeCandidates{loads: []float64{10, 20}, down: []bool{true, false}}, want: []int{1}},
 		{name: "pool of 3: the most loaded never", c: fakeCandidates{loads: []float64{30, 10, 20}}, want: []int{1, 2}},
 		{name: "pool of 3, all equal, in flight decides", c: fakeCandidates{loads: []float64{7, 7, 7}, inFlight: []int{0, 5, 1}}, want: []int{0, 2}},

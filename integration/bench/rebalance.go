@@ -163,7 +163,12 @@ func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult) {
 		fmt.Fprintf(w, "| %d | %v | %v | %.1f s | %d | %d | %.0f | %.2f× | %.2f× | %d | %d | %d | %s |\n",
 			i+1, r.Before, r.After, r.Converged.Seconds(), r.Shed, r.Moved, r.Ideal, ri, r2, r.Requests, len(r.Errors), r.Reconnections, joined)
 	}
-	fmt.Fprintf(w, "\nMedians: converged after %.1f s; shed %.2f× the ideal, %.2f× twice the moved count.\n\n", median(conv), median(ratio), median(ratio2))
+	verdict := "met"
+	if median(slices.Clone(ratio)) > 1.3 {
+		verdict = "**not met**"
+	}
+	fmt.Fprintf(w, "\nMedians: converged after %.1f s; shed %.2f× the ideal (target ≤ 1.3×: %s), %.2f× twice the moved count.\n\n",
+		median(conv), median(slices.Clone(ratio)), verdict, median(ratio2))
 
 	fmt.Fprintf(w, "**6 → 8 nodes, a reload and a kill -9 while the fleet sheds**\n\n")
 	fmt.Fprintf(w, "| run | reload: new tag everywhere | not-alive sightings | join/leave events | bind errors | kill: out of the averages | marked failed | survivors stable | final | failed requests (phase 2) |\n")

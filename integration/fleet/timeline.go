@@ -1,6 +1,8 @@
 package fleet
 
 import (
+	"slices"
+	"strings"
 	"sync"
 	"time"
 )
@@ -13,7 +15,7 @@ type Timeline struct {
 	start   time.Time
 	samples []Sample
 	marks   []Mark
-	names   []string // every node sampled, in order of first appearance
+	names   []string // every node sampled
 }
 
 // Sample is every live node's held connections at one moment.
@@ -59,9 +61,17 @@ func (tl *Timeline) Mark(label string) {
 // Since returns the time since the timeline started.
 func (tl *Timeline) Since() time.Duration { return time.Since(tl.start) }
 
-// Data returns copies of the samples, the marks and the node names.
+// Data returns copies of the samples, the marks and the node names, the
+// names in natural order (n2 before n10).
 func (tl *Timeline) Data() ([]Sample, []Mark, []string) {
 	tl.mu.Lock()
 	defer tl.mu.Unlock()
-	return append([]Sample(nil), tl.samples...), append([]Mark(nil), tl.marks...), append([]string(nil), tl.names...)
+	names := slices.Clone(tl.names)
+	slices.SortFunc(names, func(a, b string) int {
+		if len(a) != len(b) {
+			return len(a) - len(b)
+		}
+		return strings.Compare(a, b)
+	})
+	return slices.Clone(tl.samples), slices.Clone(tl.marks), names
 }
