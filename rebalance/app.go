@@ -55,9 +55,12 @@ var tracker = new(ConnTracker)
 // The cluster average counts only members that serf sees alive and whose
 // load report changed within `freshness`: a failed, left or silent member
 // never skews it. A node starts shedding above average × (1 + threshold)
-// and keeps shedding down to average × (1 + stop_band), never more than
-// that needs, at most `shed_rate` of its connections per interval, never
-// below `min_connections`, and not at all with fewer than 2 fresh members.
+// and keeps shedding down to average × (1 + stop_band); while a member is
+// below average × (1 − threshold) (one that joined), every node above the
+// average sheds toward the average until that member reaches
+// average × (1 − stop_band). It never sheds more than that needs, at most
+// `shed_rate` of its connections per interval, never below
+// `min_connections`, and not at all with fewer than 2 fresh members.
 // Shedding is graceful: idle connections first, then active HTTP
 // connections at their next response boundary, upgraded streams last.
 // A shed connection whose response does not end (server-sent events, a
