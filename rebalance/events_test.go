@@ -33,13 +33,17 @@ func (r *eventRecorder) get() []caddy.Event {
 	return append([]caddy.Event(nil), r.events...)
 }
 
-// startAppCtx is testApp with the caller's context.
-func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource) *App {
+// startAppCtx is testApp with the caller's context; mut, when not nil,
+// changes the app's settings before it is provisioned.
+func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource, mut func(*App)) *App {
 	t.Helper()
 	zero := 0
 	a := &App{
 		NodeName: name, Bind: "127.0.0.1:0", MinConnections: &zero, ShedRate: 10, source: src,
 		Interval: caddy.Duration(100 * time.Millisecond), History: caddy.Duration(100 * time.Millisecond),
+	}
+	if mut != nil {
+		mut(a)
 	}
 	if err := a.Provision(ctx); err != nil {
 		t.Fatal(err)
@@ -81,7 +85,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 	ctx, rec := eventsContext(t)
 	fleet := newFakeFleet(400, 100)
 	srcA, srcB := fleet[0], fleet[1]
-	a := startAppCtx(t, ctx, "ev-a", srcA)
+	a := startAppCtx(t, ctx, "ev-a", srcA, nil)
 	testApp(t, "ev-b", srcB, func(x *App) { x.Join = []string{a.gossipAddr()} })
 
 	testutil.WaitFor(t, 20*time.Second, "ev-a sheds, then reaches the stop band", func() (bool, string) {

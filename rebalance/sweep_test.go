@@ -386,22 +386,11 @@ func TestNodeForcedCloses(t *testing.T) {
 	ts := newTrackedServer(t)
 	ctx, rec := eventsContext(t)
 	src := &processSource{tracker: ts.tracker}
-	zero := 0
-	a := &App{
-		NodeName: "forcing", Bind: "127.0.0.1:0", MinConnections: &zero, source: src,
-		Interval: caddy.Duration(50 * time.Millisecond), History: caddy.Duration(100 * time.Millisecond),
-		BoundaryTimeout: caddy.Duration(300 * time.Millisecond),
-	}
-	if err := a.Provision(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Stop() })
+	a := startAppCtx(t, ctx, "forcing", src, func(a *App) {
+		a.ShedRate = 0
+		a.Interval = caddy.Duration(50 * time.Millisecond)
+		a.BoundaryTimeout = caddy.Duration(300 * time.Millisecond)
+	})
 
 	events := openStream(t, ts.dial())
 	if _, err := events.next(); err != nil {
