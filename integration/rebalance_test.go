@@ -101,6 +101,9 @@ func TestRebalanceScaleOut(t *testing.T) {
 	r := res.Reload
 	t.Logf("reload of %s (%d connections, fleet shedding %v): new tag everywhere after %v; fleet shed %d → %d in the 2 s after; reused member %v; %d not-alive sightings, %d join/leave events, %d bind errors",
 		r.Node, r.ConnectionsBeforeReload, r.ActiveAtReload, r.TagSeen.Round(time.Millisecond), r.ShedBefore, r.ShedAfter, r.Reused, len(r.NotAlive), r.Rejoins, r.BindErrors)
+	if r.Joins == 0 {
+		t.Errorf("the seed's log shows no join event for %s before the reload; the rejoin count looks for the wrong line", r.Node)
+	}
 	if len(r.NotAlive) > 0 || r.Rejoins > 0 || r.BindErrors > 0 || !r.Reused || !r.DecidedAfter {
 		t.Errorf("reload of %s: not-alive sightings %v, %d join/leave events, %d bind errors, reused member %v, decisions after %v; want none, 0, 0, true, true",
 			r.Node, r.NotAlive, r.Rejoins, r.BindErrors, r.Reused, r.DecidedAfter)

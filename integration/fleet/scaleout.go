@@ -65,10 +65,12 @@ type ScaleOutResult struct {
 		// NotAlive lists every sighting of the node in another status
 		// than alive by another node during the reload (none).
 		NotAlive []string
-		// Rejoins counts join and leave events for the node in the seed
-		// node's log after the reload (none), and BindErrors "address
+		// Rejoins counts join, leave and failure events for the node in
+		// the seed node's log after the reload (none; Joins counts its
+		// join events before, at least the first join, which shows the
+		// log says what the count looks for), and BindErrors "address
 		// already in use" in its own log (none).
-		Rejoins, BindErrors int
+		Rejoins, Joins, BindErrors int
 		// Reused is true when the reloaded config took over the running
 		// serf member (its log says reused_member true).
 		Reused bool
@@ -327,9 +329,11 @@ func (so ScaleOut) reload(f *Fleet, res *ScaleOutResult) error {
 	if loadErr != nil {
 		return fmt.Errorf("reloading %s: %v", target.Name, loadErr)
 	}
-	seedLog := seed.Proc.Log()[seedLogBefore:]
-	for _, ev := range []string{"EventMemberJoin: " + target.Name + " ", "EventMemberLeave: " + target.Name + " ", "EventMemberFailed: " + target.Name + " "} {
-		r.Rejoins += strings.Count(seedLog, ev)
+	seedLog := seed.Proc.Log()
+	joinEvent := "EventMemberJoin: " + target.Name + " "
+	r.Joins = strings.Count(seedLog[:seedLogBefore], joinEvent)
+	for _, ev := range []string{joinEvent, "EventMemberLeave: " + target.Name + " ", "EventMemberFailed: " + target.Name + " "} {
+		r.Rejoins += strings.Count(seedLog[seedLogBefore:], ev)
 	}
 	log := target.Proc.Log()
 	r.BindErrors = strings.Count(log, "address already in use")
