@@ -14,7 +14,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sync"
-	"syscall"
 	"time"
 )
 
@@ -107,23 +106,6 @@ func (p *Proc) Kill() error {
 		return nil
 	case <-time.After(10 * time.Second):
 		return fmt.Errorf("caddy (pid %d) still running 10s after SIGKILL", p.Pid())
-	}
-}
-
-// Stop sends SIGTERM and waits up to timeout for the process to exit,
-// then kills it.
-func (p *Proc) Stop(timeout time.Duration) error {
-	if !p.Exited() {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	}
-	select {
-	case <-p.exited:
-		return nil
-	case <-time.After(timeout):
-		if err := p.Kill(); err != nil {
-			return err
-		}
-		return fmt.Errorf("caddy (pid %d) did not exit within %v of SIGTERM; killed", p.Pid(), timeout)
 	}
 }
 

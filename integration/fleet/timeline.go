@@ -58,9 +58,6 @@ func (tl *Timeline) Mark(label string) {
 	tl.marks = append(tl.marks, Mark{T: time.Since(tl.start), Label: label})
 }
 
-// Since returns the time since the timeline started.
-func (tl *Timeline) Since() time.Duration { return time.Since(tl.start) }
-
 // Data returns copies of the samples, the marks and the node names, the
 // names in natural order (n2 before n10).
 func (tl *Timeline) Data() ([]Sample, []Mark, []string) {
