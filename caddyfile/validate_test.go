@@ -55,13 +55,13 @@ func TestValidateJSON(t *testing.T) {
 			name:      "ewma slow start without a window",
 			upstreams: 3,
 			policy:    `{"policy": "ewma", "slow_start": {"min_weight_percent": 5}}`,
-			wantErr:   "slow_start: window must be a positive duration, got 0s",
+			wantErr:   "slow_start: window 0s is below the minimum 1ms",
 		},
 		{
 			name:      "ewma slow start floor 0",
 			upstreams: 3,
 			policy:    `{"policy": "ewma", "slow_start": {"window": "30s", "min_weight_percent": 0}}`,
-			wantErr:   "slow_start: min_weight_percent must be above 0 and at most 100, got 0",
+			wantErr:   "slow_start: min_weight_percent must be above 0%: a host at weight 0 would never be tried",
 		},
 		{
 			name:      "panic with outlier around a stock policy",
@@ -90,7 +90,7 @@ func TestValidateJSON(t *testing.T) {
 			name:      "ewma weight 0",
 			upstreams: 2,
 			policy:    `{"policy": "ewma", "weights": [1, 0]}`,
-			wantErr:   "must be at least 1",
+			wantErr:   "ewma: weights[1]: weight 0 is below the minimum 1",
 		},
 		{
 			name:      "ewma choices 1",
@@ -114,19 +114,19 @@ func TestValidateJSON(t *testing.T) {
 			name:      "ewma panic_threshold 150",
 			upstreams: 3,
 			policy:    `{"policy": "ewma", "panic_threshold": 150}`,
-			wantErr:   "ewma: panic_threshold must be between 0% and 100%, got 150%",
+			wantErr:   "ewma: panic_threshold 150% is not a percentage from 0% to 100%",
 		},
 		{
 			name:      "ewma panic_threshold negative",
 			upstreams: 3,
 			policy:    `{"policy": "ewma", "panic_threshold": -5}`,
-			wantErr:   "ewma: panic_threshold must be between 0% and 100%, got -5%",
+			wantErr:   "ewma: panic_threshold -5% is not a percentage from 0% to 100%",
 		},
 		{
 			name:      "ewma negative decay",
 			upstreams: 3,
 			policy:    `{"policy": "ewma", "decay": "-1s"}`,
-			wantErr:   "ewma: decay must be positive, got -1s",
+			wantErr:   "ewma: decay -1s is below the minimum 1ms",
 		},
 		{
 			name:      "panic defaults",
@@ -137,7 +137,7 @@ func TestValidateJSON(t *testing.T) {
 			name:      "panic threshold 150",
 			upstreams: 3,
 			policy:    `{"policy": "panic", "threshold": 150}`,
-			wantErr:   "panic: threshold must be between 0% and 100%, got 150%",
+			wantErr:   "panic: threshold 150% is not a percentage from 0% to 100%",
 		},
 		{
 			name:      "panic wrapping least_conn",

@@ -11,7 +11,9 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 // Outlier configures outlier ejection from live traffic, like Envoy's
@@ -98,6 +100,13 @@ type Outlier struct {
 	sweepDone chan struct{}
 }
 
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (x *Outlier) UnmarshalJSON(b []byte) error {
+	type plain Outlier
+	return jsonfield.Decode(b, (*plain)(x))
+}
+
 // Outlier defaults, as in Envoy.
 const (
 	DefaultConsecutiveFailures = 5
@@ -153,36 +162,81 @@ func (o *Outlier) Provision(logger *zap.Logger, events Emitter) {
 	}
 }
 
+// Bounds of the outlier options. The interval rules compare rates over an
+// interval, so one much shorter than a second judges too few attempts to
+// mean anything, while a ticker at nanoseconds burns a core; ejections
+// longer than a day are an outage in slow motion.
+const (
+	minOutlierInterval = 100 * time.Millisecond
+	maxOutlierInterval = time.Hour
+	minEjectionTime    = time.Millisecond
+	maxEjectionTime    = 24 * time.Hour
+	maxOutlierCount    = 1_000_000_000
+	maxStdevFactor     = 100
+)
+
+// outlierOptions lists the options check knows, in the order Validate
+// reports them.
+var outlierOptions = []string{
+	"consecutive_failures", "failure_status", "base_ejection_time", "max_ejection_time",
+	"max_ejection_percent", "interval", "success_rate_min_hosts", "success_rate_min_requests",
+	"success_rate_stdev_factor", "failure_percentage_threshold", "failure_percentage_min_hosts",
+	"failure_percentage_min_requests",
+}
+
 // Validate checks the configuration.
 func (o *Outlier) Validate() error {
-	switch {
-	case o.Consecutive < 1:
-		return fmt.Errorf("outlier: consecutive_failures must be at least 1, got %d", o.Consecutive)
-	case o.BaseEjectionTime < 0:
-		return fmt.Errorf("outlier: base_ejection_time must be positive, got %v", time.Duration(o.BaseEjectionTime))
-	case o.MaxEjectionTime < o.BaseEjectionTime:
-		return fmt.Errorf("outlier: max_ejection_time %v is shorter than base_ejection_time %v",
-			time.Duration(o.MaxEjectionTime), time.Duration(o.BaseEjectionTime))
-	case o.MaxEjectionPercent != nil && CheckPercent(*o.MaxEjectionPercent) != nil:
-		return fmt.Errorf("outlier: max_ejection_percent must be between 0 and 100, got %v", *o.MaxEjectionPercent)
-	case o.Interval <= 0:
-		return fmt.Errorf("outlier: interval must be positive, got %v", time.Duration(o.Interval))
-	case o.SuccessRateMinHosts < 1:
-		return fmt.Errorf("outlier: success_rate_min_hosts must be at least 1, got %d", o.SuccessRateMinHosts)
-	case o.SuccessRateMinRequests < 1:
-		return fmt.Errorf("outlier: success_rate_min_requests must be at least 1, got %d", o.SuccessRateMinRequests)
-	case !(o.SuccessRateStdevFactor > 0) || math.IsInf(o.SuccessRateStdevFactor, 0):
-		return fmt.Errorf("outlier: success_rate_stdev_factor must be a positive number, got %v", o.SuccessRateStdevFactor)
-	case o.FailurePercentageThreshold != nil && CheckPercent(*o.FailurePercentageThreshold) != nil:
-		return fmt.Errorf("outlier: failure_percentage_threshold must be between 0 and 100, got %v", *o.FailurePercentageThreshold)
-	case o.FailurePercentageMinHosts < 1:
-		return fmt.Errorf("outlier: failure_percentage_min_hosts must be at least 1, got %d", o.FailurePercentageMinHosts)
-	case o.FailurePercentageMinRequests < 1:
-		return fmt.Errorf("outlier: failure_percentage_min_requests must be at least 1, got %d", o.FailurePercentageMinRequests)
+	for _, opt := range outlierOptions {
+		if err := o.check(opt); err != nil {
+			return fmt.Errorf("outlier: %v", err)
+		}
 	}
-	for _, c := range o.FailureStatus {
-		if c < 100 || c > 599 {
-			return fmt.Errorf("outlier: failure_status %d is not an HTTP status code", c)
+	return nil
+}
+
+// check is the rule for the value of one option: Validate applies every
+// rule, and the Caddyfile parser each option's as it reads it, so that the
+// error has its line. A duration or count of 0 is the default, set by
+// Provision before Validate; in a Caddyfile it is an error.
+func (o *Outlier) check(opt string) error {
+	switch opt {
+	case "consecutive_failures":
+		return bounds.Int(opt, o.Consecutive, 1, maxOutlierCount)
+	case "success_rate_min_hosts":
+		return bounds.Int(opt, o.SuccessRateMinHosts, 1, maxOutlierCount)
+	case "success_rate_min_requests":
+		return bounds.Int(opt, o.SuccessRateMinRequests, 1, maxOutlierCount)
+	case "failure_percentage_min_hosts":
+		return bounds.Int(opt, o.FailurePercentageMinHosts, 1, maxOutlierCount)
+	case "failure_percentage_min_requests":
+		return bounds.Int(opt, o.FailurePercentageMinRequests, 1, maxOutlierCount)
+	case "failure_status":
+		for _, c := range o.FailureStatus {
+			if c < 100 || c > 599 {
+				return fmt.Errorf("failure_status %d is not an HTTP status code", c)
+			}
+		}
+	case "base_ejection_time":
+		return bounds.Duration(opt, time.Duration(o.BaseEjectionTime), minEjectionTime, maxEjectionTime)
+	case "max_ejection_time":
+		if err := bounds.Duration(opt, time.Duration(o.MaxEjectionTime), minEjectionTime, maxEjectionTime); err != nil {
+			return err
+		}
+		if o.BaseEjectionTime != 0 && o.MaxEjectionTime < o.BaseEjectionTime {
+			return fmt.Errorf("max_ejection_time %v is shorter than base_ejection_time %v",
+				time.Duration(o.MaxEjectionTime), time.Duration(o.BaseEjectionTime))
+		}
+	case "interval":
+		return bounds.Duration(opt, time.Duration(o.Interval), minOutlierInterval, maxOutlierInterval)
+	case "success_rate_stdev_factor":
+		return bounds.Positive(opt, o.SuccessRateStdevFactor, maxStdevFactor)
+	case "max_ejection_percent":
+		if o.MaxEjectionPercent != nil {
+			return bounds.Percent(opt, *o.MaxEjectionPercent)
+		}
+	case "failure_percentage_threshold":
+		if o.FailurePercentageThreshold != nil {
+			return bounds.Percent(opt, *o.FailurePercentageThreshold)
 		}
 	}
 	return nil
@@ -193,8 +247,11 @@ func (o *Outlier) failedStatus(code int) bool { return slices.Contains(o.Failure
 
 // ejectionTime is how long the multiplier-th ejection in a row lasts.
 func (o *Outlier) ejectionTime(multiplier int64) time.Duration {
-	d := time.Duration(o.BaseEjectionTime) * time.Duration(multiplier)
-	return min(d, time.Duration(o.MaxEjectionTime))
+	base, most := time.Duration(o.BaseEjectionTime), time.Duration(o.MaxEjectionTime)
+	if base <= 0 || multiplier > int64(most/base) {
+		return most // and no overflow, however long the run of ejections
+	}
+	return base * time.Duration(multiplier)
 }
 
 // mayEject reports whether one more upstream may be ejected from a pool of
@@ -297,8 +354,8 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			n, err := strconv.Atoi(d.Val())
-			if err != nil || n < 1 {
-				return d.Errf("outlier: invalid %s %q: want a whole number of at least 1", opt, d.Val())
+			if err != nil {
+				return d.Errf("outlier: invalid %s %q: want a whole number", opt, d.Val())
 			}
 			*counts[opt] = n
 		case "failure_status":
@@ -309,7 +366,7 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			o.FailureStatus = []int{}
 			for _, a := range args {
 				c, err := strconv.Atoi(a)
-				if err != nil || c < 100 || c > 599 {
+				if err != nil {
 					return d.Errf("outlier: invalid failure_status %q: want HTTP status codes", a)
 				}
 				o.FailureStatus = append(o.FailureStatus, c)
@@ -319,8 +376,8 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			dur, err := caddy.ParseDuration(d.Val())
-			if err != nil || dur <= 0 {
-				return d.Errf("outlier: invalid %s %q: want a positive duration", opt, d.Val())
+			if err != nil {
+				return d.Errf("outlier: invalid %s %q: want a duration", opt, d.Val())
 			}
 			*durations[opt] = caddy.Duration(dur)
 		case "success_rate", "health_check_restore":
@@ -338,7 +395,7 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			f, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil || !(f > 0) || math.IsInf(f, 0) {
+			if err != nil {
 				return d.Errf("outlier: invalid success_rate_stdev_factor %q: want a positive number", d.Val())
 			}
 			o.SuccessRateStdevFactor = f
@@ -360,6 +417,9 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			o.MaxEjectionPercent = &p
 		default:
 			return d.Errf("outlier: unrecognized option %q", opt)
+		}
+		if err := o.check(opt); err != nil {
+			return d.Errf("outlier: %v", err)
 		}
 		if d.NextArg() {
 			return d.ArgErr()

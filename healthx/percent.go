@@ -1,11 +1,12 @@
 package healthx
 
 import (
-	"fmt"
 	"strconv"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/caddy-lbx/lbx/internal/bounds"
 )
 
 // ParsePercent reads the argument of a Caddyfile percentage option (the
@@ -21,16 +22,8 @@ func ParsePercent(d *caddyfile.Dispenser, owner string) (float64, error) {
 		return 0, nil
 	}
 	v, err := strconv.ParseFloat(strings.TrimSuffix(raw, "%"), 64)
-	if err != nil || CheckPercent(v) != nil {
+	if err != nil || bounds.Percent(opt, v) != nil {
 		return 0, d.Errf("%s: invalid %s %q: want a percentage from 0%% to 100%%, or 'off'", owner, opt, raw)
 	}
 	return v, nil
-}
-
-// CheckPercent reports whether v is a percentage in [0, 100].
-func CheckPercent(v float64) error {
-	if v < 0 || v > 100 || v != v {
-		return fmt.Errorf("must be between 0%% and 100%%, got %v%%", v)
-	}
-	return nil
 }

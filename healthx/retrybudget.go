@@ -13,7 +13,9 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 // RetryBudget limits reverse_proxy's retries (lb_retries, lb_try_duration)
@@ -50,6 +52,13 @@ type RetryBudget struct {
 	first, retry byte
 }
 
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (x *RetryBudget) UnmarshalJSON(b []byte) error {
+	type plain RetryBudget
+	return jsonfield.Decode(b, (*plain)(x))
+}
+
 // Retry budget defaults, as in Envoy.
 const (
 	DefaultRetryBudgetPercent       = 20.0
@@ -75,15 +84,30 @@ func (b *RetryBudget) Provision(logger *zap.Logger) {
 	b.floor = int64(*b.MinConcurrent)
 }
 
+// maxRetryBudgetFloor bounds min_concurrent: a floor of a million
+// retries in flight is no budget at all.
+const maxRetryBudgetFloor = 1_000_000
+
 // Validate checks the configuration.
 func (b *RetryBudget) Validate() error {
-	if b.Percent != nil && CheckPercent(*b.Percent) != nil {
-		return fmt.Errorf("retry_budget: percent must be between 0 and 100, got %v", *b.Percent)
+	if b.Percent != nil {
+		if err := bounds.Percent("percent", *b.Percent); err != nil {
+			return fmt.Errorf("retry_budget: %v", err)
+		}
 	}
-	if b.MinConcurrent != nil && *b.MinConcurrent < 0 {
-		return fmt.Errorf("retry_budget: min_concurrent must not be negative, got %d", *b.MinConcurrent)
+	if err := b.checkFloor(); err != nil {
+		return fmt.Errorf("retry_budget: %v", err)
 	}
 	return nil
+}
+
+// checkFloor is the rule for min_concurrent, shared with the Caddyfile
+// parser.
+func (b *RetryBudget) checkFloor() error {
+	if b.MinConcurrent == nil {
+		return nil
+	}
+	return bounds.Int("min_concurrent", *b.MinConcurrent, 0, maxRetryBudgetFloor)
 }
 
 // Admit is called by a selection policy before it chooses an upstream for
@@ -190,10 +214,13 @@ func (b *RetryBudget) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.ArgErr()
 		}
 		n, err := strconv.Atoi(d.Val())
-		if err != nil || n < 0 {
+		if err != nil {
 			return d.Errf("retry_budget: invalid min_concurrent %q: want a whole number, 0 or more", d.Val())
 		}
 		b.MinConcurrent = &n
+		if err := b.checkFloor(); err != nil {
+			return d.Errf("retry_budget: %v", err)
+		}
 		if d.NextArg() {
 			return d.ArgErr()
 		}

@@ -148,7 +148,7 @@ func TestRetryBudgetUnmarshalCaddyfile(t *testing.T) {
 		{input: "retry_budget 120%", wantErr: `invalid retry_budget "120%"`},
 		{input: "retry_budget 20% 30%", wantErr: "wrong argument count"},
 		{input: "retry_budget {\n min_concurrent\n}", wantErr: "wrong argument count"},
-		{input: "retry_budget {\n min_concurrent -1\n}", wantErr: `invalid min_concurrent "-1"`},
+		{input: "retry_budget {\n min_concurrent -1\n}", wantErr: `min_concurrent -1 is below the minimum 0`},
 		{input: "retry_budget {\n min_concurrent 1 2\n}", wantErr: "wrong argument count"},
 		{input: "retry_budget {\n min_concurrent 1\n min_concurrent 2\n}", wantErr: "min_concurrent specified more than once"},
 		{input: "retry_budget {\n percent 10\n}", wantErr: `unrecognized option "percent"`},

@@ -8,6 +8,9 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 // SlowStart ramps up the share of an upstream that joins a pool already
@@ -40,6 +43,13 @@ type SlowStart struct {
 	invWindow float64
 }
 
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (x *SlowStart) UnmarshalJSON(b []byte) error {
+	type plain SlowStart
+	return jsonfield.Decode(b, (*plain)(x))
+}
+
 // DefaultSlowStartMinWeight is the default floor of the ramp, in percent
 // (Envoy's default).
 const DefaultSlowStartMinWeight = 10.0
@@ -61,15 +71,45 @@ func (s *SlowStart) Provision() {
 	}
 }
 
+// Bounds of the slow-start options: a ramp is warm-up time for a cold
+// host, seconds to minutes; a day-long one never ends in practice.
+const (
+	minSlowStartWindow = time.Millisecond
+	maxSlowStartWindow = 24 * time.Hour
+	maxAggression      = 100
+)
+
 // Validate checks the configuration.
 func (s *SlowStart) Validate() error {
-	switch {
-	case s.Window <= 0:
-		return fmt.Errorf("slow_start: window must be a positive duration, got %v", time.Duration(s.Window))
-	case s.MinWeightPercent != nil && (*s.MinWeightPercent <= 0 || *s.MinWeightPercent > 100):
-		return fmt.Errorf("slow_start: min_weight_percent must be above 0 and at most 100, got %v", *s.MinWeightPercent)
-	case s.Aggression < 0 || math.IsNaN(s.Aggression) || math.IsInf(s.Aggression, 0):
-		return fmt.Errorf("slow_start: aggression must be a positive number, got %v", s.Aggression)
+	for _, opt := range []string{"window", "min_weight", "aggression"} {
+		if opt == "aggression" && s.Aggression == 0 {
+			continue // the default
+		}
+		if err := s.check(opt); err != nil {
+			return fmt.Errorf("slow_start: %v", err)
+		}
+	}
+	return nil
+}
+
+// check is the rule for the value of one option (by its Caddyfile name):
+// Validate applies every rule, and the Caddyfile parser each option's as
+// it reads it, so that the error has its line. An aggression of 0 is the
+// default, set by Provision before Validate.
+func (s *SlowStart) check(opt string) error {
+	switch opt {
+	case "window":
+		return bounds.Duration(opt, time.Duration(s.Window), minSlowStartWindow, maxSlowStartWindow)
+	case "min_weight":
+		if s.MinWeightPercent == nil {
+			return nil
+		}
+		if *s.MinWeightPercent == 0 {
+			return fmt.Errorf("min_weight_percent must be above 0%%: a host at weight 0 would never be tried")
+		}
+		return bounds.Percent("min_weight_percent", *s.MinWeightPercent)
+	case "aggression":
+		return bounds.Positive(opt, s.Aggression, maxAggression)
 	}
 	return nil
 }
@@ -106,10 +146,13 @@ func (s *SlowStart) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return d.ArgErr()
 	}
 	w, err := caddy.ParseDuration(d.Val())
-	if err != nil || w <= 0 {
+	if err != nil {
 		return d.Errf("slow_start: invalid window %q: want a positive duration", d.Val())
 	}
 	s.Window = caddy.Duration(w)
+	if err := s.check("window"); err != nil {
+		return d.Errf("slow_start: %v", err)
+	}
 	if d.NextArg() {
 		return d.ArgErr()
 	}
@@ -126,21 +169,21 @@ func (s *SlowStart) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
-			if p == 0 {
-				return d.Errf("slow_start: min_weight must be above 0%%: a host at weight 0 would never be tried")
-			}
 			s.MinWeightPercent = &p
 		case "aggression":
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
 			a, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil || a <= 0 || math.IsInf(a, 0) {
+			if err != nil {
 				return d.Errf("slow_start: invalid aggression %q: want a positive number", d.Val())
 			}
 			s.Aggression = a
 		default:
 			return d.Errf("slow_start: unrecognized option %q", opt)
+		}
+		if err := s.check(opt); err != nil {
+			return d.Errf("slow_start: %v", err)
 		}
 		if d.NextArg() {
 			return d.ArgErr()

@@ -52,12 +52,12 @@ func TestSlowStartValidate(t *testing.T) {
 		cfg  SlowStart
 		want string
 	}{
-		{SlowStart{}, "window must be a positive duration"},
-		{SlowStart{Window: -1}, "window must be a positive duration"},
+		{SlowStart{}, "window 0s is below the minimum 1ms"},
+		{SlowStart{Window: -1}, "window -1ns is below the minimum 1ms"},
 		{SlowStart{Window: caddy.Duration(time.Second), MinWeightPercent: pct(0)}, "min_weight_percent must be above 0"},
-		{SlowStart{Window: caddy.Duration(time.Second), MinWeightPercent: pct(101)}, "min_weight_percent must be above 0 and at most 100, got 101"},
-		{SlowStart{Window: caddy.Duration(time.Second), Aggression: -1}, "aggression must be a positive number, got -1"},
-		{SlowStart{Window: caddy.Duration(time.Second), Aggression: math.Inf(1)}, "aggression must be a positive number"},
+		{SlowStart{Window: caddy.Duration(time.Second), MinWeightPercent: pct(101)}, "min_weight_percent 101% is not a percentage"},
+		{SlowStart{Window: caddy.Duration(time.Second), Aggression: -1}, "aggression -1 is below the minimum 0"},
+		{SlowStart{Window: caddy.Duration(time.Second), Aggression: math.Inf(1)}, "aggression +Inf is not a finite number"},
 	} {
 		err := tc.cfg.Validate()
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -92,13 +92,13 @@ func TestSlowStartUnmarshalCaddyfile(t *testing.T) {
 		{input: `slow_start 30s`, want: SlowStart{Window: caddy.Duration(30 * time.Second)}},
 		{input: "slow_start 1m {\n min_weight 25%\n aggression 1.5\n}", want: SlowStart{Window: caddy.Duration(time.Minute), Aggression: 1.5}},
 		{input: `slow_start`, wantErr: "wrong argument count"},
-		{input: `slow_start 0s`, wantErr: `invalid window "0s"`},
+		{input: `slow_start 0s`, wantErr: `window 0s is below the minimum 1ms`},
 		{input: `slow_start soon`, wantErr: `invalid window "soon"`},
 		{input: `slow_start 30s 10%`, wantErr: "wrong argument count"},
-		{input: "slow_start 30s {\n min_weight 0%\n}", wantErr: "min_weight must be above 0%"},
+		{input: "slow_start 30s {\n min_weight 0%\n}", wantErr: "min_weight_percent must be above 0%"},
 		{input: "slow_start 30s {\n min_weight 120%\n}", wantErr: `invalid min_weight "120%"`},
 		{input: "slow_start 30s {\n min_weight\n}", wantErr: "wrong argument count"},
-		{input: "slow_start 30s {\n aggression 0\n}", wantErr: `invalid aggression "0"`},
+		{input: "slow_start 30s {\n aggression 0\n}", wantErr: `aggression must be above 0`},
 		{input: "slow_start 30s {\n aggression fast\n}", wantErr: `invalid aggression "fast"`},
 		{input: "slow_start 30s {\n aggression 2 3\n}", wantErr: "wrong argument count"},
 		{input: "slow_start 30s {\n aggression 2\n aggression 3\n}", wantErr: "aggression specified more than once"},

@@ -25,7 +25,9 @@ func (o *Outlier) startSweeping(table *hoststate.Table, done <-chan struct{}) {
 	}
 	sw := newSweeper(o, table)
 	o.sweepDone = make(chan struct{})
-	go sw.run(done, time.Duration(o.Interval), o.sweepDone)
+	// Validate has refused a shorter interval already; the floor here only
+	// keeps a caller that skipped it from panicking in NewTicker.
+	go sw.run(done, max(time.Duration(o.Interval), minOutlierInterval), o.sweepDone)
 }
 
 // sweeper applies the interval rules of outlier detection to one table

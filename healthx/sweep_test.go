@@ -397,7 +397,7 @@ func provisionOutlierProxy(t *testing.T, outlierJSON string) (*outlierProbe, con
 func TestInstallSweepLoopEndsWithContext(t *testing.T) {
 	// One upstream is enough for the failure-percentage rule here; the
 	// loop must sweep (and eject) while the context lives.
-	p, cancel := provisionOutlierProxy(t, `{"interval":"1ms","disable_success_rate":true,
+	p, cancel := provisionOutlierProxy(t, `{"interval":"100ms","disable_success_rate":true,
 		"failure_percentage_threshold":0,"failure_percentage_min_hosts":1,"failure_percentage_min_requests":1,
 		"consecutive_failures":1000,"max_ejection_percent":100}`)
 	done := p.Outlier.sweepDone

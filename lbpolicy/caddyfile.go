@@ -72,8 +72,8 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return d.Errf("ewma: invalid decay duration %q: %v", d.Val(), err)
 			}
-			if dur <= 0 {
-				return d.Errf("ewma: decay must be positive, got %q", d.Val())
+			if err := checkDecay(dur); err != nil {
+				return d.Errf("ewma: %v", err)
 			}
 			s.Decay = caddy.Duration(dur)
 		case "weights":
@@ -83,8 +83,11 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			for _, a := range args {
 				w, err := strconv.Atoi(a)
-				if err != nil || w < 1 {
+				if err != nil {
 					return d.Errf("ewma: invalid weight %q: weights are whole numbers of at least 1", a)
+				}
+				if err := checkWeight(w); err != nil {
+					return d.Errf("ewma: %v", err)
 				}
 				s.Weights = append(s.Weights, w)
 			}

@@ -84,14 +84,14 @@ func TestEWMAUnmarshalCaddyfile(t *testing.T) {
 		{name: "decay missing", input: "ewma {\n\tdecay\n}", err: "wrong argument count or unexpected line ending after 'decay', at Testfile:2"},
 		{name: "decay not a duration", input: "ewma {\n\tdecay fast\n}", err: `ewma: invalid decay duration "fast": time: invalid duration "fast", at Testfile:2`},
 		{name: "decay without unit", input: "ewma {\n\tdecay 10\n}", err: `ewma: invalid decay duration "10": time: missing unit in duration "10", at Testfile:2`},
-		{name: "decay zero", input: "ewma {\n\tdecay 0s\n}", err: `ewma: decay must be positive, got "0s", at Testfile:2`},
-		{name: "decay negative", input: "ewma {\n\tdecay -1s\n}", err: `ewma: decay must be positive, got "-1s", at Testfile:2`},
+		{name: "decay zero", input: "ewma {\n\tdecay 0s\n}", err: `ewma: decay 0s is below the minimum 1ms, at Testfile:2`},
+		{name: "decay negative", input: "ewma {\n\tdecay -1s\n}", err: `ewma: decay -1s is below the minimum 1ms, at Testfile:2`},
 		{name: "decay extra argument", input: "ewma {\n\tdecay 10s 20s\n}", err: "wrong argument count or unexpected line ending after '20s', at Testfile:2"},
 
 		{name: "weights missing", input: "ewma {\n\tweights\n}", err: "wrong argument count or unexpected line ending after 'weights', at Testfile:2"},
 		{name: "weights block", input: "ewma {\n\tweights {\n\t}\n}", err: "wrong argument count or unexpected line ending after 'weights', at Testfile:2"},
-		{name: "weight zero", input: "ewma {\n\tweights 1 0\n}", err: `ewma: invalid weight "0": weights are whole numbers of at least 1, at Testfile:2`},
-		{name: "weight negative", input: "ewma {\n\tweights -1 1\n}", err: `ewma: invalid weight "-1": weights are whole numbers of at least 1, at Testfile:2`},
+		{name: "weight zero", input: "ewma {\n\tweights 1 0\n}", err: `ewma: weight 0 is below the minimum 1, at Testfile:2`},
+		{name: "weight negative", input: "ewma {\n\tweights -1 1\n}", err: `ewma: weight -1 is below the minimum 1, at Testfile:2`},
 		{name: "weight not a number", input: "ewma {\n\tweights 1 heavy\n}", err: `ewma: invalid weight "heavy": weights are whole numbers of at least 1, at Testfile:2`},
 		{name: "weight fraction", input: "ewma {\n\tweights 1.5\n}", err: `ewma: invalid weight "1.5": weights are whole numbers of at least 1, at Testfile:2`},
 
@@ -197,7 +197,7 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 		{name: "policy argument error", input: "panic {\n\tpolicy least_conn extra\n}", err: "wrong argument count or unexpected line ending after 'extra', at Testfile:2"},
 		{name: "policy block error", input: "panic {\n\tpolicy ewma {\n\t\tchoices 2\n\t\tchoices 1\n\t}\n}", err: "ewma: choices specified more than once, at Testfile:4"},
 		{name: "outlier", input: "panic {\n\toutlier {\n\t\tconsecutive_failures 2\n\t}\n\tpolicy first\n}", policy: `{"policy":"first"}`, consecutive: 2},
-		{name: "outlier error", input: "panic {\n\toutlier {\n\t\tconsecutive_failures 0\n\t}\n}", err: `outlier: invalid consecutive_failures "0"`},
+		{name: "outlier error", input: "panic {\n\toutlier {\n\t\tconsecutive_failures 0\n\t}\n}", err: `outlier: consecutive_failures 0 is below the minimum 1, at Testfile:3`},
 		{name: "outlier repeated", input: "panic {\n\toutlier\n\toutlier\n}", err: "panic: outlier specified more than once, at Testfile:3"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {

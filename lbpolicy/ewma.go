@@ -12,7 +12,9 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/healthx"
+	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/randpick"
 )
 
@@ -89,6 +91,13 @@ type EWMASelection struct {
 	logger   *zap.Logger
 }
 
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (x *EWMASelection) UnmarshalJSON(b []byte) error {
+	type plain EWMASelection
+	return jsonfield.Decode(b, (*plain)(x))
+}
+
 // CaddyModule returns the Caddy module information.
 func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
@@ -113,6 +122,12 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	}
 	if s.RetryBudget != nil {
 		s.RetryBudget.Provision(s.logger)
+	}
+	// Caddy validates after provisioning, but Install starts the outlier
+	// sweep loop: a bad value must be refused before it (a negative
+	// interval panicked in NewTicker and took the process down).
+	if err := s.Validate(); err != nil {
+		return err
 	}
 	h, err := healthx.Install(ctx, s.table, s.Outlier)
 	switch {
@@ -141,17 +156,19 @@ func (s *EWMASelection) Validate() error {
 	if err := s.Choices.validate(); err != nil {
 		return fmt.Errorf("ewma: %v", err)
 	}
-	if s.Decay < 0 {
-		return fmt.Errorf("ewma: decay must be positive, got %v", time.Duration(s.Decay))
+	if s.Decay != 0 {
+		if err := checkDecay(time.Duration(s.Decay)); err != nil {
+			return fmt.Errorf("ewma: %v", err)
+		}
 	}
 	for i, w := range s.Weights {
-		if w < 1 {
-			return fmt.Errorf("ewma: weights[%d] is %d; each weight must be at least 1", i, w)
+		if err := checkWeight(w); err != nil {
+			return fmt.Errorf("ewma: weights[%d]: %v", i, err)
 		}
 	}
 	if s.PanicThreshold != nil {
-		if err := healthx.CheckPercent(*s.PanicThreshold); err != nil {
-			return fmt.Errorf("ewma: panic_threshold %v", err)
+		if err := bounds.Percent("panic_threshold", *s.PanicThreshold); err != nil {
+			return fmt.Errorf("ewma: %v", err)
 		}
 	}
 	if s.Outlier != nil {
@@ -169,6 +186,22 @@ func (s *EWMASelection) Validate() error {
 	}
 	return nil
 }
+
+// Bounds of the ewma options. A decay below a millisecond forgets every
+// sample before the next one arrives; one of days never forgets a slow
+// spell. A weight is a ratio between upstreams: beyond a million it can
+// only be a typo.
+const (
+	minDecay  = time.Millisecond
+	maxDecay  = 24 * time.Hour
+	maxWeight = 1_000_000
+)
+
+// checkDecay is the rule for decay, shared with the Caddyfile parser.
+func checkDecay(d time.Duration) error { return bounds.Duration("decay", d, minDecay, maxDecay) }
+
+// checkWeight is the rule for one weight, shared with the Caddyfile parser.
+func checkWeight(w int) error { return bounds.Int("weight", w, 1, maxWeight) }
 
 // Cleanup releases the policy's references to shared upstream state.
 func (s *EWMASelection) Cleanup() error {

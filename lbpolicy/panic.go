@@ -10,7 +10,9 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/healthx"
+	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 func init() {
@@ -47,6 +49,13 @@ type PanicSelection struct {
 	observer  *healthx.ObservingTransport
 }
 
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (x *PanicSelection) UnmarshalJSON(b []byte) error {
+	type plain PanicSelection
+	return jsonfield.Decode(b, (*plain)(x))
+}
+
 // CaddyModule returns the Caddy module information.
 func (*PanicSelection) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
@@ -61,7 +70,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 	if p.PolicyRaw != nil {
 		mod, err := ctx.LoadModule(p, "PolicyRaw")
 		if err != nil {
-			return fmt.Errorf("loading wrapped selection policy: %v", err)
+			return fmt.Errorf("loading selection_policy: %v", err)
 		}
 		sel, ok := mod.(reverseproxy.Selector)
 		if !ok {
@@ -77,6 +86,10 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("panic: configure outlier ejection inside the ewma policy, not around it")
 		}
 		p.Outlier.Provision(ctx.Logger(), events)
+		// Validated before Install starts the sweep loop (see ewma).
+		if err := p.Validate(); err != nil {
+			return err
+		}
 		p.table = hoststate.NewTable(hoststate.Config{})
 		h, err := healthx.Install(ctx, p.table, p.Outlier)
 		switch {
@@ -98,8 +111,8 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 // Validate checks the threshold and the outlier ejection.
 func (p *PanicSelection) Validate() error {
 	if p.Threshold != nil {
-		if err := healthx.CheckPercent(*p.Threshold); err != nil {
-			return fmt.Errorf("panic: threshold %v", err)
+		if err := bounds.Percent("threshold", *p.Threshold); err != nil {
+			return fmt.Errorf("panic: %v", err)
 		}
 	}
 	if p.Outlier != nil {

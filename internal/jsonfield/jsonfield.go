@@ -1,0 +1,100 @@
+// Package jsonfield decodes a module's JSON configuration so that a value
+// that fails to decode is reported with its option's name. encoding/json
+// names the field only for a type mismatch; an error from a value's own
+// decoder (a caddy.Duration that is not a duration) arrives bare, and in a
+// config of hundreds of lines "time: invalid duration" points nowhere.
+package jsonfield
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"reflect"
+	"sort"
+	"strings"
+)
+
+// Decode unmarshals data into v, a pointer to a struct, strictly (unknown
+// fields are errors, as Caddy decodes modules). When a value fails to
+// decode, the error starts with its JSON key: `interval: time: invalid
+// duration "soon"`. A type that decodes itself with Decode nests the keys:
+// `outlier: interval: …`.
+//
+// A module's UnmarshalJSON calls it with a pointer to a defined type that
+// has the module's fields but not its methods, so it does not recurse:
+//
+//	func (m *Module) UnmarshalJSON(b []byte) error {
+//		type plain Module
+//		return jsonfield.Decode(b, (*plain)(m))
+//	}
+func Decode(data []byte, v any) error {
+	err := strict(data, v)
+	if err == nil {
+		return nil
+	}
+	var typeErr *json.UnmarshalTypeError
+	var syntaxErr *json.SyntaxError
+	if errors.As(err, &syntaxErr) || errors.As(err, &typeErr) && typeErr.Field != "" {
+		return err // json names the field, or there is none to name
+	}
+	if key := failingKey(data, v); key != "" {
+		return fmt.Errorf("%s: %w", key, err)
+	}
+	return err
+}
+
+func strict(data []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	return dec.Decode(v)
+}
+
+// failingKey returns the first key of the JSON object data whose value
+// does not decode into its field of the struct v points to, or "".
+func failingKey(data []byte, v any) string {
+	var fields map[string]json.RawMessage
+	if json.Unmarshal(data, &fields) != nil {
+		return ""
+	}
+	t := reflect.TypeOf(v)
+	if t.Kind() != reflect.Pointer || t.Elem().Kind() != reflect.Struct {
+		return ""
+	}
+	byKey := fieldsByKey(t.Elem())
+	keys := make([]string, 0, len(fields))
+	for k := range fields {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		ft, ok := byKey[k]
+		if !ok {
+			continue // unknown: the decoder's own error says so
+		}
+		if strict(fields[k], reflect.New(ft).Interface()) != nil {
+			return k
+		}
+	}
+	return ""
+}
+
+// fieldsByKey maps the JSON keys of struct type t to their field types.
+func fieldsByKey(t reflect.Type) map[string]reflect.Type {
+	out := make(map[string]reflect.Type, t.NumField())
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if !f.IsExported() {
+			continue
+		}
+		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		switch name {
+		case "-":
+			continue
+		case "":
+			name = f.Name
+		}
+		out[name] = f.Type
+	}
+	return out
+}
