@@ -180,8 +180,12 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("panic: module %s (%T) is not a selection policy", modID, unm)
 			}
 			p.PolicyRaw = caddyconfig.JSONModuleObject(sel, "policy", name, nil)
+			p.inner = sel // for the checks below; Provision loads it again
 		default:
 			return d.Errf("panic: unrecognized option %q", d.Val())
+		}
+		if _, ewma := p.inner.(*EWMASelection); ewma && p.Outlier != nil {
+			return d.Err(errOutlierAroundEWMA.Error())
 		}
 	}
 	return nil

@@ -83,7 +83,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
 	if p.Outlier != nil {
 		if _, ok := p.inner.(*EWMASelection); ok {
-			return fmt.Errorf("panic: configure outlier ejection inside the ewma policy, not around it")
+			return errOutlierAroundEWMA
 		}
 		p.Outlier.Provision(ctx.Logger(), events)
 		// Validated before Install starts the sweep loop (see ewma).
@@ -107,6 +107,10 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 	hoststate.RegisterPool(p)
 	return nil
 }
+
+// errOutlierAroundEWMA refuses two outlier detectors for one pool: ewma
+// has its own, which also resets its estimates on ejection.
+var errOutlierAroundEWMA = errors.New("panic: configure outlier ejection inside the ewma policy, not around it")
 
 // Validate checks the threshold and the outlier ejection.
 func (p *PanicSelection) Validate() error {
