@@ -2,6 +2,7 @@ package partition
 
 import (
 	"encoding/json"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -59,6 +60,7 @@ func FuzzMergeJSON(f *testing.F) {
 	f.Add(`[1,2]`, `{"x":1}`)
 	f.Add(`1`, `"s"`)
 	f.Add(`{"a":`, `{}`)
+	f.Add(` {"a" : {"b": [1, "x ]"], "\u0063": {}}, "a": {"d": 1}} `, `{"a":{"b":[2],"c":{"e":null}}}`)
 	f.Fuzz(func(t *testing.T, a, b string) {
 		m := JSONMerger{}
 		pa, pb := &Part{Body: []byte(a)}, &Part{Index: 1, Body: []byte(b)}
@@ -71,6 +73,13 @@ func FuzzMergeJSON(f *testing.F) {
 		}
 		if !json.Valid(out.Body) {
 			t.Fatalf("merged output is not JSON: %s", out.Body)
+		}
+		if len(out.Body) > len(a)+len(b)+1 {
+			t.Fatalf("merged output (%d bytes) longer than its inputs (%d)", len(out.Body), len(a)+len(b))
+		}
+		want := mergeDecoded(decodeNumbers(t, pa.Body), decodeNumbers(t, pb.Body))
+		if got := decodeNumbers(t, out.Body); !reflect.DeepEqual(got, want) {
+			t.Fatalf("merge of %q and %q: %s; want %v", a, b, out.Body, want)
 		}
 	})
 }
