@@ -97,7 +97,8 @@ const StatusHeader = "X-Partition-Status"
 // merger rejects it (e.g. invalid JSON). When FailLimit partitions have
 // failed, the handler answers 502 at once (504 when the deadline passed)
 // with a text body naming the failed partitions, and cancels the
-// sub-requests still running.
+// sub-requests still running. When the sub-responses together go over
+// MaxMergedBody, the answer is 502 at once, whatever FailLimit says.
 type Handler struct {
 	// Upstreams with their partition tags.
 	Upstreams []UpstreamConfig `json:"upstreams,omitempty"`
@@ -150,8 +151,9 @@ type Handler struct {
 	// sub-response bodies received for it together, and the merged body.
 	// Going over fails the request at once with 502 (and a warning in the
 	// log), whatever fail_limit says, and cancels the sub-requests still
-	// running. With it, a request's memory is bounded by about twice this
-	// plus its partitions' request bodies, whatever the partition count.
+	// running. A request's memory is thus bounded by about twice this,
+	// plus a copy of the request body per partition (which reverse_proxy
+	// buffers for retries), whatever the partition count.
 	// At most 1 GiB. Default: 64 MiB, eight partitions' worth of
 	// default-sized sub-responses.
 	MaxMergedBody int64 `json:"max_merged_body,omitempty"`

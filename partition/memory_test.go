@@ -185,3 +185,67 @@ func TestMergeMemoryBounded(t *testing.T) {
 		t.Errorf("%s: %q names no failed partition", StatusHeader, st)
 	}
 }
+
+// TestRecorder covers how a sub-response body is kept: sized from its
+// Content-Length, in chunks without one, dropped when not 2xx, and
+// refused over max_response_body or the fan-out's budget.
+func TestRecorder(t *testing.T) {
+	newRec := func(limit, budgetLimit int64) *recorder {
+		return &recorder{header: make(http.Header), limit: limit, budget: &budget{limit: budgetLimit}}
+	}
+	write := func(r *recorder, data []byte, step int) error {
+		for len(data) > 0 {
+			k := min(step, len(data))
+			if _, err := r.Write(data[:k]); err != nil {
+				return err
+			}
+			data = data[k:]
+		}
+		return nil
+	}
+	data := bigJSON(3 * maxChunk)
+
+	r := newRec(1<<30, 1<<30)
+	r.header.Set("Content-Length", strconv.Itoa(len(data)))
+	if err := write(r, data, 32<<10); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.bytes(); !bytes.Equal(got, data) || cap(got) != len(data) || len(r.chunks) != 0 {
+		t.Errorf("with a Content-Length: %d bytes in a slice of %d, %d chunks; want %d in one of that size", len(got), cap(got), len(r.chunks), len(data))
+	}
+
+	r = newRec(1<<30, 1<<30)
+	if err := write(r, data, 7<<10); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.bytes(); !bytes.Equal(got, data) || cap(got) != len(data) {
+		t.Errorf("chunked: %d bytes in a slice of %d; want %d in one of that size", len(got), cap(got), len(data))
+	}
+
+	r = newRec(1<<30, 1<<30)
+	r.WriteHeader(http.StatusBadGateway)
+	if err := write(r, data, 32<<10); err != nil || len(r.bytes()) != 0 {
+		t.Errorf("502: kept %d bytes (%v); want none", len(r.bytes()), err)
+	}
+
+	for _, tc := range []struct {
+		name          string
+		limit, budget int64
+		length        bool
+		want          error
+	}{
+		{"declared over max_response_body", 1000, 1 << 30, true, errResponseTooLarge},
+		{"chunked over max_response_body", 1000, 1 << 30, false, errResponseTooLarge},
+		{"declared over the budget", 1 << 30, 1000, true, errMergedTooLarge},
+		{"chunked over the budget", 1 << 30, 1000, false, errMergedTooLarge},
+	} {
+		r := newRec(tc.limit, tc.budget)
+		if tc.length {
+			r.header.Set("Content-Length", strconv.Itoa(len(data)))
+		}
+		err := write(r, data, 512)
+		if err != tc.want || r.overflow != tc.want || r.body != nil || r.chunks != nil {
+			t.Errorf("%s: error %v, overflow %v, %d bytes kept; want %v and nothing kept", tc.name, err, r.overflow, len(r.body), tc.want)
+		}
+	}
+}

@@ -307,7 +307,7 @@ type recorder struct {
 // maxChunk, so that small bodies stay small and large ones take few
 // chunks.
 const (
-	minChunk = 32 << 10
+	minChunk = 4 << 10
 	maxChunk = 1 << 20
 )
 
