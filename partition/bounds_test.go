@@ -28,7 +28,7 @@ func provisionJSON(t *testing.T, cfg string) error {
 // value fails Provision (which validates before it starts anything) with
 // an error naming the option and the value.
 func TestBoundsJSON(t *testing.T) {
-	if err := provisionJSON(t, `,"poll_interval":"100ms","timeout":"24h","fail_limit":1024,"max_request_body":1073741824,"max_merged_body":1,"retries":100`); err != nil {
+	if err := provisionJSON(t, `,"poll_interval":"100ms","timeout":"24h","fail_limit":1024,"max_request_body":1073741824,"max_response_body":1,"max_merged_body":1,"retries":100`); err != nil {
 		t.Fatalf("values at the bounds: %v", err)
 	}
 	for _, tc := range []struct{ name, cfg, want string }{
@@ -48,6 +48,8 @@ func TestBoundsJSON(t *testing.T) {
 		{"max_response_body huge", `,"max_response_body":1099511627776`, "max_response_body 1099511627776 is above the maximum"},
 		{"max_merged_body negative", `,"max_merged_body":-1`, "max_merged_body -1 is below the minimum of 1 byte"},
 		{"max_merged_body huge", `,"max_merged_body":2147483648`, "max_merged_body 2147483648 is above the maximum 1073741824 (1 GiB)"},
+		{"max_response_body over max_merged_body", `,"max_response_body":67108865`, "max_response_body 67108865 is above max_merged_body 67108864 (default 67108864): no sub-response that large could be merged"},
+		{"max_merged_body under max_response_body", `,"max_merged_body":1048576`, "max_response_body 8388608 is above max_merged_body 1048576"},
 		{"retries negative", `,"retries":-1`, "retries -1 is below the minimum 0"},
 		{"retries huge", `,"retries":101`, "retries 101 is above the maximum 100"},
 		{"proxy retries huge", `,"proxy":{"load_balancing":{"retries":1000}}`, "proxy.load_balancing.retries 1000 is above the maximum 100"},
@@ -97,6 +99,9 @@ func TestBoundsCaddyfile(t *testing.T) {
 		{"max_merged_body NaN", `max_merged_body: invalid size "NaN"`},
 		{"max_merged_body 1MiB\nmax_merged_body 2MiB", "max_merged_body specified more than once, at Testfile:4"},
 		{"max_merged_body", "max_merged_body: missing value, at Testfile:3"},
+		{"max_merged_body 1MiB", "max_response_body 8388608 is above max_merged_body 1048576 (default 67108864): no sub-response that large could be merged; raise max_merged_body or lower max_response_body, at Testfile:3"},
+		{"max_merged_body 1MiB\nmax_response_body 2MiB", "max_response_body 2097152 is above max_merged_body 1048576 (default 67108864): no sub-response that large could be merged; raise max_merged_body or lower max_response_body, at Testfile:4"},
+		{"max_response_body 100MiB", "max_response_body 104857600 is above max_merged_body 67108864 (default 67108864)"},
 		{"lb_retries 101", "lb_retries 101 is above the maximum 100, at Testfile:3"},
 		{"lb_retries 1\nlb_retries 1", "lb_retries specified more than once, at Testfile:4"},
 		{"to foo 0/1", `to: invalid upstream address "foo": missing port; give host:port, e.g. foo:80, at Testfile:3`},
@@ -118,7 +123,7 @@ func TestBoundsCaddyfile(t *testing.T) {
 		t.Errorf("no upstreams: error %v", err)
 	}
 	h = Handler{}
-	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("partition {\nto 10.0.0.1:80 0/1\nmax_merged_body 16MiB\npoll_interval 100ms\n}")); err != nil {
+	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("partition {\nto 10.0.0.1:80 0/1\nmax_merged_body 16MiB\nmax_response_body 16MiB\npoll_interval 100ms\n}")); err != nil {
 		t.Fatal(err)
 	}
 	if h.MaxMergedBody != 16<<20 || h.PollInterval != caddy.Duration(minPollInterval) {

@@ -1,6 +1,7 @@
 package partition
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"math"
@@ -74,6 +75,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 
 	var passthrough []caddyfile.Token
+	var sizeAt *caddyfile.Dispenser // the last size option, for errors about both
 	seen := make(map[string]bool)
 	once := func(d *caddyfile.Dispenser) error {
 		if seen[d.Val()] {
@@ -182,6 +184,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := checkSize(name, n); err != nil {
 				return od.Errf("%v", err)
 			}
+			sizeAt = od
 			switch name {
 			case "max_request_body":
 				h.MaxRequestBody = n
@@ -262,6 +265,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 
+	if sizeAt != nil {
+		resp, merged := cmp.Or(h.MaxResponseBody, defaultMaxResponseBody), cmp.Or(h.MaxMergedBody, defaultMaxMergedBody)
+		if err := checkMergedBody(resp, merged); err != nil {
+			return sizeAt.Errf("%v", err)
+		}
+	}
 	if len(h.Upstreams) == 0 && h.NamingFile == "" && h.Serf == nil {
 		at := caddyfile.NewDispenser(seg[:1])
 		at.Next()

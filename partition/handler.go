@@ -154,8 +154,8 @@ type Handler struct {
 	// running. A request's memory is thus bounded by about twice this,
 	// plus a copy of the request body per partition (which reverse_proxy
 	// buffers for retries), whatever the partition count.
-	// At most 1 GiB. Default: 64 MiB, eight partitions' worth of
-	// default-sized sub-responses.
+	// At least max_response_body, at most 1 GiB. Default: 64 MiB, eight
+	// partitions' worth of default-sized sub-responses.
 	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
 
 	// How sub-responses are merged: a module in the namespace
@@ -397,6 +397,7 @@ func (h *Handler) validate() error {
 		checkSize("max_request_body", h.MaxRequestBody),
 		checkSize("max_response_body", h.MaxResponseBody),
 		checkSize("max_merged_body", h.MaxMergedBody),
+		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
 	}
 	if h.Retries != nil {
 		checks = append(checks, checkCount("retries", *h.Retries, 0, maxRetries))
@@ -433,6 +434,15 @@ func checkCount(name string, n, lo, hi int) error {
 		return fmt.Errorf("%s %d is below the minimum %d", name, n, lo)
 	case n > hi:
 		return fmt.Errorf("%s %d is above the maximum %d", name, n, hi)
+	}
+	return nil
+}
+
+// checkMergedBody checks that one sub-response of the largest size
+// accepted fits in the merge's budget.
+func checkMergedBody(response, merged int64) error {
+	if response > merged {
+		return fmt.Errorf("max_response_body %d is above max_merged_body %d (default %d): no sub-response that large could be merged; raise max_merged_body or lower max_response_body", response, merged, int64(defaultMaxMergedBody))
 	}
 	return nil
 }

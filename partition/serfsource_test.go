@@ -100,7 +100,7 @@ func TestSerfNamingFollowsMembers(t *testing.T) {
 			port_tag http_port
 			tag role search
 		}
-		poll_interval 50ms
+		poll_interval 100ms
 		header_up X-Partition {partition.index}/{partition.count}
 	}`)
 
