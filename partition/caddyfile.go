@@ -52,7 +52,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		lb_retries <n>
 //
 //		# any other reverse_proxy subdirective except upstreams, dynamic,
-//		# active health checks and handle_response, e.g.:
+//		# active health checks, handle_response and response_buffers, e.g.:
 //		lb_policy ewma
 //		header_up X-Partition {partition.index}/{partition.count}
 //		transport http { ... }

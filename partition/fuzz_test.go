@@ -5,6 +5,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 func FuzzParseTag(f *testing.F) {
@@ -81,5 +83,41 @@ func FuzzMergeJSON(f *testing.F) {
 		if got := decodeNumbers(t, out.Body); !reflect.DeepEqual(got, want) {
 			t.Fatalf("merge of %q and %q: %s; want %v", a, b, out.Body, want)
 		}
+	})
+}
+
+// FuzzHandlerJSON validates configs with one partition handler whose
+// fields are the input, as `caddy validate` does (Caddy decodes,
+// provisions and validates every module): whatever the input, the answer
+// is an error or nil, never a panic.
+func FuzzHandlerJSON(f *testing.F) {
+	for _, s := range []string{
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}]}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/2"},{"dial":"127.0.0.1:2","tag":"1/2"}],"fail_limit":1,"timeout":"1s","merge":{"merger":"concat"}}`,
+		`{"upstreams":[{"dial":"foo","tag":"0/1"}],"poll_interval":"1ns"}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"max_merged_body":-1,"max_response_body":1e30}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"retries":-1,"proxy":{"load_balancing":{"retries":7}}}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"proxy":{"response_buffers":-1}}`,
+		`{"naming_file":"/nonexistent","serf":{"port":"x"}}`,
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, handler string) {
+		var fields map[string]json.RawMessage
+		if json.Unmarshal([]byte(handler), &fields) != nil {
+			return
+		}
+		delete(fields, "handler")
+		fields["handler"] = json.RawMessage(`"partition"`)
+		h, err := json.Marshal(fields)
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw := `{"apps":{"http":{"servers":{"s":{"listen":["127.0.0.1:0"],"routes":[{"handle":[` + string(h) + `]}]}}}}}`
+		var c caddy.Config
+		if err := json.Unmarshal([]byte(raw), &c); err != nil {
+			return
+		}
+		_ = caddy.Validate(&c)
 	})
 }
