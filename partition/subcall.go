@@ -176,6 +176,7 @@ func (h *Handler) runSubCall(ctx context.Context, c *subCall) *outcome {
 	}
 	part := &Part{Index: c.index, Status: o.status, Header: c.rec.header, Body: c.rec.bytes()}
 	if err := h.merger.Prepare(part); err != nil {
+		c.rec.release()
 		o.err = err
 		return o
 	}
