@@ -73,7 +73,7 @@ func TestUnmarshalRejectAndRetries(t *testing.T) {
 		"lb_retries":                   "lb_retries: missing value",
 		"lb_retries x":                 `lb_retries: want a whole number of retries, 0 or more; got "x"`,
 		"lb_retries 1 2":               "lb_retries: want one value, got more",
-		"lb_retries 1\nlb_retries 1":   "lb_retries already specified",
+		"lb_retries 1\nlb_retries 1":   "lb_retries specified more than once",
 		"lb_retries -2":                `got "-2"`,
 	} {
 		var h Handler

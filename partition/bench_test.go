@@ -109,3 +109,26 @@ func median(ds []time.Duration) time.Duration {
 	slices.Sort(s)
 	return s[len(s)/2]
 }
+
+// BenchmarkMergeJSON merges 4 partitions of 1 MB of JSON shaped like a
+// search answer (see bigJSON), Prepare included. B/op against the 4 MB
+// of input is the merge's memory factor.
+//
+//	go test ./partition -run '^$' -bench MergeJSON -benchmem
+func BenchmarkMergeJSON(b *testing.B) {
+	body := bigJSON(1 << 20)
+	b.SetBytes(4 << 20)
+	b.ReportAllocs()
+	for b.Loop() {
+		ps := make([]*Part, 4)
+		for i := range ps {
+			ps[i] = &Part{Index: i, Body: body}
+			if err := (JSONMerger{}).Prepare(ps[i]); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if _, err := (JSONMerger{}).Merge(ps); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,6 +1,7 @@
 package partition
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"math"
@@ -44,20 +45,22 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		timeout <duration>
 //		max_request_body <size>
 //		max_response_body <size>
+//		max_merged_body <size>
 //		merge json|concat|ndjson|first
 //		skip <cel expression>
 //		reject <cel expression> [<message>]
 //		lb_retries <n>
 //
 //		# any other reverse_proxy subdirective except upstreams, dynamic,
-//		# active health checks and handle_response, e.g.:
+//		# active health checks, handle_response and response_buffers, e.g.:
 //		lb_policy ewma
 //		header_up X-Partition {partition.index}/{partition.count}
 //		transport http { ... }
 //	}
 //
 // `to`, `skip` and `reject` may be repeated. Every other partition option
-// may appear once. CEL expressions are compiled when the Caddyfile is
+// may appear once. Durations, counts and sizes are checked against the
+// bounds given in the JSON field docs as they are read. CEL expressions are compiled when the Caddyfile is
 // adapted, so a bad one is reported with its line. lb_retries sets the
 // handler's retries (0: none; absent: the default, 1). The other
 // reverse_proxy subdirectives configure the internal reverse_proxy the
@@ -72,10 +75,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 
 	var passthrough []caddyfile.Token
+	var sizeAt *caddyfile.Dispenser // the last size option, for errors about both
 	seen := make(map[string]bool)
 	once := func(d *caddyfile.Dispenser) error {
 		if seen[d.Val()] {
-			return d.Errf("%s already specified", d.Val())
+			return d.Errf("%s specified more than once", d.Val())
 		}
 		seen[d.Val()] = true
 		return nil
@@ -136,13 +140,15 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return od.Errf("%s: invalid duration %q: %v", name, v, err)
 			}
-			if dur <= 0 {
-				return od.Errf("%s: must be positive, got %s", name, v)
-			}
 			if name == "timeout" {
+				err = checkDuration(name, dur, minTimeout, maxTimeout)
 				h.Timeout = caddy.Duration(dur)
 			} else {
+				err = checkDuration(name, dur, minPollInterval, maxPollInterval)
 				h.PollInterval = caddy.Duration(dur)
+			}
+			if err != nil {
+				return od.Errf("%v", err)
 			}
 
 		case "fail_limit":
@@ -157,9 +163,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil || n < 1 {
 				return od.Errf("fail_limit: want a whole number of partitions, at least 1; got %q", v)
 			}
+			if err := checkCount(name, n, 1, MaxPartitions); err != nil {
+				return od.Errf("%v", err)
+			}
 			h.FailLimit = n
 
-		case "max_request_body", "max_response_body":
+		case "max_request_body", "max_response_body", "max_merged_body":
 			if err := once(od); err != nil {
 				return err
 			}
@@ -168,13 +177,21 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			size, err := humanize.ParseBytes(v)
-			if err != nil || size == 0 || size > math.MaxInt64/2 {
+			if err != nil {
 				return od.Errf("%s: invalid size %q; want e.g. 1MiB or 65536", name, v)
 			}
-			if name == "max_request_body" {
-				h.MaxRequestBody = int64(size)
-			} else {
-				h.MaxResponseBody = int64(size)
+			n := int64(min(size, math.MaxInt64))
+			if err := checkSize(name, n); err != nil {
+				return od.Errf("%v", err)
+			}
+			sizeAt = od
+			switch name {
+			case "max_request_body":
+				h.MaxRequestBody = n
+			case "max_response_body":
+				h.MaxResponseBody = n
+			default:
+				h.MaxMergedBody = n
 			}
 
 		case "merge":
@@ -229,12 +246,17 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil || n < 0 {
 				return od.Errf("lb_retries: want a whole number of retries, 0 or more; got %q", v)
 			}
+			if err := checkCount(name, n, 0, maxRetries); err != nil {
+				return od.Errf("%v", err)
+			}
 			h.Retries = &n
 
 		case "dynamic":
 			return od.Err("dynamic upstreams are not supported in partition; use naming_file")
 		case "handle_response", "replace_status":
 			return od.Errf("%s is not supported in partition", name)
+		case "response_buffers", "buffer_responses":
+			return od.Errf("%s is not supported in partition, which holds each sub-response whole already (see max_response_body)", name)
 		default:
 			if strings.HasPrefix(name, "@") {
 				return od.Err("response matchers are not supported in partition")
@@ -243,6 +265,17 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 
+	if sizeAt != nil {
+		resp, merged := cmp.Or(h.MaxResponseBody, defaultMaxResponseBody), cmp.Or(h.MaxMergedBody, defaultMaxMergedBody)
+		if err := checkMergedBody(resp, merged); err != nil {
+			return sizeAt.Errf("%v", err)
+		}
+	}
+	if len(h.Upstreams) == 0 && h.NamingFile == "" && h.Serf == nil {
+		at := caddyfile.NewDispenser(seg[:1])
+		at.Next()
+		return at.Errf("partition has no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
+	}
 	if len(passthrough) == 0 {
 		return nil
 	}
@@ -257,7 +290,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return err
 	}
 	if rp.HealthChecks != nil && rp.HealthChecks.Active != nil {
-		return d.Err("active health checks (health_*) are not supported in partition; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
+		at := caddyfile.NewDispenser(passthrough)
+		for at.Next() {
+			if strings.HasPrefix(at.Val(), "health_") {
+				break
+			}
+		}
+		return at.Err("active health checks (health_*) are not supported in partition; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
 	}
 	h.Proxy = rp
 	return nil
@@ -324,7 +363,7 @@ func parseSerfTag(d *caddyfile.Dispenser) (*SerfNaming, error) {
 	for d.NextBlock(0) {
 		opt := d.Val()
 		if opt != "tag" && seen[opt] {
-			return nil, d.Errf("serf_tag: %s already specified", opt)
+			return nil, d.Errf("serf_tag: %s specified more than once", opt)
 		}
 		seen[opt] = true
 		switch opt {
@@ -347,7 +386,7 @@ func parseSerfTag(d *caddyfile.Dispenser) (*SerfNaming, error) {
 				sn.Tags = make(map[string]string)
 			}
 			if _, dup := sn.Tags[kv[0]]; dup {
-				return nil, d.Errf("serf_tag: tag %q already specified", kv[0])
+				return nil, d.Errf("serf_tag: tag %q specified more than once", kv[0])
 			}
 			sn.Tags[kv[0]] = kv[1]
 		default:

@@ -47,7 +47,23 @@ const (
 	defaultPollInterval    = time.Second
 	defaultMaxRequestBody  = 1 << 20
 	defaultMaxResponseBody = 8 << 20
-	defaultRetries         = 1
+	// Eight partitions' worth of default-sized sub-responses.
+	defaultMaxMergedBody = 8 * defaultMaxResponseBody
+	defaultRetries       = 1
+)
+
+// Bounds of the options (see Handler.validate).
+const (
+	// Polling more often burns a core on stat calls and member list
+	// copies without making updates noticeably faster.
+	minPollInterval = 100 * time.Millisecond
+	maxPollInterval = time.Hour
+	minTimeout      = time.Millisecond
+	maxTimeout      = 24 * time.Hour
+	// Bodies are held in memory whole; beyond this, a fan-out is the
+	// wrong tool.
+	maxBodyLimit = 1 << 30
+	maxRetries   = 100
 )
 
 // StatusHeader is the response header that reports each partition's
@@ -81,7 +97,8 @@ const StatusHeader = "X-Partition-Status"
 // merger rejects it (e.g. invalid JSON). When FailLimit partitions have
 // failed, the handler answers 502 at once (504 when the deadline passed)
 // with a text body naming the failed partitions, and cancels the
-// sub-requests still running.
+// sub-requests still running. When the sub-responses together go over
+// MaxMergedBody, the answer is 502 at once, whatever FailLimit says.
 type Handler struct {
 	// Upstreams with their partition tags.
 	Upstreams []UpstreamConfig `json:"upstreams,omitempty"`
@@ -97,7 +114,8 @@ type Handler struct {
 	NamingFile string `json:"naming_file,omitempty"`
 
 	// How often the naming file is checked for changes (modification time
-	// and size), and the serf member list read. Default: 1s.
+	// and size), and the serf member list read. From 100ms to 1h.
+	// Default: 1s.
 	PollInterval caddy.Duration `json:"poll_interval,omitempty"`
 
 	// Upstreams from the member tags of this node's rebalance cluster
@@ -110,22 +128,35 @@ type Handler struct {
 	// How many failed partitions fail the whole request. Default (or 0):
 	// the number of partitions of the chosen scheme, i.e. the request
 	// fails only when every partition has; partitions that did answer are
-	// merged otherwise. Skipped partitions never count.
+	// merged otherwise. Skipped partitions never count. At most
+	// MaxPartitions (1024).
 	FailLimit int `json:"fail_limit,omitempty"`
 
 	// Overall deadline for all sub-requests, retries included.
 	// Partitions that have not answered by then count as failed ("timeout")
-	// and are cancelled. Default: 30s.
+	// and are cancelled. From 1ms to 24h. Default: 30s.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// The largest request body accepted, in bytes; it is read once and
 	// replayed to every partition. A larger body is answered with 413.
-	// Default: 1 MiB.
+	// At most 1 GiB. Default: 1 MiB.
 	MaxRequestBody int64 `json:"max_request_body,omitempty"`
 
 	// The largest sub-response body read from a partition, in bytes; a
-	// larger one counts as a failed partition. Default: 8 MiB.
+	// larger one counts as a failed partition. At most 1 GiB.
+	// Default: 8 MiB.
 	MaxResponseBody int64 `json:"max_response_body,omitempty"`
+
+	// The most bytes one request may hold for its merge, in bytes: the
+	// sub-response bodies received for it together, and the merged body.
+	// Going over fails the request at once with 502 (and a warning in the
+	// log), whatever fail_limit says, and cancels the sub-requests still
+	// running. A request's memory is thus bounded by about twice this,
+	// plus a copy of the request body per partition (which reverse_proxy
+	// buffers for retries), whatever the partition count.
+	// At least max_response_body, at most 1 GiB. Default: 64 MiB, eight
+	// partitions' worth of default-sized sub-responses.
+	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
 
 	// How sub-responses are merged: a module in the namespace
 	// http.handlers.partition.merge (json, concat, ndjson, first).
@@ -151,7 +182,8 @@ type Handler struct {
 	// of its partition (reverse_proxy's load_balancing.retries, which may
 	// be given there instead, but not in both places). 0 disables
 	// retries, unless the proxy's load_balancing.try_duration is set,
-	// which then alone bounds them, as in reverse_proxy. Default: 1.
+	// which then alone bounds them, as in reverse_proxy. At most 100.
+	// Default: 1.
 	Retries *int `json:"retries,omitempty"`
 
 	// The reverse_proxy handler the sub-requests go through, without
@@ -160,8 +192,9 @@ type Handler struct {
 	// the partition placeholders), rewrite, passive health checks. Its
 	// selection policy defaults to lbx's ewma (whose outlier ejection
 	// also takes a replica out of its scheme's capacity); its retries are
-	// governed by Retries. Active health checks and handle_response are
-	// not supported.
+	// governed by Retries. Active health checks, handle_response and
+	// response buffering (sub-responses are held whole already) are not
+	// supported.
 	Proxy *reverseproxy.Handler `json:"proxy,omitempty"`
 
 	merger Merger
@@ -217,6 +250,38 @@ func (*Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
+// UnmarshalJSON decodes the handler as Caddy does (unknown fields are an
+// error) and names the field of a duration that does not parse, which
+// caddy.Duration's own error does not.
+func (h *Handler) UnmarshalJSON(b []byte) error {
+	type plain Handler
+	var aux struct {
+		*plain
+		PollInterval json.RawMessage `json:"poll_interval,omitempty"`
+		Timeout      json.RawMessage `json:"timeout,omitempty"`
+	}
+	aux.plain = (*plain)(h)
+	if err := caddy.StrictUnmarshalJSON(b, &aux); err != nil {
+		return err
+	}
+	for _, d := range []struct {
+		name string
+		raw  json.RawMessage
+		dst  *caddy.Duration
+	}{
+		{"poll_interval", aux.PollInterval, &h.PollInterval},
+		{"timeout", aux.Timeout, &h.Timeout},
+	} {
+		if d.raw == nil {
+			continue
+		}
+		if err := d.dst.UnmarshalJSON(d.raw); err != nil {
+			return fmt.Errorf("%s %s: %v", d.name, d.raw, err)
+		}
+	}
+	return nil
+}
+
 // Provision sets up the handler: defaults, the merger and skip matchers,
 // the internal reverse_proxy, the upstream list and the naming file
 // watcher (a goroutine that stops with the config).
@@ -234,7 +299,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.MaxResponseBody == 0 {
 		h.MaxResponseBody = defaultMaxResponseBody
 	}
-	if err := h.checkLimits(); err != nil {
+	if h.MaxMergedBody == 0 {
+		h.MaxMergedBody = defaultMaxMergedBody
+	}
+	// Caddy validates after provisioning, and what follows starts
+	// goroutines (the internal reverse_proxy's policy, the watchers).
+	if err := h.validate(); err != nil {
 		return err
 	}
 
@@ -348,20 +418,74 @@ func (rule *RejectRule) provision(ctx caddy.Context, i int) error {
 	return nil
 }
 
-func (h *Handler) checkLimits() error {
+// validate checks the options' bounds, after the defaults are applied.
+// The Caddyfile applies the same checks (checkDuration, checkCount,
+// checkSize) where the values are written.
+func (h *Handler) validate() error {
+	checks := []error{
+		checkDuration("poll_interval", time.Duration(h.PollInterval), minPollInterval, maxPollInterval),
+		checkDuration("timeout", time.Duration(h.Timeout), minTimeout, maxTimeout),
+		checkCount("fail_limit", h.FailLimit, 0, MaxPartitions),
+		checkSize("max_request_body", h.MaxRequestBody),
+		checkSize("max_response_body", h.MaxResponseBody),
+		checkSize("max_merged_body", h.MaxMergedBody),
+		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
+	}
+	if h.Retries != nil {
+		checks = append(checks, checkCount("retries", *h.Retries, 0, maxRetries))
+	}
+	if h.Proxy != nil {
+		if lb := h.Proxy.LoadBalancing; lb != nil {
+			checks = append(checks, checkCount("proxy.load_balancing.retries", lb.Retries, 0, maxRetries))
+		}
+		if h.Proxy.ResponseBuffers != 0 {
+			checks = append(checks, fmt.Errorf("proxy.response_buffers %d: response buffering is not supported inside partition, which holds each sub-response whole already (bounded by max_response_body)", h.Proxy.ResponseBuffers))
+		}
+	}
+	if h.Serf != nil {
+		checks = append(checks, h.Serf.validate())
+	}
+	return errors.Join(checks...)
+}
+
+// checkDuration checks that option name's value d is in [lo, hi].
+func checkDuration(name string, d, lo, hi time.Duration) error {
 	switch {
-	case h.Retries != nil && *h.Retries < 0:
-		return fmt.Errorf("retries must not be negative, got %d", *h.Retries)
-	case h.FailLimit < 0:
-		return fmt.Errorf("fail_limit must not be negative, got %d", h.FailLimit)
-	case h.Timeout < 0:
-		return fmt.Errorf("timeout must not be negative, got %v", time.Duration(h.Timeout))
-	case h.PollInterval < 0:
-		return fmt.Errorf("poll_interval must not be negative, got %v", time.Duration(h.PollInterval))
-	case h.MaxRequestBody < 0:
-		return fmt.Errorf("max_request_body must not be negative, got %d", h.MaxRequestBody)
-	case h.MaxResponseBody < 0:
-		return fmt.Errorf("max_response_body must not be negative, got %d", h.MaxResponseBody)
+	case d < lo:
+		return fmt.Errorf("%s %v is below the minimum %v", name, d, lo)
+	case d > hi:
+		return fmt.Errorf("%s %v is above the maximum %v", name, d, hi)
+	}
+	return nil
+}
+
+// checkCount checks that option name's value n is in [lo, hi].
+func checkCount(name string, n, lo, hi int) error {
+	switch {
+	case n < lo:
+		return fmt.Errorf("%s %d is below the minimum %d", name, n, lo)
+	case n > hi:
+		return fmt.Errorf("%s %d is above the maximum %d", name, n, hi)
+	}
+	return nil
+}
+
+// checkMergedBody checks that one sub-response of the largest size
+// accepted fits in the merge's budget.
+func checkMergedBody(response, merged int64) error {
+	if response > merged {
+		return fmt.Errorf("max_response_body %d is above max_merged_body %d (default %d): no sub-response that large could be merged; raise max_merged_body or lower max_response_body", response, merged, int64(defaultMaxMergedBody))
+	}
+	return nil
+}
+
+// checkSize checks that option name's byte size n is in [1, maxBodyLimit].
+func checkSize(name string, n int64) error {
+	switch {
+	case n < 1:
+		return fmt.Errorf("%s %d is below the minimum of 1 byte", name, n)
+	case n > maxBodyLimit:
+		return fmt.Errorf("%s %d is above the maximum %d (1 GiB): bodies are held in memory whole", name, n, int64(maxBodyLimit))
 	}
 	return nil
 }
@@ -470,7 +594,7 @@ func (h *Handler) installPart(part *[]Entry, entries []Entry) error {
 
 // Validate checks the configuration.
 func (h *Handler) Validate() error {
-	return h.checkLimits()
+	return h.validate()
 }
 
 // Cleanup releases the handler's references on lbx's per-address state.
@@ -581,8 +705,11 @@ type outcome struct {
 	// canceled: the sub-request was cancelled because the outcome was
 	// decided without it; not a failure.
 	canceled bool
-	part     *Part
-	dial     string // the replica of the last attempt
+	// overBudget: the sub-responses went over max_merged_body together
+	// while this one was read; the request fails whatever fail_limit says.
+	overBudget bool
+	part       *Part
+	dial       string // the replica of the last attempt
 }
 
 // fanOut runs one sub-request per partition of sc and answers.
@@ -596,7 +723,7 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 		defer stop()
 	}
 
-	parent := subParent{req: r, body: body}
+	parent := subParent{req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
 	parent.server, _ = r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
 	parent.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	parent.vars, _ = r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
@@ -649,7 +776,7 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 	}
 
 	var failed, succeeded int
-	var deadline bool
+	var deadline, overBudget bool
 wait:
 	for range calls {
 		select {
@@ -658,6 +785,10 @@ wait:
 			outcomes[o.index] = o
 			if o.err != nil {
 				failed++
+				if o.overBudget {
+					overBudget = true
+					break wait
+				}
 				if failed >= limit {
 					break wait
 				}
@@ -698,6 +829,11 @@ wait:
 		outcomes[c.index] = o
 	}
 
+	if overBudget {
+		h.report(w, r, sc, outcomes)
+		h.tooLarge(w, r, "the sub-responses together are")
+		return
+	}
 	if failed >= limit {
 		status := http.StatusBadGateway
 		if deadline {
@@ -727,6 +863,10 @@ wait:
 		h.answer(w, r, http.StatusBadGateway, "merging partition responses: "+err.Error())
 		return
 	}
+	if int64(len(merged.Body)) > h.MaxMergedBody {
+		h.tooLarge(w, r, "the merged response is")
+		return
+	}
 	hdr := w.Header()
 	for k, v := range merged.Header {
 		if k == "Content-Length" {
@@ -741,6 +881,16 @@ wait:
 	}
 	w.WriteHeader(status)
 	_, _ = w.Write(merged.Body)
+}
+
+// tooLarge answers 502 for a request that went over max_merged_body, and
+// logs it: the limit is the operator's to raise.
+func (h *Handler) tooLarge(w http.ResponseWriter, r *http.Request, what string) {
+	msg := fmt.Sprintf("%s larger than max_merged_body (%d bytes)", what, h.MaxMergedBody)
+	if c := h.logger.Check(zap.WarnLevel, "partition merge over max_merged_body"); c != nil {
+		c.Write(zap.String("uri", r.RequestURI), zap.Int64("max_merged_body", h.MaxMergedBody), zap.String("error", msg))
+	}
+	h.answer(w, r, http.StatusBadGateway, msg)
 }
 
 // report sets the X-Partition-Status header and the placeholders

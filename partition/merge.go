@@ -5,8 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
+	"slices"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -20,7 +20,7 @@ func init() {
 }
 
 // Part is the successful (2xx) response of one partition, read in full
-// (up to max_response_body).
+// (up to max_response_body, and max_merged_body for all parts together).
 type Part struct {
 	// Partition index within the scheme.
 	Index int
@@ -51,7 +51,9 @@ type Merger interface {
 	Prepare(p *Part) error
 
 	// Merge combines the accepted parts, given in partition order. An
-	// error fails the whole request (502).
+	// error, or a body over max_merged_body, fails the whole request
+	// (502). Keep memory near the output's size: the handler bounds what
+	// it holds, not what a merger allocates.
 	Merge(parts []*Part) (Merged, error)
 }
 
@@ -68,8 +70,12 @@ type Sufficer interface {
 // number, boolean, null), or a value whose type differs from the one
 // already there, is overwritten by the later partition's. Partitions are
 // merged in index order. A sub-response that is not one valid JSON value
-// counts as a failed partition. Numbers are kept exactly as written;
-// object keys come out sorted.
+// counts as a failed partition. The output is compact; the keys of
+// merged objects come out sorted, and every other value (numbers and
+// strings included) is copied as written. The merge works on the bodies'
+// bytes, without decoding values it copies, so its memory is about the
+// size of its output plus a small record per key of the objects it
+// merges.
 type JSONMerger struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -80,78 +86,217 @@ func (JSONMerger) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Prepare parses the body.
+// Prepare checks that the body is one JSON value.
 func (JSONMerger) Prepare(p *Part) error {
-	v, err := decodeJSON(p.Body)
-	if err != nil {
-		return err
+	if json.Valid(p.Body) {
+		return nil
 	}
-	p.Value = v
-	return nil
+	// Unmarshal checks the whole syntax before it decodes anything: this
+	// only finds the error, without allocating a decoded copy.
+	err := json.Unmarshal(p.Body, new(struct{}))
+	if err == nil {
+		err = errors.New("not one JSON value")
+	}
+	return fmt.Errorf("invalid JSON: %v", err)
 }
 
-func decodeJSON(body []byte) (any, error) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
-		return nil, fmt.Errorf("invalid JSON: %v", err)
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return nil, errors.New("invalid JSON: data after the top-level value")
-	}
-	return v, nil
-}
-
-// Merge merges the parsed parts.
+// Merge merges the parts' bodies, which Prepare checked.
 func (JSONMerger) Merge(parts []*Part) (Merged, error) {
-	var acc any
+	vals := make([][]byte, len(parts))
+	size := len("null\n")
 	for i, p := range parts {
-		if i == 0 {
-			acc = p.Value
-			continue
-		}
-		acc = MergeJSON(acc, p.Value)
+		vals[i] = bytes.TrimSpace(p.Body)
+		size += len(vals[i])
 	}
-	var buf bytes.Buffer
-	enc := json.NewEncoder(&buf)
-	enc.SetEscapeHTML(false)
-	if err := enc.Encode(acc); err != nil {
-		return Merged{}, err
+	// The output is never longer than its inputs together.
+	out := make([]byte, 0, size)
+	if len(vals) == 0 {
+		out = append(out, "null"...)
+	} else {
+		out = appendMergedJSON(out, vals)
 	}
 	return Merged{
 		Header: http.Header{"Content-Type": {"application/json"}},
-		Body:   buf.Bytes(),
+		Body:   append(out, '\n'),
 	}, nil
 }
 
-// MergeJSON merges src into dst (values as decoded by encoding/json) and
-// returns the result: objects recursively, arrays concatenated, anything
-// else replaced by src. dst may be modified.
-func MergeJSON(dst, src any) any {
-	switch s := src.(type) {
-	case map[string]any:
-		d, ok := dst.(map[string]any)
-		if !ok {
-			return s
+// appendMergedJSON appends to out the merge of vals, valid JSON values
+// without surrounding space, in partition order.
+func appendMergedJSON(out []byte, vals [][]byte) []byte {
+	// A value of another kind than the one before replaces it: only the
+	// run of objects, or of arrays, that ends with the last value counts.
+	last := vals[len(vals)-1]
+	kind := last[0]
+	if kind != '{' && kind != '[' {
+		return appendCompact(out, last)
+	}
+	first := len(vals) - 1
+	for first > 0 && vals[first-1][0] == kind {
+		first--
+	}
+	vals = vals[first:]
+	if len(vals) == 1 {
+		return appendCompact(out, last)
+	}
+
+	if kind == '[' {
+		out = append(out, '[')
+		n := 0
+		for _, v := range vals {
+			inner := bytes.TrimSpace(v[1 : len(v)-1])
+			if len(inner) == 0 {
+				continue
+			}
+			if n > 0 {
+				out = append(out, ',')
+			}
+			out = appendCompact(out, inner)
+			n++
 		}
-		for k, sv := range s {
-			if dv, ok := d[k]; ok {
-				d[k] = MergeJSON(dv, sv)
-			} else {
-				d[k] = sv
+		return append(out, ']')
+	}
+
+	var ms []member
+	for i, v := range vals {
+		ms = appendMembers(ms, v, i)
+	}
+	// Stable: members of one key stay in partition order.
+	slices.SortStableFunc(ms, func(a, b member) int { return bytes.Compare(a.name, b.name) })
+	out = append(out, '{')
+	var group [][]byte
+	for i := 0; i < len(ms); {
+		j := i + 1
+		for j < len(ms) && bytes.Equal(ms[j].name, ms[i].name) {
+			j++
+		}
+		group = group[:0]
+		for k := i; k < j; k++ {
+			// A key repeated within one object: the last one wins, as
+			// when decoding.
+			if k+1 < j && ms[k+1].obj == ms[k].obj {
+				continue
+			}
+			group = append(group, ms[k].val)
+		}
+		if i > 0 {
+			out = append(out, ',')
+		}
+		out = append(out, ms[i].key...)
+		out = append(out, ':')
+		out = appendMergedJSON(out, group)
+		i = j
+	}
+	return append(out, '}')
+}
+
+// member is one member of an object being merged: its key as written
+// (quoted), the key's text (for comparison), its value, and which of the
+// merged objects it is from.
+type member struct {
+	key, name, val []byte
+	obj            int
+}
+
+// appendMembers appends the members of obj, a valid JSON object, to ms.
+func appendMembers(ms []member, obj []byte, from int) []member {
+	i := 1
+	for {
+		i = skipSpace(obj, i)
+		switch obj[i] {
+		case '}':
+			return ms
+		case ',':
+			i = skipSpace(obj, i+1)
+		}
+		end := skipString(obj, i)
+		key := obj[i:end]
+		i = skipSpace(obj, skipSpace(obj, end)+1) // past the colon
+		vend := skipValue(obj, i)
+		ms = append(ms, member{key: key, name: keyName(key), val: obj[i:vend], obj: from})
+		i = vend
+	}
+}
+
+// keyName returns the text of a quoted key: the bytes between the quotes
+// unless it has escapes.
+func keyName(key []byte) []byte {
+	inner := key[1 : len(key)-1]
+	if bytes.IndexByte(inner, '\\') < 0 {
+		return inner
+	}
+	var s string
+	_ = json.Unmarshal(key, &s) // valid: Prepare checked the body
+	return []byte(s)
+}
+
+// The scanners below work on valid JSON (Prepare checked it), so they
+// only find where things end.
+
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
+}
+
+// skipString returns the index after the string that starts at b[i].
+func skipString(b []byte, i int) int {
+	for i++; ; i++ {
+		switch b[i] {
+		case '\\':
+			i++
+		case '"':
+			return i + 1
+		}
+	}
+}
+
+// skipValue returns the index after the value that starts at b[i].
+func skipValue(b []byte, i int) int {
+	switch b[i] {
+	case '"':
+		return skipString(b, i)
+	case '{', '[':
+		depth := 0
+		for ; ; i++ {
+			switch b[i] {
+			case '"':
+				i = skipString(b, i) - 1
+			case '{', '[':
+				depth++
+			case '}', ']':
+				depth--
+				if depth == 0 {
+					return i + 1
+				}
 			}
 		}
-		return d
-	case []any:
-		d, ok := dst.([]any)
-		if !ok {
-			return s
-		}
-		return append(d, s...)
-	default:
-		return src
 	}
+	for i < len(b) {
+		switch b[i] {
+		case ',', '}', ']', ' ', '\t', '\n', '\r':
+			return i
+		}
+		i++
+	}
+	return i
+}
+
+// appendCompact appends src, valid JSON (or a run of array elements),
+// without the space between tokens.
+func appendCompact(dst, src []byte) []byte {
+	start := 0
+	for i := 0; i < len(src); i++ {
+		switch src[i] {
+		case '"':
+			i = skipString(src, i) - 1
+		case ' ', '\t', '\n', '\r':
+			dst = append(dst, src[start:i]...)
+			start = i + 1
+		}
+	}
+	return append(dst, src[start:]...)
 }
 
 // ConcatMerger concatenates the bodies in partition order. The
@@ -208,6 +353,11 @@ func (NDJSONMerger) Prepare(*Part) error { return nil }
 // Merge joins the parts.
 func (NDJSONMerger) Merge(parts []*Part) (Merged, error) {
 	var buf bytes.Buffer
+	n := 0
+	for _, p := range parts {
+		n += len(p.Body) + 1
+	}
+	buf.Grow(n)
 	for _, p := range parts {
 		if len(p.Body) == 0 {
 			continue

@@ -1,6 +1,8 @@
 package partition
 
 import (
+	"bytes"
+	"encoding/json"
 	"math"
 	"math/rand/v2"
 	"net/http"
@@ -56,8 +58,28 @@ func TestMergers(t *testing.T) {
 			want: `{"a":{"b":{"c":{"d":[1,2],"e":"x"}}}}` + "\n", ctype: "application/json",
 		},
 		{name: "json invalid", merger: JSONMerger{}, in: []string{`{"a":1}`, `{"a":`}, err: "invalid JSON"},
-		{name: "json trailing data", merger: JSONMerger{}, in: []string{`{"a":1} {"b":2}`}, err: "data after the top-level value"},
+		{name: "json trailing data", merger: JSONMerger{}, in: []string{`{"a":1} {"b":2}`}, err: "after top-level value"},
 		{name: "json empty body", merger: JSONMerger{}, in: []string{``}, err: "invalid JSON"},
+		{
+			name: "json copies unmerged values as written, compacted", merger: JSONMerger{},
+			in:   []string{" {\"b\": {\"z\": 1, \"y\": \"\\u003c a\"}, \"a\" : [ 1 , 2 ]}\n", `{"a":[],"c":null}`},
+			want: `{"a":[1,2],"b":{"z":1,"y":"\u003c a"},"c":null}` + "\n", ctype: "application/json",
+		},
+		{
+			name: "json escaped keys are the same key", merger: JSONMerger{},
+			in:   []string{`{"\u0061":[1],"b":1,"b":2}`, `{"a":[2]}`},
+			want: `{"\u0061":[1,2],"b":2}` + "\n", ctype: "application/json",
+		},
+		{
+			name: "json only the run of one kind that ends last counts", merger: JSONMerger{},
+			in:   []string{`{"a":{"x":1}}`, `{"a":[1]}`, `{"a":{"y":2}}`, `{"a":{"z":3}}`},
+			want: `{"a":{"y":2,"z":3}}` + "\n", ctype: "application/json",
+		},
+		{
+			name: "json strings with brackets and quotes", merger: JSONMerger{},
+			in:   []string{`{"s":["]}\"{[", "x y"]}`, `{"s":["\\"]}`},
+			want: `{"s":["]}\"{[","x y","\\"]}` + "\n", ctype: "application/json",
+		},
 		{
 			name: "concat", merger: ConcatMerger{},
 			in: []string{"a", "", "bc"}, want: "abc", ctype: "text/x-1",
@@ -140,4 +162,44 @@ func TestChooseFollowsCapacity(t *testing.T) {
 	if s := empty.choose(rng.IntN, 0); s != nil {
 		t.Errorf("all capacity 0: chose scheme %d", s.count)
 	}
+}
+
+// mergeDecoded is the JSON merge on decoded values, the reference for
+// JSONMerger: objects recursively, arrays concatenated, anything else
+// replaced by src.
+func mergeDecoded(dst, src any) any {
+	switch s := src.(type) {
+	case map[string]any:
+		d, ok := dst.(map[string]any)
+		if !ok {
+			return s
+		}
+		for k, sv := range s {
+			if dv, ok := d[k]; ok {
+				d[k] = mergeDecoded(dv, sv)
+			} else {
+				d[k] = sv
+			}
+		}
+		return d
+	case []any:
+		d, ok := dst.([]any)
+		if !ok {
+			return s
+		}
+		return append(d, s...)
+	default:
+		return src
+	}
+}
+
+func decodeNumbers(t testing.TB, b []byte) any {
+	t.Helper()
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		t.Fatalf("decoding %q: %v", b, err)
+	}
+	return v
 }

@@ -130,7 +130,7 @@ func TestNamingFileEditedUnderLoad(t *testing.T) {
 	a0, a1, b0, b1, b2 := e.backend("a0"), e.backend("a1"), e.backend("b0"), e.backend("b1"), e.backend("b2")
 	list := filepath.Join(t.TempDir(), "server_list")
 	writeFile(t, list, fmt.Sprintf("%s 0/2\n%s 1/2\n", a0.addr, a1.addr))
-	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 20ms"))
+	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms"))
 
 	l := e.startLoad(4)
 	l.waitRequests(t, 50)
@@ -186,7 +186,7 @@ func TestSeedWalkThrough(t *testing.T) {
 		return sb.String()
 	}
 	writeFile(t, list, scheme(s4, 3))
-	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 20ms", "lb_policy round_robin", "fail_limit 1"))
+	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms", "lb_policy round_robin", "fail_limit 1"))
 	l := e.startLoad(4)
 	l.waitRequests(t, 50)
 

@@ -56,6 +56,9 @@ func TestCheckDial(t *testing.T) {
 		"127.0.0.1:80-82":     "exactly one socket",
 		":80":                 "missing host",
 		"127.0.0.1:x":         "invalid upstream address",
+		"foo":                 `invalid upstream address "foo": missing port; give host:port, e.g. foo:80`,
+		"10.0.0.1":            "missing port",
+		"foo:0":               "missing port",
 	} {
 		if _, err := checkDial(in); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("checkDial(%q) = %v; want an error containing %q", in, err, want)

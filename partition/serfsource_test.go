@@ -58,12 +58,12 @@ func TestSerfTagCaddyfileErrors(t *testing.T) {
 		{"partition {\n serf_tag a b\n}", "serf_tag: at most one argument"},
 		{"partition {\n serf_tag {\n  port\n }\n}", "serf_tag: port: want one value, got 0"},
 		{"partition {\n serf_tag {\n  port 0\n }\n}", `serf_tag: port "0"`},
-		{"partition {\n serf_tag {\n  port 1\n  port 2\n }\n}", "serf_tag: port already specified"},
+		{"partition {\n serf_tag {\n  port 1\n  port 2\n }\n}", "serf_tag: port specified more than once"},
 		{"partition {\n serf_tag {\n  port_tag a b\n }\n}", "serf_tag: port_tag: want one value, got 2"},
 		{"partition {\n serf_tag {\n  port 1\n  tag role\n }\n}", "serf_tag: tag: want <key> <value>"},
-		{"partition {\n serf_tag {\n  port 1\n  tag role a\n  tag role b\n }\n}", `serf_tag: tag "role" already specified`},
+		{"partition {\n serf_tag {\n  port 1\n  tag role a\n  tag role b\n }\n}", `serf_tag: tag "role" specified more than once`},
 		{"partition {\n serf_tag {\n  bogus\n }\n}", `serf_tag: unknown option "bogus"`},
-		{"partition {\n serf_tag {\n  port 1\n }\n serf_tag {\n  port 2\n }\n}", "serf_tag already specified"},
+		{"partition {\n serf_tag {\n  port 1\n }\n serf_tag {\n  port 2\n }\n}", "serf_tag specified more than once"},
 	} {
 		err := new(Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -100,7 +100,7 @@ func TestSerfNamingFollowsMembers(t *testing.T) {
 			port_tag http_port
 			tag role search
 		}
-		poll_interval 50ms
+		poll_interval 100ms
 		header_up X-Partition {partition.index}/{partition.count}
 	}`)
 

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -30,7 +31,18 @@ type subParent struct {
 	server *caddyhttp.Server
 	repl   *caddy.Replacer // the client request's, read as a fallback
 	vars   map[string]any  // a snapshot of the client request's vars
+	budget *budget         // the bytes the sub-responses may hold together
 }
+
+// budget is what one fan-out's sub-responses may hold together
+// (max_merged_body). Once spent, it stays spent: the request fails.
+type budget struct {
+	limit int64
+	used  atomic.Int64
+}
+
+// take reserves n bytes and reports whether the budget still holds.
+func (b *budget) take(n int64) bool { return b.used.Add(n) <= b.limit }
 
 // subCall is one partition's sub-request.
 type subCall struct {
@@ -68,7 +80,7 @@ type givenUpstream struct {
 func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int) *subCall {
 	c := &subCall{
 		index: i,
-		rec:   &recorder{header: make(http.Header), limit: h.MaxResponseBody},
+		rec:   &recorder{header: make(http.Header), limit: h.MaxResponseBody, budget: p.budget},
 		state: &subState{replicas: sc.parts[i], skipEjected: h.skipEjected},
 		start: time.Now(),
 	}
@@ -131,10 +143,12 @@ func (h *Handler) runSubCall(ctx context.Context, c *subCall) *outcome {
 	o.status = c.rec.status
 
 	switch {
+	case c.rec.overflow == errMergedTooLarge:
+		o.err, o.overBudget = fmt.Errorf("sub-responses together larger than max_merged_body (%d bytes)", h.MaxMergedBody), true
+	case c.rec.overflow != nil:
+		o.err = fmt.Errorf("response larger than max_response_body (%d bytes)", h.MaxResponseBody)
 	case panicked != nil:
-		if c.rec.overflow {
-			o.err = fmt.Errorf("response larger than max_response_body (%d bytes)", h.MaxResponseBody)
-		} else if ctx.Err() != nil {
+		if ctx.Err() != nil {
 			o.err = ctxReason(ctx)
 		} else {
 			o.err = fmt.Errorf("response aborted: %v", panicked)
@@ -154,13 +168,15 @@ func (h *Handler) runSubCall(ctx context.Context, c *subCall) *outcome {
 		o.err = fmt.Errorf("status %d", o.status)
 	}
 	if o.err != nil {
+		c.rec.release()
 		if c := h.logger.Check(zap.DebugLevel, "partition failed"); c != nil {
 			c.Write(zap.Int("partition", o.index), zap.String("upstream", o.dial), zap.Int("status", o.status), zap.Error(o.err))
 		}
 		return o
 	}
-	part := &Part{Index: c.index, Status: o.status, Header: c.rec.header, Body: c.rec.body.Bytes()}
+	part := &Part{Index: c.index, Status: o.status, Header: c.rec.header, Body: c.rec.bytes()}
 	if err := h.merger.Prepare(part); err != nil {
+		c.rec.release()
 		o.err = err
 		return o
 	}
@@ -269,14 +285,32 @@ func (source) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 }
 
 // recorder is the ResponseWriter of a sub-request: it keeps the status,
-// headers and up to limit bytes of body, and refuses more.
+// headers and the body of a 2xx response, up to limit bytes and what the
+// fan-out's budget allows, and refuses more. Other bodies are dropped, as
+// nothing reads them. A body of known length is read into one slice of
+// that size; one of unknown length into chunks joined once at the end,
+// so the memory it holds stays close to its length.
 type recorder struct {
 	header   http.Header
 	status   int
-	body     bytes.Buffer
 	limit    int64
-	overflow bool
+	budget   *budget
+	started  bool     // the first Write has been seen
+	discard  bool     // not a 2xx response: the body is not kept
+	body     []byte   // the body, or its last chunk
+	chunks   [][]byte // earlier chunks of a body of unknown length
+	size     int64    // bytes kept
+	reserved bool     // the budget holds the whole declared length
+	overflow error    // errResponseTooLarge or errMergedTooLarge
 }
+
+// Chunks of a body of unknown length start small and double up to
+// maxChunk, so that small bodies stay small and large ones take few
+// chunks.
+const (
+	minChunk = 4 << 10
+	maxChunk = 1 << 20
+)
 
 func (r *recorder) Header() http.Header { return r.header }
 
@@ -287,18 +321,100 @@ func (r *recorder) WriteHeader(code int) {
 	r.status = code
 }
 
-var errResponseTooLarge = errors.New("sub-response larger than max_response_body")
+var (
+	errResponseTooLarge = errors.New("sub-response larger than max_response_body")
+	errMergedTooLarge   = errors.New("sub-responses together larger than max_merged_body")
+)
 
 func (r *recorder) Write(p []byte) (int, error) {
 	if r.status == 0 {
 		r.status = http.StatusOK
 	}
-	if int64(r.body.Len())+int64(len(p)) > r.limit {
-		r.overflow = true
-		return 0, errResponseTooLarge
+	if r.overflow != nil {
+		return 0, r.overflow
 	}
-	return r.body.Write(p)
+	if !r.started {
+		r.start()
+		if r.overflow != nil {
+			return 0, r.overflow
+		}
+	}
+	if r.discard {
+		return len(p), nil
+	}
+	n := int64(len(p))
+	switch {
+	case r.size+n > r.limit:
+		r.overflow = errResponseTooLarge
+	case !r.reserved || r.size+n > int64(cap(r.body)):
+		// Beyond the declared length (or none declared): count as it
+		// comes.
+		if !r.budget.take(n) {
+			r.overflow = errMergedTooLarge
+		}
+	}
+	if r.overflow != nil {
+		r.release()
+		return 0, r.overflow
+	}
+	r.size += n
+	if r.reserved && len(r.body)+len(p) <= cap(r.body) {
+		r.body = append(r.body, p...)
+		return len(p), nil
+	}
+	r.reserved = false
+	for len(p) > 0 {
+		if len(r.body) == cap(r.body) {
+			if r.body != nil {
+				r.chunks = append(r.chunks, r.body)
+			}
+			r.body = make([]byte, 0, min(max(2*cap(r.body), minChunk), maxChunk))
+		}
+		k := min(len(p), cap(r.body)-len(r.body))
+		r.body = append(r.body, p[:k]...)
+		p = p[k:]
+	}
+	return int(n), nil
 }
+
+// start sizes the body from its declared length, if any, on the first
+// Write, when the headers are final.
+func (r *recorder) start() {
+	r.started = true
+	if r.status < 200 || r.status > 299 {
+		r.discard = true
+		return
+	}
+	cl, err := strconv.ParseInt(r.header.Get("Content-Length"), 10, 64)
+	if err != nil || cl <= 0 {
+		return
+	}
+	switch {
+	case cl > r.limit:
+		r.overflow = errResponseTooLarge
+	case !r.budget.take(cl):
+		r.overflow = errMergedTooLarge
+	default:
+		r.body, r.reserved = make([]byte, 0, cl), true
+	}
+}
+
+// bytes returns the body kept, in one slice.
+func (r *recorder) bytes() []byte {
+	if len(r.chunks) == 0 {
+		return r.body
+	}
+	b := make([]byte, 0, r.size)
+	for _, c := range r.chunks {
+		b = append(b, c...)
+	}
+	b = append(b, r.body...)
+	r.chunks, r.body = nil, b
+	return b
+}
+
+// release drops the body, which nobody will read.
+func (r *recorder) release() { r.body, r.chunks = nil, nil }
 
 // Flush is a no-op: nothing is streamed.
 func (r *recorder) Flush() {}

@@ -2,6 +2,7 @@ package partition
 
 import (
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 
@@ -76,7 +77,10 @@ type Entry struct {
 }
 
 // checkDial validates an upstream dial address: a Caddy network address
-// ("host:port", "unix//path", …) that names exactly one socket. It
+// ("host:port", "unix//path", …) that names exactly one socket. The port
+// is required: these are dial addresses, not URLs, so there is no scheme
+// to default it from, and a port-less address dialed as is would go to
+// port 80 without anyone having said so. It
 // returns the address reverse_proxy will report for it (its
 // {http.reverse_proxy.upstream.hostport}).
 func checkDial(dial string) (string, error) {
@@ -90,8 +94,13 @@ func checkDial(dial string) (string, error) {
 	if n := addr.PortRangeSize(); n != 1 {
 		return "", fmt.Errorf("invalid upstream address %q: must name exactly one socket, not a port range of %d", dial, n)
 	}
-	if !addr.IsUnixNetwork() && addr.Host == "" {
-		return "", fmt.Errorf("invalid upstream address %q: missing host", dial)
+	if !addr.IsUnixNetwork() {
+		if addr.Host == "" {
+			return "", fmt.Errorf("invalid upstream address %q: missing host", dial)
+		}
+		if addr.StartPort == 0 {
+			return "", fmt.Errorf("invalid upstream address %q: missing port; give host:port, e.g. %s", dial, net.JoinHostPort(addr.Host, "80"))
+		}
 	}
 	return addr.JoinHostPort(0), nil
 }
