@@ -33,6 +33,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	// lbpolicy is the default replica selection policy, ewma.
 	"github.com/caddy-lbx/lbx/lbpolicy"
 )
@@ -250,36 +251,11 @@ func (*Handler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// UnmarshalJSON decodes the handler as Caddy does (unknown fields are an
-// error) and names the field of a duration that does not parse, which
-// caddy.Duration's own error does not.
+// UnmarshalJSON decodes the handler strictly, as Caddy decodes modules,
+// naming the option whose value does not decode.
 func (h *Handler) UnmarshalJSON(b []byte) error {
 	type plain Handler
-	var aux struct {
-		*plain
-		PollInterval json.RawMessage `json:"poll_interval,omitempty"`
-		Timeout      json.RawMessage `json:"timeout,omitempty"`
-	}
-	aux.plain = (*plain)(h)
-	if err := caddy.StrictUnmarshalJSON(b, &aux); err != nil {
-		return err
-	}
-	for _, d := range []struct {
-		name string
-		raw  json.RawMessage
-		dst  *caddy.Duration
-	}{
-		{"poll_interval", aux.PollInterval, &h.PollInterval},
-		{"timeout", aux.Timeout, &h.Timeout},
-	} {
-		if d.raw == nil {
-			continue
-		}
-		if err := d.dst.UnmarshalJSON(d.raw); err != nil {
-			return fmt.Errorf("%s %s: %v", d.name, d.raw, err)
-		}
-	}
-	return nil
+	return jsonfield.Decode(b, (*plain)(h))
 }
 
 // Provision sets up the handler: defaults, the merger and skip matchers,
