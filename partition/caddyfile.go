@@ -34,6 +34,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	partition [<matcher>] {
 //		to <address> <N/M> [<address> <N/M>...]
 //		naming_file <path>
+//		naming_max_removed_percent <percent>
 //		serf_tag [<member tag>] {
 //			port     <port>
 //			port_tag <member tag>
@@ -113,6 +114,23 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.NamingFile = v
+
+		case "naming_max_removed_percent":
+			if err := once(od); err != nil {
+				return err
+			}
+			v, err := oneArg(od)
+			if err != nil {
+				return err
+			}
+			pct, err := strconv.ParseFloat(strings.TrimSuffix(v, "%"), 64)
+			if err != nil {
+				return od.Errf("%s: invalid percentage %q; want e.g. 50%%", name, v)
+			}
+			if err := checkMaxRemovedPercent(pct); err != nil {
+				return od.Errf("%v", err)
+			}
+			h.NamingMaxRemovedPercent = pct
 
 		case "serf_tag":
 			if err := once(od); err != nil {
@@ -243,6 +261,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 
+	if h.NamingMaxRemovedPercent != 0 && h.NamingFile == "" {
+		return d.Errf("naming_max_removed_percent is set without a naming_file")
+	}
 	if len(passthrough) == 0 {
 		return nil
 	}

@@ -88,13 +88,28 @@ type Handler struct {
 
 	// A file of upstreams in brpc's naming service format: one
 	// "address N/M" per line; '#' starts a comment; blank lines are
-	// ignored. Lines that cannot be parsed are logged (with the file name
-	// and line number) and skipped. The file is polled for changes every
-	// PollInterval and a new version replaces the old atomically; when the
-	// file is deleted or unreadable, the last good version stays in effect.
-	// Its upstreams are added to Upstreams. The file must be readable when
-	// the config is loaded.
+	// ignored. Lines that cannot be parsed, or are longer than 64 KiB,
+	// are logged (with the file name and line number) and skipped. The
+	// file is polled for changes every PollInterval; a change is read once
+	// the file's modification time and size have stayed the same for one
+	// poll, and a new version replaces the old atomically. The last good
+	// version stays in effect, and the refusal is logged and counted in
+	// caddy_lbx_partition_naming_rejected_total, when the file is deleted
+	// or unreadable, larger than 64 MiB, does not end with a newline (it
+	// may be truncated or half-written), has no valid upstream line, or
+	// would remove more than NamingMaxRemovedPercent of the upstreams. An
+	// empty list is applied only when a line "# lbx:empty" says so.
+	// Replace the file atomically: write a complete file elsewhere on the
+	// same file system, then rename it over this one. Its upstreams are
+	// added to Upstreams. The file must be usable when the config is
+	// loaded.
 	NamingFile string `json:"naming_file,omitempty"`
+
+	// The largest share, in percent, of the naming file's upstreams (its
+	// entries in the version last applied) that one new version may
+	// remove; a version that would remove more is not applied. Make
+	// larger changes in steps, or set 100 to allow any. Default: 50.
+	NamingMaxRemovedPercent float64 `json:"naming_max_removed_percent,omitempty"`
 
 	// How often the naming file is checked for changes (modification time
 	// and size), and the serf member list read. Default: 1s.
@@ -299,11 +314,15 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if h.NamingFile != "" {
+		if err := registerNamingMetrics(ctx); err != nil {
+			return err
+		}
 		h.watcher = &namingWatcher{
-			path:   h.NamingFile,
-			every:  time.Duration(h.PollInterval),
-			logger: h.logger,
-			apply:  h.install,
+			path:       h.NamingFile,
+			every:      time.Duration(h.PollInterval),
+			logger:     h.logger,
+			maxRemoved: h.maxRemovedPercent(),
+			apply:      h.install,
 		}
 		if err := h.watcher.load(); err != nil {
 			return err
@@ -349,6 +368,9 @@ func (rule *RejectRule) provision(ctx caddy.Context, i int) error {
 }
 
 func (h *Handler) checkLimits() error {
+	if err := h.checkNaming(); err != nil {
+		return err
+	}
 	switch {
 	case h.Retries != nil && *h.Retries < 0:
 		return fmt.Errorf("retries must not be negative, got %d", *h.Retries)
@@ -459,12 +481,14 @@ func (h *Handler) installPart(part *[]Entry, entries []Entry) error {
 	defer h.swapMu.Unlock()
 	prev := *part
 	*part = entries
-	l, err := buildLayout(mergeEntries(mergeEntries(h.static, h.fileEntries), h.serfEntries), h.current.Load(), h.hosts)
+	old := h.current.Load()
+	l, err := buildLayout(mergeEntries(mergeEntries(h.static, h.fileEntries), h.serfEntries), old, h.hosts)
 	if err != nil {
 		*part = prev
 		return err
 	}
 	h.current.Store(l)
+	dropGone(old, l, h.hosts)
 	return nil
 }
 

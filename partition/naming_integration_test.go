@@ -130,7 +130,8 @@ func TestNamingFileEditedUnderLoad(t *testing.T) {
 	a0, a1, b0, b1, b2 := e.backend("a0"), e.backend("a1"), e.backend("b0"), e.backend("b1"), e.backend("b2")
 	list := filepath.Join(t.TempDir(), "server_list")
 	writeFile(t, list, fmt.Sprintf("%s 0/2\n%s 1/2\n", a0.addr, a1.addr))
-	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 20ms"))
+	// The move below replaces the whole list at once.
+	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 20ms", "naming_max_removed_percent 100"))
 
 	l := e.startLoad(4)
 	l.waitRequests(t, 50)
