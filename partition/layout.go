@@ -226,6 +226,9 @@ func (l *layout) describe(now int64) string {
 // mergeEntries returns a followed by the entries of b not in a.
 func mergeEntries(a, b []Entry) []Entry {
 	out := slices.Clip(a)
+	if len(b) == 0 {
+		return out
+	}
 	seen := make(map[Entry]bool, len(a)+len(b))
 	for _, e := range a {
 		seen[e] = true

@@ -2,6 +2,7 @@ package partition
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -10,7 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -89,6 +93,17 @@ func (sw *safetyWatcher) poll() error {
 	return sw.load()
 }
 
+// randomBytes returns n bytes from a fixed seed (they do not end with a
+// newline).
+func randomBytes(n int) []byte {
+	b := make([]byte, n)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range b {
+		b[i] = byte(rng.Uint32())
+	}
+	return b
+}
+
 func rejected(reason string) float64 {
 	return testutil.ToFloat64(namingRejected.WithLabelValues(reason))
 }
@@ -98,11 +113,7 @@ func rejected(reason string) float64 {
 // once, however often the same version is polled.
 func TestNamingFileBadVersionsKeepLastGood(t *testing.T) {
 	good := listOf(8, 8004)
-	random := make([]byte, 64<<10)
-	rng := rand.New(rand.NewPCG(1, 2))
-	for i := range random {
-		random[i] = byte(rng.Uint32())
-	}
+	random := randomBytes(64 << 10)
 	noValid := strings.Repeat("not an upstream line\n# a comment\n10.0.0.1:80\n", 100)
 	for _, tc := range []struct {
 		name, reason string
@@ -381,6 +392,81 @@ func TestNamingFileEditsDuringApplyCoalesce(t *testing.T) {
 	for _, es := range sw.applied {
 		if es[0].Dial == "127.0.0.1:8006" {
 			t.Errorf("a version superseded during the apply was applied")
+		}
+	}
+}
+
+// TestInstallDropsAddressesThatLeft: as a naming file's list churns, the
+// handler holds references only on the addresses it lists, and addresses
+// that stay keep their state.
+func TestInstallDropsAddressesThatLeft(t *testing.T) {
+	h := &Handler{hosts: hoststate.NewTable(hoststate.Config{})}
+	defer h.hosts.Release()
+	stable := Entry{Dial: "127.0.0.1:1", Tag: Tag{0, 1}}
+	if err := h.install([]Entry{stable}); err != nil {
+		t.Fatal(err)
+	}
+	st := h.current.Load().byAddr[stable.Dial].stats
+	for round := range 20 {
+		es := []Entry{stable}
+		for i := range 50 {
+			es = append(es, Entry{Dial: fmt.Sprintf("127.0.%d.%d:2", round, i), Tag: Tag{0, 1}})
+		}
+		if err := h.install(es); err != nil {
+			t.Fatal(err)
+		}
+		if n := h.hosts.Len(); n != 51 {
+			t.Fatalf("round %d: the handler holds %d addresses; want the 51 listed", round, n)
+		}
+	}
+	if n := hoststate.References("127.0.0.0:2"); n != 0 {
+		t.Errorf("an address that left the list has %d references", n)
+	}
+	if got := h.current.Load().byAddr[stable.Dial].stats; got != st || hoststate.References(stable.Dial) != 1 {
+		t.Error("the address that stayed lost its state")
+	}
+}
+
+func TestNamingMaxRemovedPercentOption(t *testing.T) {
+	for in, want := range map[string]float64{"30": 30, "30%": 30, "100": 100, "0.5%": 0.5} {
+		h := new(Handler)
+		d := caddyfile.NewTestDispenser("partition {\n\tnaming_file list\n\tnaming_max_removed_percent " + in + "\n}")
+		if err := h.UnmarshalCaddyfile(d); err != nil || h.NamingMaxRemovedPercent != want {
+			t.Errorf("%q: %v, %v; want %v", in, h.NamingMaxRemovedPercent, err, want)
+		}
+	}
+	for in, want := range map[string]string{
+		"naming_file list\n\tnaming_max_removed_percent 0":                                   "naming_max_removed_percent 0 is out of range: want a percentage above 0 and at most 100, at Testfile:3",
+		"naming_file list\n\tnaming_max_removed_percent -1":                                  "naming_max_removed_percent -1 is out of range",
+		"naming_file list\n\tnaming_max_removed_percent 101%":                                "naming_max_removed_percent 101 is out of range",
+		"naming_file list\n\tnaming_max_removed_percent NaN":                                 "naming_max_removed_percent NaN is out of range",
+		"naming_file list\n\tnaming_max_removed_percent half":                                `naming_max_removed_percent: invalid percentage "half"; want e.g. 50%, at Testfile:3`,
+		"naming_file list\n\tnaming_max_removed_percent":                                     "naming_max_removed_percent: missing value",
+		"naming_file list\n\tnaming_max_removed_percent 10 20":                               "want one value",
+		"naming_file list\n\tnaming_max_removed_percent 10\n\tnaming_max_removed_percent 20": "naming_max_removed_percent already specified, at Testfile:4",
+		"to 127.0.0.1:1 0/1\n\tnaming_max_removed_percent 10":                                "naming_max_removed_percent is set without a naming_file",
+	} {
+		d := caddyfile.NewTestDispenser("partition {\n\t" + in + "\n}")
+		if err := new(Handler).UnmarshalCaddyfile(d); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%q: error %v; want %q", in, err, want)
+		}
+	}
+	// JSON: the same rules, checked before the watcher starts.
+	for _, tc := range []struct {
+		h    *Handler
+		want string
+	}{
+		{&Handler{NamingFile: "list", NamingMaxRemovedPercent: math.NaN()}, "naming_max_removed_percent NaN is out of range"},
+		{&Handler{NamingFile: "list", NamingMaxRemovedPercent: math.Inf(1)}, "naming_max_removed_percent +Inf is out of range"},
+		{&Handler{NamingFile: "list", NamingMaxRemovedPercent: -5}, "naming_max_removed_percent -5 is out of range"},
+		{&Handler{NamingFile: "list", NamingMaxRemovedPercent: 100.5}, "naming_max_removed_percent 100.5 is out of range"},
+		{&Handler{NamingMaxRemovedPercent: 20}, "naming_max_removed_percent 20 is set without a naming_file"},
+		{&Handler{NamingFile: "list", NamingMaxRemovedPercent: 20}, ""},
+		{&Handler{NamingFile: "list"}, ""},
+	} {
+		err := tc.h.Validate()
+		if (tc.want == "") != (err == nil) || err != nil && !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v; want %q", tc.h.NamingMaxRemovedPercent, err, tc.want)
 		}
 	}
 }
