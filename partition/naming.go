@@ -63,6 +63,7 @@ func ParseNamingFile(name string, data []byte) ([]Entry, []LineError) {
 // namingVersion is one parsed version of a naming file.
 type namingVersion struct {
 	entries []Entry
+	set     map[Entry]bool // entries, for look-ups
 	bad     []LineError
 	lines   int
 	// empty: a line "# lbx:empty" says an empty list is meant.
@@ -71,8 +72,7 @@ type namingVersion struct {
 
 // parseNaming parses data in one pass, in time linear in its size.
 func parseNaming(name string, data []byte) namingVersion {
-	var v namingVersion
-	seen := make(map[Entry]bool)
+	v := namingVersion{set: make(map[Entry]bool)}
 	for len(data) > 0 {
 		raw := data
 		if i := bytes.IndexByte(data, '\n'); i >= 0 {
@@ -102,8 +102,8 @@ func parseNaming(name string, data []byte) namingVersion {
 			v.bad = append(v.bad, LineError{File: name, Line: v.lines, Err: err})
 			continue
 		}
-		if !seen[e] {
-			seen[e] = true
+		if !v.set[e] {
+			v.set[e] = true
 			v.entries = append(v.entries, e)
 		}
 	}
@@ -354,13 +354,9 @@ func (w *namingWatcher) check(data []byte, v namingVersion) refusal {
 	if len(w.applied) == 0 || w.maxRemoved >= 100 {
 		return refusal{}
 	}
-	keep := make(map[Entry]struct{}, len(v.entries))
-	for _, e := range v.entries {
-		keep[e] = struct{}{}
-	}
 	removed := 0
 	for _, e := range w.applied {
-		if _, ok := keep[e]; !ok {
+		if !v.set[e] {
 			removed++
 		}
 	}
