@@ -15,6 +15,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/dustin/go-humanize"
+
+	"github.com/caddy-lbx/lbx/internal/bounds"
 )
 
 func init() {
@@ -35,6 +37,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	partition [<matcher>] {
 //		to <address> <N/M> [<address> <N/M>...]
 //		naming_file <path>
+//		naming_max_removed_percent <percent>
 //		serf_tag [<member tag>] {
 //			port     <port>
 //			port_tag <member tag>
@@ -118,6 +121,23 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.NamingFile = v
 
+		case "naming_max_removed_percent":
+			if err := once(od); err != nil {
+				return err
+			}
+			v, err := oneArg(od)
+			if err != nil {
+				return err
+			}
+			pct, err := strconv.ParseFloat(strings.TrimSuffix(v, "%"), 64)
+			if err != nil {
+				return od.Errf("%s: invalid percentage %q; want e.g. 50%%", name, v)
+			}
+			if err := checkMaxRemovedPercent(pct); err != nil {
+				return od.Errf("%v", err)
+			}
+			h.NamingMaxRemovedPercent = pct
+
 		case "serf_tag":
 			if err := once(od); err != nil {
 				return err
@@ -141,10 +161,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return od.Errf("%s: invalid duration %q: %v", name, v, err)
 			}
 			if name == "timeout" {
-				err = checkDuration(name, dur, minTimeout, maxTimeout)
+				err = bounds.Duration(name, dur, minTimeout, maxTimeout)
 				h.Timeout = caddy.Duration(dur)
 			} else {
-				err = checkDuration(name, dur, minPollInterval, maxPollInterval)
+				err = bounds.Duration(name, dur, minPollInterval, maxPollInterval)
 				h.PollInterval = caddy.Duration(dur)
 			}
 			if err != nil {
@@ -163,7 +183,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil || n < 1 {
 				return od.Errf("fail_limit: want a whole number of partitions, at least 1; got %q", v)
 			}
-			if err := checkCount(name, n, 1, MaxPartitions); err != nil {
+			if err := bounds.Int(name, n, 1, MaxPartitions); err != nil {
 				return od.Errf("%v", err)
 			}
 			h.FailLimit = n
@@ -246,7 +266,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil || n < 0 {
 				return od.Errf("lb_retries: want a whole number of retries, 0 or more; got %q", v)
 			}
-			if err := checkCount(name, n, 0, maxRetries); err != nil {
+			if err := bounds.Int(name, n, 0, maxRetries); err != nil {
 				return od.Errf("%v", err)
 			}
 			h.Retries = &n
@@ -265,6 +285,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 
+	if h.NamingMaxRemovedPercent != 0 && h.NamingFile == "" {
+		return d.Errf("naming_max_removed_percent is set without a naming_file")
+	}
 	if sizeAt != nil {
 		resp, merged := cmp.Or(h.MaxResponseBody, defaultMaxResponseBody), cmp.Or(h.MaxMergedBody, defaultMaxMergedBody)
 		if err := checkMergedBody(resp, merged); err != nil {

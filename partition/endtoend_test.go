@@ -221,7 +221,8 @@ func TestNamingFileTooManySchemes(t *testing.T) {
 	old, next := e.backend("old"), e.backend("next")
 	list := filepath.Join(t.TempDir(), "server_list")
 	writeFile(t, list, old.addr+" 0/1\n")
-	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms"))
+	// The last version replaces the whole list at once.
+	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms", "naming_max_removed_percent 100"))
 
 	l := e.startLoad(2)
 	l.waitRequests(t, 30)

@@ -32,6 +32,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	// lbpolicy is the default replica selection policy, ewma.
@@ -106,13 +107,28 @@ type Handler struct {
 
 	// A file of upstreams in brpc's naming service format: one
 	// "address N/M" per line; '#' starts a comment; blank lines are
-	// ignored. Lines that cannot be parsed are logged (with the file name
-	// and line number) and skipped. The file is polled for changes every
-	// PollInterval and a new version replaces the old atomically; when the
-	// file is deleted or unreadable, the last good version stays in effect.
-	// Its upstreams are added to Upstreams. The file must be readable when
-	// the config is loaded.
+	// ignored. Lines that cannot be parsed, or are longer than 64 KiB,
+	// are logged (with the file name and line number) and skipped. The
+	// file is polled for changes every PollInterval; a change is read once
+	// the file's modification time and size have stayed the same for one
+	// poll, and a new version replaces the old atomically. The last good
+	// version stays in effect, and the refusal is logged and counted in
+	// caddy_lbx_partition_naming_rejected_total, when the file is deleted
+	// or unreadable, larger than 64 MiB, does not end with a newline (it
+	// may be truncated or half-written), has no valid upstream line, or
+	// would remove more than NamingMaxRemovedPercent of the upstreams. An
+	// empty list is applied only when a line "# lbx:empty" says so.
+	// Replace the file atomically: write a complete file elsewhere on the
+	// same file system, then rename it over this one. Its upstreams are
+	// added to Upstreams. The file must be usable when the config is
+	// loaded.
 	NamingFile string `json:"naming_file,omitempty"`
+
+	// The largest share, in percent, of the naming file's upstreams (its
+	// entries in the version last applied) that one new version may
+	// remove; a version that would remove more is not applied. Make
+	// larger changes in steps, or set 100 to allow any. Default: 50.
+	NamingMaxRemovedPercent float64 `json:"naming_max_removed_percent,omitempty"`
 
 	// How often the naming file is checked for changes (modification time
 	// and size), and the serf member list read. From 100ms to 1h.
@@ -345,11 +361,15 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if h.NamingFile != "" {
+		if err := registerNamingMetrics(ctx); err != nil {
+			return err
+		}
 		h.watcher = &namingWatcher{
-			path:   h.NamingFile,
-			every:  time.Duration(h.PollInterval),
-			logger: h.logger,
-			apply:  h.install,
+			path:       h.NamingFile,
+			every:      time.Duration(h.PollInterval),
+			logger:     h.logger,
+			maxRemoved: h.maxRemovedPercent(),
+			apply:      h.install,
 		}
 		if err := h.watcher.load(); err != nil {
 			return err
@@ -399,20 +419,21 @@ func (rule *RejectRule) provision(ctx caddy.Context, i int) error {
 // checkSize) where the values are written.
 func (h *Handler) validate() error {
 	checks := []error{
-		checkDuration("poll_interval", time.Duration(h.PollInterval), minPollInterval, maxPollInterval),
-		checkDuration("timeout", time.Duration(h.Timeout), minTimeout, maxTimeout),
-		checkCount("fail_limit", h.FailLimit, 0, MaxPartitions),
+		h.checkNaming(),
+		bounds.Duration("poll_interval", time.Duration(h.PollInterval), minPollInterval, maxPollInterval),
+		bounds.Duration("timeout", time.Duration(h.Timeout), minTimeout, maxTimeout),
+		bounds.Int("fail_limit", h.FailLimit, 0, MaxPartitions),
 		checkSize("max_request_body", h.MaxRequestBody),
 		checkSize("max_response_body", h.MaxResponseBody),
 		checkSize("max_merged_body", h.MaxMergedBody),
 		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
 	}
 	if h.Retries != nil {
-		checks = append(checks, checkCount("retries", *h.Retries, 0, maxRetries))
+		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))
 	}
 	if h.Proxy != nil {
 		if lb := h.Proxy.LoadBalancing; lb != nil {
-			checks = append(checks, checkCount("proxy.load_balancing.retries", lb.Retries, 0, maxRetries))
+			checks = append(checks, bounds.Int("proxy.load_balancing.retries", lb.Retries, 0, maxRetries))
 		}
 		if h.Proxy.ResponseBuffers != 0 {
 			checks = append(checks, fmt.Errorf("proxy.response_buffers %d: response buffering is not supported inside partition, which holds each sub-response whole already (bounded by max_response_body)", h.Proxy.ResponseBuffers))
@@ -422,28 +443,6 @@ func (h *Handler) validate() error {
 		checks = append(checks, h.Serf.validate())
 	}
 	return errors.Join(checks...)
-}
-
-// checkDuration checks that option name's value d is in [lo, hi].
-func checkDuration(name string, d, lo, hi time.Duration) error {
-	switch {
-	case d < lo:
-		return fmt.Errorf("%s %v is below the minimum %v", name, d, lo)
-	case d > hi:
-		return fmt.Errorf("%s %v is above the maximum %v", name, d, hi)
-	}
-	return nil
-}
-
-// checkCount checks that option name's value n is in [lo, hi].
-func checkCount(name string, n, lo, hi int) error {
-	switch {
-	case n < lo:
-		return fmt.Errorf("%s %d is below the minimum %d", name, n, lo)
-	case n > hi:
-		return fmt.Errorf("%s %d is above the maximum %d", name, n, hi)
-	}
-	return nil
 }
 
 // checkMergedBody checks that one sub-response of the largest size
@@ -559,12 +558,14 @@ func (h *Handler) installPart(part *[]Entry, entries []Entry) error {
 	defer h.swapMu.Unlock()
 	prev := *part
 	*part = entries
-	l, err := buildLayout(mergeEntries(mergeEntries(h.static, h.fileEntries), h.serfEntries), h.current.Load(), h.hosts)
+	old := h.current.Load()
+	l, err := buildLayout(mergeEntries(mergeEntries(h.static, h.fileEntries), h.serfEntries), old, h.hosts)
 	if err != nil {
 		*part = prev
 		return err
 	}
 	h.current.Store(l)
+	dropGone(old, l, h.hosts)
 	return nil
 }
 

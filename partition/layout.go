@@ -116,14 +116,21 @@ type layout struct {
 	byAddr  map[string]*replica
 }
 
-// buildLayout groups entries (already free of duplicates) into schemes.
-// Replica state is taken over from prev, when given, for addresses it
-// already had; a new replica takes a reference on its address's shared
-// state in hosts, when given (kept until hosts is released, even if a
-// later layout drops the address).
+// buildLayout groups entries (already free of duplicates) into schemes,
+// in time linear in their number. Replica state is taken over from prev,
+// when given, for addresses it already had; a new replica takes a
+// reference on its address's shared state in hosts, when given (released
+// by dropGone once a later layout no longer has the address).
 func buildLayout(entries []Entry, prev *layout, hosts *hoststate.Table) (*layout, error) {
-	l := &layout{entries: entries, byAddr: make(map[string]*replica)}
+	l := &layout{entries: entries, byAddr: make(map[string]*replica, len(entries))}
 	byCount := make(map[int]*scheme)
+	// Two spellings of one address (entries differ by Dial) share a
+	// replica: it is listed once per partition.
+	type placed struct {
+		r   *replica
+		tag Tag
+	}
+	seen := make(map[placed]bool, len(entries))
 	for _, e := range entries {
 		hp, err := checkDial(e.Dial)
 		if err != nil {
@@ -150,7 +157,8 @@ func buildLayout(entries []Entry, prev *layout, hosts *hoststate.Table) (*layout
 			byCount[e.Tag.Count] = s
 			l.schemes = append(l.schemes, s)
 		}
-		if !slices.Contains(s.parts[e.Tag.Index], r) {
+		if p := (placed{r, e.Tag}); !seen[p] {
+			seen[p] = true
 			s.parts[e.Tag.Index] = append(s.parts[e.Tag.Index], r)
 		}
 	}
@@ -164,6 +172,20 @@ func buildLayout(entries []Entry, prev *layout, hosts *hoststate.Table) (*layout
 			len(l.schemes), strings.Join(counts, ", "), MaxSchemes)
 	}
 	return l, nil
+}
+
+// dropGone releases, in hosts, the addresses of prev's replicas that next
+// no longer has, so that a churning list does not hold every address it
+// ever had. Replicas next took over from prev keep their state.
+func dropGone(prev, next *layout, hosts *hoststate.Table) {
+	if prev == nil || hosts == nil {
+		return
+	}
+	for hp, r := range prev.byAddr {
+		if next.byAddr[hp] != r {
+			hosts.Drop(r.dial)
+		}
+	}
 }
 
 // choose picks a scheme with probability proportional to its capacity at
@@ -204,6 +226,9 @@ func (l *layout) describe(now int64) string {
 // mergeEntries returns a followed by the entries of b not in a.
 func mergeEntries(a, b []Entry) []Entry {
 	out := slices.Clip(a)
+	if len(b) == 0 {
+		return out
+	}
 	seen := make(map[Entry]bool, len(a)+len(b))
 	for _, e := range a {
 		seen[e] = true

@@ -2,6 +2,7 @@ package partition
 
 import (
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"os"
@@ -130,7 +131,8 @@ func TestNamingFileEditedUnderLoad(t *testing.T) {
 	a0, a1, b0, b1, b2 := e.backend("a0"), e.backend("a1"), e.backend("b0"), e.backend("b1"), e.backend("b2")
 	list := filepath.Join(t.TempDir(), "server_list")
 	writeFile(t, list, fmt.Sprintf("%s 0/2\n%s 1/2\n", a0.addr, a1.addr))
-	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms"))
+	// The move below replaces the whole list at once.
+	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms", "naming_max_removed_percent 100"))
 
 	l := e.startLoad(4)
 	l.waitRequests(t, 50)
@@ -243,4 +245,76 @@ func TestSeedWalkThrough(t *testing.T) {
 		t.Errorf("%d requests failed; first: %s", len(f), f[0])
 	}
 	t.Logf("%d requests, none failed", l.ok.Load())
+}
+
+// TestNamingFileBadVersionsUnderLoad writes each kind of bad naming file
+// version in place while requests run through Caddy: none is applied, each
+// refusal is counted (and exposed on the admin /metrics), and no request
+// fails. A version with a line over 64 KiB is applied without that line.
+// An explicitly empty version is applied.
+func TestNamingFileBadVersionsUnderLoad(t *testing.T) {
+	e := newEnv(t)
+	a0, a1, a2, a3, a4 := e.backend("a0"), e.backend("a1"), e.backend("a2"), e.backend("a3"), e.backend("a4")
+	list := filepath.Join(t.TempDir(), "server_list")
+	good := fmt.Sprintf("%s 0/2\n%s 0/2\n%s 1/2\n%s 1/2\n", a0.addr, a1.addr, a2.addr, a3.addr)
+	writeFile(t, list, good)
+	// round_robin: every replica of the list serves, so a lost one shows.
+	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms", "lb_policy round_robin"))
+
+	l := e.startLoad(4)
+	l.waitRequests(t, 50)
+	for _, bad := range []struct {
+		name, reason string
+		data         []byte
+	}{
+		{"truncated to 0 bytes", rejectNoValidLine, nil},
+		{"64 KiB of random bytes", rejectIncomplete, randomBytes(64 << 10)},
+		{"text with no valid line", rejectNoValidLine, []byte(strings.Repeat("garbage\n", 1000))},
+		{"a writer paused after the first line", rejectRemovesTooMany, []byte(good[:strings.IndexByte(good, '\n')+1])},
+		{"truncated mid-line", rejectIncomplete, []byte(good[:len(good)-4])},
+		{"removes 3 of 4", rejectRemovesTooMany, []byte(good[strings.LastIndexByte(good[:len(good)-1], '\n')+1:])},
+	} {
+		before := rejected(bad.reason)
+		writeInPlace(t, list, bad.data)
+		waitFor(t, 10*time.Second, bad.name+" refused", func() (bool, string) {
+			return rejected(bad.reason) > before, ""
+		})
+		l.waitRequests(t, 50)
+	}
+	before := hits(a0, a1, a2, a3)
+	l.waitRequests(t, 200)
+	if d := delta(before, hits(a0, a1, a2, a3)); d[0] == 0 || d[1] == 0 || d[2] == 0 || d[3] == 0 {
+		t.Errorf("after the bad versions every backend of the good list must serve: %v", d)
+	}
+
+	// A line over 64 KiB: an error for that line only; a4, after it, is
+	// taken.
+	writeInPlace(t, list, []byte(strings.Repeat("x", 70000)+"\n"+good+a4.addr+" 0/2\n"))
+	waitFor(t, 10*time.Second, "the line after the long one to take traffic", func() (bool, string) {
+		return a4.hits.Load() > 0, ""
+	})
+	l.halt()
+	if f := l.failures(); len(f) > 0 {
+		t.Errorf("%d requests failed while bad versions were written; first: %s", len(f), f[0])
+	}
+	t.Logf("%d requests, none failed", l.ok.Load())
+
+	res, err := adminClient.Get(fmt.Sprintf("http://localhost:%d/metrics", adminPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	for _, reason := range []string{rejectNoValidLine, rejectIncomplete, rejectRemovesTooMany} {
+		if want := `caddy_lbx_partition_naming_rejected_total{reason="` + reason + `"}`; !strings.Contains(string(body), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+
+	// Explicitly empty: applied, so requests get 503.
+	writeInPlace(t, list, []byte("# lbx:empty\n"))
+	waitFor(t, 10*time.Second, "the empty list", func() (bool, string) {
+		r := e.get("/")
+		return r.status == http.StatusServiceUnavailable, fmt.Sprintf("status %d", r.status)
+	})
 }

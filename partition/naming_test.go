@@ -39,8 +39,9 @@ func TestNamingWatcher(t *testing.T) {
 	var applied [][]Entry
 	var reject string
 	w := &namingWatcher{
-		path:   path,
-		logger: zap.New(core),
+		path:       path,
+		logger:     zap.New(core),
+		maxRemoved: 100, // each version here replaces the last one
 		apply: func(es []Entry) error {
 			if reject != "" {
 				return errString(reject)

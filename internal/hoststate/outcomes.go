@@ -96,11 +96,11 @@ func (s *Stats) ejectionSnapshot() EjectionSnapshot {
 // Members returns the upstream state of every address this table uses,
 // sorted by dial address.
 func (t *Table) Members() []*Stats {
-	m := *t.byDial.Load()
-	out := make([]*Stats, 0, len(m))
-	for _, s := range m {
-		out = append(out, s)
-	}
+	var out []*Stats
+	t.byDial.Range(func(_, v any) bool {
+		out = append(out, v.(*Stats))
+		return true
+	})
 	sort.Slice(out, func(i, j int) bool { return out[i].dial < out[j].dial })
 	return out
 }

@@ -61,8 +61,13 @@ type Table struct {
 	forgetNs int64
 	invTau   float64
 
+	// mu serialises taking and dropping references, so that byDial and
+	// the registry agree. byDial (dial -> *Stats) is read without it: a
+	// sync.Map adds an address in O(1) where a copy-on-write map would
+	// copy every address for each new one (quadratic when a list of
+	// thousands arrives at once).
 	mu       sync.Mutex
-	byDial   atomic.Pointer[map[string]*Stats] // copy-on-write
+	byDial   sync.Map
 	released bool
 
 	// ejectMu serialises counting ejected upstreams with the ejections
@@ -77,23 +82,19 @@ type Table struct {
 // NewTable returns an empty Table with cfg's zero fields defaulted.
 func NewTable(cfg Config) *Table {
 	cfg.setDefaults()
-	t := &Table{cfg: cfg, freshNs: int64(cfg.Tau) / 1024, forgetNs: int64(cfg.Tau), invTau: 1 / float64(cfg.Tau)}
-	empty := map[string]*Stats{}
-	t.byDial.Store(&empty)
-	return t
+	return &Table{cfg: cfg, freshNs: int64(cfg.Tau) / 1024, forgetNs: int64(cfg.Tau), invTau: 1 / float64(cfg.Tau)}
 }
 
 // Stats returns the shared state for dial, taking a reference the first time
-// this table sees the address.
+// this table sees the address. It is O(1), also for a new address.
 func (t *Table) Stats(dial string) *Stats {
-	if s, ok := (*t.byDial.Load())[dial]; ok {
-		return s
+	if s, ok := t.byDial.Load(dial); ok {
+		return s.(*Stats)
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	cur := *t.byDial.Load()
-	if s, ok := cur[dial]; ok {
-		return s
+	if s, ok := t.byDial.Load(dial); ok {
+		return s.(*Stats)
 	}
 	if t.released {
 		// A straggling request of a config being torn down: hand out
@@ -104,20 +105,45 @@ func (t *Table) Stats(dial string) *Stats {
 		return &Stats{dial: dial}, nil
 	})
 	s := v.(*Stats)
-	next := make(map[string]*Stats, len(cur)+1)
-	for k, v := range cur {
-		next[k] = v
-	}
-	next[dial] = s
-	t.byDial.Store(&next)
+	t.byDial.Store(dial, s)
 	return s
 }
 
 // Lookup returns the state of dial if this table uses the address,
 // without taking a reference.
 func (t *Table) Lookup(dial string) (*Stats, bool) {
-	s, ok := (*t.byDial.Load())[dial]
-	return s, ok
+	s, ok := t.byDial.Load(dial)
+	if !ok {
+		return nil, false
+	}
+	return s.(*Stats), true
+}
+
+// Drop releases this table's reference on dial, for an address that left
+// the table's upstream list: without it a table whose list churns would
+// hold every address it ever saw until the config is unloaded. The state
+// survives while another table (another handler, or the next config of a
+// reload) holds the address; otherwise it is forgotten, and the address
+// starts afresh if it returns. Holders of the *Stats may keep using it.
+func (t *Table) Drop(dial string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.released {
+		return
+	}
+	if _, ok := t.byDial.LoadAndDelete(dial); ok {
+		_, _ = registry.Delete(dial)
+	}
+}
+
+// Len returns how many addresses the table holds references on.
+func (t *Table) Len() int {
+	n := 0
+	t.byDial.Range(func(_, _ any) bool {
+		n++
+		return true
+	})
+	return n
 }
 
 // Release drops this table's references. It is idempotent.
@@ -128,9 +154,10 @@ func (t *Table) Release() {
 		return
 	}
 	t.released = true
-	for dial := range *t.byDial.Load() {
+	t.byDial.Range(func(dial, _ any) bool {
 		_, _ = registry.Delete(dial)
-	}
+		return true
+	})
 }
 
 // baselineWeight is how much one sample moves the pool baseline.
@@ -227,11 +254,12 @@ func (t *Table) UnlockEjections() { t.ejectMu.Unlock() }
 // CountEjected returns how many of this table's upstreams are ejected at
 // now, and how many upstreams it has.
 func (t *Table) CountEjected(now int64) (ejected, total int) {
-	m := *t.byDial.Load()
-	for _, s := range m {
-		if s.Ejected(now) {
+	t.byDial.Range(func(_, v any) bool {
+		if v.(*Stats).Ejected(now) {
 			ejected++
 		}
-	}
-	return ejected, len(m)
+		total++
+		return true
+	})
+	return ejected, total
 }

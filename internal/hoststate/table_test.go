@@ -2,6 +2,7 @@ package hoststate
 
 import (
 	"math"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -169,5 +170,108 @@ func TestFirstFailureOfNewHostIsNotFast(t *testing.T) {
 	if e := tb.Estimate(hole, Now()); e < 2*base-1 { // estimates are whole nanoseconds
 		t.Fatalf("a new host's first fast failure is estimated at %v; want at least twice the pool's %v",
 			time.Duration(e), time.Duration(base))
+	}
+}
+
+// TestTableDropBoundsChurn: a table whose upstream list churns keeps
+// references only on the addresses it still uses, and the addresses that
+// stay keep their estimates.
+func TestTableDropBoundsChurn(t *testing.T) {
+	tb := NewTable(Config{})
+	defer tb.Release()
+	stable := tb.Stats(t.Name() + "-stable:80")
+	observeAt(tb, stable, 3*time.Millisecond, Success)
+	want := stable.Snapshot(Now()).Estimate
+
+	const rounds, perRound = 50, 100
+	var prev []string
+	for r := range rounds {
+		cur := make([]string, perRound)
+		for i := range cur {
+			cur[i] = t.Name() + "-" + strconv.Itoa(r) + "-" + strconv.Itoa(i) + ":80"
+			observeAt(tb, tb.Stats(cur[i]), time.Millisecond, Success)
+		}
+		for _, d := range prev {
+			tb.Drop(d)
+		}
+		prev = cur
+		if n := tb.Len(); n != perRound+1 {
+			t.Fatalf("round %d: the table holds %d addresses; want the %d in use", r, n, perRound+1)
+		}
+	}
+	if n := References(t.Name() + "-0-0:80"); n != 0 {
+		t.Errorf("an address that left the list keeps %d references", n)
+	}
+	if tb.Stats(t.Name()+"-stable:80") != stable || stable.Snapshot(Now()).Estimate != want {
+		t.Error("the address that stayed lost its state")
+	}
+	if s, ok := tb.Lookup(t.Name() + "-0-0:80"); ok || s != nil {
+		t.Error("a dropped address is still looked up")
+	}
+}
+
+// TestTableDropKeepsSharedState: dropping an address one table no longer
+// uses keeps its state for another table that still does (the next config
+// of a reload), and dropping after Release changes nothing.
+func TestTableDropKeepsSharedState(t *testing.T) {
+	dial := t.Name() + ":80"
+	old, next := NewTable(Config{}), NewTable(Config{})
+	defer next.Release()
+	s := old.Stats(dial)
+	observeAt(old, s, 2*time.Millisecond, Success)
+	if next.Stats(dial) != s {
+		t.Fatal("tables must share an address's state")
+	}
+	old.Drop(dial)
+	old.Drop(dial) // idempotent
+	if References(dial) != 1 || next.Stats(dial) != s || s.Snapshot(Now()).Samples != 1 {
+		t.Fatalf("the state must survive for the table still using it: refs %d", References(dial))
+	}
+	old.Release()
+	next.Release()
+	next.Drop(dial)
+	if References(dial) != 0 {
+		t.Fatalf("refs %d after release", References(dial))
+	}
+}
+
+// TestTableConcurrentStatsAndDrop: adding, looking up and dropping
+// addresses from several goroutines leaves the table and the shared
+// registry in agreement (run with -race).
+func TestTableConcurrentStatsAndDrop(t *testing.T) {
+	tb := NewTable(Config{})
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 400 {
+				d := t.Name() + "-" + strconv.Itoa(i%20) + ":80"
+				if (g+i)%3 == 0 {
+					tb.Drop(d)
+				} else {
+					_ = tb.Stats(d)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	held := 0
+	for i := range 20 {
+		d := t.Name() + "-" + strconv.Itoa(i) + ":80"
+		_, ok := tb.Lookup(d)
+		if refs := References(d); (refs == 1) != ok || refs > 1 {
+			t.Fatalf("%s: in table %v, %d references", d, ok, refs)
+		}
+		if ok {
+			held++
+		}
+	}
+	if held != tb.Len() {
+		t.Fatalf("Len %d, held %d", tb.Len(), held)
+	}
+	tb.Release()
+	for i := range 20 {
+		if refs := References(t.Name() + "-" + strconv.Itoa(i) + ":80"); refs != 0 {
+			t.Fatalf("refs %d after release", refs)
+		}
 	}
 }
