@@ -96,6 +96,9 @@ func (cw *closeWriter) WriteHeader(status int) {
 		cw.wroteHeader = true
 		if cw.tc.closeAtBoundary() {
 			cw.Header().Set("Connection", "close")
+			if cw.req.ProtoMajor >= 2 {
+				cw.tc.noteServerGoAway()
+			}
 		}
 	}
 	cw.ResponseWriterWrapper.WriteHeader(status)
