@@ -82,7 +82,7 @@ func grpcBackend(t *testing.T) string {
 type grpcLoad int
 
 const (
-	// busyLoad: unary calls at 25 a second, with responses of up to
+	// busyLoad: unary calls at 50 a second, with responses of up to
 	// 40 KB (several frames): the connection is idle between calls,
 	// and is shed idle just before a call often.
 	busyLoad grpcLoad = iota
@@ -163,7 +163,7 @@ func runGRPCClient(t *testing.T, addr string, creds credentials.TransportCredent
 		}()
 	}
 	for {
-		wait := 40 * time.Millisecond
+		wait := 20 * time.Millisecond
 		if load == quietLoad {
 			wait = time.Duration(300+rng.IntN(2200)) * time.Millisecond
 		}
@@ -190,7 +190,7 @@ func runGRPCClient(t *testing.T, addr string, creds credentials.TransportCredent
 // TCP balancers (fleet.Balancer), one to two cleartext (h2c) Caddy
 // servers and one to two TLS servers, each with the rebalance listener
 // wrapper, rebalance_close and reverse_proxy over h2c to a grpc-go
-// backend. While the clients call (unary at 25 a second per channel,
+// backend. While the clients call (unary at 50 a second per channel,
 // server streams, and quiet channels), connections are shed through the
 // process tracker's Shed (the node's path) until both kinds of
 // connection have had their share of grpcSheds sheds (LBX_GRPC_SHEDS
@@ -260,7 +260,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 	stats := make([]*grpcStats, len(kinds))
 	stop := make(chan struct{})
 	var clients sync.WaitGroup
-	loads := []grpcLoad{busyLoad, busyLoad, busyLoad, busyLoad, streamLoad, streamLoad, quietLoad, quietLoad, quietLoad}
+	loads := []grpcLoad{busyLoad, busyLoad, busyLoad, busyLoad, streamLoad, streamLoad, quietLoad, quietLoad, quietLoad, quietLoad, quietLoad}
 	for k, kind := range kinds {
 		lb, err := fleet.StartBalancer()
 		if err != nil {
