@@ -202,10 +202,11 @@ func describe(gs []goAway) string {
 // TestShedIdleHTTP2GoAway: an idle HTTP/2 connection, over h2c and TLS,
 // that is shed gets exactly one GOAWAY (last stream 2^31-1, NO_ERROR, a
 // well-formed frame between two others) from the tracker before anything
-// else happens to it, and is then closed by the tracker when the client
-// keeps it open. The server has no CloseHandler: the tracker knows the
-// connection is HTTP/2 from ALPN or from the preface the listener wrapper
-// read, not from a request.
+// else happens to it. A request the client had sent as the GOAWAY left
+// (sent here just after it) is still served whole, and the connection is
+// then closed by the tracker, since this client keeps it open. The server
+// has no CloseHandler: the tracker knows the connection is HTTP/2 from
+// ALPN or from the preface the listener wrapper read, not from a request.
 func TestShedIdleHTTP2GoAway(t *testing.T) {
 	for _, secure := range []bool{false, true} {
 		t.Run(map[bool]string{false: "h2c", true: "TLS"}[secure], func(t *testing.T) {
@@ -221,7 +222,19 @@ func TestShedIdleHTTP2GoAway(t *testing.T) {
 			if c := hs.tracker.Counts(); c.Closing != 1 || c.Idle != 1 {
 				t.Errorf("counts after the shed %+v; want the connection idle and closing", c)
 			}
-			goAways, err := c.untilClosed()
+			f, err := c.next()
+			if err != nil {
+				t.Fatalf("after the shed: %v; want a GOAWAY", err)
+			}
+			goAways := []goAway{}
+			if g, ok := f.(*http2.GoAwayFrame); ok {
+				goAways = append(goAways, copyGoAway(g))
+			} else {
+				t.Fatalf("after the shed: %v; want a GOAWAY", f.Header())
+			}
+			goAways = append(goAways, c.get(3)...)
+			more, err := c.untilClosed()
+			goAways = append(goAways, more...)
 			if len(goAways) != 1 || goAways[0] != (goAway{1<<31 - 1, http2.ErrCodeNo, goAwayDebug}) {
 				t.Errorf("GOAWAY frames %s; want one with last stream 2147483647, NO_ERROR and %q", describe(goAways), goAwayDebug)
 			}
