@@ -33,7 +33,7 @@ import (
 // (default grpcSheds), for a longer run.
 const grpcShedsEnv = "LBX_GRPC_SHEDS"
 
-// grpcSheds is the default number of sheds: about 10 s of the test.
+// grpcSheds is the default number of sheds: about 6 s of the test.
 const grpcSheds = 300
 
 // grpcService is grpc's interop test service: unary calls and server
@@ -197,7 +197,9 @@ func runGRPCClient(t *testing.T, addr string, creds credentials.TransportCredent
 // sets the number), idle and active both. No call may fail: a shed idle
 // HTTP/2 connection gets a GOAWAY (from the tracker, or from Go's server
 // for the next response through rebalance_close) and is never cut under
-// a call. Caddy logs no error.
+// a call. Caddy logs no error. With idle connections cut at once, as
+// before, about 4% of the sheds fail a call ("error reading from
+// server: EOF").
 func TestGRPCShedThroughCaddy(t *testing.T) {
 	target := grpcSheds
 	if v := os.Getenv(grpcShedsEnv); v != "" {
