@@ -49,7 +49,8 @@ type trackedConn struct {
 	// shed is the connection's shed state (notShed, shedClosing, …). A
 	// shed active connection gets "Connection: close" on its next
 	// response (when the request passes through Middleware or
-	// CloseHandler) and is closed when it next becomes idle.
+	// CloseHandler) and is closed when it next becomes idle (an HTTP/2
+	// one gracefully: see shutDownH2).
 	shed atomic.Uint32
 	// shedAt is when it was shed, as time since trackerEpoch; written by
 	// Shed and read by Sweep, both under the tracker's shedMu.
@@ -61,10 +62,55 @@ type trackedConn struct {
 	// closed is set by the first close from the tracker.
 	closed atomic.Bool
 	// h2 is set once the connection is seen to speak HTTP/2: over TLS
-	// from its ALPN protocol; in clear text (h2c) when a request on it
-	// passes through CloseHandler or Middleware (Go's server reports
-	// h2c connections' states like HTTP/1 ones).
+	// from its ALPN protocol; in clear text (h2c) from the client preface
+	// the rebalance listener wrapper saw, or when a request on it passes
+	// through CloseHandler or Middleware (Go's server reports h2c
+	// connections' states like HTTP/1 ones).
 	h2 atomic.Bool
+	// gen counts the connection's state changes: a timer armed while it
+	// was idle acts only if it has not changed state since.
+	gen atomic.Uint64
+	// goAway says who sent this HTTP/2 connection a GOAWAY (goAwayNone,
+	// goAwayServer, goAwayTracker).
+	goAway atomic.Uint32
+	// shutDownGen is gen+1 of the idle period shutDownH2 last armed its
+	// timer for: one timer per idle period, whoever calls it.
+	shutDownGen atomic.Uint64
+	// shedActive is set when it was shed while active (Active in
+	// ShedResult), for the closedAtBoundary count.
+	shedActive atomic.Bool
+}
+
+// Senders of a GOAWAY on a shed HTTP/2 connection.
+const (
+	goAwayNone    uint32 = iota
+	goAwayServer         // a response carried Connection: close, which Go's server turns into a GOAWAY
+	goAwayTracker        // the tracker wrote goAwayFrame
+)
+
+// isH2 reports whether tc is known to speak HTTP/2.
+func (tc *trackedConn) isH2() bool {
+	if tc.h2.Load() {
+		return true
+	}
+	if sawH2Preface(tc.conn) {
+		tc.h2.Store(true)
+		return true
+	}
+	return false
+}
+
+// idleSince reports whether tc is open and idle, and has not changed
+// state since its gen was gen.
+func (tc *trackedConn) idleSince(gen uint64) bool {
+	return tc.state.Load() == connIdle && tc.gen.Load() == gen && !tc.closed.Load()
+}
+
+// noteServerGoAway records that a response on tc, an HTTP/2 connection,
+// carries Connection: close: Go's server sends a GOAWAY for it and closes
+// the connection once its streams are done.
+func (tc *trackedConn) noteServerGoAway() {
+	tc.goAway.CompareAndSwap(goAwayNone, goAwayServer)
 }
 
 // closeAtBoundary reports whether tc was shed and is to close at its
@@ -74,13 +120,37 @@ func (tc *trackedConn) closeAtBoundary() bool {
 	return s == shedClosing || s == shedOverdue
 }
 
-// h2IdleCloseDelay is how long a shed HTTP/2 connection is left idle
-// before the tracker closes it: Go's HTTP/2 server reports a connection
-// idle when its last stream's handler returns, before the response's
-// last frames are written, so closing at once could cut them off. A
-// response that passed through CloseHandler sent a GOAWAY and the server
-// closes the connection itself, usually sooner.
+// h2IdleCloseDelay is how long a shed HTTP/2 connection must have been
+// idle (no open stream) before the tracker writes a GOAWAY to it or,
+// after one, closes it. Go's HTTP/2 server reports a connection idle when
+// its last stream ends, before the frames it buffered are flushed; a
+// second later they are long gone, so the GOAWAY lands between two
+// frames, and a client that was opening a stream as the GOAWAY left has
+// had a round trip to do so (Go's server waits the same second after its
+// own GOAWAY before it closes).
 const h2IdleCloseDelay = time.Second
+
+// goAwayFrame is the HTTP/2 GOAWAY frame (RFC 9113 §6.8) the tracker
+// sends a shed idle connection: last stream ID 2^31-1 and NO_ERROR, the
+// first GOAWAY of a graceful shutdown. The client opens no new stream on
+// the connection and reconnects for the next one (grpc-go and Go's client
+// retry any that raced the frame on a new connection), while every stream
+// it already opened is still served: the server does not know of the
+// frame. So it needs no stream ID from the server, and a GOAWAY Go's
+// server sends later (a response through CloseHandler) can only lower
+// the ID, as the RFC requires.
+var goAwayFrame = append([]byte{
+	0, 0, 8 + byte(len(goAwayDebug)), // payload length
+	0x7,        // type GOAWAY
+	0,          // no flags
+	0, 0, 0, 0, // stream 0
+	0x7f, 0xff, 0xff, 0xff, // last stream ID
+	0, 0, 0, 0, // NO_ERROR
+}, goAwayDebug...)
+
+// goAwayDebug is the GOAWAY's debug data, which clients log (grpc-go as
+// `debug data: "rebalance: connection shed"`).
+const goAwayDebug = "rebalance: connection shed"
 
 // baseConn returns the connection net/http accepted for c: Go's server
 // hands cleartext HTTP/2 (h2c) connections to its HTTP/2 server wrapped
@@ -96,21 +166,71 @@ func baseConn(c net.Conn) (base net.Conn, h2 bool) {
 	return c, false
 }
 
-// closeIdle closes tc, which is idle and shed. An HTTP/2 connection is
-// closed after h2IdleCloseDelay if it is still idle then.
+// closeIdle closes tc, which is idle and shed: an HTTP/1 connection at
+// once (a client that reuses it at that very moment sees the ordinary
+// keep-alive race every HTTP client handles); an HTTP/2 one gracefully
+// (shutDownH2).
 func (t *ConnTracker) closeIdle(tc *trackedConn) {
-	if !tc.h2.Load() {
-		if tc.closeConn() {
-			// net/http then reports StateClosed, which forgets it.
-			t.closedAtBoundary.Add(1)
-		}
+	if tc.isH2() {
+		t.shutDownH2(tc)
+		return
+	}
+	t.closeShed(tc)
+}
+
+// shutDownH2 shuts down tc, a shed HTTP/2 connection that is idle, once
+// it has stayed idle for h2IdleCloseDelay: without a GOAWAY so far, it
+// writes goAwayFrame, and closes the connection h2IdleCloseDelay later if
+// it is still idle then (the client usually closes it first: grpc-go and
+// Go's client do as soon as they have no stream left); after a GOAWAY,
+// it closes the connection. A connection that becomes active meanwhile
+// comes back here at its next idle transition, and Sweep's
+// boundary_timeout bounds a stream that does not end.
+//
+// Cutting an idle HTTP/2 connection instead is not safe: a client that
+// sends a request on it as it closes loses that request (grpc-go fails
+// the RPC with "error reading from server: EOF"), since nothing told it
+// the connection was going. The GOAWAY goes through the connection
+// net/http serves (the *tls.Conn over TLS, so that it is encrypted; the
+// accepted connection for h2c), whose writes are serialized per Write
+// call (the TLS output lock, the socket's write lock); with no open stream
+// for h2IdleCloseDelay, the server has nothing buffered, and whatever it
+// writes next (a PING or SETTINGS acknowledgement) is one whole Write.
+func (t *ConnTracker) shutDownH2(tc *trackedConn) {
+	gen := tc.gen.Load()
+	if tc.shutDownGen.Swap(gen+1) == gen+1 {
 		return
 	}
 	time.AfterFunc(h2IdleCloseDelay, func() {
-		if tc.state.Load() == connIdle && tc.closeConn() {
-			t.closedAtBoundary.Add(1)
+		if !tc.idleSince(gen) {
+			return
 		}
+		if !tc.goAway.CompareAndSwap(goAwayNone, goAwayTracker) {
+			t.closeShed(tc)
+			return
+		}
+		// The close is armed first: the write blocks on a client that
+		// reads nothing, and closing the connection frees it.
+		time.AfterFunc(h2IdleCloseDelay, func() {
+			if tc.idleSince(gen) {
+				t.closeShed(tc)
+			}
+		})
+		if _, err := tc.conn.Write(goAwayFrame); err != nil {
+			tc.closeConn()
+			return
+		}
+		t.goAways.Add(1)
 	})
+}
+
+// closeShed closes tc, a shed connection that is idle after its last
+// response, counting it in closedAtBoundary if it was shed while active.
+func (t *ConnTracker) closeShed(tc *trackedConn) {
+	if tc.closeConn() && tc.shedActive.Load() {
+		// net/http then reports StateClosed, which forgets it.
+		t.closedAtBoundary.Add(1)
+	}
 }
 
 // markClosing marks tc shed (counted in Closing, out of Held) and
@@ -164,7 +284,8 @@ type ConnCounts struct {
 	// other upgraded streams.
 	Hijacked int `json:"hijacked"`
 	// Closing connections were shed and are not closed yet: active ones
-	// wait for a response boundary; idle ones are gone within moments.
+	// wait for a response boundary; idle ones are gone within moments
+	// (HTTP/2 ones within about 2 s: see Shed).
 	// They are included in the other counts.
 	Closing int `json:"closing"`
 	// Overdue connections were shed and are still open `history` (the
@@ -186,7 +307,8 @@ func (c ConnCounts) Held() int { return c.Total() - c.Closing }
 
 // ShedResult says how a shed was carried out.
 type ShedResult struct {
-	// Idle connections closed at once.
+	// Idle connections: HTTP/1 ones closed at once; HTTP/2 ones sent a
+	// GOAWAY after a second without a stream, then closed.
 	Idle int `json:"idle"`
 	// Active connections marked to close at their next response boundary.
 	Active int `json:"active"`
@@ -214,6 +336,7 @@ type ConnTracker struct {
 	// Totals since the tracker was created.
 	shedIdle, shedActive, shedHijacked atomic.Uint64
 	closedAtBoundary, forced           atomic.Uint64
+	goAways                            atomic.Uint64
 	wsCloses                           wsCloseCounters
 
 	shedMu sync.Mutex // one Shed or Sweep at a time
@@ -237,8 +360,15 @@ func (t *ConnTracker) load(c net.Conn) *trackedConn {
 	return v.(*trackedConn)
 }
 
-// setState moves tc to state s, keeping the counts.
+// setState moves tc to state s, keeping the counts. Only net/http's
+// ConnState calls it, one call at a time for a connection.
 func (t *ConnTracker) setState(tc *trackedConn, s uint32) {
+	if tc.state.Load() == s {
+		return
+	}
+	// gen first: a timer that saw the old state with the old gen must not
+	// act in the new state.
+	tc.gen.Add(1)
 	old := tc.state.Swap(s)
 	if old != s {
 		t.counts[old].Add(-1)
@@ -322,14 +452,19 @@ func (t *ConnTracker) ShedTotals() (shed ShedResult, closedAtBoundary uint64) {
 	}, t.closedAtBoundary.Load()
 }
 
+// GoAwayTotal returns how many GOAWAY frames the tracker wrote to shed
+// idle HTTP/2 connections since it was created (shutDownH2).
+func (t *ConnTracker) GoAwayTotal() uint64 { return t.goAways.Load() }
+
 // ForcedTotal returns how many shed connections Sweep closed since the
 // tracker was created because they did not reach a response boundary
 // within the boundary timeout.
 func (t *ConnTracker) ForcedTotal() uint64 { return t.forced.Load() }
 
 // Shed sheds up to n connections, gracefully: idle connections first
-// (closed at once; a client that reuses one at that very moment sees the
-// ordinary keep-alive race every HTTP client handles), then active
+// (HTTP/1 ones closed at once; a client that reuses one at that very
+// moment sees the ordinary keep-alive race every HTTP client handles;
+// HTTP/2 ones sent a GOAWAY, then closed: see shutDownH2), then active
 // connections (marked, then closed at their next response boundary), and
 // hijacked connections (WebSockets and other upgraded streams) last,
 // closed. New connections younger than 5 s are left alone: their first
@@ -354,7 +489,7 @@ func (t *ConnTracker) Shed(n int) ShedResult {
 		case connIdle:
 			if res.Idle < n && t.markClosing(tc) {
 				res.Idle++
-				tc.closeConn()
+				t.closeIdle(tc)
 			}
 		case connNew:
 			if res.Idle < n && now.Sub(tc.since) >= newConnGrace && t.markClosing(tc) {
@@ -376,6 +511,7 @@ func (t *ConnTracker) Shed(n int) ShedResult {
 		if res.Total() >= n {
 			break
 		}
+		tc.shedActive.Store(true) // before the mark, which ConnState may act on
 		if t.markClosing(tc) {
 			res.Active++
 			// It may have become idle meanwhile, in which case no
@@ -481,18 +617,7 @@ func (t *ConnTracker) sweep(now, recountAfter, boundaryTimeout time.Duration) Sw
 // TLS (NetConn) and PROXY-protocol (Raw) wrappers down to a syscall.Conn,
 // whose RawConn.Control fails once the descriptor is closed.
 func connClosed(c net.Conn) bool {
-	for range 8 {
-		switch w := c.(type) {
-		case interface{ NetConn() net.Conn }:
-			c = w.NetConn()
-			continue
-		case interface{ Raw() net.Conn }:
-			c = w.Raw()
-			continue
-		}
-		break
-	}
-	sc, ok := c.(syscall.Conn)
+	sc, ok := findConn[syscall.Conn](c)
 	if !ok {
 		return false
 	}
@@ -518,11 +643,15 @@ func ClosingConn(r *http.Request) bool {
 // handler runs closes at the next idle transition instead.
 func Middleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn); ok && r.ProtoMajor >= 2 {
+		tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
+		if ok && r.ProtoMajor >= 2 {
 			tc.h2.Store(true)
 		}
-		if ClosingConn(r) {
+		if ok && tc.closeAtBoundary() {
 			w.Header().Set("Connection", "close")
+			if r.ProtoMajor >= 2 {
+				tc.noteServerGoAway()
+			}
 		}
 		next.ServeHTTP(w, r)
 	})

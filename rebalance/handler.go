@@ -34,8 +34,12 @@ func init() {
 // download) still closes cleanly after that response. Without this
 // handler, a shed active connection is closed when it next becomes idle
 // (after its response), which an HTTP/1.1 client sees as an ordinary
-// keep-alive close. Put it in every site that holds long-lived client
-// connections; it costs one context lookup per response.
+// keep-alive close, and an HTTP/2 one gets a GOAWAY from the tracker once
+// it has had no stream for a second (as a shed idle one does): an HTTP/2
+// connection whose requests come closer together than that, such as a
+// busy gRPC channel, is shed only through this handler. Put it in every
+// site that holds long-lived client connections; it costs one context
+// lookup per response.
 //
 // It also makes shedding an upgraded WebSocket graceful. When a handler
 // (reverse_proxy) answers an HTTP/1.1 WebSocket upgrade with 101 and
@@ -96,6 +100,9 @@ func (cw *closeWriter) WriteHeader(status int) {
 		cw.wroteHeader = true
 		if cw.tc.closeAtBoundary() {
 			cw.Header().Set("Connection", "close")
+			if cw.req.ProtoMajor >= 2 {
+				cw.tc.noteServerGoAway()
+			}
 		}
 	}
 	cw.ResponseWriterWrapper.WriteHeader(status)

@@ -202,15 +202,74 @@ func (l *countingListener) Accept() (net.Conn, error) {
 type countingConn struct {
 	net.Conn
 	counters *byteCounters
+	// prefaceRead is how many of the bytes read so far matched the
+	// HTTP/2 client preface, or -1 after a mismatch. Only Read uses it:
+	// net/http reads a connection from one goroutine at a time.
+	prefaceRead int
+	// h2c is set once the whole preface has been read first thing: the
+	// connection speaks cleartext HTTP/2, which the connection tracker
+	// needs to know to shed it gracefully and Go's server does not
+	// report (sawH2Preface).
+	h2c atomic.Bool
 }
+
+// h2Preface is the HTTP/2 client connection preface (RFC 9113 §3.4).
+const h2Preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 // Read reads from the connection and counts the bytes read.
 func (c *countingConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
 	if n > 0 {
 		c.counters.in.Add(uint64(n))
+		if c.prefaceRead >= 0 && c.prefaceRead < len(h2Preface) {
+			c.matchPreface(p[:n])
+		}
 	}
 	return n, err
+}
+
+// matchPreface follows the first bytes read, p being the next ones.
+func (c *countingConn) matchPreface(p []byte) {
+	k := min(len(p), len(h2Preface)-c.prefaceRead)
+	if string(p[:k]) != h2Preface[c.prefaceRead:c.prefaceRead+k] {
+		c.prefaceRead = -1
+		return
+	}
+	c.prefaceRead += k
+	if c.prefaceRead == len(h2Preface) {
+		c.h2c.Store(true)
+	}
+}
+
+// sawH2Preface reports whether c, a connection net/http accepted, is or
+// wraps a countingConn that read the HTTP/2 client preface first: a
+// cleartext HTTP/2 connection. Without the wrapper (or below a wrapper
+// that hides the connection it wraps) it reports false.
+func sawH2Preface(c net.Conn) bool {
+	cc, ok := findConn[*countingConn](c)
+	return ok && cc.h2c.Load()
+}
+
+// findConn returns the first connection of type T among c and the
+// connections it wraps, unwrapping TLS (NetConn) and PROXY-protocol (Raw)
+// wrappers, and countingConn, which has NetConn too.
+func findConn[T any](c net.Conn) (T, bool) {
+	for range 8 {
+		if t, ok := c.(T); ok {
+			return t, true
+		}
+		switch w := c.(type) {
+		case interface{ NetConn() net.Conn }:
+			c = w.NetConn()
+		case interface{ Raw() net.Conn }:
+			c = w.Raw()
+		default:
+			var zero T
+			return zero, false
+		}
+	}
+	var zero T
+	return zero, false
 }
 
 // Write writes to the connection and counts the bytes written.

@@ -467,3 +467,45 @@ func BenchmarkCountingConnTCPWrite(b *testing.B) {
 		})
 	}
 }
+
+// TestCountingConnH2Preface: the wrapper tells a cleartext HTTP/2
+// connection by the client preface it reads first, however the reads
+// split it, and anything else (HTTP/1, a near miss, the preface later in
+// the stream) is not one.
+func TestCountingConnH2Preface(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		chunks []string
+		want   bool
+	}{
+		{"whole, with frames after it", []string{h2Preface + "\x00\x00\x00\x04\x00\x00\x00\x00\x00"}, true},
+		{"split", []string{"P", "RI * HTTP/2", ".0\r\n\r\nSM\r", "\n\r\n", "more"}, true},
+		{"HTTP/1", []string{"GET / HTTP/1.1\r\nHost: a\r\n\r\n"}, false},
+		{"near miss", []string{"PRI * HTTP/2.0\r\n\r\nSN\r\n\r\n"}, false},
+		{"preface later", []string{"GET / HTTP/1.1\r\n\r\n", h2Preface}, false},
+		{"preface unfinished", []string{h2Preface[:10]}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			server, client := net.Pipe()
+			defer server.Close()
+			cc := &countingConn{Conn: server, counters: new(byteCounters)}
+			go func() {
+				defer client.Close()
+				for _, c := range tc.chunks {
+					if _, err := io.WriteString(client, c); err != nil {
+						return
+					}
+				}
+			}()
+			if _, err := io.Copy(io.Discard, cc); err != nil {
+				t.Fatal(err)
+			}
+			if got := sawH2Preface(cc); got != tc.want {
+				t.Errorf("sawH2Preface = %v; want %v", got, tc.want)
+			}
+			if got := sawH2Preface(tls.Server(cc, &tls.Config{})); got != tc.want {
+				t.Errorf("through a TLS wrapper: sawH2Preface = %v; want %v", got, tc.want)
+			}
+		})
+	}
+}
