@@ -649,6 +649,13 @@ func (a *App) Start() error {
 			s.name, s.keyID, s.advertise = old.name, old.keyID, old.advertise
 		}
 		n.attach(s)
+		n.mu.Lock()
+		conflict := n.conflict
+		n.mu.Unlock()
+		if conflict != "" {
+			// The new config cannot revive it: say so at every reload.
+			a.logger.Error("rebalance member stopped: name conflict", zap.String("error", conflict))
+		}
 	}
 	a.node = n
 	if a.keyBytes == nil {
