@@ -504,7 +504,7 @@ func (a *App) checkOption(opt string) error {
 		switch a.Metric {
 		case "", MetricConnections, MetricThroughput, MetricCPU:
 		default:
-			return fmt.Errorf("metric %q: want %q, %q or %q", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
+			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
 		}
 	case "interval":
 		return checkDuration(opt, a.Interval, minInterval, maxInterval)

@@ -139,7 +139,7 @@ func TestAppBoundsCaddyfile(t *testing.T) {
 		{"rebalance {\n boundary_timeout 25h\n}", "boundary_timeout 25h0m0s is above the maximum 24h0m0s, at Testfile:2"},
 		{"rebalance {\n join 10.0.0.1:7946 10.0.0.2:0\n}", `join "10.0.0.2:0": port 0 cannot be joined`},
 		{"rebalance {\n bind 127.0.0.1:70000\n}", `bind "127.0.0.1:70000": invalid port`},
-		{"rebalance {\n metric ram\n}", `metric "ram": want "connections", "throughput" or "cpu", at Testfile:2`},
+		{"rebalance {\n metric ram\n}", `metric "ram": want connections, throughput or cpu, at Testfile:2`},
 		{"rebalance {\n tags {\n  a " + strings.Repeat("x", 250) + "\n  b " + strings.Repeat("y", 250) + "\n }\n}", "above serf's limit of 512"},
 	} {
 		err := new(App).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
