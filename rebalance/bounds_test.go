@@ -305,3 +305,48 @@ func TestReloadTagsTooLarge(t *testing.T) {
 		return ok && n.serf.LocalMember().Tags[LoadTag] != seq, why
 	})
 }
+
+// FuzzAppJSON: decoding, provisioning and validating any JSON as the
+// rebalance app never panics, and never allocates in proportion to the
+// values it carries (a window, a buffer): whatever passes is within the
+// bounds.
+func FuzzAppJSON(f *testing.F) {
+	for _, seed := range []string{
+		`{}`,
+		`{"interval": "1ns"}`,
+		`{"history": "1000000h"}`,
+		`{"interval": "100ms", "history": "24h"}`,
+		`{"threshold": 1e18, "stop_band": -1, "shed_rate": 1e308}`,
+		`{"min_connections": -9223372036854775808}`,
+		`{"freshness": "-9223372036854775807ns", "boundary_timeout": "2562047h"}`,
+		`{"tags": ` + bigTags + `}`,
+		`{"join": ["10.0.0.1:0", ":"], "advertise": "[::1]:99999"}`,
+		`{"metric": "cpu", "interval": 9223372036854775807}`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		a := new(App)
+		if caddy.StrictUnmarshalJSON(raw, a) != nil {
+			return
+		}
+		a.NodeName, a.Bind, a.EncryptKey = "fuzz", "127.0.0.1:0", ""
+		a.source = &fakeSource{}
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		err := a.Provision(testContext(t))
+		if err == nil {
+			err = a.Validate()
+		}
+		runtime.ReadMemStats(&after)
+		if grown := after.TotalAlloc - before.TotalAlloc; grown > 4<<20 {
+			t.Fatalf("%s: provisioning allocated %d bytes", raw, grown)
+		}
+		if err != nil {
+			return
+		}
+		if w := windowSize(a.history, a.interval); w > maxWindowSamples || a.interval < minInterval {
+			t.Fatalf("%s: accepted with a window of %d samples at interval %v", raw, w, a.interval)
+		}
+	})
+}

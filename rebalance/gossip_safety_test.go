@@ -386,3 +386,29 @@ func TestGossipGarbagePackets(t *testing.T) {
 		t.Errorf("%d lines written for %d garbage packets; want at most %d", written, packets, 4*gossipLogBurst)
 	}
 }
+
+// TestConflictLines: the node learns of serf's vote on its name from
+// serf's log lines, and publishes no load while the vote runs (serf
+// reads the member's node unlocked then, and SetTags writes it).
+func TestConflictLines(t *testing.T) {
+	n := &node{}
+	w := &zapWriter{logger: zap.NewNop(), conflict: n.sawConflict, conflictOver: n.conflictOver}
+	now := time.Now()
+	if n.resolvingConflict(now) {
+		t.Fatal("resolving before any conflict")
+	}
+	fmt.Fprintf(w, "[ERR] serf: Node name conflicts with another node at 10.0.0.1:7946. Names must be unique! (Resolution enabled: true)\n")
+	if with := n.conflictWith.Load(); with == nil || *with != "10.0.0.1:7946" {
+		t.Fatalf("conflict with %v; want 10.0.0.1:7946", with)
+	}
+	if !n.resolvingConflict(time.Now()) {
+		t.Fatal("not resolving after serf's conflict line")
+	}
+	if n.resolvingConflict(time.Now().Add(maxConflictVote)) {
+		t.Error("still resolving after maxConflictVote")
+	}
+	fmt.Fprintf(w, "[INFO] serf: majority in name conflict resolution [2 / 3]\n")
+	if n.resolvingConflict(time.Now()) {
+		t.Error("still resolving after the vote kept the name")
+	}
+}

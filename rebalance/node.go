@@ -108,9 +108,11 @@ type node struct {
 	// member claims its name (see lostMember).
 	conflict string
 	// conflictWith is the address of a member that claims this node's
-	// name, as serf last logged it. Not under mu: serf logs while it
-	// holds its own locks.
+	// name, as serf last logged it, and resolving when serf started its
+	// vote on the name (monoSince; 0: no vote running). Not under mu:
+	// serf logs while it holds its own locks.
 	conflictWith atomic.Pointer[string]
+	resolving    atomic.Int64
 
 	// steps is the node's coarse clock: when its last decision step
 	// took in the members' reports, as monoSince. It advances once per
@@ -146,7 +148,7 @@ func newNode(key string, s *settings, key32 []byte, bindHost string, bindPort in
 	conf.Init()
 	conf.NodeName = n.name
 	conf.Tags = n.tagsFor(s, "")
-	stdlog := log.New(&zapWriter{logger: n.logger.Named("serf"), conflict: n.sawConflict}, "", 0)
+	stdlog := log.New(&zapWriter{logger: n.logger.Named("serf"), conflict: n.sawConflict, conflictOver: n.conflictOver}, "", 0)
 	conf.LogOutput = nil
 	conf.Logger = stdlog
 	conf.EnableNameConflictResolution = true
@@ -279,9 +281,26 @@ func (n *node) run() {
 }
 
 // sawConflict records that serf logged another member claiming this
-// node's name, at addr.
+// node's name, at addr: serf starts its vote on the name.
 func (n *node) sawConflict(addr string) {
 	n.conflictWith.Store(&addr)
+	n.resolving.Store(max(monoSince(time.Now()), 1))
+}
+
+// conflictOver records that serf's vote on the name ended with this
+// member keeping it (or could not run).
+func (n *node) conflictOver() { n.resolving.Store(0) }
+
+// maxConflictVote bounds how long the node waits for serf's vote on a
+// name (serf's query timeout is a few seconds) before it publishes again,
+// should it miss the vote's end.
+const maxConflictVote = 30 * time.Second
+
+// resolvingConflict reports whether serf is voting on this node's name
+// at now.
+func (n *node) resolvingConflict(now time.Time) bool {
+	since := n.resolving.Load()
+	return since != 0 && monoSince(now)-since < int64(maxConflictVote)
 }
 
 // lostMember handles serf shutting this member down on its own, which it
@@ -329,7 +348,13 @@ func (n *node) step(s *settings, now time.Time) {
 	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
-	if err := n.serf.SetTags(n.tagsFor(s, tag)); err != nil {
+	if n.resolvingConflict(now) {
+		// serf reads this member's node unlocked while it resolves a
+		// name conflict, and SetTags writes it: skip this report.
+		if c := n.logger.Check(zapcore.DebugLevel, "not publishing load while serf resolves a name conflict"); c != nil {
+			c.Write()
+		}
+	} else if err := n.serf.SetTags(n.tagsFor(s, tag)); err != nil {
 		if c := n.logger.Check(zapcore.DebugLevel, "publishing load"); c != nil {
 			c.Write(zap.Error(err))
 		}
@@ -551,8 +576,10 @@ func splitHostPort(addr, opt string) (string, int, error) {
 type zapWriter struct {
 	logger *zap.Logger
 	// conflict is told the address of a member that claims this node's
-	// name, when serf logs one.
-	conflict func(addr string)
+	// name, when serf logs one; conflictOver, when serf's vote on the
+	// name keeps it here or cannot run.
+	conflict     func(addr string)
+	conflictOver func()
 
 	mu    sync.Mutex
 	kinds map[string]*logKind
@@ -595,6 +622,12 @@ var serfLevels = []struct {
 // Names must be unique! …".
 const conflictPrefix = "serf: Node name conflicts with another node at "
 
+// serf's lines when its vote on the name keeps it here, or cannot start.
+const (
+	conflictKept   = "serf: majority in name conflict resolution"
+	conflictNoVote = "serf: Failed to start name resolution query"
+)
+
 func (w *zapWriter) Write(p []byte) (int, error) {
 	line := string(bytes.TrimSpace(p))
 	lvl := zapcore.InfoLevel
@@ -607,6 +640,9 @@ func (w *zapWriter) Write(p []byte) (int, error) {
 	if rest, ok := strings.CutPrefix(line, conflictPrefix); ok && w.conflict != nil {
 		addr, _, _ := strings.Cut(rest, " ")
 		w.conflict(strings.TrimSuffix(addr, "."))
+	}
+	if w.conflictOver != nil && (strings.HasPrefix(line, conflictKept) || strings.HasPrefix(line, conflictNoVote)) {
+		w.conflictOver()
 	}
 	// Serf logs every member update (every load report of every member,
 	// every interval) at INFO: that is debug detail here.
