@@ -3,6 +3,7 @@ package rebalance
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
 	"sort"
 	"time"
@@ -81,7 +82,10 @@ type DecisionView struct {
 	Counted      int       `json:"members_counted"`
 	Stale        int       `json:"members_stale"`
 	NotAlive     int       `json:"members_not_alive"`
-	OtherMetric  int       `json:"members_other_metric"`
+	// Invalid counts members whose load tag holds no valid load (not a
+	// number from 0 to 1e15).
+	Invalid     int `json:"members_invalid"`
+	OtherMetric int `json:"members_other_metric"`
 	// Ignored counts members left out because they gained no
 	// connections while lifted.
 	Ignored int `json:"members_ignored"`
@@ -107,14 +111,19 @@ type NodeView struct {
 	Metric    string `json:"metric"`
 	// BoundaryTimeout is boundary_timeout in milliseconds; 0: never
 	// forced.
-	BoundaryTimeout int64        `json:"boundary_timeout_ms"`
-	Threshold       float64      `json:"threshold_percent"`
-	StopBand        float64      `json:"stop_band_percent"`
-	ShedRate        float64      `json:"shed_rate_percent"`
-	MinConns        int          `json:"min_connections"`
-	JoinError       string       `json:"join_error,omitempty"`
-	Members         []MemberView `json:"members"`
-	Decision        DecisionView `json:"last_decision"`
+	BoundaryTimeout int64   `json:"boundary_timeout_ms"`
+	Threshold       float64 `json:"threshold_percent"`
+	StopBand        float64 `json:"stop_band_percent"`
+	ShedRate        float64 `json:"shed_rate_percent"`
+	MinConns        int     `json:"min_connections"`
+	JoinError       string  `json:"join_error,omitempty"`
+	// NameConflict is set when this node's serf member shut down because
+	// another member uses its node_name (serf's name conflict vote): the
+	// node then neither gossips, sees the cluster nor sheds, and Members
+	// is empty.
+	NameConflict string       `json:"name_conflict,omitempty"`
+	Members      []MemberView `json:"members"`
+	Decision     DecisionView `json:"last_decision"`
 	// Connections are this process's HTTP connections by state.
 	Connections ConnCounts `json:"connections"`
 	// Bytes are this process's byte totals, as the rebalance listener
@@ -176,16 +185,17 @@ func (n *node) view(now time.Time) NodeView {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	v := NodeView{
-		Name:      n.name,
-		Bind:      n.key,
-		Encrypted: n.serf.EncryptionEnabled(),
-		JoinError: n.joinErr,
-		Members:   []MemberView{},
+		Name:         n.name,
+		Bind:         n.key,
+		Encrypted:    n.serf.EncryptionEnabled(),
+		JoinError:    n.joinErr,
+		Members:      []MemberView{},
+		NameConflict: n.conflict,
 		Decision: DecisionView{
-			At: n.lastAt, Local: n.local, Current: n.current, Held: n.held,
-			Average: n.last.Average, Balance: n.last.Balance, Counted: n.last.Counted,
-			Stale: n.last.Stale, NotAlive: n.last.NotAlive, OtherMetric: n.last.OtherMetric, Ignored: n.last.Ignored,
-			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: n.last.Lowest, LowestName: n.last.LowestName,
+			At: n.lastAt, Local: finite(n.local), Current: finite(n.current), Held: n.held,
+			Average: finite(n.last.Average), Balance: finite(n.last.Balance), Counted: n.last.Counted,
+			Stale: n.last.Stale, NotAlive: n.last.NotAlive, Invalid: n.last.Invalid, OtherMetric: n.last.OtherMetric, Ignored: n.last.Ignored,
+			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: finite(n.last.Lowest), LowestName: n.last.LowestName,
 			Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
 		},
 		Connections:     tracker.Counts(),
@@ -213,6 +223,10 @@ func (n *node) view(now time.Time) NodeView {
 	if s != nil {
 		params = s.params
 	}
+	if n.conflict != "" {
+		// serf's member list is frozen at the shutdown: not the cluster.
+		members = nil
+	}
 	for _, m := range members {
 		mv := MemberView{
 			Name:   m.Name,
@@ -221,10 +235,10 @@ func (n *node) view(now time.Time) NodeView {
 			Self:   m.Name == n.name,
 			Tags:   m.Tags,
 		}
-		var ok bool
-		mv.Metric, mv.Load, ok = parseLoadTag(m.Tags[LoadTag])
+		raw := m.Tags[LoadTag]
+		metric, load, ok := parseLoadTag(raw)
 		if ok {
-			mv.LoadHuman = formatLoad(mv.Metric, mv.Load)
+			mv.Metric, mv.Load, mv.LoadHuman = metric, load, formatLoad(metric, load)
 		}
 		at := n.seen[m.Name].at
 		if mv.Self {
@@ -235,31 +249,44 @@ func (n *node) view(now time.Time) NodeView {
 			mv.ReportAgeMs = now.Sub(at).Milliseconds()
 			mv.ReportAge = humanize.RelTime(at, now, "ago", "from now")
 		}
-		r := Report{Name: m.Name, Status: memberStatus(m.Status), Load: mv.Load, At: at, Metric: mv.Metric}
-		switch {
-		case mv.Self:
+		if mv.Self {
 			mv.Counted = true
-		case r.Status != StatusAlive:
+			v.Members = append(v.Members, mv)
+			continue
+		}
+		// The rule Decide uses; the load is NaN when the tag holds none.
+		r := Report{Name: m.Name, Status: memberStatus(m.Status), Load: load, At: at, Metric: metric}
+		switch params.standing(r, now) {
+		case notAlive:
 			mv.Why = "not alive"
-		case !ok:
-			mv.Why = "no load report"
-		default:
-			switch params.standing(r, now) {
-			case otherMetric:
-				mv.Why = "reports another metric"
-			case stale:
-				mv.Why = "report not fresh"
-			default:
-				if n.lift.Ignored == m.Name && now.Before(n.lift.IgnoredUntil) {
-					mv.Why = "gained no connections while lifted; left out for " + humanize.RelTime(now, n.lift.IgnoredUntil, "", "")
-					break
-				}
-				mv.Counted = true
+		case stale:
+			mv.Why = "report not fresh"
+			if raw == "" {
+				mv.Why = "no load report"
 			}
+		case invalid:
+			mv.Why = fmt.Sprintf("invalid load report (want a number from 0 to %g): %.64q", float64(maxLoad), raw)
+		case otherMetric:
+			mv.Why = "reports another metric"
+		default:
+			if n.lift.Ignored == m.Name && now.Before(n.lift.IgnoredUntil) {
+				mv.Why = "gained no connections while lifted; left out for " + humanize.RelTime(now, n.lift.IgnoredUntil, "", "")
+				break
+			}
+			mv.Counted = true
 		}
 		v.Members = append(v.Members, mv)
 	}
 	sort.Slice(v.Members, func(i, j int) bool { return v.Members[i].Name < v.Members[j].Name })
+	return v
+}
+
+// finite returns v, or 0 when v is NaN or an infinity, which JSON cannot
+// encode: the admin view must always encode.
+func finite(v float64) float64 {
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return 0
+	}
 	return v
 }
 

@@ -1,11 +1,14 @@
 package rebalance
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"maps"
+	"math"
 	"net"
 	"os"
 	"slices"
@@ -16,6 +19,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/hashicorp/go-msgpack/v2/codec"
 	"github.com/hashicorp/memberlist"
 	"go.uber.org/zap"
 )
@@ -70,8 +74,10 @@ var tracker = new(ConnTracker)
 // The serf member survives config reloads (it is shared between configs by
 // bind address) and leaves the cluster when Caddy stops.
 type App struct {
-	// NodeName is this node's unique name in the cluster. Default: the
-	// host name.
+	// NodeName is this node's unique name in the cluster, at most 128
+	// bytes. A node that joins with a name the cluster already has loses
+	// serf's vote and stops gossiping (reported in the admin view, the
+	// log and the name_conflict metric). Default: the host name.
 	NodeName string `json:"node_name,omitempty"`
 
 	// Bind is the address (host:port) serf listens on, TCP and UDP.
@@ -95,7 +101,9 @@ type App struct {
 	EncryptKey string `json:"encrypt_key,omitempty"`
 
 	// Tags are extra serf tags this node publishes (for discovery). Keys
-	// starting with "lbx_" are reserved.
+	// starting with "lbx_" are reserved. Serf allows a member 512 bytes
+	// of tags, encoded, and the load tag takes up to about 60 of them: a
+	// config whose tags do not fit is refused.
 	Tags map[string]string `json:"tags,omitempty"`
 
 	// Metric is the load to balance: "connections" (the HTTP connections
@@ -117,35 +125,37 @@ type App struct {
 	Metric string `json:"metric,omitempty"`
 
 	// Interval is how often the node samples its load, gossips it,
-	// decides and sheds. Default: 1s.
+	// decides and sheds, from 100ms to 10m. Default: 1s.
 	Interval caddy.Duration `json:"interval,omitempty"`
 
 	// History is the window over which samples are averaged before they
-	// are gossiped (one sample per interval). Default: 10s.
+	// are gossiped (one sample per interval): at least interval, at most
+	// 24h and 3600 intervals. Default: 10s.
 	History caddy.Duration `json:"history,omitempty"`
 
 	// Freshness is how recently a member's load report must have changed
-	// for the member to count toward the average. Default: 5 × interval,
-	// at least 3s.
+	// for the member to count toward the average, from interval to 24h.
+	// Default: 5 × interval, at least 3s.
 	Freshness caddy.Duration `json:"freshness,omitempty"`
 
 	// Threshold is the percentage above the cluster average at which a
-	// node starts shedding. Default: 20.
+	// node starts shedding, above 0 and at most 1000. Default: 20.
 	Threshold float64 `json:"threshold,omitempty"`
 
 	// StopBand is the percentage above the average down to which a
-	// shedding node keeps shedding; at most Threshold. Stopping at the
-	// threshold itself would leave new nodes stuck below −threshold.
-	// Default: Threshold / 2.
+	// shedding node keeps shedding; above 0 and at most Threshold.
+	// Stopping at the threshold itself would leave new nodes stuck below
+	// −threshold. Default: Threshold / 2.
 	StopBand float64 `json:"stop_band,omitempty"`
 
 	// ShedRate is the largest percentage of its connections a node sheds
-	// per interval (at least one connection). Default: 0.5.
+	// per interval (at least one connection), above 0 and at most 100.
+	// Default: 0.5.
 	ShedRate float64 `json:"shed_rate,omitempty"`
 
 	// MinConnections is the number of connections a node never sheds
 	// below, and below which it does not shed at all: with few
-	// connections, imbalance is noise. Default: 50.
+	// connections, imbalance is noise. At most 10,000,000. Default: 50.
 	MinConnections *int `json:"min_connections,omitempty"`
 
 	// BoundaryTimeout is how long a shed active connection is given to
@@ -154,9 +164,9 @@ type App struct {
 	// HTTP/2 stream); once exceeded, it is closed anyway, cutting that
 	// response, and counted and logged as forced. Whatever it is, a shed
 	// connection still open `history` after the shed counts toward this
-	// node's load again (it is not shed twice). Default: 0, never forced:
-	// as with gRPC's MaxConnectionAgeGrace, a response in flight is not
-	// cut unless the operator asks.
+	// node's load again (it is not shed twice). At most 24h. Default: 0,
+	// never forced: as with gRPC's MaxConnectionAgeGrace, a response in
+	// flight is not cut unless the operator asks.
 	BoundaryTimeout caddy.Duration `json:"boundary_timeout,omitempty"`
 
 	params   Params
@@ -215,38 +225,10 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if a.Metric == "" {
 		a.Metric = MetricConnections
 	}
-	a.interval = time.Duration(a.Interval)
-	if a.interval == 0 {
-		a.interval = DefaultInterval
-	}
-	a.history = time.Duration(a.History)
-	if a.history == 0 {
-		a.history = DefaultHistory
-	}
-	a.boundary = time.Duration(a.BoundaryTimeout)
-	freshness := time.Duration(a.Freshness)
-	if freshness == 0 {
-		freshness = max(5*a.interval, 3*time.Second)
-	}
-	threshold := a.Threshold
-	if threshold == 0 {
-		threshold = DefaultThreshold
-	}
-	shedRate := a.ShedRate
-	if shedRate == 0 {
-		shedRate = DefaultShedRate
-	}
-	minConns := DefaultMinConnections
-	if a.MinConnections != nil {
-		minConns = *a.MinConnections
-	}
-	a.params = Params{
-		Threshold:      threshold / 100,
-		StopBand:       a.StopBand / 100,
-		ShedRate:       shedRate / 100,
-		MinConnections: minConns,
-		Freshness:      freshness,
-		Metric:         a.Metric,
+	a.resolve()
+	// Before anything sized or timed by the options exists.
+	if err := a.validate(); err != nil {
+		return err
 	}
 
 	if a.EncryptKey != "" {
@@ -287,6 +269,76 @@ func (a *App) Provision(ctx caddy.Context) error {
 	return nil
 }
 
+// resolve sets the effective settings from the options and their
+// defaults. It allocates nothing.
+func (a *App) resolve() {
+	a.interval = time.Duration(a.Interval)
+	if a.interval == 0 {
+		a.interval = DefaultInterval
+	}
+	a.history = time.Duration(a.History)
+	if a.history == 0 {
+		a.history = DefaultHistory
+	}
+	a.boundary = time.Duration(a.BoundaryTimeout)
+	freshness := time.Duration(a.Freshness)
+	if freshness == 0 {
+		freshness = max(5*a.interval, 3*time.Second)
+	}
+	threshold := a.Threshold
+	if threshold == 0 {
+		threshold = DefaultThreshold
+	}
+	shedRate := a.ShedRate
+	if shedRate == 0 {
+		shedRate = DefaultShedRate
+	}
+	minConns := DefaultMinConnections
+	if a.MinConnections != nil {
+		minConns = *a.MinConnections
+	}
+	a.params = Params{
+		Threshold:      threshold / 100,
+		StopBand:       a.StopBand / 100,
+		ShedRate:       shedRate / 100,
+		MinConnections: minConns,
+		Freshness:      freshness,
+		Metric:         a.Metric,
+	}
+}
+
+// UnmarshalJSON decodes the app's JSON as Caddy does, naming the field
+// of a value that does not decode.
+func (a *App) UnmarshalJSON(b []byte) error {
+	type appJSON App
+	return decodeStrict(b, (*appJSON)(a))
+}
+
+// decodeStrict decodes b into v as Caddy decodes a module (unknown fields
+// are errors) and, when that fails, names the field whose value does not
+// decode: encoding/json does not name it when the value's own decoder
+// fails (a caddy.Duration's "time: invalid duration").
+func decodeStrict[T any](b []byte, v *T) error {
+	err := caddy.StrictUnmarshalJSON(b, v)
+	if err == nil {
+		return nil
+	}
+	var fields map[string]json.RawMessage
+	if json.Unmarshal(b, &fields) != nil {
+		return err
+	}
+	for _, k := range slices.Sorted(maps.Keys(fields)) {
+		one, merr := json.Marshal(map[string]json.RawMessage{k: fields[k]})
+		if merr != nil {
+			continue
+		}
+		if ferr := caddy.StrictUnmarshalJSON(one, new(T)); ferr != nil {
+			return fmt.Errorf("%s: %v", k, ferr)
+		}
+	}
+	return err
+}
+
 // nestedInHTTP reports whether the app is being provisioned from within
 // the HTTP app's provisioning: a handler (`dynamic serf` upstreams) asked
 // for it. The HTTP app's servers, and their listener wrappers, may then
@@ -305,10 +357,15 @@ func nestedInHTTP(ctx caddy.Context) bool {
 const errNoListenerWrapper = "metric throughput needs the rebalance listener wrapper: add `listener_wrappers { rebalance tls }` " +
 	"to the servers global option (JSON: \"listener_wrappers\": [{\"wrapper\": \"rebalance\"}, {\"wrapper\": \"tls\"}] in a server)"
 
+// autoHTTPSRedirectServer is the server Caddy's automatic HTTPS adds for
+// the HTTP-to-HTTPS redirects no configured server serves
+// (caddyhttp/autohttps.go).
+const autoHTTPSRedirectServer = "remaining_auto_https_redirects"
+
 // checkThroughputWrapper returns an error when metric throughput has no
 // bytes to measure: no HTTP server of the config has the rebalance
-// listener wrapper. Servers without it are named in a warning: their
-// bytes are not part of the load.
+// listener wrapper. Servers without it are named in a warning (their
+// bytes are not part of the load), except the one Caddy creates itself.
 func (a *App) checkThroughputWrapper() error {
 	if !a.checkWrapper {
 		return nil
@@ -318,6 +375,9 @@ func (a *App) checkThroughputWrapper() error {
 	}
 	var counted, uncounted []string
 	for name, srv := range a.httpApp.Servers {
+		if name == autoHTTPSRedirectServer {
+			continue // the operator cannot give it listener wrappers
+		}
 		if countedServers.has(srv) {
 			counted = append(counted, name)
 		} else {
@@ -356,40 +416,191 @@ func (a *App) registerServers(ctx caddy.Context) {
 
 // Validate checks the configuration.
 func (a *App) Validate() error {
-	switch a.Metric {
-	case MetricConnections, MetricThroughput, MetricCPU:
-	default:
-		return fmt.Errorf("metric %q: want %q, %q or %q", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
-	}
-	if a.interval < 0 {
-		return fmt.Errorf("interval must be positive, got %v", a.interval)
-	}
-	if a.history < a.interval {
-		return fmt.Errorf("history (%v) must be at least interval (%v)", a.history, a.interval)
-	}
-	if a.boundary < 0 {
-		return fmt.Errorf("boundary_timeout must not be negative, got %v", a.boundary)
-	}
-	if err := a.params.Validate(); err != nil {
+	if err := a.validate(); err != nil {
 		return err
-	}
-	for k := range a.Tags {
-		if strings.HasPrefix(k, "lbx_") {
-			return fmt.Errorf("tag %q: keys starting with lbx_ are reserved", k)
-		}
-	}
-	if a.Advertise != "" {
-		if _, _, err := splitHostPort(a.Advertise, "advertise"); err != nil {
-			return err
-		}
-	}
-	for _, j := range a.Join {
-		if _, _, err := net.SplitHostPort(j); err != nil {
-			return fmt.Errorf("join %q: want host:port: %v", j, err)
-		}
 	}
 	if !a.checkAtStart {
 		return a.checkThroughputWrapper()
+	}
+	return nil
+}
+
+// Bounds of the app's options. Each rule is stated once, in checkOption
+// and checkRelations, for JSON and the Caddyfile alike.
+const (
+	// minInterval: below it, sampling, gossip and decisions cost a core.
+	minInterval = 100 * time.Millisecond
+	maxInterval = 10 * time.Minute
+	maxHistory  = 24 * time.Hour
+	// maxWindowSamples bounds history / interval, the samples the node
+	// keeps.
+	maxWindowSamples = 3600
+	maxFreshness     = 24 * time.Hour
+	// maxThreshold, percent: a node may sit several times above the
+	// average, but not a thousand.
+	maxThreshold       = 1000.0
+	maxMinConnections  = 10_000_000
+	maxBoundaryTimeout = 24 * time.Hour
+	// maxNodeName is the longest node_name, in bytes (serf's own limit
+	// when it validates names).
+	maxNodeName = 128
+)
+
+// appOptions are the app's options, in the order checkOption checks them.
+var appOptions = []string{
+	"node_name", "bind", "advertise", "join", "tags", "metric", "interval", "history", "freshness",
+	"threshold", "stop_band", "shed_rate", "min_connections", "boundary_timeout",
+}
+
+// validate checks every option, then the options against each other, once
+// resolve has run. It is the app's one validation: Provision runs it
+// before anything sized by the options exists, Validate runs it again,
+// and the Caddyfile checks each option as it is read.
+func (a *App) validate() error {
+	for _, opt := range appOptions {
+		if err := a.checkOption(opt); err != nil {
+			return err
+		}
+	}
+	return a.checkRelations()
+}
+
+// checkOption checks one option as configured (0 or empty: the default)
+// against its bounds; the error names the option, the value and why.
+func (a *App) checkOption(opt string) error {
+	switch opt {
+	case "node_name":
+		if len(a.NodeName) > maxNodeName {
+			return fmt.Errorf("node_name %.32q… is %d bytes; at most %d", a.NodeName, len(a.NodeName), maxNodeName)
+		}
+	case "bind":
+		if a.Bind != "" {
+			_, _, err := splitHostPort(a.Bind, "bind")
+			return err
+		}
+	case "advertise":
+		if a.Advertise != "" {
+			_, _, err := splitHostPort(a.Advertise, "advertise")
+			return err
+		}
+	case "join":
+		for _, j := range a.Join {
+			_, port, err := splitHostPort(j, "join")
+			if err != nil {
+				return err
+			}
+			if port == 0 {
+				return fmt.Errorf("join %q: port 0 cannot be joined; want 1 to 65535", j)
+			}
+		}
+	case "tags":
+		for k := range a.Tags {
+			if strings.HasPrefix(k, "lbx_") {
+				return fmt.Errorf("tag %q: keys starting with lbx_ are reserved", k)
+			}
+		}
+		return checkTagSize(a.Tags, a.Metric)
+	case "metric":
+		switch a.Metric {
+		case "", MetricConnections, MetricThroughput, MetricCPU:
+		default:
+			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
+		}
+	case "interval":
+		return checkDuration(opt, a.Interval, minInterval, maxInterval)
+	case "history":
+		return checkDuration(opt, a.History, minInterval, maxHistory)
+	case "freshness":
+		return checkDuration(opt, a.Freshness, minInterval, maxFreshness)
+	case "boundary_timeout":
+		return checkDuration(opt, a.BoundaryTimeout, 0, maxBoundaryTimeout)
+	case "threshold":
+		return checkPercent(opt, a.Threshold, maxThreshold)
+	case "stop_band":
+		return checkPercent(opt, a.StopBand, maxThreshold)
+	case "shed_rate":
+		return checkPercent(opt, a.ShedRate, 100)
+	case "min_connections":
+		if m := a.MinConnections; m != nil && (*m < 0 || *m > maxMinConnections) {
+			return fmt.Errorf("min_connections %d: want a whole number from 0 to %d", *m, maxMinConnections)
+		}
+	}
+	return nil
+}
+
+// checkRelations checks the effective settings (resolve) against each
+// other.
+func (a *App) checkRelations() error {
+	switch {
+	case a.history < a.interval:
+		return fmt.Errorf("history (%v) must be at least interval (%v)", a.history, a.interval)
+	case windowSize(a.history, a.interval) > maxWindowSamples:
+		return fmt.Errorf("history %v over interval %v is %d samples, above the maximum %d; lengthen interval or shorten history",
+			a.history, a.interval, windowSize(a.history, a.interval), maxWindowSamples)
+	case a.params.Freshness < a.interval:
+		return fmt.Errorf("freshness %v is below interval %v: a report changes once per interval, so none would count", a.params.Freshness, a.interval)
+	case a.params.StopBand > a.params.Threshold:
+		return fmt.Errorf("stop_band %v%% is above threshold %v%%; the stop band must lie inside it", a.StopBand, a.params.Threshold*100)
+	}
+	return nil
+}
+
+// checkDuration checks that duration option opt is 0 (its default, or
+// "never") or from lo to hi.
+func checkDuration(opt string, v caddy.Duration, lo, hi time.Duration) error {
+	d := time.Duration(v)
+	switch {
+	case d == 0:
+		return nil
+	case d < 0:
+		return fmt.Errorf("%s %v: must not be negative", opt, d)
+	case d < lo:
+		return fmt.Errorf("%s %v is below the minimum %v", opt, d, lo)
+	case d > hi:
+		return fmt.Errorf("%s %v is above the maximum %v", opt, d, hi)
+	}
+	return nil
+}
+
+// checkPercent checks that percentage option opt is 0 (its default) or
+// above 0 and at most hi.
+func checkPercent(opt string, v, hi float64) error {
+	if v == 0 || v > 0 && v <= hi {
+		return nil
+	}
+	return fmt.Errorf("%s %v%%: want a percentage above 0%% and at most %v%%", opt, v, hi)
+}
+
+// tagMagicByte starts serf's encoding of a member's tags.
+const tagMagicByte = 255
+
+// longestLoadTag is the longest value the load tag takes for metric: the
+// longest number strconv's 'g' format with 6 digits writes, and the
+// largest sequence.
+func longestLoadTag(metric string) string {
+	return metric + " -1.23457e-308 " + strconv.FormatUint(math.MaxUint64, 10)
+}
+
+// checkTagSize checks that tags, with the longest load tag, fit in the
+// 512 bytes serf allows a member's tags (memberlist.MetaMaxSize), encoded
+// as serf encodes them. Serf refuses larger tags at start and on every
+// update, which on a reload would stop the node gossiping its load.
+func checkTagSize(tags map[string]string, metric string) error {
+	if metric == "" {
+		metric = MetricConnections
+	}
+	all := maps.Clone(tags)
+	if all == nil {
+		all = make(map[string]string, 1)
+	}
+	all[LoadTag] = longestLoadTag(metric)
+	buf := bytes.NewBuffer([]byte{tagMagicByte})
+	if err := codec.NewEncoder(buf, &codec.MsgpackHandle{}).Encode(all); err != nil {
+		return fmt.Errorf("tags: %v", err)
+	}
+	if buf.Len() > memberlist.MetaMaxSize {
+		return fmt.Errorf("tags: encoded with the longest load tag they take %d bytes, above serf's limit of %d; use fewer or shorter tags",
+			buf.Len(), memberlist.MetaMaxSize)
 	}
 	return nil
 }
@@ -438,6 +649,13 @@ func (a *App) Start() error {
 			s.name, s.keyID, s.advertise = old.name, old.keyID, old.advertise
 		}
 		n.attach(s)
+		n.mu.Lock()
+		conflict := n.conflict
+		n.mu.Unlock()
+		if conflict != "" {
+			// The new config cannot revive it: say so at every reload.
+			a.logger.Error("rebalance member stopped: name conflict", zap.String("error", conflict))
+		}
 	}
 	a.node = n
 	if a.keyBytes == nil {
@@ -537,5 +755,6 @@ var (
 	_ caddy.Provisioner  = (*App)(nil)
 	_ caddy.Validator    = (*App)(nil)
 	_ caddy.CleanerUpper = (*App)(nil)
+	_ json.Unmarshaler   = (*App)(nil)
 	_ caddy.Destructor   = (*node)(nil)
 )

@@ -18,6 +18,7 @@ func init() {
 // rebalance app.
 func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 	if existing != nil {
+		d.Next() // the option's name, so that the error has its line
 		return nil, d.Err("rebalance: the global option is already set; use one rebalance block")
 	}
 	app := new(App)
@@ -52,7 +53,8 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 //
 // Every option is optional and may appear once; percentages may be
 // written with or without the % sign (20% or 20). boundary_timeout may be
-// 0 (the default: never forced).
+// 0 (the default: never forced). Each value is checked against the bounds
+// of its JSON field as it is read, so errors name their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the option's name
 	if d.NextArg() {
@@ -81,11 +83,6 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			case "encrypt_key":
 				a.EncryptKey = val
 			case "metric":
-				switch val {
-				case MetricConnections, MetricThroughput, MetricCPU:
-				default:
-					return d.Errf("rebalance: metric %q: want connections, throughput or cpu", val)
-				}
 				a.Metric = val
 			}
 		case "join":
@@ -134,15 +131,10 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
-			// A node may sit several times above the average, so the
-			// threshold may exceed 100%; a stop band or shed rate may not.
-			limit := 100.0
-			if opt == "threshold" {
-				limit = 1000
-			}
+			// 0 would mean the default; the bounds are checkOption's.
 			pct, err := strconv.ParseFloat(strings.TrimSuffix(val, "%"), 64)
-			if err != nil || !(pct > 0 && pct <= limit) {
-				return d.Errf("rebalance: %s %q: want a percentage above 0%% and at most %v%%", opt, val, limit)
+			if err != nil || pct == 0 {
+				return d.Errf("rebalance: %s %q: want a percentage above 0%%", opt, val)
 			}
 			switch opt {
 			case "threshold":
@@ -168,22 +160,22 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			n, err := strconv.Atoi(val)
-			if err != nil || n < 0 {
-				return d.Errf("rebalance: min_connections %q: want a whole number, 0 or more", val)
+			if err != nil {
+				return d.Errf("rebalance: min_connections %q: want a whole number", val)
 			}
 			a.MinConnections = &n
 		default:
 			return d.Errf("rebalance: unknown option %q", opt)
 		}
+		if err := a.checkOption(opt); err != nil {
+			return d.Errf("rebalance: %v", err)
+		}
 	}
-	if a.StopBand > 0 {
-		threshold := a.Threshold
-		if threshold == 0 {
-			threshold = DefaultThreshold
-		}
-		if a.StopBand > threshold {
-			return d.Errf("rebalance: stop_band %v%% is above threshold %v%%; the stop band must lie inside it", a.StopBand, threshold)
-		}
+	// The options against each other (the error points at the block's
+	// end).
+	a.resolve()
+	if err := a.checkRelations(); err != nil {
+		return d.Errf("rebalance: %v", err)
 	}
 	return nil
 }
@@ -266,6 +258,9 @@ func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error 
 				return d.Errf("lb_policy cluster_load: refresh %q: want a positive duration such as 1s", val)
 			}
 			p.Refresh = caddy.Duration(dur)
+			if err := p.Validate(); err != nil {
+				return d.Err(err.Error())
+			}
 		default:
 			return d.Errf("lb_policy cluster_load: unknown option %q; want port_tag, port or refresh", opt)
 		}

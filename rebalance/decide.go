@@ -40,7 +40,8 @@ type Report struct {
 	Name string
 	// Status is the member's serf status.
 	Status MemberStatus
-	// Load is the member's smoothed load, in the unit of the metric.
+	// Load is the member's smoothed load, in the unit of the metric; NaN
+	// when its tag does not hold one (such a report never counts).
 	Load float64
 	// At is when this node last saw the report change (its own clock, so
 	// clock skew between nodes does not matter). The zero time means the
@@ -107,22 +108,15 @@ func (p Params) liftPatience() time.Duration {
 // liftIgnoreFactor+1.
 const liftIgnoreFactor = 10
 
-// Validate reports settings that cannot work, naming the bad value.
-func (p Params) Validate() error {
-	switch {
-	case !(p.Threshold > 0) || math.IsInf(p.Threshold, 0):
-		return fmt.Errorf("threshold must be above 0%%, got %v%%", p.Threshold*100)
-	case p.StopBand < 0 || p.StopBand > p.Threshold || math.IsNaN(p.StopBand):
-		return fmt.Errorf("stop band must be between 0%% and the threshold (%v%%), got %v%%", p.Threshold*100, p.StopBand*100)
-	case !(p.ShedRate > 0) || p.ShedRate > 1:
-		return fmt.Errorf("shed rate must be above 0%% and at most 100%%, got %v%%", p.ShedRate*100)
-	case p.MinConnections < 0:
-		return fmt.Errorf("min_connections must not be negative, got %d", p.MinConnections)
-	case p.Freshness <= 0:
-		return fmt.Errorf("freshness must be positive, got %v", p.Freshness)
-	}
-	return nil
-}
+// maxLoad is the largest load a report may carry and count: far above any
+// real node's connections, bytes per second or CPU percent, and small
+// enough that the sum of any number of counted loads stays finite, so
+// the average cannot overflow.
+const maxLoad = 1e15
+
+// validLoad reports whether v can be a load: a number from 0 to maxLoad
+// (NaN, infinities and negative numbers are not).
+func validLoad(v float64) bool { return v >= 0 && v <= maxLoad }
 
 // standing is whether a member's report counts toward the cluster
 // average, or why not.
@@ -133,23 +127,30 @@ const (
 	notAlive
 	otherMetric
 	stale
+	// invalid: the load is not a number from 0 to maxLoad (a tag that does
+	// not parse, NaN, an infinity, a negative or absurd number).
+	invalid
 	// ignored: the lift rule left it out (Decide's own; see LiftState).
 	ignored
 )
 
 // standing judges one member's report at now: it counts when the member
-// is alive, reports p's metric (or p accepts every metric, or the report
-// names none), and was seen to change within p.Freshness. It is the one
-// rule for the cluster average (Decide), the admin view and the
+// is alive, was seen to change within p.Freshness, carries a valid load
+// (validLoad: a peer that gossips NaN, an infinity, a negative or absurd
+// number, or no number, is never taken for an idle node), and reports p's
+// metric (or p accepts every metric, or the report names none). It is the
+// one rule for the cluster average (Decide), the admin view and the
 // cluster_load selection policy.
 func (p Params) standing(r Report, now time.Time) standing {
 	switch {
 	case r.Status != StatusAlive:
 		return notAlive
-	case p.Metric != "" && r.Metric != "" && r.Metric != p.Metric:
-		return otherMetric
 	case r.At.IsZero() || now.Sub(r.At) > p.Freshness:
 		return stale
+	case !validLoad(r.Load):
+		return invalid
+	case p.Metric != "" && r.Metric != "" && r.Metric != p.Metric:
+		return otherMetric
 	}
 	return counted
 }
@@ -223,9 +224,9 @@ type Decision struct {
 	// Counted is the number of members in the average, this node
 	// included.
 	Counted int
-	// Stale, NotAlive, OtherMetric and Ignored count the members
+	// Stale, NotAlive, Invalid, OtherMetric and Ignored count the members
 	// excluded, and why (Ignored: Lift.Ignored).
-	Stale, NotAlive, OtherMetric, Ignored int
+	Stale, NotAlive, Invalid, OtherMetric, Ignored int
 	// Reason says in a few words why Shed is what it is.
 	Reason string
 }
@@ -233,9 +234,9 @@ type Decision struct {
 // Decide computes how many connections this node should shed now. It is
 // a pure function: all state is in Input (Shedding, Lift) and Decision.
 //
-// The cluster average counts only members that are alive, report the same
-// metric, and whose report is younger than Freshness; this node always
-// counts, with Local. With fewer than MinMembers counted it never sheds.
+// The cluster average counts only the members whose report counts
+// (Params.standing: alive, younger than Freshness, a valid load in the
+// same metric); this node always counts, with Local. With fewer than MinMembers counted it never sheds.
 //
 // Two rules make a node shed. The high rule: a node starts shedding when
 // Local exceeds average × (1 + Threshold), keeps shedding while Local
@@ -277,6 +278,8 @@ func Decide(p Params, in Input) Decision {
 			d.OtherMetric++
 		case stale:
 			d.Stale++
+		case invalid:
+			d.Invalid++
 		case ignored:
 			d.Ignored++
 		default:

@@ -135,12 +135,12 @@ func ParsePort(s string) (int, error) {
 type memberLoad struct {
 	Member
 	// Load is the member's gossiped, smoothed load, in the unit of the
-	// metric; meaningful only when Counts.
+	// metric; 0 unless Counts.
 	Load float64
 	// Counts is true when the report counts toward the cluster average
-	// now (Params.standing): the member is alive, its tag holds a valid
-	// report in this node's metric, and the tag was seen to change within
-	// freshness. This node's own report counts once it has gossiped one
+	// now (Params.standing): the member is alive, the tag was seen to
+	// change within freshness, and it holds a valid load in this node's
+	// metric. This node's own report counts once it has gossiped one
 	// within freshness.
 	Counts bool
 }
@@ -164,12 +164,14 @@ func (a *App) memberLoads(now time.Time) ([]memberLoad, error) {
 		self := m.Name == n.name
 		seen := n.seen[m.Name]
 		r := Report{Name: m.Name, Status: memberStatus(m.Status), At: seen.at}
-		var ok bool
-		r.Metric, r.Load, ok = parseLoadTag(seen.raw)
+		r.Metric, r.Load, _ = parseLoadTag(seen.raw)
 		if self && len(n.owners) > 0 {
 			// The value this node gossips, as of its last step.
 			r.Metric, r.Load, r.At = n.owners[len(n.owners)-1].metric, n.local, n.lastAt
-			ok = !n.lastAt.IsZero()
+		}
+		st := a.params.standing(r, now)
+		if st != counted {
+			r.Load = 0 // not a load to use, and maybe NaN
 		}
 		out = append(out, memberLoad{
 			Member: Member{
@@ -177,7 +179,7 @@ func (a *App) memberLoads(now time.Time) ([]memberLoad, error) {
 				Status: r.Status, Tags: m.Tags, Self: self,
 			},
 			Load:   r.Load,
-			Counts: ok && a.params.standing(r, now) == counted,
+			Counts: st == counted,
 		})
 	}
 	return out, nil

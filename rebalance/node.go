@@ -104,6 +104,15 @@ type node struct {
 	shedDecisions uint64
 	joined        bool
 	joinErr       string
+	// conflict is set once serf shut this member down because another
+	// member claims its name (see lostMember).
+	conflict string
+	// conflictWith is the address of a member that claims this node's
+	// name, as serf last logged it, and resolving when serf started its
+	// vote on the name (monoSince; 0: no vote running). Not under mu:
+	// serf logs while it holds its own locks.
+	conflictWith atomic.Pointer[string]
+	resolving    atomic.Int64
 
 	// steps is the node's coarse clock: when its last decision step
 	// took in the members' reports, as monoSince. It advances once per
@@ -139,7 +148,7 @@ func newNode(key string, s *settings, key32 []byte, bindHost string, bindPort in
 	conf.Init()
 	conf.NodeName = n.name
 	conf.Tags = n.tagsFor(s, "")
-	stdlog := log.New(&zapWriter{logger: n.logger.Named("serf")}, "", 0)
+	stdlog := log.New(&zapWriter{logger: n.logger.Named("serf"), conflict: n.sawConflict, conflictOver: n.conflictOver}, "", 0)
 	conf.LogOutput = nil
 	conf.Logger = stdlog
 	conf.EnableNameConflictResolution = true
@@ -246,10 +255,17 @@ func (n *node) run() {
 	defer n.done.Done()
 	timer := time.NewTimer(0)
 	defer timer.Stop()
+	// Destruct closes stop before it shuts serf down: a shutdown seen
+	// here is serf's own.
+	down := n.serf.ShutdownCh()
 	for {
 		select {
 		case <-n.stop:
 			return
+		case <-down:
+			down = nil
+			n.lostMember()
+			continue
 		case <-timer.C:
 		}
 		s := n.driver()
@@ -257,9 +273,56 @@ func (n *node) run() {
 			timer.Reset(time.Second)
 			continue
 		}
-		n.safeStep(s)
+		if down != nil {
+			n.safeStep(s)
+		}
 		timer.Reset(s.interval)
 	}
+}
+
+// sawConflict records that serf logged another member claiming this
+// node's name, at addr: serf starts its vote on the name.
+func (n *node) sawConflict(addr string) {
+	n.conflictWith.Store(&addr)
+	n.resolving.Store(max(monoSince(time.Now()), 1))
+}
+
+// conflictOver records that serf's vote on the name ended with this
+// member keeping it (or could not run).
+func (n *node) conflictOver() { n.resolving.Store(0) }
+
+// maxConflictVote bounds how long the node waits for serf's vote on a
+// name (serf's query timeout is a few seconds) before it publishes again,
+// should it miss the vote's end.
+const maxConflictVote = 30 * time.Second
+
+// resolvingConflict reports whether serf is voting on this node's name
+// at now.
+func (n *node) resolvingConflict(now time.Time) bool {
+	since := n.resolving.Load()
+	return since != 0 && monoSince(now)-since < int64(maxConflictVote)
+}
+
+// lostMember handles serf shutting this member down on its own, which it
+// does when it loses the vote on a name conflict (another member has the
+// same node_name). Caddy keeps serving: failing the process would turn a
+// naming mistake into an outage, and the vote happens seconds after
+// Start, so Start cannot wait for it. But the node no longer gossips,
+// sees the cluster or sheds, and says so: an error in the log, the admin
+// view's name_conflict and the metric caddy_lbx_rebalance_name_conflict.
+func (n *node) lostMember() {
+	n.mu.Lock()
+	msg := "this node's serf member shut down on its own"
+	if with := n.conflictWith.Load(); with != nil {
+		msg = fmt.Sprintf("node_name %q is also used by the member at %s, which kept it in serf's name conflict vote; this node's serf member shut down",
+			n.name, *with)
+	}
+	msg += ": the node no longer gossips its load, sees the cluster or sheds (Caddy keeps serving); give every node a unique node_name and restart Caddy"
+	n.conflict = msg
+	n.last = Decision{Reason: msg}
+	n.members = nil
+	n.mu.Unlock()
+	n.logger.Error("rebalance member stopped: name conflict", zap.String("error", msg))
 }
 
 // safeStep runs one step, logging a panic instead of crashing Caddy.
@@ -285,7 +348,13 @@ func (n *node) step(s *settings, now time.Time) {
 	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
-	if err := n.serf.SetTags(n.tagsFor(s, tag)); err != nil {
+	if n.resolvingConflict(now) {
+		// serf reads this member's node unlocked while it resolves a
+		// name conflict, and SetTags writes it: skip this report.
+		if c := n.logger.Check(zapcore.DebugLevel, "not publishing load while serf resolves a name conflict"); c != nil {
+			c.Write()
+		}
+	} else if err := n.serf.SetTags(n.tagsFor(s, tag)); err != nil {
 		if c := n.logger.Check(zapcore.DebugLevel, "publishing load"); c != nil {
 			c.Write(zap.Error(err))
 		}
@@ -312,6 +381,7 @@ func (n *node) step(s *settings, now time.Time) {
 		if m.Name == n.name {
 			r.At = now
 		}
+		// An invalid tag gives load NaN: Decide does not count it.
 		r.Metric, r.Load, _ = parseLoadTag(raw)
 		reports = append(reports, r)
 	}
@@ -468,15 +538,17 @@ func memberStatus(s serf.MemberStatus) MemberStatus {
 	return StatusFailed
 }
 
-// parseLoadTag reads "<metric> <load> <seq>".
+// parseLoadTag reads "<metric> <load> <seq>". ok is false, and load NaN
+// (which Params.standing never counts), when the tag does not hold a
+// valid load (validLoad).
 func parseLoadTag(raw string) (metric string, load float64, ok bool) {
 	f := strings.Fields(raw)
 	if len(f) != 3 {
-		return "", 0, false
+		return "", math.NaN(), false
 	}
 	v, err := strconv.ParseFloat(f[1], 64)
-	if err != nil || v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
-		return "", 0, false
+	if err != nil || !validLoad(v) {
+		return "", math.NaN(), false
 	}
 	return f[0], v, true
 }
@@ -498,28 +570,159 @@ func splitHostPort(addr, opt string) (string, int, error) {
 }
 
 // zapWriter turns serf's and memberlist's log lines ("[WARN] serf: …")
-// into zap entries at the matching level.
-type zapWriter struct{ logger *zap.Logger }
+// into zap entries at the matching level. Warnings and errors go through
+// a rate limiter (gossipLogLimit): a peer sending garbage packets makes
+// memberlist log one line per packet.
+type zapWriter struct {
+	logger *zap.Logger
+	// conflict is told the address of a member that claims this node's
+	// name, when serf logs one; conflictOver, when serf's vote on the
+	// name keeps it here or cannot run.
+	conflict     func(addr string)
+	conflictOver func()
+
+	mu    sync.Mutex
+	kinds map[string]*logKind
+}
+
+// Rate limit of the gossip library's warnings and errors: per kind of
+// message, at most gossipLogBurst lines per gossipLogPeriod; the first
+// line after a period that suppressed some says how many.
+const (
+	gossipLogBurst  = 5
+	gossipLogPeriod = 10 * time.Second
+	// gossipLogKinds bounds the kinds tracked; further kinds share one.
+	gossipLogKinds = 64
+)
+
+// gossipLogs counts the gossip library's warning and error lines in the
+// process, and those suppressed (metrics).
+var gossipLogs struct {
+	lines, suppressed atomic.Uint64
+}
+
+// logKind is the rate limiter's state for one kind of message.
+type logKind struct {
+	start      time.Time // of the current period
+	n          int       // lines written in it
+	suppressed int       // lines dropped since the last one written
+}
+
+// serfLevels maps the gossip library's level prefixes to zap's.
+var serfLevels = []struct {
+	prefix string
+	level  zapcore.Level
+}{
+	{"[DEBUG]", zapcore.DebugLevel}, {"[TRACE]", zapcore.DebugLevel}, {"[INFO]", zapcore.InfoLevel},
+	{"[WARN]", zapcore.WarnLevel}, {"[ERR]", zapcore.ErrorLevel}, {"[ERROR]", zapcore.ErrorLevel},
+}
+
+// conflictPrefix starts serf's line on a member that claims this node's
+// name: "serf: Node name conflicts with another node at 10.0.0.1:7946.
+// Names must be unique! …".
+const conflictPrefix = "serf: Node name conflicts with another node at "
+
+// serf's lines when its vote on the name keeps it here, or cannot start.
+const (
+	conflictKept   = "serf: majority in name conflict resolution"
+	conflictNoVote = "serf: Failed to start name resolution query"
+)
 
 func (w *zapWriter) Write(p []byte) (int, error) {
 	line := string(bytes.TrimSpace(p))
 	lvl := zapcore.InfoLevel
-	for prefix, l := range map[string]zapcore.Level{
-		"[DEBUG]": zapcore.DebugLevel, "[TRACE]": zapcore.DebugLevel, "[INFO]": zapcore.InfoLevel,
-		"[WARN]": zapcore.WarnLevel, "[ERR]": zapcore.ErrorLevel, "[ERROR]": zapcore.ErrorLevel,
-	} {
-		if rest, ok := strings.CutPrefix(line, prefix); ok {
-			lvl, line = l, strings.TrimSpace(rest)
+	for _, l := range serfLevels {
+		if rest, ok := strings.CutPrefix(line, l.prefix); ok {
+			lvl, line = l.level, strings.TrimSpace(rest)
 			break
 		}
+	}
+	if rest, ok := strings.CutPrefix(line, conflictPrefix); ok && w.conflict != nil {
+		addr, _, _ := strings.Cut(rest, " ")
+		w.conflict(strings.TrimSuffix(addr, "."))
+	}
+	if w.conflictOver != nil && (strings.HasPrefix(line, conflictKept) || strings.HasPrefix(line, conflictNoVote)) {
+		w.conflictOver()
 	}
 	// Serf logs every member update (every load report of every member,
 	// every interval) at INFO: that is debug detail here.
 	if lvl == zapcore.InfoLevel && strings.Contains(line, "EventMemberUpdate") {
 		lvl = zapcore.DebugLevel
 	}
+	var suppressed int
+	if lvl >= zapcore.WarnLevel {
+		gossipLogs.lines.Add(1)
+		var ok bool
+		if ok, suppressed = w.allow(logKindOf(line), time.Now()); !ok {
+			gossipLogs.suppressed.Add(1)
+			return len(p), nil
+		}
+	}
 	if c := w.logger.Check(lvl, line); c != nil {
-		c.Write()
+		if suppressed > 0 {
+			c.Write(zap.Int("suppressed_similar", suppressed), zap.Duration("rate_limit_period", gossipLogPeriod))
+		} else {
+			c.Write()
+		}
 	}
 	return len(p), nil
+}
+
+// allow reports whether a line of kind may be written at t, and how many
+// of that kind were suppressed before it.
+func (w *zapWriter) allow(kind string, t time.Time) (ok bool, suppressed int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.kinds == nil {
+		w.kinds = make(map[string]*logKind)
+	}
+	k := w.kinds[kind]
+	if k == nil {
+		if len(w.kinds) >= gossipLogKinds {
+			kind = "other"
+			k = w.kinds[kind]
+		}
+		if k == nil {
+			k = &logKind{start: t}
+			w.kinds[kind] = k
+		}
+	}
+	if t.Sub(k.start) >= gossipLogPeriod {
+		k.start, k.n = t, 0
+	}
+	if k.n >= gossipLogBurst {
+		k.suppressed++
+		return false, 0
+	}
+	k.n++
+	suppressed, k.suppressed = k.suppressed, 0
+	return true, suppressed
+}
+
+// logKindOf returns the kind of a gossip log line: its text up to the
+// first colon after the library's name ("memberlist: Failed to decode
+// ping: …" is "memberlist: Failed to decode ping"), without the details
+// (addresses, errors) that vary from line to line.
+func logKindOf(line string) string {
+	lib, rest, ok := strings.Cut(line, ": ")
+	if !ok {
+		lib, rest = "", line
+	}
+	// Details start at a colon or a quote (memberlist quotes what a
+	// packet carried).
+	msg := rest
+	if i := strings.IndexAny(rest, ":\"'"); i >= 0 {
+		msg = rest[:i]
+	}
+	// Numbers in the message itself vary too.
+	msg = strings.Map(func(r rune) rune {
+		if r >= '0' && r <= '9' {
+			return -1
+		}
+		return r
+	}, msg)
+	if len(msg) > 80 {
+		msg = msg[:80]
+	}
+	return lib + ": " + msg
 }

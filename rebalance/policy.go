@@ -1,6 +1,7 @@
 package rebalance
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -79,8 +80,8 @@ type ClusterLoadSelection struct {
 	// The app takes in the members' reports once per interval, and the
 	// loads are read again at the first request after the app has taken
 	// in reports Refresh after those last read: a refresh shorter than
-	// the interval has the effect of the interval. Default: the
-	// rebalance app's interval (1s by default).
+	// the interval has the effect of the interval. From 10ms to 1h.
+	// Default: the rebalance app's interval (1s by default).
 	Refresh caddy.Duration `json:"refresh,omitempty"`
 
 	refresh time.Duration
@@ -170,6 +171,13 @@ func (p *ClusterLoadSelection) Provision(ctx caddy.Context) error {
 	return nil
 }
 
+// UnmarshalJSON decodes the policy's JSON as Caddy does, naming the
+// field of a value that does not decode.
+func (p *ClusterLoadSelection) UnmarshalJSON(b []byte) error {
+	type clusterLoadJSON ClusterLoadSelection
+	return decodeStrict(b, (*clusterLoadJSON)(p))
+}
+
 // Validate checks the configuration.
 func (p *ClusterLoadSelection) Validate() error {
 	if p.Port != "" {
@@ -177,8 +185,8 @@ func (p *ClusterLoadSelection) Validate() error {
 			return fmt.Errorf("lb_policy cluster_load: %v", err)
 		}
 	}
-	if p.Refresh < 0 {
-		return fmt.Errorf("lb_policy cluster_load: refresh must not be negative, got %v", time.Duration(p.Refresh))
+	if err := checkDuration("refresh", p.Refresh, minRefresh, maxRefresh); err != nil {
+		return fmt.Errorf("lb_policy cluster_load: %v", err)
 	}
 	return nil
 }
@@ -487,4 +495,5 @@ var (
 	_ caddy.Provisioner     = (*ClusterLoadSelection)(nil)
 	_ caddy.Validator       = (*ClusterLoadSelection)(nil)
 	_ caddyfile.Unmarshaler = (*ClusterLoadSelection)(nil)
+	_ json.Unmarshaler      = (*ClusterLoadSelection)(nil)
 )

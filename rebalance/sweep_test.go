@@ -388,7 +388,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	src := &processSource{tracker: ts.tracker}
 	a := startAppCtx(t, ctx, "forcing", src, func(a *App) {
 		a.ShedRate = 0
-		a.Interval = caddy.Duration(50 * time.Millisecond)
+		a.Interval = caddy.Duration(100 * time.Millisecond) // the minimum
 		a.BoundaryTimeout = caddy.Duration(300 * time.Millisecond)
 	})
 

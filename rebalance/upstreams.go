@@ -1,6 +1,7 @@
 package rebalance
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -20,6 +21,14 @@ import (
 func init() {
 	caddy.RegisterModule(SerfUpstreams{})
 }
+
+// Bounds of refresh, for dynamic serf and lb_policy cluster_load: a
+// reading locks serf's member list, so not on every request, and a list
+// an hour old is no longer the cluster.
+const (
+	minRefresh = 10 * time.Millisecond
+	maxRefresh = time.Hour
+)
 
 // DefaultUpstreamsRefresh is how often SerfUpstreams re-reads the member
 // list by default.
@@ -58,7 +67,7 @@ type SerfUpstreams struct {
 	ExcludeSelf bool `json:"exclude_self,omitempty"`
 
 	// Refresh is the longest time between two readings of the member
-	// list. Default: 1s.
+	// list, from 10ms to 1h. Default: 1s.
 	Refresh caddy.Duration `json:"refresh,omitempty"`
 
 	app     *App
@@ -127,8 +136,8 @@ func (su *SerfUpstreams) Validate() error {
 			return fmt.Errorf("dynamic serf: %v", err)
 		}
 	}
-	if su.Refresh < 0 {
-		return fmt.Errorf("dynamic serf: refresh must not be negative, got %v", time.Duration(su.Refresh))
+	if err := checkDuration("refresh", su.Refresh, minRefresh, maxRefresh); err != nil {
+		return fmt.Errorf("dynamic serf: %v", err)
 	}
 	for k, v := range su.Tags {
 		if k == "" || v == "" {
@@ -351,6 +360,9 @@ func (su *SerfUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("dynamic serf: refresh %q: want a positive duration", d.Val())
 			}
 			su.Refresh = caddy.Duration(dur)
+			if err := checkDuration("refresh", su.Refresh, minRefresh, maxRefresh); err != nil {
+				return d.Errf("dynamic serf: %v", err)
+			}
 			if d.NextArg() {
 				return d.ArgErr()
 			}
@@ -358,15 +370,17 @@ func (su *SerfUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.Errf("dynamic serf: unknown option %q", opt)
 		}
 	}
-	if su.Port != "" {
-		if _, err := ParsePort(su.Port); err != nil {
-			return d.Errf("dynamic serf: %v", err)
-		}
-	}
-	if su.Port == "" && su.PortTag == "" {
-		return d.Err("dynamic serf: give a port or a port_tag (the member tag that holds the port to dial)")
+	if err := su.Validate(); err != nil {
+		return d.Err(err.Error())
 	}
 	return nil
+}
+
+// UnmarshalJSON decodes the source's JSON as Caddy does, naming the
+// field of a value that does not decode.
+func (su *SerfUpstreams) UnmarshalJSON(b []byte) error {
+	type serfUpstreamsJSON SerfUpstreams
+	return decodeStrict(b, (*serfUpstreamsJSON)(su))
 }
 
 // Interface guards
@@ -376,4 +390,5 @@ var (
 	_ caddy.Provisioner                  = (*SerfUpstreams)(nil)
 	_ caddy.Validator                    = (*SerfUpstreams)(nil)
 	_ caddyfile.Unmarshaler              = (*SerfUpstreams)(nil)
+	_ json.Unmarshaler                   = (*SerfUpstreams)(nil)
 )
