@@ -22,6 +22,9 @@ import (
 	"github.com/hashicorp/go-msgpack/v2/codec"
 	"github.com/hashicorp/memberlist"
 	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 func init() {
@@ -311,32 +314,7 @@ func (a *App) resolve() {
 // of a value that does not decode.
 func (a *App) UnmarshalJSON(b []byte) error {
 	type appJSON App
-	return decodeStrict(b, (*appJSON)(a))
-}
-
-// decodeStrict decodes b into v as Caddy decodes a module (unknown fields
-// are errors) and, when that fails, names the field whose value does not
-// decode: encoding/json does not name it when the value's own decoder
-// fails (a caddy.Duration's "time: invalid duration").
-func decodeStrict[T any](b []byte, v *T) error {
-	err := caddy.StrictUnmarshalJSON(b, v)
-	if err == nil {
-		return nil
-	}
-	var fields map[string]json.RawMessage
-	if json.Unmarshal(b, &fields) != nil {
-		return err
-	}
-	for _, k := range slices.Sorted(maps.Keys(fields)) {
-		one, merr := json.Marshal(map[string]json.RawMessage{k: fields[k]})
-		if merr != nil {
-			continue
-		}
-		if ferr := caddy.StrictUnmarshalJSON(one, new(T)); ferr != nil {
-			return fmt.Errorf("%s: %v", k, ferr)
-		}
-	}
-	return err
+	return jsonfield.Decode(b, (*appJSON)(a))
 }
 
 // nestedInHTTP reports whether the app is being provisioned from within
@@ -548,18 +526,10 @@ func (a *App) checkRelations() error {
 // checkDuration checks that duration option opt is 0 (its default, or
 // "never") or from lo to hi.
 func checkDuration(opt string, v caddy.Duration, lo, hi time.Duration) error {
-	d := time.Duration(v)
-	switch {
-	case d == 0:
-		return nil
-	case d < 0:
-		return fmt.Errorf("%s %v: must not be negative", opt, d)
-	case d < lo:
-		return fmt.Errorf("%s %v is below the minimum %v", opt, d, lo)
-	case d > hi:
-		return fmt.Errorf("%s %v is above the maximum %v", opt, d, hi)
+	if v == 0 {
+		return nil // the default
 	}
-	return nil
+	return bounds.Duration(opt, time.Duration(v), lo, hi)
 }
 
 // checkPercent checks that percentage option opt is 0 (its default) or

@@ -1,35 +1,12 @@
 package rebalance
 
 import (
-	"strings"
 	"testing"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
-// FuzzRebalanceAppJSON validates a config whose rebalance app is the
-// fuzzed JSON: no input may panic, allocate without bound (a history
-// window sized by history / interval), or hang.
-func FuzzRebalanceAppJSON(f *testing.F) {
-	for _, seed := range []string{
-		`{}`,
-		`{"node_name":"a","bind":"127.0.0.1:0","interval":1000000000,"history":10000000000,"threshold":20,"shed_rate":1}`,
-		`{"interval":1}`,
-		`{"history":3600000000000000000}`,
-		`{"interval":1,"history":3600000000000000000}`,
-		`{"threshold":1e18,"stop_band":-1,"shed_rate":1e300,"min_connections":-5}`,
-		`{"tags":{"big":"` + strings.Repeat("x", 600) + `"}}`,
-		`{"metric":"nope","encrypt_key":"short","freshness":-1,"boundary_timeout":-1}`,
-	} {
-		f.Add([]byte(seed))
-	}
-	f.Fuzz(func(t *testing.T, app []byte) {
-		config := append([]byte(`{"admin":{"disabled":true},"apps":{"rebalance":`), app...)
-		testutil.ValidateHostile(t, append(config, "}}"...))
-	})
-}
-
-// FuzzRebalanceHTTPJSON validates a config with the rebalance app and a
+// FuzzRebalanceHTTPJSON (the app alone is FuzzAppJSON) validates a config with the rebalance app and a
 // route whose reverse_proxy takes its upstreams from the fuzzed serf
 // source and its policy from the fuzzed cluster_load policy.
 func FuzzRebalanceHTTPJSON(f *testing.F) {

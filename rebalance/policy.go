@@ -16,6 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/randpick"
 )
 
@@ -175,7 +176,7 @@ func (p *ClusterLoadSelection) Provision(ctx caddy.Context) error {
 // field of a value that does not decode.
 func (p *ClusterLoadSelection) UnmarshalJSON(b []byte) error {
 	type clusterLoadJSON ClusterLoadSelection
-	return decodeStrict(b, (*clusterLoadJSON)(p))
+	return jsonfield.Decode(b, (*clusterLoadJSON)(p))
 }
 
 // Validate checks the configuration.

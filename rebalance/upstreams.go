@@ -16,6 +16,8 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 func init() {
@@ -380,7 +382,7 @@ func (su *SerfUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // field of a value that does not decode.
 func (su *SerfUpstreams) UnmarshalJSON(b []byte) error {
 	type serfUpstreamsJSON SerfUpstreams
-	return decodeStrict(b, (*serfUpstreamsJSON)(su))
+	return jsonfield.Decode(b, (*serfUpstreamsJSON)(su))
 }
 
 // Interface guards
