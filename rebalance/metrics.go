@@ -41,6 +41,8 @@ var (
 		"Warning and error lines logged by the gossip library (serf, memberlist), whether written or suppressed by the rate limit.", nil, nil)
 	descGossipLogSuppressed = prometheus.NewDesc("caddy_lbx_rebalance_gossip_log_lines_suppressed_total",
 		"Warning and error lines of the gossip library not written because of the rate limit (at most 5 of a kind per 10 s).", nil, nil)
+	descHTTP2GoAways = prometheus.NewDesc("caddy_lbx_rebalance_http2_goaways_total",
+		"GOAWAY frames written to shed idle HTTP/2 connections (TLS or h2c), so that their clients reconnect without failing a call.", nil, nil)
 	descWebSocketCloses = prometheus.NewDesc("caddy_lbx_rebalance_websocket_closes_total",
 		"WebSocket streams shed through rebalance_close, by how they ended (close_frame: a 1001 close frame was sent; without_frame: closed without one).", []string{"result"}, nil)
 )
@@ -49,7 +51,7 @@ var (
 func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted,
 		descShedDecisions, descConnectionsShed, descBytes, descTLSUncounted, descForcedCloses, descWebSocketCloses,
-		descNameConflict, descGossipLogLines, descGossipLogSuppressed} {
+		descNameConflict, descGossipLogLines, descGossipLogSuppressed, descHTTP2GoAways} {
 		ch <- d
 	}
 }
@@ -70,6 +72,7 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 	ws := m.tracker.WebSocketCloses()
 	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.CloseFrame), "close_frame")
 	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.WithoutFrame), "without_frame")
+	ch <- prometheus.MustNewConstMetric(descHTTP2GoAways, prometheus.CounterValue, float64(m.tracker.GoAwayTotal()))
 	ch <- prometheus.MustNewConstMetric(descGossipLogLines, prometheus.CounterValue, float64(gossipLogs.lines.Load()))
 	ch <- prometheus.MustNewConstMetric(descGossipLogSuppressed, prometheus.CounterValue, float64(gossipLogs.suppressed.Load()))
 

@@ -61,7 +61,9 @@ func TestMetricsPedantic(t *testing.T) {
 	bc.in.Add(1234)
 	bc.out.Add(56789)
 	bc.tlsUncounted.Add(2)
-	if err := reg.Register(metricsCollector{tracker: new(ConnTracker), traffic: bc}); err != nil {
+	tr := new(ConnTracker)
+	tr.goAways.Add(3)
+	if err := reg.Register(metricsCollector{tracker: tr, traffic: bc}); err != nil {
 		t.Fatal(err)
 	}
 	mfs, err := reg.Gather()
@@ -90,6 +92,9 @@ func TestMetricsPedantic(t *testing.T) {
 		if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_bytes_total", map[string]string{"direction": dir}); !ok || v != want {
 			t.Errorf("bytes_total{direction=%q} = %v (%v); want %v", dir, v, ok, want)
 		}
+	}
+	if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_http2_goaways_total", map[string]string{}); !ok || v != 3 {
+		t.Errorf("http2_goaways_total = %v (%v); want 3", v, ok)
 	}
 	if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_tls_connections_not_counted_total", map[string]string{}); !ok || v != 2 {
 		t.Errorf("tls_connections_not_counted_total = %v (%v); want 2", v, ok)
