@@ -137,6 +137,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 		return err
 	default:
 		s.observer, _ = h.Transport.(*healthx.ObservingTransport)
+		s.views.pruner = newPruner(s.table, h)
 		if s.observer != nil && s.RetryBudget != nil {
 			s.observer.CountRetries(s.RetryBudget)
 		}

@@ -99,6 +99,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 			return err
 		default:
 			p.observer, _ = h.Transport.(*healthx.ObservingTransport)
+			p.views.pruner = newPruner(p.table, h)
 		}
 	}
 	if err := healthx.RegisterMetrics(ctx); err != nil {

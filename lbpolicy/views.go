@@ -3,6 +3,7 @@ package lbpolicy
 import (
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
@@ -24,6 +25,69 @@ type views struct {
 	mu    sync.RWMutex
 	byKey map[uint64][]*poolView // by dialsKey
 	n     int
+
+	// pruner, when set, is run after a view is built: a new pool is
+	// when the addresses may have churned.
+	pruner *pruner
+}
+
+// pruner releases a policy's references on addresses that left its pools.
+// The table takes one for every address a pool ever had (a partition's
+// replicas come from a naming file that may churn); without it the table
+// would grow until the config is unloaded.
+type pruner struct {
+	table  *hoststate.Table
+	static map[string]bool // the handler's static upstreams: never dropped
+	lastNs atomic.Int64
+}
+
+// How often a policy looks for addresses to release, and how long an
+// address must have had no attempt to be released (long enough that its
+// estimate has decayed to the baseline several times over).
+const (
+	pruneEvery = int64(time.Minute)
+	pruneIdle  = 10 * time.Minute
+)
+
+// newPruner returns the pruner of table, for a policy of handler h.
+func newPruner(table *hoststate.Table, h *reverseproxy.Handler) *pruner {
+	p := &pruner{table: table, static: make(map[string]bool, len(h.Upstreams))}
+	for _, u := range h.Upstreams {
+		if u != nil {
+			p.static[u.Dial] = true
+		}
+	}
+	return p
+}
+
+// prune drops the table's addresses that no view has and no attempt used
+// for pruneIdle, at most once every pruneEvery.
+func (c *views) prune(now int64) {
+	p := c.pruner
+	if p == nil || p.table == nil {
+		return
+	}
+	last := p.lastNs.Load()
+	if now-last < pruneEvery || !p.lastNs.CompareAndSwap(last, now) {
+		return
+	}
+	live := c.dials()
+	p.table.DropIdle(now, pruneIdle, func(dial string) bool { return live[dial] || p.static[dial] })
+}
+
+// dials returns the addresses of every view kept.
+func (c *views) dials() map[string]bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	out := make(map[string]bool)
+	for _, vs := range c.byKey {
+		for _, v := range vs {
+			for _, u := range v.ups {
+				out[u.Dial] = true
+			}
+		}
+	}
+	return out
 }
 
 // maxViews bounds how many views a policy keeps; a source whose pools keep
@@ -44,6 +108,7 @@ func (c *views) get(pool reverseproxy.UpstreamPool, build func(reverseproxy.Upst
 	v := c.find(key, pool)
 	c.mu.RUnlock()
 	if v == nil {
+		built := false
 		c.mu.Lock()
 		if v = c.find(key, pool); v == nil {
 			v = build(pool)
@@ -52,8 +117,12 @@ func (c *views) get(pool reverseproxy.UpstreamPool, build func(reverseproxy.Upst
 			}
 			c.byKey[key] = append(c.byKey[key], v)
 			c.n++
+			built = true
 		}
 		c.mu.Unlock()
+		if built {
+			c.prune(hoststate.Now())
+		}
 	}
 	v.usedAt.Store(hoststate.Clock())
 	if v.matches(pool) {

@@ -45,6 +45,8 @@ func Clock() int64 { return clock.Load() }
 // are serialised per address by mu, which only Observe takes.
 type Stats struct {
 	dial string
+	// bornNs is when the state was created (Now()); never changed.
+	bornNs int64
 
 	mu         sync.Mutex
 	estimateNs atomic.Int64 // 0 until the first sample

@@ -102,7 +102,7 @@ func (t *Table) Stats(dial string) *Stats {
 		return &Stats{dial: dial}
 	}
 	v, _, _ := registry.LoadOrNew(dial, func() (caddy.Destructor, error) {
-		return &Stats{dial: dial}, nil
+		return &Stats{dial: dial, bornNs: Now()}, nil
 	})
 	s := v.(*Stats)
 	t.byDial.Store(dial, s)
@@ -134,6 +134,28 @@ func (t *Table) Drop(dial string) {
 	if _, ok := t.byDial.LoadAndDelete(dial); ok {
 		_, _ = registry.Delete(dial)
 	}
+}
+
+// DropIdle drops (see Drop) the addresses that no attempt has used for
+// idle and that keep does not claim, and returns how many it dropped. An
+// address with an attempt in flight, or ejected in the last idle, stays:
+// its ejection is state worth keeping. It is O(addresses); a policy whose
+// pools churn calls it now and then, so that its table holds about what
+// its pools hold rather than every address it ever saw.
+func (t *Table) DropIdle(now int64, idle time.Duration, keep func(dial string) bool) int {
+	var gone []string
+	t.byDial.Range(func(k, v any) bool {
+		dial, s := k.(string), v.(*Stats)
+		last := max(s.stampNs.Load(), s.bornNs, s.ejectedUntilNs.Load())
+		if now-last > int64(idle) && s.pending.Load() == 0 && !keep(dial) {
+			gone = append(gone, dial)
+		}
+		return true
+	})
+	for _, dial := range gone {
+		t.Drop(dial)
+	}
+	return len(gone)
 }
 
 // Len returns how many addresses the table holds references on.

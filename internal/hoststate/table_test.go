@@ -275,3 +275,33 @@ func TestTableConcurrentStatsAndDrop(t *testing.T) {
 		}
 	}
 }
+
+func TestTableDropIdle(t *testing.T) {
+	table := NewTable(Config{})
+	t.Cleanup(table.Release)
+	name := func(s string) string { return t.Name() + "-" + s + ":80" }
+	table.Stats(name("idle"))
+	table.Stats(name("kept"))
+	busy, inFlight, ejected := table.Stats(name("busy")), table.Stats(name("inflight")), table.Stats(name("ejected"))
+	const idleFor = 10 * time.Minute
+	later := Now() + int64(idleFor) + int64(time.Minute)
+	busy.stampNs.Store(later - int64(time.Second)) // an attempt a second ago
+	inFlight.Begin()
+	defer inFlight.pending.Add(-1)
+	ejected.ejectedUntilNs.Store(later - int64(time.Minute)) // ejection ended a minute ago
+	n := table.DropIdle(later, idleFor, func(dial string) bool { return dial == name("kept") })
+	if n != 1 {
+		t.Errorf("dropped %d; want 1 (the idle one)", n)
+	}
+	if _, ok := table.Lookup(name("idle")); ok {
+		t.Error("the idle address is still held")
+	}
+	for _, d := range []string{"busy", "inflight", "ejected", "kept"} {
+		if _, ok := table.Lookup(name(d)); !ok {
+			t.Errorf("%s was dropped", d)
+		}
+	}
+	if n := table.DropIdle(Now(), idleFor, func(string) bool { return false }); n != 0 {
+		t.Errorf("dropped %d addresses just created", n)
+	}
+}
