@@ -74,7 +74,7 @@ func TestProvisionValidateErrors(t *testing.T) {
 		{App{NodeName: "n", Interval: 2e9, History: 1e9}, "history (1s) must be at least interval (2s)"},
 		{App{NodeName: "n", Threshold: 10, StopBand: 15}, "stop_band 15% is above threshold 10%"},
 		{App{NodeName: "n", ShedRate: 200}, "shed_rate 200%: want a percentage above 0% and at most 100%"},
-		{App{NodeName: "n", BoundaryTimeout: -1e9}, "boundary_timeout -1s: must not be negative"},
+		{App{NodeName: "n", BoundaryTimeout: -1e9}, "boundary_timeout -1s is below the minimum 0s"},
 	} {
 		a := tc.app
 		if tc.app.Metric != MetricThroughput {

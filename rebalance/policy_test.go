@@ -571,7 +571,7 @@ func TestClusterLoadValidate(t *testing.T) {
 	}{
 		{&ClusterLoadSelection{Port: "http"}, `lb_policy cluster_load: port "http": want a number from 1 to 65535`},
 		{&ClusterLoadSelection{Port: "65536"}, `port "65536"`},
-		{&ClusterLoadSelection{Refresh: -1}, "lb_policy cluster_load: refresh -1ns: must not be negative"},
+		{&ClusterLoadSelection{Refresh: -1}, "lb_policy cluster_load: refresh -1ns is below the minimum 10ms"},
 	} {
 		if err := tc.p.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("port %q, refresh %v: error %v; want %q", tc.p.Port, tc.p.Refresh, err, tc.want)

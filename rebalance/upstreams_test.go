@@ -265,7 +265,7 @@ func TestSerfUpstreamsValidate(t *testing.T) {
 		{SerfUpstreams{}, "give a port or a port_tag"},
 		{SerfUpstreams{Port: "http"}, `port "http": want a number from 1 to 65535`},
 		{SerfUpstreams{Port: "70000"}, `port "70000"`},
-		{SerfUpstreams{PortTag: "p", Refresh: -1}, "refresh -1ns: must not be negative"},
+		{SerfUpstreams{PortTag: "p", Refresh: -1}, "refresh -1ns is below the minimum 10ms"},
 		{SerfUpstreams{PortTag: "p", Tags: map[string]string{"role": ""}}, `tag "role"=""`},
 	} {
 		if err := tc.su.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
