@@ -25,24 +25,33 @@ type cost struct {
 }
 
 // beats reports whether c is clearly cheaper than o. Latency estimates of
-// equally fast upstreams differ by noise (a peak here, a GC pause there);
-// a strict comparison would turn that noise into a preference and, at light
-// load, pile nearly every request onto whichever upstream measured a few
-// percent faster. So between upstreams with the same load, latencies within
-// tieBand of each other are a tie. Any difference in load is real and
-// compared strictly: that keeps weights exact and lets one more request in
-// flight count in full.
+// equally fast upstreams differ by noise (a slow answer here, a GC pause
+// there); acting on that noise would pile requests onto whichever upstream
+// measured a few percent faster, and do worse than least-connections. So
+// upstreams whose latencies are within tieBand of each other count as
+// equally fast, and between those the load alone decides, exactly as
+// least-connections (weighted by the weights) would. Only a clear
+// difference in speed — a degraded host, a machine of another size, a
+// stall in progress, a run of failures — is weighed against the load, by
+// the product.
 func (c cost) beats(o cost) bool {
-	if c.load == o.load {
-		return c.latency*(1+tieBand) < o.latency
+	if c.latency <= o.latency*(1+tieBand) && o.latency <= c.latency*(1+tieBand) {
+		return c.load < o.load
 	}
 	return c.load*c.latency < o.load*o.latency
 }
 
-// tieBand is the relative difference in latency, at equal load, below
-// which two upstreams count as equally fast. Measured on loopback backends
-// of equal speed, single peaks keep estimates 20–30% apart for seconds;
-// a degraded upstream is several times slower. Half is well clear of both.
+// costOf is the cost of one more request to an upstream with inFlight
+// requests in flight, the inverse of its weight, and the latency it is
+// expected to serve at (hoststate.Table.Expected).
+func costOf(inFlight int, invWeight, latency float64) cost {
+	return cost{load: float64(inFlight+1) * invWeight, latency: latency}
+}
+
+// tieBand is the relative difference in latency below which two upstreams
+// count as equally fast. Measured on loopback backends of equal speed, the
+// medians of recent answers stay within 20–30% of each other; a degraded
+// upstream is several times slower, a machine half the size twice.
 const tieBand = 0.5
 
 // drawTries bounds how many random draws are spent looking for a usable
@@ -78,6 +87,27 @@ func chooseBestOfK[C candidates](c C, k int) int {
 		}
 	}
 	return best
+}
+
+// secondLook gives a sampled choice i (of k random candidates) one more
+// draw of k when i is clearly slower than the pool's typical latency base,
+// and returns the better of the two. With two choices among n upstreams of
+// which d are degraded, both draws land on degraded ones for about
+// (d/n)² of the requests — a floor under the tail that no estimate can
+// lift; a second look when the first came up bad squares that share again
+// at the price of two more candidates, and only then.
+func secondLook[C candidates](c C, k, i int, base float64) int {
+	if i < 0 {
+		return i
+	}
+	ci := c.Cost(i)
+	if ci.latency <= base*(1+tieBand) {
+		return i
+	}
+	if j := chooseBestOfK(c, k); j >= 0 && c.Cost(j).beats(ci) {
+		return j
+	}
+	return i
 }
 
 // drawUsable returns a random usable index other than not (-1 excludes

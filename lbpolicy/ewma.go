@@ -48,7 +48,7 @@ func init() {
 type EWMASelection struct {
 	// How many upstreams to compare per request: a number of random
 	// candidates (2 or more), "all" for a full scan, or "auto" (the
-	// default): all for pools of up to 16 upstreams, 2 above.
+	// default): all for pools of up to 32 upstreams, 2 above.
 	Choices Choices `json:"choices,omitempty"`
 
 	// The time constant of the latency EWMA: how long it takes faster
@@ -112,7 +112,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
 	events := healthx.NewEmitter(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
-	s.table = hoststate.NewTable(hoststate.Config{Tau: time.Duration(s.Decay)})
+	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
 
 	if s.Outlier != nil {
 		s.Outlier.Provision(s.logger, events)
@@ -277,12 +277,13 @@ func (c ewmaCandidates) choose(k int) int {
 	case k == 0, k >= len(c.pool):
 		return chooseScan(c)
 	case k == 2:
-		if i, ok := c.bestOfTwo(); ok {
-			return i
+		i, ok := c.bestOfTwo()
+		if !ok {
+			i = chooseBestOfK(c, 2)
 		}
-		return chooseBestOfK(c, 2)
+		return secondLook(c, 2, i, c.base)
 	default:
-		return chooseBestOfK(c, k)
+		return secondLook(c, k, chooseBestOfK(c, k), c.base)
 	}
 }
 
@@ -387,10 +388,7 @@ func (c ewmaCandidates) Usable(i int) bool {
 
 func (c ewmaCandidates) Cost(i int) cost {
 	m := &c.view.members[i]
-	return cost{
-		load:    float64(c.pool[i].NumRequests()+1) * m.invWeight,
-		latency: c.table.EstimateFrom(m.stats, c.now, c.base),
-	}
+	return costOf(c.pool[i].NumRequests(), m.invWeight, c.table.Expected(m.stats, c.now, c.base))
 }
 
 // bestOfTwo is the common case of two random choices, written out so the
@@ -438,7 +436,7 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolRepor
 	}
 	for i, u := range v.ups {
 		st := v.members[i].stats
-		est := s.table.EstimateFrom(st, now, base) / 1e6
+		est := s.table.Expected(st, now, base) / 1e6
 		m := hoststate.PoolMember{
 			Dial:       u.Dial,
 			Weight:     1 / v.members[i].invWeight,

@@ -81,7 +81,7 @@ func TestEWMAFastFailingUpstreamIsNotCheap(t *testing.T) {
 	if n := shares(s, pool, 1000)[pool[0]]; n != 0 {
 		t.Fatalf("fast-failing upstream chosen %d times of 1000", n)
 	}
-	if got := s.table.Estimate(s.table.Stats(pool[0].Dial), hoststate.Now()); got < float64(30*time.Millisecond) {
+	if got := s.table.Expected(s.table.Stats(pool[0].Dial), hoststate.Now(), s.table.Baseline()); got < float64(30*time.Millisecond) {
 		t.Fatalf("three fast failures from 5ms should cost ≥ 40ms, estimate is %v", time.Duration(got))
 	}
 }
@@ -95,7 +95,7 @@ func TestEWMANewUpstreamGetsPrior(t *testing.T) {
 		}
 	}
 	now := hoststate.Now()
-	fresh := s.table.Estimate(s.table.Stats(pool[3].Dial), now)
+	fresh := s.table.Expected(s.table.Stats(pool[3].Dial), now, s.table.Baseline())
 	// The prior is the pool's typical latency: between its fastest and
 	// slowest member, so the newcomer is neither a magnet (zero) nor
 	// starved (infinite).

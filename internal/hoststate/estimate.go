@@ -1,76 +1,103 @@
 // Package hoststate keeps what lbx knows about each upstream, keyed by its
-// dial address: a peak-sensitive latency estimate and outcome counters. The
-// state is shared by every handler that proxies to the same address and
-// survives config reloads; handlers reach it through a Table.
+// dial address: a robust latency estimate, the state of its attempts in
+// flight, and outcome counters. The state is shared by every handler that
+// proxies to the same address and survives config reloads; handlers reach
+// it through a Table.
 package hoststate
-
-import "math"
 
 // The estimator's arithmetic is kept pure (times are passed in) so it can be
 // tested exactly; Stats applies it under its own lock.
+//
+// What it estimates, and why so. A selection policy multiplies the latency
+// estimate by the requests in flight (see lbpolicy), so the estimate must
+// say how fast the host serves, not how long its queue is: the in-flight
+// count already says that, and a queue-inflated latency counts the load
+// twice and starves a slower host that is idle. It must also not believe
+// one bad moment: the answers a stall held back all arrive together after
+// the stall, when the host is fine again. So the estimate is the median of
+// the host's last windowSize answers within a horizon — a burst of stalled
+// answers is outvoted, a persistently slow host moves the median within a
+// few answers — and what happens right now (a stall in progress, a run of
+// failures) is judged from the live state at selection time, not from
+// samples that arrive too late (see Table.Expected).
 
-// nextEstimate folds one latency sample into a peak-sensitive EWMA. A sample
-// slower than the current estimate replaces it at once, so a host that
-// degrades is noticed on its first slow answer. A faster sample blends in
-// with weight 1-exp(-dt/tau), so recovery is believed gradually, and a host
-// sampled rarely moves further per sample than one sampled often — but by
-// at least minBlend, so that one slow answer (a GC pause, a stall of the
-// proxy itself, which hits every upstream at once) is forgotten after a few
-// dozen normal answers instead of tens of seconds. All values are
-// nanoseconds.
-func nextEstimate(est, sample, dt, tau float64) float64 {
-	if est <= 0 || sample >= est {
-		return sample
-	}
-	w := max(1-expNeg(max(dt, 0)/tau), minBlend)
-	return est + (sample-est)*w
+// windowSize is how many recent answers the median is taken over: enough
+// that the few answers one stall holds back are outvoted, few enough that a
+// host that really became slow is believed after a handful of answers.
+const windowSize = 16
+
+// sample is one answer: when it arrived and how long it took, in ns.
+type sample struct{ at, ns int64 }
+
+// window holds a host's most recent answers, oldest overwritten first.
+type window struct {
+	s    [windowSize]sample
+	next int // where the next sample goes
+	n    int // how many slots hold samples
 }
 
-// minBlend is the least weight a faster sample gets. A busy upstream
-// answering 300 times a second recovers from a 40× spike in about a quarter
-// of a second; a degraded one keeps producing slow answers, each of which
-// raises its estimate again at once.
-const minBlend = 1.0 / 16
-
-// decayToward returns the estimate as seen x = dt/tau time constants after
-// its last update: it relaxes toward target (the pool's typical latency).
-// Decaying toward the pool rather than toward zero means a host that was
-// slow and then left alone is eventually tried again, yet an idle host never
-// looks faster than the hosts that are really serving.
-func decayToward(est, target, x float64) float64 {
-	if x <= 0 || target <= 0 {
-		return est
-	}
-	return target + (est-target)*expNeg(x)
+// add records an answer of ns nanoseconds that arrived at at.
+func (w *window) add(at, ns int64) {
+	w.s[w.next] = sample{at, ns}
+	w.next = (w.next + 1) % windowSize
+	w.n = min(w.n+1, windowSize)
 }
 
-// expNeg returns exp(-x) for x ≥ 0 to within a relative error of 5e-6,
-// several times faster than math.Exp: selection decays every candidate's
-// estimate on every request. Almost always x is tiny (the host was updated
-// moments ago) and a short series is exact to 1e-6; otherwise exp(-x) =
-// 2^-n · exp(-f·ln2), with the second factor from a degree-7 series on
-// [0, ln2).
-func expNeg(x float64) float64 {
+// reset forgets every answer.
+func (w *window) reset() { *w = window{} }
+
+// median returns the median of the answers that arrived after since, or 0
+// if there is none. Answers older than the horizon describe a host that may
+// have changed since; when a host answers again after a quiet spell, its
+// new answers alone speak for it.
+func (w *window) median(since int64) int64 {
+	var v [windowSize]int64
+	k := 0
+	for i := range w.n {
+		if s := w.s[i]; s.at > since {
+			// insertion sort: at most windowSize values
+			j := k
+			for ; j > 0 && v[j-1] > s.ns; j-- {
+				v[j] = v[j-1]
+			}
+			v[j] = s.ns
+			k++
+		}
+	}
 	switch {
-	case x < 1.0/64:
-		return 1 - x + x*x/2
-	case x > 700:
+	case k == 0:
+		return 0
+	case k%2 == 1:
+		return v[k/2]
+	default:
+		return (v[k/2-1] + v[k/2]) / 2
+	}
+}
+
+// maxFailureDoublings caps the failure penalty (see failurePenalty) at
+// 2^10: a host that failed ten times in a row is priced out of any pool,
+// and the cap keeps the arithmetic finite.
+const maxFailureDoublings = 10
+
+// failurePenalty is the factor by which failed attempts in a row multiply a
+// host's expected latency: each one doubles it. A failure that answers at
+// once (503 from a black hole, a reset) must make a host look worse, never
+// faster, and a host failing every attempt is soon priced out entirely;
+// one success clears the streak.
+func failurePenalty(streak int64) float64 {
+	if streak <= 0 {
+		return 1
+	}
+	return float64(uint64(1) << min(streak, maxFailureDoublings))
+}
+
+// stalledFor returns how long a host with attempts in flight has gone
+// without finishing any, at now: the time since the later of its last
+// finished attempt and the moment it last became busy; 0 when it has
+// nothing in flight.
+func stalledFor(now, lastDone, busySince, pending int64) int64 {
+	if pending <= 0 {
 		return 0
 	}
-	y := x * math.Log2E
-	n := math.Floor(y)
-	t := (y - n) * math.Ln2
-	// Horner form of Σ (-t)^k/k! for k = 0..7
-	p := 1 + t*(-1+t*(1.0/2+t*(-1.0/6+t*(1.0/24+t*(-1.0/120+t*(1.0/720+t*(-1.0/5040)))))))
-	return p * math.Float64frombits(uint64(1023-int64(n))<<52)
-}
-
-// failureSample is the latency charged for a failed attempt (transport
-// error, timeout). A connection refused in 100µs must not make a host look
-// fast, so the sample is at least twice the current estimate, and never less
-// than the time the attempt really took. The penalty part is capped so a
-// host that failed for a while can recover in bounded time.
-func failureSample(elapsed, est, maxPenalty float64) float64 {
-	p := math.Min(2*est, maxPenalty)
-	return math.Max(elapsed, p)
+	return max(now-max(lastDone, busySince), 0)
 }

@@ -48,9 +48,15 @@ type Stats struct {
 	// bornNs is when the state was created (Now()); never changed.
 	bornNs int64
 
+	// mu serialises updates of the estimate; reads are lock-free.
 	mu         sync.Mutex
-	estimateNs atomic.Int64 // 0 until the first sample
-	stampNs    atomic.Int64 // Now() of the last update
+	win        window       // recent answers, under mu
+	estimateNs atomic.Int64 // median of win; 0 until the first answer
+	stampNs    atomic.Int64 // Now() of the last answer counted in win
+
+	lastDoneNs  atomic.Int64 // Now() of the last finished attempt, whatever its outcome
+	busySinceNs atomic.Int64 // Now() when pending last went from 0 to 1
+	failStreak  atomic.Int64 // failed attempts in a row, for the estimate
 
 	samples       atomic.Uint64
 	failures      atomic.Uint64
@@ -89,8 +95,17 @@ func (*Stats) Destruct() error { return nil }
 
 // Begin marks the start of a round trip to the upstream and returns its start time.
 func (s *Stats) Begin() int64 {
-	s.pending.Add(1)
-	return Now()
+	now := Now()
+	s.BeginAt(now)
+	return now
+}
+
+// BeginAt is Begin at a given time, for callers (and simulations) that
+// keep their own clock.
+func (s *Stats) BeginAt(now int64) {
+	if s.pending.Add(1) == 1 {
+		s.busySinceNs.Store(now)
+	}
 }
 
 // SetHost remembers Caddy's per-address record for reporting.
@@ -113,53 +128,53 @@ const (
 	Abandoned
 )
 
-// estimate returns the raw estimate and its age at now.
-func (s *Stats) estimate(now int64) (est float64, age float64) {
-	e := s.estimateNs.Load()
-	if e == 0 {
-		return 0, 0
-	}
-	return float64(e), float64(now - s.stampNs.Load())
-}
-
-// observe folds one finished round trip into the estimate. base is the
-// pool's typical latency, the least a failure is charged against: a host
-// never sampled has no estimate of its own to double.
-func (s *Stats) observe(now, start int64, outcome Outcome, cfg *Config, base float64) (sample float64) {
+// observe folds one finished round trip into the state: an answer joins
+// the window and moves the median; a failure extends the failure streak,
+// and joins the window only when it took longer than the estimate (a
+// timeout says the host is slow; an instant refusal says nothing about its
+// speed). An abandoned attempt (the client left) is a lower bound on the
+// latency: it joins the window only when above the estimate. A host with
+// no answer yet has no estimate to compare with, and its failures speak
+// through the streak alone. It returns
+// the latency of a successful answer, 0 otherwise.
+func (s *Stats) observe(now, start int64, outcome Outcome, horizon int64) (answer int64) {
 	s.pending.Add(-1)
-	elapsed := float64(now - start)
-	s.mu.Lock()
-	est, age := s.estimate(now)
+	elapsed := max(now-start, 1)
+	s.lastDoneNs.Store(now)
 	switch outcome {
 	case Success:
-		sample = elapsed
 		s.samples.Add(1)
+		if s.failStreak.Load() != 0 {
+			s.failStreak.Store(0)
+		}
+		answer = elapsed
 	case Failure:
-		sample = failureSample(elapsed, max(est, base), float64(cfg.MaxPenalty))
 		s.samples.Add(1)
 		s.failures.Add(1)
 		s.lastFailureNs.Store(now)
-	case Abandoned:
-		// Only ever raise the estimate: we know the latency is at least
-		// elapsed, nothing more.
-		if elapsed <= est {
-			s.mu.Unlock()
+		s.failStreak.Add(1)
+		if est := s.estimateNs.Load(); est == 0 || elapsed <= est {
 			return 0
 		}
-		sample = elapsed
+	case Abandoned:
+		if est := s.estimateNs.Load(); est == 0 || elapsed <= est {
+			return 0
+		}
 	}
-	next := nextEstimate(est, sample, age, float64(cfg.Tau))
-	s.estimateNs.Store(max(int64(next), 1))
+	s.mu.Lock()
+	s.win.add(now, elapsed)
+	s.estimateNs.Store(s.win.median(now - horizon))
 	s.stampNs.Store(now)
 	s.mu.Unlock()
-	return sample
+	return answer
 }
 
 // Snapshot is a point-in-time view of one upstream's state.
 type Snapshot struct {
 	Dial         string
-	Estimate     time.Duration // 0 when never sampled
-	Age          time.Duration // since the estimate last changed
+	Estimate     time.Duration // median of recent answers; 0 when never sampled
+	Age          time.Duration // since the last answer counted in the estimate
+	FailStreak   int64         // failed attempts in a row
 	Samples      uint64
 	Failures     uint64
 	SinceFailure time.Duration // 0 when it never failed
@@ -175,11 +190,9 @@ type Snapshot struct {
 
 // Snapshot reads the state without locking.
 func (s *Stats) Snapshot(now int64) Snapshot {
-	est, age := s.estimate(now)
 	snap := Snapshot{
 		Dial:     s.dial,
-		Estimate: time.Duration(est),
-		Age:      time.Duration(age),
+		Estimate: time.Duration(s.estimateNs.Load()),
 		Samples:  s.samples.Load(),
 		Failures: s.failures.Load(),
 		Pending:  s.pending.Load(),
@@ -190,6 +203,10 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	if until := s.ejectedUntilNs.Load(); until > now {
 		snap.EjectedFor = time.Duration(until - now)
 	}
+	if snap.Estimate != 0 {
+		snap.Age = time.Duration(now - s.stampNs.Load())
+	}
+	snap.FailStreak = s.failStreak.Load()
 	snap.Ejections = s.ejectionsTotal.Load()
 	snap.ConsecFailures = s.consecutive.Load()
 	snap.Outlier = s.ejectionSnapshot()
@@ -245,7 +262,9 @@ func (s *Stats) Eject(now int64, decay time.Duration, duration func(multiplier i
 	// The estimate was charged for the failures that led here; when the
 	// host returns it starts afresh at the pool's typical latency, like a
 	// new host, and slow start (if any) shapes its share.
+	s.win.reset()
 	s.estimateNs.Store(0)
+	s.failStreak.Store(0)
 	s.ejectedUntilNs.Store(until)
 	s.consecutive.Store(0)
 	s.restoreDue.Store(true)

@@ -18,31 +18,27 @@ var registry = caddy.NewUsagePool()
 
 // Default estimator settings.
 const (
-	DefaultTau        = 10 * time.Second
-	DefaultPrior      = 5 * time.Millisecond
-	DefaultMaxPenalty = 10 * time.Second
+	DefaultHorizon = time.Second
+	DefaultPrior   = 5 * time.Millisecond
 )
 
 // Config tunes how a Table's observations become estimates.
 type Config struct {
-	// Tau is the EWMA time constant.
-	Tau time.Duration
+	// Horizon is how long an answer counts toward a host's estimate, and
+	// how long a host goes without an attempt before one request is let
+	// through to learn whether it changed (see Expected).
+	Horizon time.Duration
 	// Prior is the estimate of a host nobody has sampled yet, used until the
 	// pool itself has a typical latency.
 	Prior time.Duration
-	// MaxPenalty caps the extra latency charged for a failed attempt.
-	MaxPenalty time.Duration
 }
 
 func (c *Config) setDefaults() {
-	if c.Tau <= 0 {
-		c.Tau = DefaultTau
+	if c.Horizon <= 0 {
+		c.Horizon = DefaultHorizon
 	}
 	if c.Prior <= 0 {
 		c.Prior = DefaultPrior
-	}
-	if c.MaxPenalty <= 0 {
-		c.MaxPenalty = DefaultMaxPenalty
 	}
 }
 
@@ -51,15 +47,8 @@ func (c *Config) setDefaults() {
 // typical latency (the baseline) that new and idle hosts are measured
 // against. Lookups are lock-free once an address has been seen.
 type Table struct {
-	cfg Config
-	// freshNs is an age below which decay is skipped: under 1/1024 of
-	// tau the decay moves an estimate by less than 0.1% of its distance
-	// to the baseline, and busy upstreams are always that fresh.
-	freshNs int64
-	// forgetNs is the age at which an estimate is forgotten (tau): see
-	// EstimateFrom.
-	forgetNs int64
-	invTau   float64
+	cfg       Config
+	horizonNs int64
 
 	// mu serialises taking and dropping references, so that byDial and
 	// the registry agree. byDial (dial -> *Stats) is read without it: a
@@ -82,7 +71,7 @@ type Table struct {
 // NewTable returns an empty Table with cfg's zero fields defaulted.
 func NewTable(cfg Config) *Table {
 	cfg.setDefaults()
-	return &Table{cfg: cfg, freshNs: int64(cfg.Tau) / 1024, forgetNs: int64(cfg.Tau), invTau: 1 / float64(cfg.Tau)}
+	return &Table{cfg: cfg, horizonNs: int64(cfg.Horizon)}
 }
 
 // Stats returns the shared state for dial, taking a reference the first time
@@ -146,7 +135,7 @@ func (t *Table) DropIdle(now int64, idle time.Duration, keep func(dial string) b
 	var gone []string
 	t.byDial.Range(func(k, v any) bool {
 		dial, s := k.(string), v.(*Stats)
-		last := max(s.stampNs.Load(), s.bornNs, s.ejectedUntilNs.Load())
+		last := max(s.lastDoneNs.Load(), s.bornNs, s.ejectedUntilNs.Load())
 		if now-last > int64(idle) && s.pending.Load() == 0 && !keep(dial) {
 			gone = append(gone, dial)
 		}
@@ -188,10 +177,17 @@ const baselineWeight = 1.0 / 64
 // Observe records a finished round trip that started at start (from
 // s.Begin) on s.
 func (t *Table) Observe(s *Stats, start int64, outcome Outcome) {
-	sample := s.observe(Now(), start, outcome, &t.cfg, t.Baseline())
-	if outcome != Success || sample <= 0 {
+	t.ObserveAt(s, start, Now(), outcome)
+}
+
+// ObserveAt is Observe of a round trip that finished at now, for callers
+// (and simulations) that keep their own clock.
+func (t *Table) ObserveAt(s *Stats, start, now int64, outcome Outcome) {
+	answer := s.observe(now, start, outcome, t.horizonNs)
+	if answer <= 0 {
 		return
 	}
+	sample := float64(answer)
 	for {
 		old := t.baseline.Load()
 		b := math.Float64frombits(old)
@@ -214,34 +210,36 @@ func (t *Table) Baseline() float64 {
 	return float64(t.cfg.Prior)
 }
 
-// Estimate returns s's latency estimate in ns at now: the peak-EWMA decayed
-// toward the pool baseline for the time it has not been updated, or the
-// baseline itself for a host never sampled (a sane prior: neither a magnet
-// nor starved) or not sampled for tau. Forgetting after tau bounds how
-// long a host is starved: an estimate inflated a thousandfold (requests
-// hung until a timeout) would otherwise take some 8 tau to decay to
-// within reach of the others, while the host sat idle; one request after
-// tau tells whether it is still slow, and a slow answer raises the
-// estimate again at once.
-func (t *Table) Estimate(s *Stats, now int64) float64 {
-	return t.EstimateFrom(s, now, t.Baseline())
-}
-
-// EstimateFrom is Estimate with the baseline already read, for callers that
-// estimate several hosts at once.
-func (t *Table) EstimateFrom(s *Stats, now int64, base float64) float64 {
-	e := s.estimateNs.Load()
-	if e == 0 {
+// Expected returns the latency in ns that one more request to s should
+// expect at now, before queueing behind the requests already in flight
+// (the policy counts those): base is the pool's typical latency, from
+// Baseline. It is
+//
+//   - base for a host that has not been tried for the horizon and has
+//     nothing in flight: whatever it was, it may have changed, and one
+//     request will tell (a recovered host regains its share within a
+//     horizon, a still-slow one costs one slow answer per horizon);
+//   - otherwise the median of its recent answers (base if it has none),
+//     raised to how long it has gone without finishing anything while
+//     requests are in flight — a stall is seen as it happens, not when
+//     its answers arrive — and doubled for every failed attempt in a row.
+func (t *Table) Expected(s *Stats, now int64, base float64) float64 {
+	pending := s.pending.Load()
+	lastDone := s.lastDoneNs.Load()
+	if pending <= 0 && now-lastDone >= t.horizonNs {
 		return base
 	}
-	age := now - s.stampNs.Load()
-	if age < t.freshNs {
-		return float64(e)
+	est := float64(s.estimateNs.Load())
+	if est == 0 {
+		est = base
 	}
-	if age >= t.forgetNs {
-		return base
+	if stalled := float64(stalledFor(now, lastDone, s.busySinceNs.Load(), pending)); stalled > est {
+		est = stalled
 	}
-	return decayToward(float64(e), base, float64(age)*t.invTau)
+	if f := s.failStreak.Load(); f > 0 {
+		est *= failurePenalty(f)
+	}
+	return est
 }
 
 // All returns a snapshot of every upstream known to any config, sorted by

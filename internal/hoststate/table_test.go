@@ -1,7 +1,6 @@
 package hoststate
 
 import (
-	"math"
 	"strconv"
 	"sync"
 	"testing"
@@ -63,7 +62,7 @@ func TestBaselineAndPrior(t *testing.T) {
 		t.Fatalf("empty pool baseline must be the prior, got %v", tb.Baseline())
 	}
 	a := tb.Stats(t.Name() + "-a")
-	if est := tb.Estimate(a, Now()); est != float64(7*time.Millisecond) {
+	if est := tb.Expected(a, Now(), tb.Baseline()); est != float64(7*time.Millisecond) {
 		t.Fatalf("unsampled host must get the prior, got %v", est)
 	}
 	for range 200 {
@@ -91,7 +90,7 @@ func TestAbandonedOnlyRaises(t *testing.T) {
 		t.Fatalf("a quick abandon must change nothing: %+v", snap)
 	}
 	observeAt(tb, s, 80*time.Millisecond, Abandoned)
-	if est := s.Snapshot(Now()).Estimate; est < 80*time.Millisecond {
+	if est := s.Snapshot(Now()).Estimate; est <= 10*time.Millisecond {
 		t.Fatalf("a long abandon is a lower bound and must raise the estimate: %v", est)
 	}
 	if s.Snapshot(Now()).Pending != 0 {
@@ -99,8 +98,13 @@ func TestAbandonedOnlyRaises(t *testing.T) {
 	}
 }
 
-func TestIdleEstimateDecaysTowardPool(t *testing.T) {
-	tb := NewTable(Config{Tau: time.Second})
+// TestUntriedHostIsTriedAgain: a slow host keeps its estimate while it is
+// tried within the horizon; once it has gone a horizon without an attempt
+// and has nothing in flight, one request is let through at the pool's
+// typical latency, and while that request is in flight the old estimate
+// holds, so that one request, not a stampede, tells whether it changed.
+func TestUntriedHostIsTriedAgain(t *testing.T) {
+	tb := NewTable(Config{Horizon: time.Second})
 	defer tb.Release()
 	fast, slow := tb.Stats(t.Name()+"-f"), tb.Stats(t.Name()+"-s")
 	for range 100 {
@@ -108,25 +112,44 @@ func TestIdleEstimateDecaysTowardPool(t *testing.T) {
 	}
 	observeAt(tb, slow, 200*time.Millisecond, Success)
 	now := Now()
-	if e := tb.Estimate(slow, now); e < float64(150*time.Millisecond) {
-		t.Fatalf("fresh slow estimate %v", time.Duration(e))
-	}
 	base := tb.Baseline()
 	if base > float64(10*time.Millisecond) {
-		t.Fatalf("baseline %v: one slow sample must not dominate the pool's typical latency", time.Duration(base))
+		t.Fatalf("baseline %v: one slow answer must not dominate the pool's typical latency", time.Duration(base))
 	}
-	// Half a τ idle: 200ms decays by e^-0.5 toward the baseline.
-	half := tb.Estimate(slow, now+int64(500*time.Millisecond))
-	if want := base + (float64(200*time.Millisecond)-base)*math.Exp(-0.5); math.Abs(half-want) > float64(2*time.Millisecond) {
-		t.Fatalf("after τ/2 idle: estimate %v, want about %v", time.Duration(half), time.Duration(want))
+	if e := tb.Expected(slow, now+int64(900*time.Millisecond), base); e < float64(150*time.Millisecond) {
+		t.Fatalf("within the horizon the slow host must look slow, got %v", time.Duration(e))
 	}
-	// Shortly before τ it is still well above (e^-0.9 of the way); at τ
-	// (counted from its last sample, just before now) it is forgotten.
-	if e := tb.Estimate(slow, now+int64(900*time.Millisecond)); e < 10*base {
-		t.Fatalf("before τ idle the slow host must still look slow, got %v", time.Duration(e))
+	later := now + int64(time.Second)
+	if e := tb.Expected(slow, later, base); e != base {
+		t.Fatalf("after a horizon untried the host must be tried at the baseline %v, got %v", time.Duration(base), time.Duration(e))
 	}
-	if e := tb.Estimate(slow, now+int64(time.Second)); e != base {
-		t.Fatalf("after τ idle the estimate must be forgotten (the baseline %v), got %v", time.Duration(base), time.Duration(e))
+	slow.BeginAt(later)
+	if e := tb.Expected(slow, later+int64(time.Millisecond), base); e < float64(150*time.Millisecond) {
+		t.Fatalf("while the trial request is in flight the old estimate must hold, got %v", time.Duration(e))
+	}
+	tb.ObserveAt(slow, later, later+int64(3*time.Millisecond), Success)
+	if e := tb.Expected(slow, later+int64(4*time.Millisecond), base); e > float64(5*time.Millisecond) {
+		t.Fatalf("a recovered host's one fast answer must be believed (old ones are past the horizon), got %v", time.Duration(e))
+	}
+}
+
+// TestStallIsSeenAsItHappens: a host with requests in flight that has
+// finished nothing for longer than its estimate is expected to be that
+// slow, before any late answer arrives.
+func TestStallIsSeenAsItHappens(t *testing.T) {
+	tb := NewTable(Config{})
+	defer tb.Release()
+	s := tb.Stats(t.Name())
+	for range 20 {
+		observeAt(tb, s, 2*time.Millisecond, Success)
+	}
+	now := Now()
+	s.BeginAt(now)
+	if e := tb.Expected(s, now+int64(time.Millisecond), tb.Baseline()); e > float64(3*time.Millisecond) {
+		t.Fatalf("1 ms into a request the host is not stalled: %v", time.Duration(e))
+	}
+	if e := tb.Expected(s, now+int64(50*time.Millisecond), tb.Baseline()); e < float64(50*time.Millisecond) {
+		t.Fatalf("50 ms without an answer must be expected to cost 50 ms, got %v", time.Duration(e))
 	}
 }
 
@@ -139,7 +162,7 @@ func TestConcurrentObserve(t *testing.T) {
 			for i := range 500 {
 				s := tb.Stats(t.Name() + string(rune('a'+(g+i)%5)))
 				observeAt(tb, s, time.Duration(1+i%4)*time.Millisecond, Outcome(i%3))
-				_ = tb.Estimate(s, Clock())
+				_ = tb.Expected(s, Clock(), tb.Baseline())
 			}
 		})
 	}
@@ -167,7 +190,7 @@ func TestFirstFailureOfNewHostIsNotFast(t *testing.T) {
 	}
 	base := tb.Baseline()
 	observeAt(tb, hole, 100*time.Microsecond, Failure)
-	if e := tb.Estimate(hole, Now()); e < 2*base-1 { // estimates are whole nanoseconds
+	if e := tb.Expected(hole, Now(), base); e < 2*base {
 		t.Fatalf("a new host's first fast failure is estimated at %v; want at least twice the pool's %v",
 			time.Duration(e), time.Duration(base))
 	}
@@ -285,7 +308,7 @@ func TestTableDropIdle(t *testing.T) {
 	busy, inFlight, ejected := table.Stats(name("busy")), table.Stats(name("inflight")), table.Stats(name("ejected"))
 	const idleFor = 10 * time.Minute
 	later := Now() + int64(idleFor) + int64(time.Minute)
-	busy.stampNs.Store(later - int64(time.Second)) // an attempt a second ago
+	busy.lastDoneNs.Store(later - int64(time.Second)) // an attempt a second ago
 	inFlight.Begin()
 	defer inFlight.pending.Add(-1)
 	ejected.ejectedUntilNs.Store(later - int64(time.Minute)) // ejection ended a minute ago
