@@ -17,7 +17,7 @@ type stateCollector struct{}
 
 var (
 	descEstimate = prometheus.NewDesc("caddy_lbx_upstream_latency_estimate_seconds",
-		"Peak-EWMA latency estimate of the upstream (time to response headers), not decayed.", []string{"upstream"}, nil)
+		"Latency estimate of the upstream: the median time to response headers of its recent answers.", []string{"upstream"}, nil)
 	descSamples = prometheus.NewDesc("caddy_lbx_upstream_samples_total",
 		"Attempts observed for the upstream (successes and failures).", []string{"upstream"}, nil)
 	descFailures = prometheus.NewDesc("caddy_lbx_upstream_failures_total",

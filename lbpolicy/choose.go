@@ -1,6 +1,6 @@
 // Package lbpolicy provides reverse_proxy selection policies: `ewma`, which
 // picks the upstream with the lowest expected latency — (in-flight + 1) ×
-// peak-EWMA latency / weight — and `panic`, which gives any selection policy
+// expected latency / weight, see EWMASelection — and `panic`, which gives any selection policy
 // Envoy-style panic mode: when too few upstreams are healthy, the health
 // checks are the likelier culprits, so all upstreams are used.
 package lbpolicy
@@ -64,19 +64,33 @@ const drawTries = 4
 // keep hitting unusable members it scans, which is exact and happens only
 // when much of the pool is down.
 func chooseBestOfK[C candidates](c C, k int) int {
+	i, _ := bestOfK(c, k)
+	return i
+}
+
+// bestOfK is chooseBestOfK that also returns the cost of its choice (the
+// zero cost with -1).
+func bestOfK[C candidates](c C, k int) (int, cost) {
 	n := c.Len()
 	if n == 0 {
-		return -1
+		return -1, cost{}
 	}
 	if k >= n {
-		return chooseScan(c)
+		i := chooseScan(c)
+		if i < 0 {
+			return -1, cost{}
+		}
+		return i, c.Cost(i)
 	}
 	best, bestCost := -1, cost{}
 	for range k {
 		i := drawUsable(c, n, best)
 		if i < 0 {
 			if best < 0 {
-				return chooseScan(c)
+				if i = chooseScan(c); i < 0 {
+					return -1, cost{}
+				}
+				return i, c.Cost(i)
 			}
 			break
 		}
@@ -86,29 +100,29 @@ func chooseBestOfK[C candidates](c C, k int) int {
 			best, bestCost = i, ci
 		}
 	}
-	return best
+	return best, bestCost
 }
 
-// secondLook gives a sampled choice i (of k random candidates) one more
+// secondLook gives a sampled choice i of cost ci (of k random candidates) one more
 // draw of k when i is clearly slower than the pool's typical latency base,
 // and returns the better of the two. With two choices among n upstreams of
 // which d are degraded, both draws land on degraded ones for about
 // (d/n)² of the requests — a floor under the tail that no estimate can
 // lift; a second look when the first came up bad squares that share again
 // at the price of two more candidates, and only then.
-func secondLook[C candidates](c C, k, i int, base float64) int {
-	if i < 0 {
+func secondLook[C candidates](c C, k, i int, ci cost, base float64) int {
+	if i < 0 || !ci.clearlySlow(base) {
 		return i
 	}
-	ci := c.Cost(i)
-	if ci.latency <= base*(1+tieBand) {
-		return i
-	}
-	if j := chooseBestOfK(c, k); j >= 0 && c.Cost(j).beats(ci) {
+	if j, cj := bestOfK(c, k); j >= 0 && cj.beats(ci) {
 		return j
 	}
 	return i
 }
+
+// clearlySlow reports whether c's latency is outside the tie band above
+// the pool's typical latency base: a choice worth a second look.
+func (c cost) clearlySlow(base float64) bool { return c.latency > base*(1+tieBand) }
 
 // drawUsable returns a random usable index other than not (-1 excludes
 // nothing), or -1 after drawTries misses.

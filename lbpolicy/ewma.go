@@ -25,15 +25,19 @@ func init() {
 // EWMASelection is a latency-aware selection policy. Each request goes to
 // the upstream with the lowest expected cost,
 //
-//	cost = (requests in flight + 1) × latency estimate / weight
+//	cost = (requests in flight + 1) × expected latency / weight
 //
-// where the latency estimate is a peak-sensitive, time-decayed EWMA of the
-// time to response headers of every attempt made to the upstream (failed
-// attempts are charged at least twice the estimate). A slower sample
-// replaces the estimate at once; faster ones blend in over Decay. An
-// upstream not heard from decays toward the pool's typical latency, so it
-// is tried again, and a new upstream starts at that typical latency, so it
-// is neither starved nor stampeded.
+// where the expected latency is the median time to response headers of
+// the upstream's last 16 answers within Decay, raised live to how long it
+// has gone without answering while requests are in flight (a stall is seen
+// as it happens), and doubled for each failed attempt in a row (a transport
+// error, or a 502, 503 or 504: an instant failure never looks fast).
+// Upstreams whose expected latencies are within half of each other count as
+// equally fast and are compared by load alone, exactly as least_conn would:
+// only a clear difference in speed is weighed against the load. An
+// upstream not tried for Decay, with nothing in flight, is expected at the
+// pool's typical latency, so one request tells whether it has recovered;
+// a new upstream starts there too, neither starved nor stampeded.
 //
 // Latency is observed at the round trip: in Provision the policy wraps the
 // reverse_proxy handler's transport (the configured one, or Caddy's
@@ -51,9 +55,11 @@ type EWMASelection struct {
 	// default): all for pools of up to 32 upstreams, 2 above.
 	Choices Choices `json:"choices,omitempty"`
 
-	// The time constant of the latency EWMA: how long it takes faster
-	// samples, or idleness, to bring down an estimate by a factor of e.
-	// Default: 10s.
+	// How long an answer counts toward an upstream's latency estimate,
+	// and how long an upstream goes untried before one request is let
+	// through to see whether it changed: a host that recovered regains its
+	// share within about this long, and a host still slow costs one slow
+	// request per period. Default: 1s.
 	Decay caddy.Duration `json:"decay,omitempty"`
 
 	// Weights of the upstreams, in the order they are configured; each at
@@ -189,8 +195,8 @@ func (s *EWMASelection) Validate() error {
 }
 
 // Bounds of the ewma options. A decay below a millisecond forgets every
-// sample before the next one arrives; one of days never forgets a slow
-// spell. A weight is a ratio between upstreams: beyond a million it can
+// answer before the next one arrives; one of days never tries a slow
+// host again. A weight is a ratio between upstreams: beyond a million it can
 // only be a typo.
 const (
 	minDecay  = time.Millisecond
@@ -277,13 +283,21 @@ func (c ewmaCandidates) choose(k int) int {
 	case k == 0, k >= len(c.pool):
 		return chooseScan(c)
 	case k == 2:
-		i, ok := c.bestOfTwo()
+		i, ci, ok := c.bestOfTwo()
 		if !ok {
-			i = chooseBestOfK(c, 2)
+			i, ci = bestOfK(c, 2)
+			return secondLook(c, 2, i, ci, c.base)
 		}
-		return secondLook(c, 2, i, c.base)
+		if ci.clearlySlow(c.base) {
+			// secondLook, with the inlined draw
+			if j, cj, ok := c.bestOfTwo(); ok && cj.beats(ci) {
+				return j
+			}
+		}
+		return i
 	default:
-		return secondLook(c, k, chooseBestOfK(c, k), c.base)
+		i, ci := bestOfK(c, k)
+		return secondLook(c, k, i, ci, c.base)
 	}
 }
 
@@ -395,16 +409,18 @@ func (c ewmaCandidates) Cost(i int) cost {
 // hot path makes direct, inlinable calls: both draws come from one random
 // word, and if both land on usable upstreams the cheaper wins (near-ties go
 // to the first draw, which is random). It reports
-// false when a draw hit an unusable upstream, for chooseBestOfK to retry.
-func (c ewmaCandidates) bestOfTwo() (int, bool) {
+// false when a draw hit an unusable upstream, for bestOfK to retry. It also
+// returns the cost of its choice.
+func (c ewmaCandidates) bestOfTwo() (int, cost, bool) {
 	i, j := randpick.TwoDistinct(rand.Uint64(), len(c.pool))
 	if !c.Usable(i) || !c.Usable(j) {
-		return -1, false
+		return -1, cost{}, false
 	}
-	if c.Cost(j).beats(c.Cost(i)) {
-		return j, true
+	ci, cj := c.Cost(i), c.Cost(j)
+	if cj.beats(ci) {
+		return j, cj, true
 	}
-	return i, true // i is the cheaper or a tie; it was drawn at random
+	return i, ci, true // i is the cheaper or a tie; it was drawn at random
 }
 
 // ReportPools implements hoststate.PoolReporter.

@@ -124,7 +124,8 @@ func (r simEWMA) choose(s *sim, tried []int) int {
 	if r.k == 0 {
 		i = chooseScan(c)
 	} else {
-		i = secondLook(c, r.k, chooseBestOfK(c, r.k), c.base)
+		j, cj := bestOfK(c, r.k)
+		i = secondLook(c, r.k, j, cj, c.base)
 	}
 	if i < 0 {
 		c.tried = nil
