@@ -17,35 +17,61 @@ type candidates interface {
 	Cost(i int) cost
 }
 
-// cost is the expected cost of one more request to an upstream, in its two
-// factors: load = (requests in flight + 1) / weight, and the latency
-// estimate. The cost itself is their product.
+// cost is what one more request to an upstream is expected to cost, in
+// its factors: the queue it joins (requests in flight + 1), the inverse of
+// the upstream's weight, and the latency it is expected to serve at.
 type cost struct {
-	load, latency float64
+	queue, invWeight, latency float64
 }
 
-// beats reports whether c is clearly cheaper than o. Latency estimates of
-// equally fast upstreams differ by noise (a slow answer here, a GC pause
-// there); acting on that noise would pile requests onto whichever upstream
-// measured a few percent faster, and do worse than least-connections. So
-// upstreams whose latencies are within tieBand of each other count as
-// equally fast, and between those the load alone decides, exactly as
-// least-connections (weighted by the weights) would. Only a clear
-// difference in speed — a degraded host, a machine of another size, a
-// stall in progress, a run of failures — is weighed against the load, by
-// the product.
+// beats reports whether c is clearly cheaper than o: whether its queue,
+// relative to o's, is shorter than its advantage in speed and size.
+//
+// Latency estimates of equally fast upstreams differ by noise (a slow
+// answer here, a GC pause there); acting on that noise would pile requests
+// onto whichever upstream measured a few percent faster, and do worse than
+// least-connections. So upstreams whose latencies are within tieBand of
+// each other count as equally fast, and between those the queues alone
+// decide, divided by the weights — exactly weighted least-connections.
+// Only a clear difference in speed (a degraded host, a machine of another
+// size, a stall in progress, a run of failures) is weighed against the
+// queue.
+//
+// A weight and a latency that both favour one upstream are two readings of
+// the same capacity — a machine twice the size is configured with weight 2
+// and measured twice as fast — so the larger of the two counts, not their
+// product, which would count the capacity twice and overload the bigger
+// machine. When they disagree, they partly cancel.
 func (c cost) beats(o cost) bool {
-	if c.latency <= o.latency*(1+tieBand) && o.latency <= c.latency*(1+tieBand) {
-		return c.load < o.load
+	if c.invWeight == o.invWeight {
+		// the common case, without a division
+		if c.latency <= o.latency*(1+tieBand) && o.latency <= c.latency*(1+tieBand) {
+			return c.queue < o.queue
+		}
+		return c.queue*c.latency < o.queue*o.latency
 	}
-	return c.load*c.latency < o.load*o.latency
+	speed := 1.0 // how many times faster c serves than o
+	if c.latency*(1+tieBand) < o.latency || o.latency*(1+tieBand) < c.latency {
+		speed = o.latency / c.latency
+	}
+	size := o.invWeight / c.invWeight // how many times bigger c is configured
+	var adv float64
+	switch {
+	case speed >= 1 && size >= 1:
+		adv = max(speed, size)
+	case speed <= 1 && size <= 1:
+		adv = min(speed, size)
+	default:
+		adv = speed * size
+	}
+	return c.queue < o.queue*adv
 }
 
 // costOf is the cost of one more request to an upstream with inFlight
 // requests in flight, the inverse of its weight, and the latency it is
 // expected to serve at (hoststate.Table.Expected).
 func costOf(inFlight int, invWeight, latency float64) cost {
-	return cost{load: float64(inFlight+1) * invWeight, latency: latency}
+	return cost{queue: float64(inFlight + 1), invWeight: invWeight, latency: latency}
 }
 
 // tieBand is the relative difference in latency below which two upstreams

@@ -26,7 +26,7 @@ func newFakePool(n int) *fakePool {
 func (p *fakePool) Len() int          { return len(p.inflight) }
 func (p *fakePool) Usable(i int) bool { return !p.down[i] }
 func (p *fakePool) Cost(i int) cost {
-	return cost{load: float64(p.inflight[i]+1) / p.weight[i], latency: p.latency[i]}
+	return costOf(p.inflight[i], 1/p.weight[i], p.latency[i])
 }
 
 type chooser func(*fakePool) int
@@ -233,21 +233,38 @@ func TestNearTiesAreSpread(t *testing.T) {
 }
 
 func TestCostBeats(t *testing.T) {
+	// q: queue (in flight + 1) and latency, weight 1
+	q := func(queue, latency float64) cost { return cost{queue: queue, invWeight: 1, latency: latency} }
+	// w: with a weight
+	w := func(queue, weight, latency float64) cost {
+		return cost{queue: queue, invWeight: 1 / weight, latency: latency}
+	}
 	cases := []struct {
+		name string
 		a, b cost
 		want bool
 	}{
-		{cost{1, 1}, cost{1, 1.49}, false}, // same load, latency within the band: tie
-		{cost{1, 1}, cost{1, 1.51}, true},  // same load, clearly faster
-		{cost{1, 1.49}, cost{1, 1}, false},
-		{cost{1, 1.1}, cost{2, 1}, true},  // one request fewer in flight: strict
-		{cost{2, 1}, cost{1, 1.9}, false}, // 2 > 1.9
-		{cost{2, 1}, cost{1, 2.1}, true},  // 2 < 2.1: product compared strictly
-		{cost{0.5, 1}, cost{1, 1}, true},  // weight 2 vs 1 at idle
+		{"same queue, latency within the band: tie", q(1, 1), q(1, 1.49), false},
+		{"same queue, clearly faster", q(1, 1), q(1, 1.51), true},
+		{"same queue, slower within the band", q(1, 1.49), q(1, 1), false},
+		{"within the band the queue alone decides", q(1, 1.4), q(2, 1), true},
+		{"within the band a longer queue loses", q(3, 1), q(2, 1.4), false},
+		{"outside the band the product decides: 2 > 1.9", q(2, 1), q(1, 1.9), false},
+		{"outside the band: 2 < 2.1", q(2, 1), q(1, 2.1), true},
+		{"weight 2 vs 1 at idle", w(1, 2, 1), w(1, 1, 1), true},
+		{"weighted least-connections within the band: 3/2 > 1/1", w(3, 2, 1), w(1, 1, 1.2), false},
+		{"weighted least-connections: 3/2 < 2/1", w(3, 2, 1), w(3, 1, 1.2), true},
+		// a machine configured twice the size and measured twice as
+		// fast is twice as cheap, not four times
+		{"size and speed agree: the larger counts, not the product", w(3, 2, 1), w(1, 1, 2), false},
+		{"size and speed agree: queue 2 vs 1 at 2× beats", w(2, 2, 1), w(1, 1, 2), false},
+		{"size and speed agree: 1.9 < 2", w(1.9, 2, 1), w(1, 1, 2), true},
+		{"size and speed disagree: they cancel", w(1.5, 2, 2), w(1, 1, 1), false},
+		{"size and speed disagree, size wins by more", w(1, 4, 2), w(1, 1, 1), true},
 	}
 	for _, c := range cases {
 		if got := c.a.beats(c.b); got != c.want {
-			t.Errorf("%v beats %v = %v, want %v", c.a, c.b, got, c.want)
+			t.Errorf("%s: %+v beats %+v = %v, want %v", c.name, c.a, c.b, got, c.want)
 		}
 	}
 }
