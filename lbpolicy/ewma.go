@@ -230,11 +230,11 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		return nil
 	}
 	var (
-		vars  map[string]any
-		tried Tried
+		attempt Attempt
+		tried   Tried
 	)
 	if s.trackTried {
-		vars, tried = LoadTried(r)
+		attempt, tried = LoadTried(r)
 	}
 	v := s.viewFor(pool)
 	now := hoststate.Clock()
@@ -287,7 +287,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		return nil
 	}
 	if s.trackTried {
-		RecordTried(vars, tried, pool[i])
+		RecordTried(attempt, tried, pool[i])
 	}
 	return pool[i]
 }

@@ -159,9 +159,9 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 	if !p.trackTried {
 		return p.choose(pool, r, w, nil)
 	}
-	vars, tried := LoadTried(r)
+	attempt, tried := LoadTried(r)
 	picked := p.choose(pool, r, w, tried)
-	RecordTried(vars, tried, picked)
+	RecordTried(attempt, tried, picked)
 	return picked
 }
 

@@ -111,11 +111,13 @@ func BenchmarkSelectRetry(b *testing.B) {
 	} {
 		b.Run(p.name+"/pool=16", func(b *testing.B) {
 			sel, pool := proxyWithLB(b, p.json, `,"retries":2`, 16)
-			vars := map[string]any{}
-			req := httptest.NewRequestWithContext(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, vars), http.MethodGet, "/", nil)
+			vars, repl := map[string]any{}, caddy.NewReplacer()
+			ctx := context.WithValue(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, vars), caddy.ReplacerCtxKey, repl)
+			req := httptest.NewRequestWithContext(ctx, http.MethodGet, "/", nil)
 			b.ReportAllocs()
 			for b.Loop() {
 				clear(vars)
+				repl.Delete(triedKey)
 				first := sel.Select(pool, req, nil)
 				if retry := sel.Select(pool, req, nil); retry == nil || retry == first {
 					b.Fatalf("retry picked %v after %v", retry, first)

@@ -21,47 +21,69 @@ import (
 // Upstreams are compared by dial address, not by pointer: dynamic
 // upstreams are new Upstream values on every call.
 
-// triedVar is the request variable holding what was tried: the
-// *reverseproxy.Upstream chosen first (storing a pointer in the map does
-// not allocate, so a first attempt costs a lookup and a store), then, from
-// the first retry on, a Tried.
-const triedVar = "lbx.tried"
+// Where the record is kept. A first attempt stores the
+// *reverseproxy.Upstream it chose in the request's variables (triedVar):
+// a pointer in the map does not allocate, and nothing else of the request
+// runs yet. From the first retry on, the list (a Tried) goes to the
+// request's replacer (triedKey) instead: reverse_proxy's transport may
+// still be dialing for an earlier attempt in the background, and its dial
+// function reads the variables (a Go map, which a concurrent write
+// crashes), while the replacer is guarded by a lock.
+const (
+	triedVar = "lbx.tried_first"
+	triedKey = "lbx.tried"
+)
 
 // Tried is the dial addresses of the upstreams a request was already sent
 // to; nil on a first attempt.
 type Tried []string
 
-// LoadTried returns the variables of r and, when r is a retry, the
-// upstreams it already tried. Both are nil when r carries no variables (a
-// request not served by Caddy); the Tried is nil on a first attempt.
-func LoadTried(r *http.Request) (map[string]any, Tried) {
+// Attempt is where one request's record of what it tried is kept.
+type Attempt struct {
+	r    *http.Request
+	vars map[string]any // nil: the request carries no variables
+}
+
+// LoadTried returns where r's record is kept and, when r is a retry, the
+// upstreams it already tried (nil on a first attempt, and for a request
+// without variables, which Caddy's server did not hand over).
+func LoadTried(r *http.Request) (Attempt, Tried) {
 	if r == nil {
-		return nil, nil
+		return Attempt{}, nil
 	}
 	vars, _ := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
 	if vars == nil {
-		return nil, nil
+		return Attempt{}, nil
 	}
-	switch v := vars[triedVar].(type) {
-	case *reverseproxy.Upstream:
-		return vars, Tried{v.Dial}
-	case Tried:
-		return vars, v
+	a := Attempt{r: r, vars: vars}
+	first, _ := vars[triedVar].(*reverseproxy.Upstream)
+	if first == nil {
+		return a, nil
 	}
-	return vars, nil
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		if v, ok := repl.Get(triedKey); ok {
+			if t, ok := v.(Tried); ok && len(t) > 0 {
+				return a, t
+			}
+		}
+	}
+	return a, Tried{first.Dial}
 }
 
-// RecordTried notes in vars (from LoadTried, with t) that u was chosen. A
-// first attempt stores u itself; a retry stores a new list, never
-// appending in place: a copy of the variables (a partition's
-// sub-requests start from one) may share the old one.
-func RecordTried(vars map[string]any, t Tried, u *reverseproxy.Upstream) {
+// RecordTried notes that u was chosen for the attempt a (from LoadTried,
+// with t). A retry stores a new list, never appending in place: a copy
+// of the request's state (a partition's sub-requests start from one) may
+// share the old one. Without a replacer only the first attempt is
+// recorded.
+func RecordTried(a Attempt, t Tried, u *reverseproxy.Upstream) {
 	switch {
-	case vars == nil || u == nil:
+	case a.vars == nil || u == nil:
 	case t == nil:
-		vars[triedVar] = u
+		a.vars[triedVar] = u
 	case !t.Has(u.Dial):
-		vars[triedVar] = append(t[:len(t):len(t)], u.Dial)
+		if repl, ok := a.r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+			repl.Set(triedKey, append(t[:len(t):len(t)], u.Dial))
+		}
 	}
 }
 

@@ -19,11 +19,16 @@ import (
 )
 
 // clientRequest returns a request as Caddy's server hands it to
-// reverse_proxy, with its own variables; reverse_proxy passes the same
-// one to Select for every attempt.
+// reverse_proxy, with its own variables and replacer; reverse_proxy passes
+// the same one to Select for every attempt.
 func clientRequest() *http.Request {
-	vars := map[string]any{}
-	return httptest.NewRequestWithContext(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, vars), http.MethodGet, "/", nil)
+	return requestWith(map[string]any{}, caddy.NewReplacer())
+}
+
+func requestWith(vars map[string]any, repl *caddy.Replacer) *http.Request {
+	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, vars)
+	ctx = context.WithValue(ctx, caddy.ReplacerCtxKey, repl)
+	return httptest.NewRequestWithContext(ctx, http.MethodGet, "/", nil)
 }
 
 // attempts runs n selections for one request, as reverse_proxy does for a
@@ -240,29 +245,73 @@ func TestTracksTriedOnlyWithRetries(t *testing.T) {
 	}
 }
 
-// TestRecordTriedNeverWritesShared: a copy of a request's variables (a
+// TestRetryLeavesVarsAlone: only a first attempt writes the request's
+// variables. reverse_proxy's transport may still be dialing for an earlier
+// attempt, and its dial function reads them: a retry writing the map then
+// would be a concurrent map read and write, which crashes the process.
+func TestRetryLeavesVarsAlone(t *testing.T) {
+	pool := newPool(t, 4)
+	for name, sel := range map[string]reverseproxy.Selector{
+		"ewma":         provisionEWMA(t, &EWMASelection{}),
+		"panic(first)": provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy":"first"}`)}),
+	} {
+		vars := map[string]any{}
+		r := requestWith(vars, caddy.NewReplacer())
+		first := sel.Select(pool, r, nil)
+		after := maps.Clone(vars)
+		if after[triedVar] != first {
+			t.Fatalf("%s: the first attempt recorded %v, want %v", name, after[triedVar], first)
+		}
+		for range 3 {
+			sel.Select(pool, r, nil)
+			if !maps.Equal(vars, after) {
+				t.Fatalf("%s: a retry changed the request's variables: %v, then %v", name, after, vars)
+			}
+		}
+	}
+}
+
+// TestRecordTriedNeverWritesShared: a copy of a request's state (a
 // partition's sub-requests start from one) shares its list; recording in
 // one copy must not change the other.
 func TestRecordTriedNeverWritesShared(t *testing.T) {
 	pool := newPool(t, 3)
-	vars := map[string]any{}
-	RecordTried(vars, nil, pool[0])
-	_, tried := loadVars(vars)
-	RecordTried(vars, tried, pool[1])
-	a, b := maps.Clone(vars), maps.Clone(vars)
-	_, ta := loadVars(a)
-	_, tb := loadVars(b)
-	RecordTried(a, ta, pool[2])
-	RecordTried(b, tb, pool[0]) // already tried: no change
-	if _, got := loadVars(a); !slices.Equal(got, []string{pool[0].Dial, pool[1].Dial, pool[2].Dial}) {
-		t.Fatalf("a: %q", got)
+	repl := caddy.NewReplacer()
+	r := requestWith(map[string]any{}, repl)
+	a, tried := LoadTried(r)
+	RecordTried(a, tried, pool[0])
+	a, tried = LoadTried(r)
+	RecordTried(a, tried, pool[1])
+	_, shared := LoadTried(r)
+
+	copyRepl := caddy.NewReplacer()
+	copyRepl.Set(triedKey, shared)
+	c := requestWith(map[string]any{triedVar: pool[0]}, copyRepl)
+	a, tried = LoadTried(c)
+	RecordTried(a, tried, pool[2])
+	if _, got := LoadTried(c); !slices.Equal(got, Tried{pool[0].Dial, pool[1].Dial, pool[2].Dial}) {
+		t.Fatalf("copy: %q", got)
 	}
-	if _, got := loadVars(b); !slices.Equal(got, []string{pool[0].Dial, pool[1].Dial}) {
-		t.Fatalf("b: %q", got)
+	if _, got := LoadTried(r); !slices.Equal(got, Tried{pool[0].Dial, pool[1].Dial}) {
+		t.Fatalf("original after the copy recorded: %q", got)
+	}
+	a, tried = LoadTried(r)
+	RecordTried(a, tried, pool[0]) // already tried: no change
+	if _, got := LoadTried(r); !slices.Equal(got, Tried{pool[0].Dial, pool[1].Dial}) {
+		t.Fatalf("recording a tried one again: %q", got)
 	}
 }
 
-func loadVars(vars map[string]any) (map[string]any, Tried) {
-	r := httptest.NewRequestWithContext(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, vars), http.MethodGet, "/", nil)
-	return LoadTried(r)
+// TestTriedWithoutReplacer: a request without a replacer (not from
+// Caddy's server) still has its first attempt avoided by its retries.
+func TestTriedWithoutReplacer(t *testing.T) {
+	pool := newPool(t, 3)
+	r := httptest.NewRequestWithContext(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{}), http.MethodGet, "/", nil)
+	p := provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy":"first"}`)})
+	if got := []*reverseproxy.Upstream{p.Select(pool, r, nil), p.Select(pool, r, nil), p.Select(pool, r, nil)}; got[0] != pool[0] || got[1] != pool[1] || got[2] != pool[1] {
+		t.Fatalf("attempts %v", got)
+	}
+	if u := p.Select(pool, nil, nil); u != pool[0] {
+		t.Fatalf("no request: %v", u)
+	}
 }

@@ -203,11 +203,11 @@ func (p *ClusterLoadSelection) Validate() error {
 // those are available.
 func (p *ClusterLoadSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	var (
-		vars  map[string]any
-		tried lbpolicy.Tried
+		attempt lbpolicy.Attempt
+		tried   lbpolicy.Tried
 	)
 	if p.trackTried {
-		vars, tried = lbpolicy.LoadTried(r)
+		attempt, tried = lbpolicy.LoadTried(r)
 	}
 	c := poolLoads{pool: pool, snap: p.snapshot(pool), tried: tried}
 	i := chooseLessLoaded(c)
@@ -219,7 +219,7 @@ func (p *ClusterLoadSelection) Select(pool reverseproxy.UpstreamPool, r *http.Re
 		return nil
 	}
 	if p.trackTried {
-		lbpolicy.RecordTried(vars, tried, pool[i])
+		lbpolicy.RecordTried(attempt, tried, pool[i])
 	}
 	return pool[i]
 }

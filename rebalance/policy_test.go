@@ -475,11 +475,12 @@ func TestClusterLoadRetryAvoidsTried(t *testing.T) {
 	}
 }
 
-// requestWithVars returns a request with variables, as Caddy's server
-// hands it to reverse_proxy.
+// requestWithVars returns a request with variables and a replacer, as
+// Caddy's server hands it to reverse_proxy.
 func requestWithVars() *http.Request {
 	r, _ := http.NewRequest(http.MethodGet, "http://example/", nil)
-	return r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{}))
+	ctx := context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{})
+	return r.WithContext(context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer()))
 }
 
 // expire makes the policy's snapshot out of date.
