@@ -63,7 +63,7 @@ func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error
 		}
 		return t.inner.RoundTrip(req)
 	}
-	if t.budget != nil && t.budget.isRetry(vars) {
+	if t.budget != nil && t.budget.isRetry(ctx) {
 		t.budget.inFlight.Add(1)
 		defer t.budget.inFlight.Add(-1)
 	}
