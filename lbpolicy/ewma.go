@@ -231,7 +231,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	}
 	var (
 		attempt Attempt
-		tried   Tried
+		tried   *Tried
 	)
 	if s.trackTried {
 		attempt, tried = LoadTried(r)
@@ -387,7 +387,7 @@ type ewmaCandidates struct {
 	admit float64
 	// tried is what this request already tried, nil on a first attempt:
 	// a retry leaves those out while another upstream is usable.
-	tried Tried
+	tried *Tried
 }
 
 func (c ewmaCandidates) Len() int { return len(c.pool) }

@@ -167,7 +167,7 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 
 // choose is Select, given what the request already tried (nil on a
 // first attempt).
-func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, tried Tried) *reverseproxy.Upstream {
+func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	v := p.viewFor(pool)
 	now := hoststate.Now()
 	if !p.panic.check(v, pool, now) {
@@ -197,7 +197,7 @@ func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request,
 // selectUntried has the wrapped policy choose among the members of ups
 // the request has not tried, and among all of them when it chooses none
 // of those (none is left, or none is usable).
-func (p *PanicSelection) selectUntried(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried Tried) *reverseproxy.Upstream {
+func (p *PanicSelection) selectUntried(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	if tried != nil {
 		if rest := tried.Without(ups); rest != nil {
 			if picked := p.inner.Select(rest, r, w); picked != nil {

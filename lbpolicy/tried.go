@@ -35,8 +35,10 @@ const (
 )
 
 // Tried is the dial addresses of the upstreams a request was already sent
-// to; nil on a first attempt.
-type Tried []string
+// to. A nil *Tried is a first attempt: a pointer keeps the choosing
+// algorithms' candidates, copied for every call, one word larger only.
+// Never changed once stored.
+type Tried struct{ dials []string }
 
 // Attempt is where one request's record of what it tried is kept.
 type Attempt struct {
@@ -47,7 +49,7 @@ type Attempt struct {
 // LoadTried returns where r's record is kept and, when r is a retry, the
 // upstreams it already tried (nil on a first attempt, and for a request
 // without variables, which Caddy's server did not hand over).
-func LoadTried(r *http.Request) (Attempt, Tried) {
+func LoadTried(r *http.Request) (Attempt, *Tried) {
 	if r == nil {
 		return Attempt{}, nil
 	}
@@ -62,12 +64,12 @@ func LoadTried(r *http.Request) (Attempt, Tried) {
 	}
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		if v, ok := repl.Get(triedKey); ok {
-			if t, ok := v.(Tried); ok && len(t) > 0 {
+			if t, ok := v.(*Tried); ok && t != nil {
 				return a, t
 			}
 		}
 	}
-	return a, Tried{first.Dial}
+	return a, &Tried{dials: []string{first.Dial}}
 }
 
 // RecordTried notes that u was chosen for the attempt a (from LoadTried,
@@ -75,24 +77,33 @@ func LoadTried(r *http.Request) (Attempt, Tried) {
 // of the request's state (a partition's sub-requests start from one) may
 // share the old one. Without a replacer only the first attempt is
 // recorded.
-func RecordTried(a Attempt, t Tried, u *reverseproxy.Upstream) {
+func RecordTried(a Attempt, t *Tried, u *reverseproxy.Upstream) {
 	switch {
 	case a.vars == nil || u == nil:
 	case t == nil:
 		a.vars[triedVar] = u
 	case !t.Has(u.Dial):
 		if repl, ok := a.r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-			repl.Set(triedKey, append(t[:len(t):len(t)], u.Dial))
+			n := len(t.dials)
+			repl.Set(triedKey, &Tried{dials: append(t.dials[:n:n], u.Dial)})
 		}
 	}
 }
 
-// Has reports whether dial was tried.
-func (t Tried) Has(dial string) bool { return slices.Contains(t, dial) }
+// Has reports whether dial was tried; never on a first attempt (nil).
+func (t *Tried) Has(dial string) bool { return t != nil && slices.Contains(t.dials, dial) }
+
+// Dials returns the dial addresses tried, in order.
+func (t *Tried) Dials() []string {
+	if t == nil {
+		return nil
+	}
+	return slices.Clone(t.dials)
+}
 
 // Without returns the members of ups that were not tried, in a new slice
 // (nil when none is left). It is only called on retries.
-func (t Tried) Without(ups []*reverseproxy.Upstream) []*reverseproxy.Upstream {
+func (t *Tried) Without(ups []*reverseproxy.Upstream) []*reverseproxy.Upstream {
 	var out []*reverseproxy.Upstream
 	for i, u := range ups {
 		if t.Has(u.Dial) {

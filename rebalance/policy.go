@@ -204,7 +204,7 @@ func (p *ClusterLoadSelection) Validate() error {
 func (p *ClusterLoadSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	var (
 		attempt lbpolicy.Attempt
-		tried   lbpolicy.Tried
+		tried   *lbpolicy.Tried
 	)
 	if p.trackTried {
 		attempt, tried = lbpolicy.LoadTried(r)
@@ -505,7 +505,7 @@ func lessLoaded[C loadCandidates](c C, i, j int) int {
 type poolLoads struct {
 	pool  reverseproxy.UpstreamPool
 	snap  *loadSnapshot
-	tried lbpolicy.Tried // nil on a first attempt
+	tried *lbpolicy.Tried // nil on a first attempt
 }
 
 func (c poolLoads) Len() int { return len(c.pool) }
