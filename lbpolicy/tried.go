@@ -12,9 +12,8 @@ import (
 // A retry avoids the upstreams its request already tried, whatever the
 // policy (Envoy's previous-hosts retry predicate): reverse_proxy calls
 // Select again for each retry with the same request, so a policy records
-// in the request's variables the upstream it chose, and on the next call
-// leaves out every upstream recorded, as long as one that was not tried
-// is usable. Only when every usable upstream was tried does it choose
+// with the request the upstream it chose, and on the next call leaves out
+// every upstream recorded, as long as one that was not tried is usable. Only when every usable upstream was tried does it choose
 // among them as on a first attempt: a single upstream still gets every
 // retry.
 //
