@@ -29,7 +29,9 @@ type Outlier struct {
 	Consecutive int `json:"consecutive_failures,omitempty"`
 
 	// Response status codes that count as a failed attempt, besides
-	// transport errors and timeouts. Default: [502, 503, 504].
+	// transport errors and timeouts, for ejection and for the latency
+	// estimate. Default: [502, 503, 504], which is also what counts as
+	// failed without an outlier block.
 	FailureStatus []int `json:"failure_status,omitempty"`
 
 	// How long the first ejection lasts; the n-th in a row lasts n times
@@ -122,6 +124,12 @@ const (
 	DefaultFailurePercentageMinRequests = 50
 )
 
+// defaultFailureStatus is the response statuses that count as a failed
+// attempt: an outlier block's failure_status when it gives none, and the
+// rule for every observed attempt when there is no outlier block. Not to
+// be modified.
+var defaultFailureStatus = []int{502, 503, 504}
+
 // Provision applies defaults and sets where ejections are logged and
 // announced.
 func (o *Outlier) Provision(logger *zap.Logger, events Emitter) {
@@ -130,7 +138,7 @@ func (o *Outlier) Provision(logger *zap.Logger, events Emitter) {
 		o.Consecutive = DefaultConsecutiveFailures
 	}
 	if o.FailureStatus == nil {
-		o.FailureStatus = []int{502, 503, 504}
+		o.FailureStatus = slices.Clone(defaultFailureStatus)
 	}
 	if o.BaseEjectionTime == 0 {
 		o.BaseEjectionTime = caddy.Duration(DefaultBaseEjectionTime)

@@ -1,6 +1,7 @@
 package healthx
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"net/http"
@@ -8,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -46,9 +48,10 @@ type RetryBudget struct {
 	lastLogNs     atomic.Int64
 	loggedRefused atomic.Uint64
 
-	// first and retry are what the request's variable holds: the address
-	// of one says a first attempt was made, of the other that the attempt
-	// under way is a retry. Comparing pointers costs nothing per request.
+	// first and retry mark a request: the address of first in its
+	// variables says a first attempt was made, the address of retry in
+	// its replacer that the attempt under way is a retry the budget
+	// granted. Comparing pointers costs nothing per request.
 	first, retry byte
 }
 
@@ -66,7 +69,11 @@ const (
 )
 
 // retryBudgetVar is the request variable a policy with a retry budget
-// marks requests with.
+// marks requests with, and the replacer key it marks granted retries
+// with. A retry must not write the variables: reverse_proxy's transport
+// may still be dialing for an earlier attempt in the background, and its
+// dial function reads them (a Go map, which a concurrent write crashes);
+// the replacer is locked.
 const retryBudgetVar = "lbx.retry_budget"
 
 // Provision applies defaults.
@@ -122,14 +129,14 @@ func (b *RetryBudget) Admit(pool reverseproxy.UpstreamPool, r *http.Request) boo
 	if vars == nil {
 		return true
 	}
-	switch vars[retryBudgetVar] {
-	case &b.first, &b.retry:
-	default:
+	if vars[retryBudgetVar] != &b.first {
 		vars[retryBudgetVar] = &b.first
 		return true
 	}
 	if b.affordable(pool) {
-		vars[retryBudgetVar] = &b.retry
+		if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+			repl.Set(retryBudgetVar, &b.retry)
+		}
 		return true
 	}
 	b.refuse(pool)
@@ -177,10 +184,15 @@ func (b *RetryBudget) Refused() uint64 { return b.refused.Load() }
 // InFlight returns how many retries are in flight.
 func (b *RetryBudget) InFlight() int64 { return b.inFlight.Load() }
 
-// isRetry reports whether the attempt of the request with vars is a retry
+// isRetry reports whether the attempt of the request with ctx is a retry
 // the budget granted.
-func (b *RetryBudget) isRetry(vars map[string]any) bool {
-	return vars[retryBudgetVar] == &b.retry
+func (b *RetryBudget) isRetry(ctx context.Context) bool {
+	repl, ok := ctx.Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if !ok {
+		return false
+	}
+	v, _ := repl.Get(retryBudgetVar)
+	return v == &b.retry
 }
 
 // UnmarshalCaddyfile reads a retry_budget option, the dispenser on its

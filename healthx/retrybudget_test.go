@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -23,9 +24,10 @@ func newBudget(t *testing.T, b *RetryBudget) *RetryBudget {
 }
 
 // clientRequest is a request as Caddy's server hands it to handlers: with
-// request variables.
+// request variables and a replacer.
 func clientRequest() *http.Request {
 	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
+	ctx = context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer())
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://example/", nil)
 	return req
 }
@@ -46,7 +48,7 @@ func TestRetryBudgetAdmit(t *testing.T) {
 	if !b.Admit(pool, r) {
 		t.Fatal("first attempt refused")
 	}
-	if b.isRetry(r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)) {
+	if b.isRetry(r.Context()) {
 		t.Fatal("first attempt marked as a retry")
 	}
 	// Fewer retries in flight than the floor (3): admitted, however few
@@ -55,8 +57,13 @@ func TestRetryBudgetAdmit(t *testing.T) {
 	if !b.Admit(pool, r) {
 		t.Fatal("retry under the floor refused")
 	}
-	if !b.isRetry(r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)) {
+	if !b.isRetry(r.Context()) {
 		t.Fatal("granted retry not marked as one")
+	}
+	// The retry is marked in the replacer: reverse_proxy's transport may
+	// still be dialing for the first attempt and reading the variables.
+	if vars := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); len(vars) != 1 || vars[retryBudgetVar] != &b.first {
+		t.Fatalf("a retry wrote the request's variables: %v", vars)
 	}
 	// At the floor, with nothing else in flight (20% of 0 is 0): refused.
 	b.inFlight.Store(3)

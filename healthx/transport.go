@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -62,7 +63,7 @@ func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error
 		}
 		return t.inner.RoundTrip(req)
 	}
-	if t.budget != nil && t.budget.isRetry(vars) {
+	if t.budget != nil && t.budget.isRetry(ctx) {
 		t.budget.inFlight.Add(1)
 		defer t.budget.inFlight.Add(-1)
 	}
@@ -71,10 +72,10 @@ func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error
 	start := s.Begin()
 	resp, err := t.inner.RoundTrip(req)
 	outcome := classify(ctx, err)
-	if outcome == hoststate.Success && t.outlier != nil && t.outlier.failedStatus(resp.StatusCode) {
+	if outcome == hoststate.Success && t.failedStatus(resp.StatusCode) {
 		// An instant 503 is not a fast answer: charged as a failure, it
-		// makes the upstream look slower at once, so the retry of this
-		// very request (lb_retry_match on the status) goes elsewhere.
+		// makes the upstream look slower at once, with or without an
+		// outlier block, so a black hole is priced out.
 		outcome = hoststate.Failure
 	}
 	t.table.Observe(s, start, outcome)
@@ -82,6 +83,16 @@ func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error
 		t.outlier.judge(t.table, s, di.Upstream.Dial, outcome == hoststate.Failure)
 	}
 	return resp, err
+}
+
+// failedStatus is the one rule for which response statuses are failed
+// attempts: the outlier block's failure_status when there is one, else
+// defaultFailureStatus.
+func (t *ObservingTransport) failedStatus(code int) bool {
+	if t.outlier != nil {
+		return t.outlier.failedStatus(code)
+	}
+	return slices.Contains(defaultFailureStatus, code)
 }
 
 // CountRetries makes the transport count the retries in flight that b

@@ -95,6 +95,9 @@ type EWMASelection struct {
 	views    views
 	panic    panicMode
 	logger   *zap.Logger
+	// trackTried: the handler can retry, so each request records what it
+	// tried and a retry avoids it (see tried.go)
+	trackTried bool
 }
 
 // UnmarshalJSON decodes the configuration strictly, naming the option
@@ -119,6 +122,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	events := healthx.NewEmitter(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
 	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
+	s.trackTried = TracksTried(ctx)
 
 	if s.Outlier != nil {
 		s.Outlier.Provision(s.logger, events)
@@ -231,6 +235,13 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	if s.RetryBudget != nil && !s.RetryBudget.Admit(pool, r) {
 		return nil
 	}
+	var (
+		attempt Attempt
+		tried   *Tried
+	)
+	if s.trackTried {
+		attempt, tried = LoadTried(r)
+	}
 	v := s.viewFor(pool)
 	now := hoststate.Clock()
 	if s.observer == nil && rand.Uint32()%clockRefresh == 0 {
@@ -244,6 +255,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		base:  s.table.Baseline(),
 		panic: s.panic.check(v, pool, now),
 		ramp:  s.SlowStart,
+		tried: tried,
 	}
 	if c.ramp != nil {
 		c.admit = rand.Float64()
@@ -261,6 +273,12 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		c.admit = 0
 		i = c.choose(k)
 	}
+	if i < 0 && c.tried != nil {
+		// Every usable upstream was already tried by this request:
+		// choose among them, as on a first attempt.
+		c.tried = nil
+		i = c.choose(k)
+	}
 	if i < 0 && !c.panic {
 		// Nothing is available, yet the cached count said the pool was
 		// not in panic. The shared clock only moves with round trips, and
@@ -273,6 +291,9 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	}
 	if i < 0 {
 		return nil
+	}
+	if s.trackTried {
+		RecordTried(attempt, tried, pool[i])
 	}
 	return pool[i]
 }
@@ -379,18 +400,25 @@ type ewmaCandidates struct {
 	// equal (a cost-weighted factor would starve it at light load).
 	ramp  *healthx.SlowStart
 	admit float64
+	// tried is what this request already tried, nil on a first attempt:
+	// a retry leaves those out while another upstream is usable.
+	tried *Tried
 }
 
 func (c ewmaCandidates) Len() int { return len(c.pool) }
 
 // Usable is Caddy's availability and not ejected, or in panic mode just
-// "not full": panic ignores health, not max_requests.
+// "not full": panic ignores health, not max_requests. On a retry, an
+// upstream the request already tried is not usable either.
 func (c ewmaCandidates) Usable(i int) bool {
 	if c.panic {
 		if c.pool[i].Full() {
 			return false
 		}
 	} else if !c.pool[i].Available() || c.view.members[i].stats.Ejected(c.now) {
+		return false
+	}
+	if c.tried != nil && c.tried.Has(c.pool[i].Dial) {
 		return false
 	}
 	if c.ramp == nil {

@@ -47,6 +47,10 @@ type PanicSelection struct {
 	panic     panicMode
 	table     *hoststate.Table // nil without outlier ejection
 	observer  *healthx.ObservingTransport
+	// trackTried: the handler can retry, and the wrapped policy does not
+	// avoid the upstreams a request tried by itself, so the wrapper
+	// does (see tried.go)
+	trackTried bool
 }
 
 // UnmarshalJSON decodes the configuration strictly, naming the option
@@ -78,6 +82,12 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		}
 		p.inner = sel
 		p.innerName = string(mod.(caddy.Module).CaddyModule().ID.Name())
+	}
+	if _, ewma := p.inner.(*EWMASelection); !ewma {
+		// ewma records and avoids what a request tried itself, over
+		// the pool it is handed: filtered copies would give it a view
+		// per subset
+		p.trackTried = TracksTried(ctx)
 	}
 	events := healthx.NewEmitter(ctx)
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
@@ -140,11 +150,24 @@ func (p *PanicSelection) Cleanup() error {
 }
 
 // Select delegates to the wrapped policy, over health-blind twins of the
-// upstreams when the pool is in panic mode.
+// upstreams when the pool is in panic mode. On a retry the wrapped policy
+// is handed those upstreams the request has not tried yet.
 func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter) *reverseproxy.Upstream {
 	if len(pool) == 0 {
 		return nil
 	}
+	if !p.trackTried {
+		return p.choose(pool, r, w, nil)
+	}
+	attempt, tried := LoadTried(r)
+	picked := p.choose(pool, r, w, tried)
+	RecordTried(attempt, tried, picked)
+	return picked
+}
+
+// choose is Select, given what the request already tried (nil on a
+// first attempt).
+func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	v := p.viewFor(pool)
 	now := hoststate.Now()
 	if !p.panic.check(v, pool, now) {
@@ -154,14 +177,14 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 				if !v.matches(pool) {
 					// the view was found by dial addresses: these are
 					// fresh Upstream values, filter them instead
-					return p.inner.Select(v.withoutEjected(pool, now), r, w)
+					return p.selectUntried(v.withoutEjected(pool, now), r, w, tried)
 				}
-				return p.inner.Select(*kept, r, w)
+				return p.selectUntried(*kept, r, w, tried)
 			}
 		}
-		return p.inner.Select(pool, r, w)
+		return p.selectUntried(pool, r, w, tried)
 	}
-	picked := p.inner.Select(v.shadows, r, w)
+	picked := p.selectUntried(v.shadows, r, w, tried)
 	if picked == nil {
 		return nil
 	}
@@ -169,6 +192,20 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 		return pool[i]
 	}
 	return picked
+}
+
+// selectUntried has the wrapped policy choose among the members of ups
+// the request has not tried, and among all of them when it chooses none
+// of those (none is left, or none is usable).
+func (p *PanicSelection) selectUntried(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
+	if tried != nil {
+		if rest := tried.Without(ups); rest != nil {
+			if picked := p.inner.Select(rest, r, w); picked != nil {
+				return picked
+			}
+		}
+	}
+	return p.inner.Select(ups, r, w)
 }
 
 // viewFor returns the view of pool, building the twins the wrapped policy

@@ -21,6 +21,12 @@ import (
 // and the given selection policy JSON, exactly as Caddy would from a
 // config, and returns its policy and upstream pool.
 func proxyWithPolicy(b *testing.B, policy string, n int) (reverseproxy.Selector, reverseproxy.UpstreamPool) {
+	return proxyWithLB(b, policy, "", n)
+}
+
+// proxyWithLB is proxyWithPolicy with more load_balancing options (JSON
+// members, each with a leading comma).
+func proxyWithLB(b *testing.B, policy, lb string, n int) (reverseproxy.Selector, reverseproxy.UpstreamPool) {
 	ctx, err := caddy.ProvisionContext(&caddy.Config{})
 	if err != nil {
 		b.Fatal(err)
@@ -29,7 +35,7 @@ func proxyWithPolicy(b *testing.B, policy string, n int) (reverseproxy.Selector,
 	for i := range ups {
 		ups[i] = fmt.Sprintf(`{"dial":"%s-%d:80"}`, strings.ReplaceAll(b.Name(), "/", "_"), i)
 	}
-	raw := fmt.Sprintf(`{"upstreams":[%s],"load_balancing":{"selection_policy":%s}}`, strings.Join(ups, ","), policy)
+	raw := fmt.Sprintf(`{"upstreams":[%s],"load_balancing":{"selection_policy":%s%s}}`, strings.Join(ups, ","), policy, lb)
 	mod, err := ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(raw))
 	if err != nil {
 		b.Fatal(err)
@@ -47,25 +53,30 @@ func proxyWithPolicy(b *testing.B, policy string, n int) (reverseproxy.Selector,
 //
 //	go test ./lbpolicy -run '^$' -bench Select -benchmem
 func BenchmarkSelect(b *testing.B) {
-	policies := []struct{ name, json string }{
-		{"ewma_choices_2", `{"policy":"ewma","choices":2}`},
-		{"ewma_choices_all", `{"policy":"ewma","choices":"all"}`},
-		{"ewma_choices_2_outlier", `{"policy":"ewma","choices":2,"outlier":{}}`},
+	policies := []struct{ name, json, lb string }{
+		{"ewma_choices_2", `{"policy":"ewma","choices":2}`, ""},
+		{"ewma_choices_all", `{"policy":"ewma","choices":"all"}`, ""},
+		{"ewma_choices_2_outlier", `{"policy":"ewma","choices":2,"outlier":{}}`, ""},
 		// everything healthx adds to a selection: outlier ejection, a slow
 		// start (nobody ramping, the common case) and a retry budget
 		// (marking each request as it arrives)
-		{"ewma_choices_2_ss", `{"policy":"ewma","choices":2,"slow_start":{"window":"30s"}}`},
-		{"ewma_choices_2_rb", `{"policy":"ewma","choices":2,"retry_budget":{}}`},
-		{"ewma_choices_2_healthx", `{"policy":"ewma","choices":2,"outlier":{},"slow_start":{"window":"30s"},"retry_budget":{}}`},
-		{"stock_random_choose_2", `{"policy":"random_choose","choose":2}`},
-		{"stock_least_conn", `{"policy":"least_conn"}`},
-		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`},
-		{"panic_least_conn_outlier", `{"policy":"panic","outlier":{},"selection_policy":{"policy":"least_conn"}}`},
+		{"ewma_choices_2_ss", `{"policy":"ewma","choices":2,"slow_start":{"window":"30s"}}`, ""},
+		{"ewma_choices_2_rb", `{"policy":"ewma","choices":2,"retry_budget":{}}`, ""},
+		{"ewma_choices_2_healthx", `{"policy":"ewma","choices":2,"outlier":{},"slow_start":{"window":"30s"},"retry_budget":{}}`, ""},
+		{"stock_random_choose_2", `{"policy":"random_choose","choose":2}`, ""},
+		{"stock_least_conn", `{"policy":"least_conn"}`, ""},
+		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`, ""},
+		{"panic_least_conn_outlier", `{"policy":"panic","outlier":{},"selection_policy":{"policy":"least_conn"}}`, ""},
+		// with retries configured, a first attempt also records the
+		// upstream it chose, for a retry to avoid
+		{"ewma_choices_2_retries", `{"policy":"ewma","choices":2}`, `,"retries":2`},
+		{"ewma_choices_all_retries", `{"policy":"ewma","choices":"all"}`, `,"retries":2`},
+		{"panic_least_conn_retries", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`, `,"retries":2`},
 	}
 	for _, n := range []int{3, 1000} {
 		for _, p := range policies {
 			b.Run(fmt.Sprintf("%s/pool=%d", p.name, n), func(b *testing.B) {
-				sel, pool := proxyWithPolicy(b, p.json, n)
+				sel, pool := proxyWithLB(b, p.json, p.lb, n)
 				if s, ok := sel.(*EWMASelection); ok {
 					for i, u := range pool {
 						observe(s, u, time.Duration(1+i%5)*time.Millisecond, hoststate.Success)
@@ -85,6 +96,34 @@ func BenchmarkSelect(b *testing.B) {
 				}
 			})
 		}
+	}
+}
+
+// BenchmarkSelectRetry measures a request's first attempt and one retry
+// together, with retries configured: the retry reads what was tried,
+// leaves it out and records its own choice (it may allocate; a first
+// attempt does not).
+func BenchmarkSelectRetry(b *testing.B) {
+	for _, p := range []struct{ name, json string }{
+		{"ewma_choices_2", `{"policy":"ewma","choices":2}`},
+		{"ewma_choices_all", `{"policy":"ewma","choices":"all"}`},
+		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`},
+	} {
+		b.Run(p.name+"/pool=16", func(b *testing.B) {
+			sel, pool := proxyWithLB(b, p.json, `,"retries":2`, 16)
+			vars, repl := map[string]any{}, caddy.NewReplacer()
+			ctx := context.WithValue(context.WithValue(context.Background(), caddyhttp.VarsCtxKey, vars), caddy.ReplacerCtxKey, repl)
+			req := httptest.NewRequestWithContext(ctx, http.MethodGet, "/", nil)
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(vars)
+				repl.Delete(triedKey)
+				first := sel.Select(pool, req, nil)
+				if retry := sel.Select(pool, req, nil); retry == nil || retry == first {
+					b.Fatalf("retry picked %v after %v", retry, first)
+				}
+			}
+		})
 	}
 }
 

@@ -18,6 +18,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/randpick"
+	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 func init() {
@@ -87,6 +88,9 @@ type ClusterLoadSelection struct {
 
 	refresh time.Duration
 	logger  *zap.Logger
+	// trackTried: the handler can retry, so a retry avoids the
+	// upstreams its request tried (lbpolicy.Tried)
+	trackTried bool
 	// source is where the members and their loads are read: the app
 	// (tests substitute their own).
 	source loadReader
@@ -165,6 +169,7 @@ func (p *ClusterLoadSelection) Provision(ctx caddy.Context) error {
 	}
 	app := appIface.(*App)
 	p.source = app
+	p.trackTried = lbpolicy.TracksTried(ctx)
 	p.refresh = time.Duration(p.Refresh)
 	if p.refresh == 0 {
 		p.refresh = app.interval
@@ -194,10 +199,27 @@ func (p *ClusterLoadSelection) Validate() error {
 
 // Select returns the less loaded of two distinct available upstreams
 // drawn at random, the only available one, or nil when none is available.
-func (p *ClusterLoadSelection) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
-	i := chooseLessLoaded(poolLoads{pool: pool, snap: p.snapshot(pool)})
+// A retry leaves out the upstreams its request already tried, unless only
+// those are available.
+func (p *ClusterLoadSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+	var (
+		attempt lbpolicy.Attempt
+		tried   *lbpolicy.Tried
+	)
+	if p.trackTried {
+		attempt, tried = lbpolicy.LoadTried(r)
+	}
+	c := poolLoads{pool: pool, snap: p.snapshot(pool), tried: tried}
+	i := chooseLessLoaded(c)
+	if i < 0 && tried != nil {
+		c.tried = nil // only tried upstreams are available
+		i = chooseLessLoaded(c)
+	}
 	if i < 0 {
 		return nil
+	}
+	if p.trackTried {
+		lbpolicy.RecordTried(attempt, tried, pool[i])
 	}
 	return pool[i]
 }
@@ -481,12 +503,15 @@ func lessLoaded[C loadCandidates](c C, i, j int) int {
 
 // poolLoads presents a pool and a snapshot to the choosing rule.
 type poolLoads struct {
-	pool reverseproxy.UpstreamPool
-	snap *loadSnapshot
+	pool  reverseproxy.UpstreamPool
+	snap  *loadSnapshot
+	tried *lbpolicy.Tried // nil on a first attempt
 }
 
-func (c poolLoads) Len() int           { return len(c.pool) }
-func (c poolLoads) Usable(i int) bool  { return c.pool[i].Available() }
+func (c poolLoads) Len() int { return len(c.pool) }
+func (c poolLoads) Usable(i int) bool {
+	return c.pool[i].Available() && (c.tried == nil || !c.tried.Has(c.pool[i].Dial))
+}
 func (c poolLoads) Load(i int) float64 { return c.snap.load(i, c.pool[i]) }
 func (c poolLoads) InFlight(i int) int { return c.pool[i].NumRequests() }
 

@@ -1,6 +1,7 @@
 package rebalance
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/hashicorp/serf/serf"
 	"go.uber.org/zap"
@@ -441,6 +443,44 @@ func TestClusterLoadSelectEdges(t *testing.T) {
 	if s := selectShares(p, pool, 1000); s[0] != 1 {
 		t.Errorf("pool of 2 with loads 100 and 200: shares %.3f; want all to the first", s)
 	}
+}
+
+// TestClusterLoadRetryAvoidsTried: a retry (the same request, selected
+// for again) never goes back to an upstream it tried while another is
+// available, even the least loaded, which two choices would pick again
+// whenever drawn; with two upstreams both tried, a third attempt still
+// gets one, and with one upstream every attempt gets it.
+func TestClusterLoadRetryAvoidsTried(t *testing.T) {
+	pool, members := loadsPool(100, 200, 300, 400)
+	p := fixedPolicy("http_port", func() ([]memberLoad, error) { return members, nil })
+	p.trackTried = true
+	for trial := range 300 {
+		r := requestWithVars()
+		seen := map[*reverseproxy.Upstream]bool{}
+		for attempt := range len(pool) + 1 {
+			u := p.Select(pool, r, nil)
+			if u == nil || attempt < len(pool) && seen[u] {
+				t.Fatalf("request %d, attempt %d: %v (tried %d)", trial, attempt, u, len(seen))
+			}
+			seen[u] = true
+		}
+	}
+	for _, n := range []int{1, 2} {
+		r := requestWithVars()
+		for attempt := range 3 {
+			if u := p.Select(pool[:n], r, nil); u == nil {
+				t.Fatalf("pool of %d, attempt %d: nothing chosen", n, attempt)
+			}
+		}
+	}
+}
+
+// requestWithVars returns a request with variables and a replacer, as
+// Caddy's server hands it to reverse_proxy.
+func requestWithVars() *http.Request {
+	r, _ := http.NewRequest(http.MethodGet, "http://example/", nil)
+	ctx := context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{})
+	return r.WithContext(context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer()))
 }
 
 // expire makes the policy's snapshot out of date.
