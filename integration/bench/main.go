@@ -291,15 +291,17 @@ type policy struct {
 	// leastConnStyle marks the stock least-connections-style policies
 	// the tail-latency target compares against.
 	leastConnStyle bool
+	// weights marks the policies that take per-upstream weights.
+	weights bool
 }
 
 var allPolicies = []policy{
-	{key: "ewma", label: "lbx ewma", kind: kindCaddy, caddyPolicy: "ewma"},
+	{key: "ewma", label: "lbx ewma", kind: kindCaddy, caddyPolicy: "ewma", weights: true},
 	{key: "round_robin", label: "Caddy round_robin", kind: kindCaddy, caddyPolicy: "round_robin"},
 	{key: "least_conn", label: "Caddy least_conn", kind: kindCaddy, caddyPolicy: "least_conn", leastConnStyle: true},
 	{key: "random_choose_2", label: "Caddy random_choose 2", kind: kindCaddy, caddyPolicy: "random_choose 2", leastConnStyle: true},
-	{key: "nginx", label: "nginx least_conn", kind: kindNginx, leastConnStyle: true},
-	{key: "haproxy", label: "HAProxy leastconn", kind: kindHAProxy, leastConnStyle: true},
+	{key: "nginx", label: "nginx least_conn", kind: kindNginx, leastConnStyle: true, weights: true},
+	{key: "haproxy", label: "HAProxy leastconn", kind: kindHAProxy, leastConnStyle: true, weights: true},
 	{key: "direct", label: "direct (1 healthy backend)", kind: kindDirect},
 }
 

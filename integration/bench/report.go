@@ -20,8 +20,10 @@ type caseResult struct {
 	OfferedRate float64 `json:"offered_rate"`
 	// Summary is the client's view of the measured window.
 	Summary loadmodel.Summary `json:"summary"`
-	// DegradedShare is the fraction of the measured requests that reached
-	// a degraded backend (counted by the backends, so requests that timed
+	// DegradedShare is the fraction of the measured requests (attempts,
+	// with retries) that reached a degraded backend — or, in the
+	// scenario classes, whichever backends the variant marks: degraded,
+	// slower or failing (counted by the backends, so requests that timed
 	// out in a queue count too); nil where it means nothing.
 	DegradedShare *float64 `json:"degraded_share,omitempty"`
 	// ProxyCPUus is the proxy processes' user+system CPU time from the
@@ -36,6 +38,12 @@ type caseResult struct {
 	CPUPressure  *float64        `json:"cpu_pressure,omitempty"`
 	MaxSendLagMs float64         `json:"max_send_lag_ms"`
 	Backends     []backendResult `json:"backends"`
+	// Windows summarizes parts of the measured window on their own (the
+	// scenario classes' load step), by name.
+	Windows map[string]loadmodel.Summary `json:"windows,omitempty"`
+	// Seed is the seed of a scenario-class case (0 in the A/B/C
+	// scenarios).
+	Seed int `json:"seed,omitempty"`
 	// LBXState is lbx's view of the upstreams (GET /lbx/upstreams on
 	// Caddy's admin API) right after the measured window, for ewma.
 	LBXState json.RawMessage `json:"lbx_state,omitempty"`
@@ -44,13 +52,19 @@ type caseResult struct {
 
 // backendResult is what one backend saw of a measured window.
 type backendResult struct {
-	Name     string `json:"name"`
-	Degraded bool   `json:"degraded"`
+	Name string `json:"name"`
+	// Degraded marks a degraded backend — or, in the scenario classes,
+	// one the variant marks (degraded, slower or failing).
+	Degraded bool `json:"degraded"`
 	loadmodel.Counters
 	// Utilization is the fraction of the backend's worker time that was
 	// busy during the measured window: served × mean hold time ÷
 	// (workers × window).
 	Utilization float64 `json:"utilization"`
+	// Buckets are the backend's arrivals of load traffic per
+	// loadmodel.ArrivalBucket since the case's epoch (warm-up included),
+	// where the variant asks for them.
+	Buckets []int64 `json:"arrivals_per_100ms,omitempty"`
 }
 
 // oneLine is the progress line of a case.
