@@ -191,7 +191,8 @@ type proxyOptions struct {
 	// nginx OSS has no active checks and keeps its passive defaults.
 	HealthCheck bool
 	// Retries retries failed attempts on another upstream: Caddy
-	// lb_retries 2 with a retry match on 502/503/504, nginx
+	// lb_retries 2 with a retry match on transport errors and on
+	// 502/503/504 (see caddyfileTemplate), nginx
 	// proxy_next_upstream on errors, timeouts and 502/503/504 for up to 3
 	// tries, HAProxy retries 2 on connection failures, empty responses,
 	// response timeouts and 502/503/504, redispatching every retry.
@@ -221,6 +222,15 @@ type proxyConfig struct {
 // logs, plain HTTP on 127.0.0.1, and reverse_proxy with the default
 // transport and every default except the selection policy (and the health
 // checks and retries a scenario asks for).
+//
+// The retries match transport errors in a matcher set of their own, and
+// first: Caddy v2.11.9 evaluates every lb_retry_match set for a transport
+// error (a reset after the request was sent), and a status expression
+// alone never matches one (no status), so `lb_retries 2` with only
+// `{http.reverse_proxy.status_code} in [502, 503, 504]` retries no reset
+// at all; a set that errors ends the evaluation, hence the order. For a
+// response, Caddy evaluates only the sets that read response
+// placeholders: the status one.
 var caddyfileTemplate = template.Must(template.New("Caddyfile").Parse(`{
 	admin 127.0.0.1:{{.AdminPort}}
 	persist_config off
@@ -247,6 +257,9 @@ http://:{{.Port}} {
 {{- end}}
 {{- if .Retries}}
 		lb_retries 2
+		lb_retry_match {
+			expression ` + "`{http.reverse_proxy.is_transport_error} == true`" + `
+		}
 		lb_retry_match {
 			expression ` + "`{http.reverse_proxy.status_code} in [502, 503, 504]`" + `
 		}

@@ -383,21 +383,7 @@ func (r *report) writeMarkdown(w io.Writer) error {
 				x.Label, x.Throughput, fmtMs(x.P50ms), fmtMs(x.P99ms), fmtMs(x.P999ms), errs, share, cpu)
 		}
 		b.WriteString("\nPer backend: share of the measured requests that reached it · most requests it held at once (queued + in service) · utilization of its workers.\n\n")
-		b.WriteString("| policy |")
-		for _, n := range s.Backends {
-			if slices.Contains(s.Degraded, n) {
-				n += " (degraded)"
-			}
-			b.WriteString(" " + n + " |")
-		}
-		b.WriteString("\n|---|" + strings.Repeat("--:|", len(s.Backends)) + "\n")
-		for _, x := range s.Rows {
-			b.WriteString("| " + x.Label + " |")
-			for _, n := range s.Backends {
-				fmt.Fprintf(&b, " %.1f%% · %.0f · %.0f%% |", 100*x.Share[n], x.MaxInSystem[n], 100*x.Utilization[n])
-			}
-			b.WriteString("\n")
-		}
+		backendTable(&b, s.Backends, s.Degraded, "degraded", s.Rows)
 		if s.CPUPressureMedian != nil {
 			fmt.Fprintf(&b, "\nCPU pressure (share of time some task waited for a CPU, Linux PSI) during the measured windows: median %.0f%%, worst %.0f%%.\n",
 				100**s.CPUPressureMedian, 100**s.CPUPressureMax)
@@ -443,6 +429,27 @@ func (r *report) writeMarkdown(w io.Writer) error {
 	b.WriteString("Latencies run from each request's intended send time. p99 differences under ~3 ms are noise on a shared 2-core VM.\n")
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// backendTable renders, per policy (row), each backend's median share of
+// the measured requests, most requests held at once and utilization; the
+// marked backends' names carry label.
+func backendTable(b *strings.Builder, names, marked []string, label string, rows []row) {
+	b.WriteString("| policy |")
+	for _, n := range names {
+		if slices.Contains(marked, n) {
+			n += " (" + label + ")"
+		}
+		b.WriteString(" " + n + " |")
+	}
+	b.WriteString("\n|---|" + strings.Repeat("--:|", len(names)) + "\n")
+	for _, x := range rows {
+		b.WriteString("| " + x.Label + " |")
+		for _, n := range names {
+			fmt.Fprintf(b, " %.1f%% · %.0f · %.0f%% |", 100*x.Share[n], x.MaxInSystem[n], 100*x.Utilization[n])
+		}
+		b.WriteString("\n")
+	}
 }
 
 // describeModel renders a backend model for the report header.
