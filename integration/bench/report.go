@@ -48,6 +48,8 @@ type caseResult struct {
 	// Caddy's admin API) right after the measured window, for ewma.
 	LBXState json.RawMessage `json:"lbx_state,omitempty"`
 	Notes    []string        `json:"notes,omitempty"`
+
+	markLabel string // what DegradedShare counts, for oneLine ("degraded" if empty)
 }
 
 // backendResult is what one backend saw of a measured window.
@@ -72,7 +74,11 @@ func (c caseResult) oneLine() string {
 	s := c.Summary
 	line := fmt.Sprintf("%7.1f req/s  p50 %7.2f ms  p99 %8.2f ms  p999 %8.2f ms  errors %5d", s.Throughput, ms(s.P50), ms(s.P99), ms(s.P999), s.Errors)
 	if c.DegradedShare != nil {
-		line += fmt.Sprintf("  degraded %5.1f%%", 100**c.DegradedShare)
+		label := c.markLabel
+		if label == "" {
+			label = "degraded"
+		}
+		line += fmt.Sprintf("  %s %5.1f%%", label, 100**c.DegradedShare)
 	}
 	if c.ProxyCPUus != nil {
 		line += fmt.Sprintf("  cpu %4.0f µs/req", *c.ProxyCPUus)

@@ -198,8 +198,10 @@ type caseSpec struct {
 	directRate                float64
 	warmup, duration, timeout time.Duration
 	// marked flags the backends whose share of the load is reported
-	// (DegradedShare): degraded, slower or failing ones.
-	marked []bool
+	// (DegradedShare): degraded, slower or failing ones; markLabel names
+	// them in progress lines ("degraded" if empty).
+	marked    []bool
+	markLabel string
 	// windows are parts of the measured window summarized on their own
 	// (caseResult.Windows), by name.
 	windows []window
@@ -218,7 +220,7 @@ type window struct {
 
 // runCase measures one policy once.
 func runCase(ctx context.Context, t tools, cs caseSpec, pol policy, backends []*loadmodel.Backend, dir string) (caseResult, error) {
-	cr := caseResult{Scenario: cs.scenario, Policy: pol.key, OfferedRate: cs.rate}
+	cr := caseResult{Scenario: cs.scenario, Policy: pol.key, OfferedRate: cs.rate, markLabel: cs.markLabel}
 
 	// Let the previous case's leftovers drain so they do not count here.
 	idleCtx, cancel := context.WithTimeout(ctx, 5*time.Second)

@@ -320,7 +320,8 @@ func buildVariants(duration time.Duration) []variant {
 		base := variant{
 			class: "mixed", models: ms, marked: lastMarked(4, 2), markLabel: "slower",
 			rate: rate, directRate: math.Round(0.65 * cap4ms),
-			load: fmt.Sprintf("65%% of the pool's capacity; capacity-proportional shares send %.0f%% to the slower pair", 100*2*slowCap/total),
+			load:  fmt.Sprintf("65%% of the pool's capacity; capacity-proportional shares send %.0f%% to the slower pair", 100*2*slowCap/total),
+			notes: []string{"direct hits b1, a fast backend, at its capacity-proportional share (65% of its capacity)"},
 			about: fmt.Sprintf("Two backends of 4 ms and two of %v (%d:1), no stalls: mixed machine sizes. "+
 				"A balancer that chases the fastest backend overloads the fast pair; one that splits by count overloads the slow pair.", slowSvc, ratio),
 		}
@@ -330,8 +331,8 @@ func buildVariants(duration time.Duration) []variant {
 		w := base
 		w.name, w.title = fmt.Sprintf("mixed-%dto1-weighted", ratio), fmt.Sprintf("mixed capacity %d:1, weighted %d %d 1 1", ratio, ratio, ratio)
 		w.proxy.Weights = []int{ratio, ratio, 1, 1}
-		w.notes = []string{fmt.Sprintf("lbx ewma gets `weights %d %d 1 1`, nginx and HAProxy the same server weights; "+
-			"Caddy's stock least_conn, random_choose and round_robin take no weights and run unweighted", ratio, ratio)}
+		w.notes = append(slices.Clone(base.notes), fmt.Sprintf("lbx ewma gets `weights %d %d 1 1`, nginx and HAProxy the same server weights; "+
+			"Caddy's stock least_conn, random_choose and round_robin take no weights and run unweighted", ratio, ratio))
 		vs = append(vs, w)
 	}
 
@@ -354,7 +355,8 @@ func buildVariants(duration time.Duration) []variant {
 			about: "Every backend freezes now and then, as a process does in a GC pause; the stall's latency samples arrive after it ended. " +
 				"A balancer should steer around a backend while it is stalled and give it its share back at once afterwards.",
 			models: ms, rate: rate, directRate: rate / 4,
-			load: "65% of capacity (stalls take 4–5% of it)",
+			load:  "65% of capacity (stalls take 4–5% of it)",
+			notes: []string{"direct hits b1, which stalls like every backend here"},
 		})
 	}
 
@@ -501,6 +503,7 @@ func (v variant) caseSpec(cfg *scenConfig) caseSpec {
 		duration:   cfg.duration,
 		timeout:    cfg.timeout,
 		marked:     v.marked,
+		markLabel:  v.markLabel,
 		windows:    v.windows,
 		buckets:    v.recoverAt > 0,
 		proxy:      v.proxy,

@@ -610,31 +610,38 @@ func writeVariant(b *strings.Builder, v variantSummary, cases []caseResult) {
 	for _, n := range v.Notes {
 		fmt.Fprintf(b, "Note: %s.\n\n", n)
 	}
-	share := "—"
-	if v.MarkLabel != "" {
-		share = "share to " + v.MarkLabel
+	hasShare, hasWin := v.MarkLabel != "", len(v.Windows) > 0
+	b.WriteString("| policy | p50 | p99 | p99.9 | errors (median, max) |")
+	if hasShare {
+		b.WriteString(" share to " + v.MarkLabel + " |")
 	}
-	hasWin := len(v.Windows) > 0
-	b.WriteString("| policy | p50 | p99 | p99.9 | errors (median, max) | " + share + " | proxy CPU/request |")
+	b.WriteString(" proxy CPU/request |")
 	if hasWin {
 		b.WriteString(" p99 in step |")
 	}
-	b.WriteString("\n|---|--:|--:|--:|--:|--:|--:|")
+	b.WriteString("\n|---|--:|--:|--:|--:|--:|")
+	if hasShare {
+		b.WriteString("--:|")
+	}
 	if hasWin {
 		b.WriteString("--:|")
 	}
 	b.WriteString("\n")
 	for _, x := range v.Rows {
-		sh := "—"
-		if x.MarkedShare != nil {
-			sh = fmtStat(*x.MarkedShare, fmtPct)
-		}
 		cpu := "—"
 		if x.ProxyCPUus != nil {
 			cpu = fmt.Sprintf("%.0f µs", *x.ProxyCPUus)
 		}
-		fmt.Fprintf(b, "| %s | %s | %s | %s | %s, %s | %s | %s |", x.Label, fmtStat(x.P50, fmtMs), fmtStat(x.P99, fmtMs), fmtStat(x.P999, fmtMs),
-			fmtPct(x.ErrorPct.Median), fmtPct(x.ErrorPct.Max), sh, cpu)
+		fmt.Fprintf(b, "| %s | %s | %s | %s | %s, %s |", x.Label, fmtStat(x.P50, fmtMs), fmtStat(x.P99, fmtMs), fmtStat(x.P999, fmtMs),
+			fmtPct(x.ErrorPct.Median), fmtPct(x.ErrorPct.Max))
+		if hasShare {
+			sh := "—"
+			if x.MarkedShare != nil {
+				sh = fmtStat(*x.MarkedShare, fmtPct)
+			}
+			fmt.Fprintf(b, " %s |", sh)
+		}
+		fmt.Fprintf(b, " %s |", cpu)
 		if hasWin {
 			fmt.Fprintf(b, " %s |", fmtStat(x.Windows["step"], fmtMs))
 		}
