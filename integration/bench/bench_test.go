@@ -9,7 +9,8 @@ import (
 )
 
 // TestQuick runs the benchmark end to end in -quick mode: it builds
-// cmd/caddy, starts the backends and two Caddy proxies, and sends a few
+// cmd/caddy (once for the package's tests), starts the backends and two
+// Caddy proxies, and sends a few
 // seconds of load through each. It checks that the command works and that
 // ewma served every request, never how fast anything was.
 func TestQuick(t *testing.T) {
@@ -19,7 +20,7 @@ func TestQuick(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var out bytes.Buffer
-	rep, err := run(ctx, []string{"-quick"}, "go test ./integration/bench", &out, testWriter{t})
+	rep, err := run(ctx, []string{"-quick", "-caddy", testCaddy(t)}, "go test ./integration/bench", &out, testWriter{t})
 	if err != nil {
 		t.Fatal(err)
 	}

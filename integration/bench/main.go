@@ -8,6 +8,7 @@
 //	go run ./integration/bench [flags]
 //	go run ./integration/bench -quick   # a smoke test of well under a minute
 //	go run ./integration/bench rebalance [flags]   # the rebalance scale-out, with a plot
+//	go run ./integration/bench scenarios [flags]   # the scenario classes of issue 11 (docs/bench.md)
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -56,9 +57,12 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	var err error
-	if len(os.Args) > 1 && os.Args[1] == "rebalance" {
+	switch {
+	case len(os.Args) > 1 && os.Args[1] == "rebalance":
 		_, err = runRebalance(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
-	} else {
+	case len(os.Args) > 1 && os.Args[1] == "scenarios":
+		_, err = runScenarios(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	default:
 		_, err = run(ctx, os.Args[1:], commandLine(os.Args), os.Stdout, os.Stderr)
 	}
 	if err != nil {
@@ -291,15 +295,17 @@ type policy struct {
 	// leastConnStyle marks the stock least-connections-style policies
 	// the tail-latency target compares against.
 	leastConnStyle bool
+	// weights marks the policies that take per-upstream weights.
+	weights bool
 }
 
 var allPolicies = []policy{
-	{key: "ewma", label: "lbx ewma", kind: kindCaddy, caddyPolicy: "ewma"},
+	{key: "ewma", label: "lbx ewma", kind: kindCaddy, caddyPolicy: "ewma", weights: true},
 	{key: "round_robin", label: "Caddy round_robin", kind: kindCaddy, caddyPolicy: "round_robin"},
 	{key: "least_conn", label: "Caddy least_conn", kind: kindCaddy, caddyPolicy: "least_conn", leastConnStyle: true},
 	{key: "random_choose_2", label: "Caddy random_choose 2", kind: kindCaddy, caddyPolicy: "random_choose 2", leastConnStyle: true},
-	{key: "nginx", label: "nginx least_conn", kind: kindNginx, leastConnStyle: true},
-	{key: "haproxy", label: "HAProxy leastconn", kind: kindHAProxy, leastConnStyle: true},
+	{key: "nginx", label: "nginx least_conn", kind: kindNginx, leastConnStyle: true, weights: true},
+	{key: "haproxy", label: "HAProxy leastconn", kind: kindHAProxy, leastConnStyle: true, weights: true},
 	{key: "direct", label: "direct (1 healthy backend)", kind: kindDirect},
 }
 

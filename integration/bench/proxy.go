@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/caddy-lbx/lbx/integration/fleet"
+	"github.com/caddy-lbx/lbx/integration/loadmodel"
 )
 
 // process is a child process started by the benchmark, with its output in
@@ -178,19 +179,58 @@ func proxyEnv(dir string) []string {
 	)
 }
 
+// proxyOptions are the settings a scenario adds to every proxy's
+// defaults. The zero value adds nothing.
+type proxyOptions struct {
+	// Weights, one per upstream, go to the policies that take weights
+	// (policy.weights: lbx ewma, nginx, HAProxy); Caddy's stock policies
+	// run unweighted.
+	Weights []int
+	// HealthCheck turns on active health checks of loadmodel.HealthPath
+	// every healthInterval: Caddy's health_uri, HAProxy's option httpchk.
+	// nginx OSS has no active checks and keeps its passive defaults.
+	HealthCheck bool
+	// Retries retries failed attempts on another upstream: Caddy
+	// lb_retries 2 with a retry match on transport errors and on
+	// 502/503/504 (see caddyfileTemplate), nginx
+	// proxy_next_upstream on errors, timeouts and 502/503/504 for up to 3
+	// tries, HAProxy retries 2 on connection failures, empty responses,
+	// response timeouts and 502/503/504, redispatching every retry.
+	Retries bool
+}
+
+// healthInterval is the active health checks' interval.
+const healthInterval = "500ms"
+
 // proxyConfig is what the config templates are filled with.
 type proxyConfig struct {
 	Dir       string
 	Port      int
 	AdminPort int      // Caddy's admin API
 	Upstream  []string // host:port of every backend
+	Weight    []int    // per upstream, or nil
 	Policy    string   // Caddy's lb_policy arguments
+	// PolicyOptions are lines of the lb_policy block, if any.
+	PolicyOptions  []string
+	HealthURI      string // "" for no active health checks
+	HealthInterval string
+	Retries        bool
 }
 
 // caddyfileTemplate is the Caddy config: the admin API on a loopback port
 // (idle unless lbx's state is fetched at the end of a case), errors-only
 // logs, plain HTTP on 127.0.0.1, and reverse_proxy with the default
-// transport and every default except the selection policy.
+// transport and every default except the selection policy (and the health
+// checks and retries a scenario asks for).
+//
+// The retries match transport errors in a matcher set of their own, and
+// first: Caddy v2.11.9 evaluates every lb_retry_match set for a transport
+// error (a reset after the request was sent), and a status expression
+// alone never matches one (no status), so `lb_retries 2` with only
+// `{http.reverse_proxy.status_code} in [502, 503, 504]` retries no reset
+// at all; a set that errors ends the evaluation, hence the order. For a
+// response, Caddy evaluates only the sets that read response
+// placeholders: the status one.
 var caddyfileTemplate = template.Must(template.New("Caddyfile").Parse(`{
 	admin 127.0.0.1:{{.AdminPort}}
 	persist_config off
@@ -205,13 +245,35 @@ http://:{{.Port}} {
 	bind 127.0.0.1
 	reverse_proxy{{range .Upstream}} {{.}}{{end}} {
 		lb_policy {{.Policy}}
+{{- if .PolicyOptions}} {
+{{- range .PolicyOptions}}
+			{{.}}
+{{- end}}
+		}
+{{- end}}
+{{- if .HealthURI}}
+		health_uri {{.HealthURI}}
+		health_interval {{.HealthInterval}}
+{{- end}}
+{{- if .Retries}}
+		lb_retries 2
+		lb_retry_match {
+			expression ` + "`{http.reverse_proxy.is_transport_error} == true`" + `
+		}
+		lb_retry_match {
+			expression ` + "`{http.reverse_proxy.status_code} in [502, 503, 504]`" + `
+		}
+{{- end}}
 	}
 }
 `))
 
 // nginxTemplate is the nginx config: one process in the foreground, all
 // files in Dir, no access log, and upstream keep-alive so nginx is not
-// charged for connection setup. Everything else is nginx's default.
+// charged for connection setup. Everything else is nginx's default
+// (including passive health: max_fails=1 fail_timeout=10s, and
+// proxy_next_upstream error timeout), except the weights and retries a
+// scenario asks for.
 var nginxTemplate = template.Must(template.New("nginx.conf").Parse(`daemon off;
 master_process off;
 worker_processes 1;
@@ -234,8 +296,8 @@ http {
 
 	upstream backends {
 		least_conn;
-{{- range .Upstream}}
-		server {{.}};
+{{- range $i, $u := .Upstream}}
+		server {{$u}}{{if $.Weight}} weight={{index $.Weight $i}}{{end}};
 {{- end}}
 		keepalive 256;
 		keepalive_requests 1000000;
@@ -247,6 +309,10 @@ http {
 			proxy_pass http://backends;
 			proxy_http_version 1.1;
 			proxy_set_header Connection "";
+{{- if .Retries}}
+			proxy_next_upstream error timeout http_502 http_503 http_504;
+			proxy_next_upstream_tries 3;
+{{- end}}
 		}
 	}
 }
@@ -254,7 +320,8 @@ http {
 
 // haproxyTemplate is the HAProxy config: HTTP mode, leastconn, server-side
 // connection reuse, no logs, and timeouts longer than any request of the
-// benchmark. Everything else is HAProxy's default.
+// benchmark. Everything else is HAProxy's default, except the weights,
+// health checks and retries a scenario asks for.
 var haproxyTemplate = template.Must(template.New("haproxy.cfg").Parse(`global
 	maxconn 8192
 	hard-stop-after 3s
@@ -273,8 +340,16 @@ frontend fe
 
 backend be
 	balance leastconn
+{{- if .HealthURI}}
+	option httpchk GET {{.HealthURI}}
+{{- end}}
+{{- if .Retries}}
+	retries 2
+	retry-on conn-failure empty-response response-timeout 502 503 504
+	option redispatch 1
+{{- end}}
 {{- range $i, $u := .Upstream}}
-	server b{{$i}} {{$u}}
+	server b{{$i}} {{$u}}{{if $.Weight}} weight {{index $.Weight $i}}{{end}}{{if $.HealthURI}} check inter {{$.HealthInterval}}{{end}}
 {{- end}}
 `))
 
@@ -298,14 +373,45 @@ type tools struct {
 	haproxy string // "" if not installed
 }
 
+// newProxyConfig fills the config of pol's proxy (all but its ports) in
+// front of upstreams with opts.
+func newProxyConfig(pol policy, dir string, upstreams []string, opts proxyOptions) (proxyConfig, error) {
+	c := proxyConfig{Dir: dir, Upstream: upstreams, Policy: pol.caddyPolicy}
+	if len(opts.Weights) > 0 {
+		if len(opts.Weights) != len(upstreams) {
+			return c, fmt.Errorf("%d weights for %d upstreams", len(opts.Weights), len(upstreams))
+		}
+		if pol.weights {
+			if pol.kind == kindCaddy {
+				w := make([]string, len(opts.Weights))
+				for i, x := range opts.Weights {
+					w[i] = strconv.Itoa(x)
+				}
+				c.PolicyOptions = append(c.PolicyOptions, "weights "+strings.Join(w, " "))
+			} else {
+				c.Weight = opts.Weights
+			}
+		}
+	}
+	if opts.HealthCheck {
+		c.HealthURI, c.HealthInterval = loadmodel.HealthPath, healthInterval
+	}
+	c.Retries = opts.Retries
+	return c, nil
+}
+
 // startProxy starts the load balancer that pol names in a new directory
 // under dir, in front of upstreams, and waits until it answers.
-func startProxy(ctx context.Context, t tools, pol policy, dir string, upstreams []string) (*proxy, error) {
+func startProxy(ctx context.Context, t tools, pol policy, dir string, upstreams []string, opts proxyOptions) (*proxy, error) {
 	port, err := fleet.FreePort()
 	if err != nil {
 		return nil, err
 	}
-	c := proxyConfig{Dir: dir, Port: port, Upstream: upstreams, Policy: pol.caddyPolicy}
+	c, err := newProxyConfig(pol, dir, upstreams, opts)
+	if err != nil {
+		return nil, err
+	}
+	c.Port = port
 	var p *process
 	adminURL := ""
 	switch pol.kind {
@@ -341,7 +447,7 @@ func startProxy(ctx context.Context, t tools, pol policy, dir string, upstreams 
 		return nil, err
 	}
 	px := &proxy{url: "http://127.0.0.1:" + strconv.Itoa(port) + "/", adminURL: adminURL, proc: p}
-	if err := waitReady(ctx, px.url, p); err != nil {
+	if err := waitReady(ctx, px.url+loadmodel.HealthPath[1:], p); err != nil {
 		stopErr := px.stop()
 		return nil, errors.Join(fmt.Errorf("%s for %s: %w\n%s", p.name, pol.key, err, p.logTail()), stopErr)
 	}
@@ -349,7 +455,9 @@ func startProxy(ctx context.Context, t tools, pol policy, dir string, upstreams 
 }
 
 // waitReady polls url until it answers 200, the process exits, ctx is
-// done or 20 seconds pass.
+// done or 20 seconds pass. The benchmark polls the backends' health path
+// through the proxy, which every backend answers at once, even one that
+// fails everything else.
 func waitReady(ctx context.Context, url string, p *process) error {
 	ctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()

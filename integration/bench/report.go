@@ -20,8 +20,10 @@ type caseResult struct {
 	OfferedRate float64 `json:"offered_rate"`
 	// Summary is the client's view of the measured window.
 	Summary loadmodel.Summary `json:"summary"`
-	// DegradedShare is the fraction of the measured requests that reached
-	// a degraded backend (counted by the backends, so requests that timed
+	// DegradedShare is the fraction of the measured requests (attempts,
+	// with retries) that reached a degraded backend — or, in the
+	// scenario classes, whichever backends the variant marks: degraded,
+	// slower or failing (counted by the backends, so requests that timed
 	// out in a queue count too); nil where it means nothing.
 	DegradedShare *float64 `json:"degraded_share,omitempty"`
 	// ProxyCPUus is the proxy processes' user+system CPU time from the
@@ -36,21 +38,35 @@ type caseResult struct {
 	CPUPressure  *float64        `json:"cpu_pressure,omitempty"`
 	MaxSendLagMs float64         `json:"max_send_lag_ms"`
 	Backends     []backendResult `json:"backends"`
+	// Windows summarizes parts of the measured window on their own (the
+	// scenario classes' load step), by name.
+	Windows map[string]loadmodel.Summary `json:"windows,omitempty"`
+	// Seed is the seed of a scenario-class case (0 in the A/B/C
+	// scenarios).
+	Seed int `json:"seed,omitempty"`
 	// LBXState is lbx's view of the upstreams (GET /lbx/upstreams on
 	// Caddy's admin API) right after the measured window, for ewma.
 	LBXState json.RawMessage `json:"lbx_state,omitempty"`
 	Notes    []string        `json:"notes,omitempty"`
+
+	markLabel string // what DegradedShare counts, for oneLine ("degraded" if empty)
 }
 
 // backendResult is what one backend saw of a measured window.
 type backendResult struct {
-	Name     string `json:"name"`
-	Degraded bool   `json:"degraded"`
+	Name string `json:"name"`
+	// Degraded marks a degraded backend — or, in the scenario classes,
+	// one the variant marks (degraded, slower or failing).
+	Degraded bool `json:"degraded"`
 	loadmodel.Counters
 	// Utilization is the fraction of the backend's worker time that was
 	// busy during the measured window: served × mean hold time ÷
 	// (workers × window).
 	Utilization float64 `json:"utilization"`
+	// Buckets are the backend's arrivals of load traffic per
+	// loadmodel.ArrivalBucket since the case's epoch (warm-up included),
+	// where the variant asks for them.
+	Buckets []int64 `json:"arrivals_per_100ms,omitempty"`
 }
 
 // oneLine is the progress line of a case.
@@ -58,7 +74,11 @@ func (c caseResult) oneLine() string {
 	s := c.Summary
 	line := fmt.Sprintf("%7.1f req/s  p50 %7.2f ms  p99 %8.2f ms  p999 %8.2f ms  errors %5d", s.Throughput, ms(s.P50), ms(s.P99), ms(s.P999), s.Errors)
 	if c.DegradedShare != nil {
-		line += fmt.Sprintf("  degraded %5.1f%%", 100**c.DegradedShare)
+		label := c.markLabel
+		if label == "" {
+			label = "degraded"
+		}
+		line += fmt.Sprintf("  %s %5.1f%%", label, 100**c.DegradedShare)
 	}
 	if c.ProxyCPUus != nil {
 		line += fmt.Sprintf("  cpu %4.0f µs/req", *c.ProxyCPUus)
@@ -369,21 +389,7 @@ func (r *report) writeMarkdown(w io.Writer) error {
 				x.Label, x.Throughput, fmtMs(x.P50ms), fmtMs(x.P99ms), fmtMs(x.P999ms), errs, share, cpu)
 		}
 		b.WriteString("\nPer backend: share of the measured requests that reached it · most requests it held at once (queued + in service) · utilization of its workers.\n\n")
-		b.WriteString("| policy |")
-		for _, n := range s.Backends {
-			if slices.Contains(s.Degraded, n) {
-				n += " (degraded)"
-			}
-			b.WriteString(" " + n + " |")
-		}
-		b.WriteString("\n|---|" + strings.Repeat("--:|", len(s.Backends)) + "\n")
-		for _, x := range s.Rows {
-			b.WriteString("| " + x.Label + " |")
-			for _, n := range s.Backends {
-				fmt.Fprintf(&b, " %.1f%% · %.0f · %.0f%% |", 100*x.Share[n], x.MaxInSystem[n], 100*x.Utilization[n])
-			}
-			b.WriteString("\n")
-		}
+		backendTable(&b, s.Backends, s.Degraded, "degraded", s.Rows)
 		if s.CPUPressureMedian != nil {
 			fmt.Fprintf(&b, "\nCPU pressure (share of time some task waited for a CPU, Linux PSI) during the measured windows: median %.0f%%, worst %.0f%%.\n",
 				100**s.CPUPressureMedian, 100**s.CPUPressureMax)
@@ -429,6 +435,27 @@ func (r *report) writeMarkdown(w io.Writer) error {
 	b.WriteString("Latencies run from each request's intended send time. p99 differences under ~3 ms are noise on a shared 2-core VM.\n")
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// backendTable renders, per policy (row), each backend's median share of
+// the measured requests, most requests held at once and utilization; the
+// marked backends' names carry label.
+func backendTable(b *strings.Builder, names, marked []string, label string, rows []row) {
+	b.WriteString("| policy |")
+	for _, n := range names {
+		if slices.Contains(marked, n) {
+			n += " (" + label + ")"
+		}
+		b.WriteString(" " + n + " |")
+	}
+	b.WriteString("\n|---|" + strings.Repeat("--:|", len(names)) + "\n")
+	for _, x := range rows {
+		b.WriteString("| " + x.Label + " |")
+		for _, n := range names {
+			fmt.Fprintf(b, " %.1f%% · %.0f · %.0f%% |", 100*x.Share[n], x.MaxInSystem[n], 100*x.Utilization[n])
+		}
+		b.WriteString("\n")
+	}
 }
 
 // describeModel renders a backend model for the report header.

@@ -33,17 +33,9 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 	}
 	defer os.RemoveAll(tmp)
 
-	t := tools{caddy: cfg.caddyBin}
-	source := "Caddy binary given with -caddy"
-	if t.caddy == "" {
-		root, err := moduleRoot(ctx)
-		if err != nil {
-			return nil, err
-		}
-		if t.caddy, err = buildCaddy(ctx, root, tmp, progress); err != nil {
-			return nil, err
-		}
-		source = "./cmd/caddy built from " + gitState(ctx, root)
+	t, source, versions, notes, pols, err := setupTools(ctx, cfg.caddyBin, cfg.policies, tmp, progress)
+	if err != nil {
+		return nil, err
 	}
 	rep := &report{
 		Command:   cmdline,
@@ -58,26 +50,8 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 		Slow:      cfg.slow,
 		CPUs:      runtime.NumCPU(),
 		LoadStart: loadAverage(),
-		Versions:  map[string]string{"go": runtime.Version(), "caddy": toolVersion(ctx, t.caddy, "version")},
-	}
-	// Keep only the policies that can run here; note the others.
-	var pols []policy
-	for _, p := range cfg.policies {
-		switch p.kind {
-		case kindNginx:
-			if t.nginx, err = exec.LookPath("nginx"); err != nil {
-				rep.Notes = append(rep.Notes, "nginx least_conn skipped: no nginx in PATH")
-				continue
-			}
-			rep.Versions["nginx"] = strings.TrimPrefix(toolVersion(ctx, t.nginx, "-v"), "nginx version: ")
-		case kindHAProxy:
-			if t.haproxy, err = exec.LookPath("haproxy"); err != nil {
-				rep.Notes = append(rep.Notes, "HAProxy leastconn skipped: no haproxy in PATH")
-				continue
-			}
-			rep.Versions["haproxy"] = strings.TrimPrefix(toolVersion(ctx, t.haproxy, "-v"), "HAProxy version ")
-		}
-		pols = append(pols, p)
+		Versions:  versions,
+		Notes:     notes,
 	}
 
 	var runErr error
@@ -118,6 +92,46 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 	return rep, nil
 }
 
+// setupTools finds or builds what the policies need: the Caddy binary
+// (caddyBin, or ./cmd/caddy built into tmp), nginx and HAProxy from PATH.
+// It returns them, a description of the Caddy binary's source, the tools'
+// versions, notes on the policies skipped because their proxy is not
+// installed, and the policies that can run.
+func setupTools(ctx context.Context, caddyBin string, policies []policy, tmp string, progress io.Writer) (t tools, source string, versions map[string]string, notes []string, pols []policy, err error) {
+	t = tools{caddy: caddyBin}
+	source = "Caddy binary given with -caddy"
+	if t.caddy == "" {
+		root, err := moduleRoot(ctx)
+		if err != nil {
+			return t, "", nil, nil, nil, err
+		}
+		if t.caddy, err = buildCaddy(ctx, root, tmp, progress); err != nil {
+			return t, "", nil, nil, nil, err
+		}
+		source = "./cmd/caddy built from " + gitState(ctx, root)
+	}
+	versions = map[string]string{"go": runtime.Version(), "caddy": toolVersion(ctx, t.caddy, "version")}
+	// Keep only the policies that can run here; note the others.
+	for _, p := range policies {
+		switch p.kind {
+		case kindNginx:
+			if t.nginx, err = exec.LookPath("nginx"); err != nil {
+				notes = append(notes, "nginx least_conn skipped: no nginx in PATH (apt-get install nginx)")
+				continue
+			}
+			versions["nginx"] = strings.TrimPrefix(toolVersion(ctx, t.nginx, "-v"), "nginx version: ")
+		case kindHAProxy:
+			if t.haproxy, err = exec.LookPath("haproxy"); err != nil {
+				notes = append(notes, "HAProxy leastconn skipped: no haproxy in PATH (apt-get install haproxy)")
+				continue
+			}
+			versions["haproxy"] = strings.TrimPrefix(toolVersion(ctx, t.haproxy, "-v"), "HAProxy version ")
+		}
+		pols = append(pols, p)
+	}
+	return t, source, versions, notes, pols, nil
+}
+
 // runScenario starts the scenario's backends and runs every policy
 // cfg.runs times, in an order rotated from run to run.
 func runScenario(ctx context.Context, cfg *config, t tools, sc scenario, pols []policy, dir string, progress io.Writer) ([]caseResult, error) {
@@ -127,18 +141,28 @@ func runScenario(ctx context.Context, cfg *config, t tools, sc scenario, pols []
 			b.Close()
 		}
 	}()
+	cs := caseSpec{
+		scenario:   sc.name,
+		rate:       cfg.rate,
+		directRate: cfg.rate / float64(sc.healthy()),
+		warmup:     cfg.warmup,
+		duration:   cfg.duration,
+		timeout:    cfg.timeout,
+	}
 	for i := range numBackends {
 		m := cfg.fast
 		if i >= sc.healthy() {
 			m = cfg.slow
 			m.Freeze.Seed = uint64(i + 1) // the degraded backends stall at different times
 		}
+		m.Seed = uint64(i + 1) // and draw their own jitter
 		m.Name = fmt.Sprintf("b%d", i+1)
 		b, err := loadmodel.StartBackend(m)
 		if err != nil {
 			return nil, err
 		}
 		backends = append(backends, b)
+		cs.marked = append(cs.marked, i >= sc.healthy())
 	}
 	var cases []caseResult
 	for r := range cfg.runs {
@@ -148,7 +172,7 @@ func runScenario(ctx context.Context, cfg *config, t tools, sc scenario, pols []
 			if err := os.MkdirAll(caseDir, 0o755); err != nil {
 				return cases, err
 			}
-			cr, err := runCase(ctx, cfg, t, sc, pol, backends, caseDir)
+			cr, err := runCase(ctx, t, cs, pol, backends, caseDir)
 			if err != nil {
 				return cases, fmt.Errorf("%s, run %d: %w", pol.key, r+1, err)
 			}
@@ -160,9 +184,43 @@ func runScenario(ctx context.Context, cfg *config, t tools, sc scenario, pols []
 	return cases, nil
 }
 
+// caseSpec is everything a measured case needs besides its policy and its
+// running backends.
+type caseSpec struct {
+	scenario string // the scenario or variant, for results
+	// rate is the offered load through a proxy, steps its changes in the
+	// measured window.
+	rate  float64
+	steps []loadmodel.Step
+	// directRate is the load sent to backends[0] for the direct
+	// baseline: the share of a healthy backend under ideal balancing. The
+	// steps are scaled by directRate ÷ rate.
+	directRate                float64
+	warmup, duration, timeout time.Duration
+	// marked flags the backends whose share of the load is reported
+	// (DegradedShare): degraded, slower or failing ones; markLabel names
+	// them in progress lines ("degraded" if empty).
+	marked    []bool
+	markLabel string
+	// windows are parts of the measured window summarized on their own
+	// (caseResult.Windows), by name.
+	windows []window
+	// buckets asks for every backend's arrivals per 100 ms
+	// (backendResult.Buckets).
+	buckets bool
+	// proxy holds the proxies' extra configuration.
+	proxy proxyOptions
+}
+
+// window is a named part [from, to) of the measured window.
+type window struct {
+	name     string
+	from, to time.Duration
+}
+
 // runCase measures one policy once.
-func runCase(ctx context.Context, cfg *config, t tools, sc scenario, pol policy, backends []*loadmodel.Backend, dir string) (caseResult, error) {
-	cr := caseResult{Scenario: sc.name, Policy: pol.key, OfferedRate: cfg.rate}
+func runCase(ctx context.Context, t tools, cs caseSpec, pol policy, backends []*loadmodel.Backend, dir string) (caseResult, error) {
+	cr := caseResult{Scenario: cs.scenario, Policy: pol.key, OfferedRate: cs.rate, markLabel: cs.markLabel}
 
 	// Let the previous case's leftovers drain so they do not count here.
 	idleCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -177,18 +235,23 @@ func runCase(ctx context.Context, cfg *config, t tools, sc scenario, pol policy,
 		return cr, err
 	}
 
+	steps := cs.steps
 	var px *proxy
 	if pol.kind == kindDirect {
 		// Direct: the share of one healthy backend, with no proxy.
 		px = &proxy{url: backends[0].URL()}
-		cr.OfferedRate = cfg.rate / float64(sc.healthy())
+		cr.OfferedRate = cs.directRate
+		steps = make([]loadmodel.Step, len(cs.steps))
+		for i, st := range cs.steps {
+			steps[i] = loadmodel.Step{At: st.At, Rate: st.Rate * cs.directRate / cs.rate}
+		}
 	} else {
 		upstreams := make([]string, len(backends))
 		for i, b := range backends {
 			upstreams[i] = b.Addr()
 		}
 		var err error
-		if px, err = startProxy(ctx, t, pol, dir, upstreams); err != nil {
+		if px, err = startProxy(ctx, t, pol, dir, upstreams, cs.proxy); err != nil {
 			return cr, err
 		}
 	}
@@ -199,9 +262,10 @@ func runCase(ctx context.Context, cfg *config, t tools, sc scenario, pol policy,
 	load := loadmodel.Load{
 		URL:      px.url,
 		Rate:     cr.OfferedRate,
-		Warmup:   cfg.warmup,
-		Duration: cfg.duration,
-		Timeout:  cfg.timeout,
+		Steps:    steps,
+		Warmup:   cs.warmup,
+		Duration: cs.duration,
+		Timeout:  cs.timeout,
 		OnMeasure: func() {
 			measureStart = time.Now()
 			cpu0, cpuOK = px.cpu()
@@ -228,6 +292,12 @@ func runCase(ctx context.Context, cfg *config, t tools, sc scenario, pol policy,
 
 	cr.Summary = loadmodel.Summarize(res)
 	cr.MaxSendLagMs = ms(res.MaxSendLag)
+	for _, w := range cs.windows {
+		if cr.Windows == nil {
+			cr.Windows = map[string]loadmodel.Summary{}
+		}
+		cr.Windows[w.name] = loadmodel.Summarize(res.Between(w.from, w.to))
+	}
 	if cpuOK && cpuOK1 && cr.Summary.Requests > 0 {
 		us := float64(cpu1-cpu0) / float64(time.Microsecond) / float64(cr.Summary.Requests)
 		cr.ProxyCPUus = &us
@@ -236,20 +306,25 @@ func runCase(ctx context.Context, cfg *config, t tools, sc scenario, pol policy,
 		p := float64(psi1-psi0) / float64(measured)
 		cr.CPUPressure = &p
 	}
-	var total, degraded int64
+	var total, marked int64
+	anyMarked := false
 	for i, b := range backends {
 		c := b.Counters(loadmodel.PhaseMeasure)
-		isDegraded := i >= sc.healthy()
-		br := backendResult{Name: b.Name(), Degraded: isDegraded, Counters: c}
-		br.Utilization = float64(c.Served) * float64(c.MeanService) / (float64(b.Model().Workers) * float64(cfg.duration))
+		isMarked := i < len(cs.marked) && cs.marked[i]
+		anyMarked = anyMarked || isMarked
+		br := backendResult{Name: b.Name(), Degraded: isMarked, Counters: c}
+		br.Utilization = float64(c.Served) * float64(c.MeanService) / (float64(b.Model().Workers) * float64(cs.duration))
+		if cs.buckets {
+			br.Buckets = b.Arrivals()
+		}
 		cr.Backends = append(cr.Backends, br)
 		total += c.Arrivals
-		if isDegraded {
-			degraded += c.Arrivals
+		if isMarked {
+			marked += c.Arrivals
 		}
 	}
-	if pol.kind != kindDirect && sc.degraded > 0 && total > 0 {
-		share := float64(degraded) / float64(total)
+	if pol.kind != kindDirect && anyMarked && total > 0 {
+		share := float64(marked) / float64(total)
 		cr.DegradedShare = &share
 	}
 	if res.MaxSendLag > 50*time.Millisecond {

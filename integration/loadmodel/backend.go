@@ -24,8 +24,20 @@
 //     requests in service and stops new ones from starting.
 //  4. It answers 200 with a short body and a BackendHeader naming itself.
 //
+// Two exceptions come first. A request for HealthPath is answered 200 at
+// once, whatever the model says (no worker, no freeze, no failure), as a
+// health endpoint served by its own thread would be; it counts only in
+// HealthChecks. And a backend with a failure mode (Model.Fail) answers
+// every other request at once with a 503, or by resetting the connection,
+// without taking a worker: a black hole whose health check passes.
+//
+// A model can change once during a case (Model.Change): a degraded backend
+// that recovers at a given time after the epoch.
+//
 // Each request is counted under its phase (PhaseHeader), so a benchmark can
-// tell what arrived during the measured window from warm-up traffic.
+// tell what arrived during the measured window from warm-up traffic, and
+// load traffic (warm-up and measured) is also counted by arrival time in
+// buckets of ArrivalBucket since the epoch (see Arrivals).
 //
 // # The load generator
 //
@@ -39,7 +51,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"net/http"
 	"strconv"
@@ -108,7 +119,104 @@ type Model struct {
 	Jitter float64 `json:"jitter"`
 	// Freeze is the backend's schedule of stalls; zero for none.
 	Freeze Freeze `json:"freeze"`
+	// Seed selects the jitter: the service time of the n-th request to
+	// start work since the epoch is a pure function of Seed and n, so every
+	// case that resets the epoch draws the same sequence. Freeze has its
+	// own seed.
+	Seed uint64 `json:"seed"`
+	// Fail is the backend's failure mode; FailNone (the zero value)
+	// serves normally. A failing backend still answers HealthPath with
+	// 200.
+	Fail FailMode `json:"fail,omitempty"`
+	// Change, when its At is positive, replaces Service and Freeze from
+	// At after the epoch on. The zero Change changes nothing.
+	Change Change `json:"change,omitzero"`
 }
+
+// Change is a change of a backend's model at a fixed time after its
+// epoch: for example a degraded backend (slow, stalling) that becomes
+// healthy. Workers and Jitter stay as they are. A request whose work
+// begins before At is served by the old model, one that begins at or after
+// At by the new one.
+type Change struct {
+	// At is when the change takes effect, relative to the epoch; more
+	// than 0 (zero: no change).
+	At time.Duration `json:"at_ns"`
+	// Service is the mean service time from At on.
+	Service time.Duration `json:"service_ns"`
+	// Freeze is the schedule of stalls from At on, timed from the epoch
+	// as before; zero for none.
+	Freeze Freeze `json:"freeze"`
+}
+
+// Enabled reports whether the change ever takes effect.
+func (c Change) Enabled() bool { return c.At > 0 }
+
+// FailMode is how a failing backend answers the requests it gets, other
+// than health checks.
+type FailMode uint8
+
+// The failure modes.
+const (
+	// FailNone serves by the model.
+	FailNone FailMode = iota
+	// Fail503 answers 503 Service Unavailable at once.
+	Fail503
+	// FailReset resets the connection at once (the server closes it with
+	// SO_LINGER 0, so the peer reads an RST), before any response byte.
+	FailReset
+)
+
+// String returns the mode's name: "none", "503" or "reset".
+func (f FailMode) String() string {
+	switch f {
+	case FailNone:
+		return "none"
+	case Fail503:
+		return "503"
+	case FailReset:
+		return "reset"
+	default:
+		return "FailMode(" + strconv.Itoa(int(f)) + ")"
+	}
+}
+
+// ParseFailMode parses the name of a failure mode, as String writes it
+// ("" also means none).
+func ParseFailMode(s string) (FailMode, error) {
+	switch s {
+	case "", "none":
+		return FailNone, nil
+	case "503":
+		return Fail503, nil
+	case "reset":
+		return FailReset, nil
+	}
+	return FailNone, fmt.Errorf("unknown failure mode %q (known: none, 503, reset)", s)
+}
+
+// MarshalText writes the mode's name.
+func (f FailMode) MarshalText() ([]byte, error) {
+	if f > FailReset {
+		return nil, fmt.Errorf("invalid failure mode %d", f)
+	}
+	return []byte(f.String()), nil
+}
+
+// UnmarshalText reads a mode's name.
+func (f *FailMode) UnmarshalText(b []byte) error {
+	m, err := ParseFailMode(string(b))
+	if err != nil {
+		return err
+	}
+	*f = m
+	return nil
+}
+
+// HealthPath is the path every backend answers with 200 at once, whatever
+// its model: a health endpoint for active health checks and readiness
+// probes.
+const HealthPath = "/health"
 
 // Validate checks that the model can be served.
 func (m Model) Validate() error {
@@ -121,8 +229,18 @@ func (m Model) Validate() error {
 		return fmt.Errorf("backend %s: negative service time %v", m.Name, m.Service)
 	case m.Jitter < 0 || m.Jitter > 1:
 		return fmt.Errorf("backend %s: jitter must be between 0 and 1, got %v", m.Name, m.Jitter)
-	case m.Freeze.Every < 0 || m.Freeze.Min < 0 || m.Freeze.Max < m.Freeze.Min:
-		return fmt.Errorf("backend %s: freeze needs 0 ≤ min ≤ max and every ≥ 0", m.Name)
+	case m.Freeze.validate() != nil:
+		return fmt.Errorf("backend %s: %w", m.Name, m.Freeze.validate())
+	case m.Fail > FailReset:
+		return fmt.Errorf("backend %s: invalid failure mode %d", m.Name, m.Fail)
+	case m.Change.At < 0:
+		return fmt.Errorf("backend %s: change at a negative time %v", m.Name, m.Change.At)
+	case m.Change.Enabled() && m.Change.Service < 0:
+		return fmt.Errorf("backend %s: change to a negative service time %v", m.Name, m.Change.Service)
+	case m.Change.Enabled() && m.Change.Freeze.validate() != nil:
+		return fmt.Errorf("backend %s: change: %w", m.Name, m.Change.Freeze.validate())
+	case !m.Change.Enabled() && m.Change != (Change{}):
+		return fmt.Errorf("backend %s: a change needs a positive time (at), got %v", m.Name, m.Change.At)
 	}
 	return nil
 }
@@ -143,18 +261,23 @@ type Counters struct {
 	// MeanService is the mean time a worker was held per served request
 	// (service time plus freezes plus timer lateness).
 	MeanService time.Duration `json:"mean_service_ns"`
+	// Failed is the number answered by the failure mode (a 503 or a
+	// reset) instead of being served; they are part of Arrivals, not of
+	// Served.
+	Failed int64 `json:"failed,omitempty"`
 }
 
 type phaseCounters struct {
-	arrivals, served, abandoned atomic.Int64
-	maxInSystem                 atomic.Int64
-	busy                        atomic.Int64 // nanoseconds
+	arrivals, served, abandoned, failed atomic.Int64
+	maxInSystem                         atomic.Int64
+	busy                                atomic.Int64 // nanoseconds
 }
 
 func (c *phaseCounters) reset() {
 	c.arrivals.Store(0)
 	c.served.Store(0)
 	c.abandoned.Store(0)
+	c.failed.Store(0)
 	c.maxInSystem.Store(0)
 	c.busy.Store(0)
 }
@@ -168,6 +291,15 @@ func (c *phaseCounters) noteInSystem(n int64) {
 	}
 }
 
+// ArrivalBucket is the width of the time buckets in which a backend counts
+// the arrivals of load traffic; see Backend.Arrivals.
+const ArrivalBucket = 100 * time.Millisecond
+
+// MaxArrivalBuckets is the number of buckets a backend keeps: ten minutes
+// from the epoch. Later arrivals are not bucketed (they are still counted
+// in Counters).
+const MaxArrivalBuckets = 6000
+
 // Backend is an HTTP server on 127.0.0.1 that serves by its Model.
 type Backend struct {
 	model    Model
@@ -175,8 +307,11 @@ type Backend struct {
 	bodyLen  string
 	slots    chan struct{}
 	epoch    atomic.Int64 // unix nanoseconds; freezes are timed from it
+	started  atomic.Uint64
 	inSystem atomic.Int64
+	health   atomic.Int64
 	phases   [numPhases]phaseCounters
+	buckets  []atomic.Int64 // arrivals of load traffic per ArrivalBucket since the epoch
 
 	ln   net.Listener
 	srv  *http.Server
@@ -194,11 +329,12 @@ func StartBackend(m Model) (*Backend, error) {
 		return nil, fmt.Errorf("backend %s: %w", m.Name, err)
 	}
 	b := &Backend{
-		model: m,
-		body:  []byte("served by " + m.Name + "\n"),
-		slots: make(chan struct{}, m.Workers),
-		ln:    ln,
-		done:  make(chan struct{}),
+		model:   m,
+		body:    []byte("served by " + m.Name + "\n"),
+		slots:   make(chan struct{}, m.Workers),
+		buckets: make([]atomic.Int64, MaxArrivalBuckets),
+		ln:      ln,
+		done:    make(chan struct{}),
 	}
 	b.bodyLen = strconv.Itoa(len(b.body))
 	b.epoch.Store(time.Now().UnixNano())
@@ -226,17 +362,44 @@ func (b *Backend) Addr() string { return b.ln.Addr().String() }
 // URL returns the backend's base URL.
 func (b *Backend) URL() string { return "http://" + b.Addr() + "/" }
 
-// SetEpoch restarts the freeze schedule at t, so that a benchmark case
-// started at t meets the same stalls as every other case.
-func (b *Backend) SetEpoch(t time.Time) { b.epoch.Store(t.UnixNano()) }
+// SetEpoch restarts the freeze schedule, the model's Change and the jitter
+// sequence at t, so that a benchmark case started at t meets the same
+// stalls and draws the same service times as every other case. Call it
+// while the backend is idle, after ResetCounters.
+func (b *Backend) SetEpoch(t time.Time) {
+	b.epoch.Store(t.UnixNano())
+	b.started.Store(0)
+}
+
+// HealthChecks returns the number of requests for HealthPath served since
+// the backend started.
+func (b *Backend) HealthChecks() int64 { return b.health.Load() }
+
+// Arrivals returns the number of load requests (warm-up and measured) that
+// arrived in each ArrivalBucket since the epoch, since the counters were
+// last reset, up to the last bucket with an arrival.
+func (b *Backend) Arrivals() []int64 {
+	last := -1
+	out := make([]int64, len(b.buckets))
+	for i := range b.buckets {
+		if out[i] = b.buckets[i].Load(); out[i] != 0 {
+			last = i
+		}
+	}
+	return out[:last+1]
+}
 
 // InSystem returns the number of requests queued or in service now.
 func (b *Backend) InSystem() int64 { return b.inSystem.Load() }
 
-// ResetCounters zeroes the counters of every phase.
+// ResetCounters zeroes the counters of every phase and the arrival
+// buckets.
 func (b *Backend) ResetCounters() {
 	for i := range b.phases {
 		b.phases[i].reset()
+	}
+	for i := range b.buckets {
+		b.buckets[i].Store(0)
 	}
 }
 
@@ -248,6 +411,7 @@ func (b *Backend) Counters(p Phase) Counters {
 		Served:      c.served.Load(),
 		Abandoned:   c.abandoned.Load(),
 		MaxInSystem: c.maxInSystem.Load(),
+		Failed:      c.failed.Load(),
 	}
 	if out.Served > 0 {
 		out.MeanService = time.Duration(c.busy.Load() / out.Served)
@@ -285,8 +449,29 @@ func (b *Backend) Close() error {
 
 // ServeHTTP serves a request according to the model.
 func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	c := &b.phases[phaseOf(r)]
+	if r.URL.Path == HealthPath {
+		b.health.Add(1)
+		b.answer(w, http.StatusOK)
+		return
+	}
+	phase := phaseOf(r)
+	c := &b.phases[phase]
 	c.arrivals.Add(1)
+	if phase != PhaseOther {
+		if k := (time.Now().UnixNano() - b.epoch.Load()) / int64(ArrivalBucket); k >= 0 && k < int64(len(b.buckets)) {
+			b.buckets[k].Add(1)
+		}
+	}
+	switch b.model.Fail {
+	case Fail503:
+		c.failed.Add(1)
+		b.answer(w, http.StatusServiceUnavailable)
+		return
+	case FailReset:
+		c.failed.Add(1)
+		resetConn(w)
+		return
+	}
 	c.noteInSystem(b.inSystem.Add(1))
 	defer b.inSystem.Add(-1)
 
@@ -305,13 +490,33 @@ func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	<-b.slots
 	c.busy.Add(int64(time.Since(start)))
 	c.served.Add(1)
+	b.answer(w, http.StatusOK)
+}
 
+// answer writes a response with the backend's body and BackendHeader.
+func (b *Backend) answer(w http.ResponseWriter, status int) {
 	h := w.Header()
 	h.Set(BackendHeader, b.model.Name)
 	h.Set("Content-Type", "text/plain; charset=utf-8")
 	h.Set("Content-Length", b.bodyLen)
-	w.WriteHeader(http.StatusOK)
+	w.WriteHeader(status)
 	_, _ = w.Write(b.body)
+}
+
+// resetConn takes the request's connection over and closes it with
+// SO_LINGER 0, so that the kernel sends an RST instead of a FIN and the
+// client reads "connection reset by peer" before any response byte.
+func resetConn(w http.ResponseWriter) {
+	conn, _, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		// Not hijackable (HTTP/2): abort the response instead, which
+		// resets the stream.
+		panic(http.ErrAbortHandler)
+	}
+	if tc, ok := conn.(*net.TCPConn); ok {
+		_ = tc.SetLinger(0)
+	}
+	_ = conn.Close()
 }
 
 // holdTime returns how long a request whose work may begin at start holds
@@ -319,16 +524,25 @@ func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // under way and the end postponed past a freeze that covers it.
 func (b *Backend) holdTime(start time.Time) time.Duration {
 	rel := time.Duration(start.UnixNano() - b.epoch.Load())
-	begin := b.model.Freeze.Thaw(rel)
-	end := b.model.Freeze.Thaw(begin + b.serviceTime())
+	service, freeze := b.model.Service, b.model.Freeze
+	if ch := b.model.Change; ch.Enabled() && rel >= ch.At {
+		service, freeze = ch.Service, ch.Freeze
+	}
+	begin := freeze.Thaw(rel)
+	end := freeze.Thaw(begin + b.serviceTime(service))
 	return end - rel
 }
 
-func (b *Backend) serviceTime() time.Duration {
+// serviceTime draws the service time of the next request to start work,
+// of mean mean: uniform in mean × [1−Jitter, 1+Jitter], from a hash of the
+// model's Seed and the request's number since the epoch.
+func (b *Backend) serviceTime(mean time.Duration) time.Duration {
 	m := b.model
 	if m.Jitter == 0 {
-		return m.Service
+		return mean
 	}
-	f := 1 + m.Jitter*(2*rand.Float64()-1)
-	return time.Duration(f * float64(m.Service))
+	n := b.started.Add(1)
+	u := unitFloat(splitmix64(m.Seed ^ n*0xd1b54a32d192ed03))
+	f := 1 + m.Jitter*(2*u-1)
+	return time.Duration(f * float64(mean))
 }

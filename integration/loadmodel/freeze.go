@@ -1,6 +1,9 @@
 package loadmodel
 
-import "time"
+import (
+	"errors"
+	"time"
+)
 
 // Freeze describes a backend's stalls: moments when it stops serving
 // altogether, as a process does in a long GC pause, a page-cache miss
@@ -23,6 +26,14 @@ type Freeze struct {
 	Max time.Duration `json:"max_ns"`
 	// Seed selects the schedule.
 	Seed uint64 `json:"seed"`
+}
+
+// validate checks the schedule's bounds.
+func (f Freeze) validate() error {
+	if f.Every < 0 || f.Min < 0 || f.Max < f.Min {
+		return errors.New("freeze needs 0 ≤ min ≤ max and every ≥ 0")
+	}
+	return nil
 }
 
 // Enabled reports whether the schedule has any freezes.

@@ -11,7 +11,8 @@ import (
 	"time"
 )
 
-// Load is an open-loop, constant-rate load of GET requests to one URL.
+// Load is an open-loop load of GET requests to one URL, at a constant rate
+// or by a schedule of rate steps.
 //
 // Request i (counting from 0) is due at start + i/Rate. A single dispatcher
 // sleeps until each due time and hands the request to its own goroutine, so
@@ -19,7 +20,9 @@ import (
 // itself wakes late it sends every overdue request at once. The first
 // Rate × Warmup requests are warm-up (sent with PhaseHeader "warmup", not
 // recorded), the next Rate × Duration are measured (PhaseHeader
-// "measure").
+// "measure"). With Steps, the measured window is cut into segments at the
+// steps' times, and each segment of length d at rate r holds r × d
+// requests, evenly spaced from its start.
 //
 // A request's latency runs from its due time to the end of its response
 // body. A request not answered within Timeout of being sent is abandoned
@@ -42,6 +45,33 @@ type Load struct {
 	// OnMeasure, if set, is called by the dispatcher just before it sends
 	// the first measured request (e.g. to sample a process's CPU time).
 	OnMeasure func()
+	// Steps, if any, change the rate during the measured window: from
+	// each step's At (relative to the start of the measured window) on,
+	// requests are sent at the step's Rate. The warm-up and the window
+	// up to the first step run at Rate. Steps must be in increasing
+	// order of At, within (0, Duration).
+	Steps []Step
+}
+
+// Step is a change of the load's rate at a time in the measured window.
+type Step struct {
+	// At is when the step begins, relative to the start of the measured
+	// window.
+	At time.Duration `json:"at_ns"`
+	// Rate is the rate from At on, in requests per second; more than 0.
+	Rate float64 `json:"rate"`
+}
+
+// RateAt returns the rate the load sends at, at time t of the measured
+// window.
+func (l Load) RateAt(t time.Duration) float64 {
+	r := l.Rate
+	for _, s := range l.Steps {
+		if t >= s.At {
+			r = s.Rate
+		}
+	}
+	return r
 }
 
 // Outcome classifies a request's fate.
@@ -78,6 +108,9 @@ type Sample struct {
 	// Latency runs from the request's due time to the end of its
 	// response, or to its failure.
 	Latency time.Duration
+	// Due is when the request was due, relative to the start of the
+	// measured window.
+	Due time.Duration
 	// Done is when the request finished, relative to the start of the
 	// measured window.
 	Done time.Duration
@@ -113,7 +146,57 @@ func (l Load) Validate() error {
 	case l.Timeout < 0:
 		return fmt.Errorf("load: negative timeout %v", l.Timeout)
 	}
+	prev := time.Duration(0)
+	for i, s := range l.Steps {
+		switch {
+		case s.At <= prev:
+			return fmt.Errorf("load: step %d at %v is not after %v", i+1, s.At, prev)
+		case s.At >= l.Duration:
+			return fmt.Errorf("load: step %d at %v is not inside the measured window of %v", i+1, s.At, l.Duration)
+		case !(s.Rate > 0):
+			return fmt.Errorf("load: step %d: rate must be positive, got %v", i+1, s.Rate)
+		}
+		prev = s.At
+	}
 	return nil
+}
+
+// schedule returns the due times of every request relative to the start
+// of the load, and how many of the first are warm-up.
+func (l Load) schedule() (due []time.Duration, nWarm int) {
+	interval := float64(time.Second) / l.Rate
+	nWarm = int(l.Rate * l.Warmup.Seconds())
+	if len(l.Steps) == 0 {
+		n := nWarm + max(1, int(l.Rate*l.Duration.Seconds()))
+		due = make([]time.Duration, n)
+		for i := range due {
+			due[i] = time.Duration(float64(i) * interval)
+		}
+		return due, nWarm
+	}
+	due = make([]time.Duration, 0, nWarm+int(l.Rate*l.Duration.Seconds())*2)
+	for i := range nWarm {
+		due = append(due, time.Duration(float64(i)*interval))
+	}
+	measureStart := time.Duration(float64(nWarm) * interval)
+	from, rate := time.Duration(0), l.Rate
+	for i := 0; i <= len(l.Steps); i++ {
+		to := l.Duration
+		if i < len(l.Steps) {
+			to = l.Steps[i].At
+		}
+		n := int(rate * (to - from).Seconds())
+		for j := range n {
+			due = append(due, measureStart+from+time.Duration(float64(j)*float64(time.Second)/rate))
+		}
+		if i < len(l.Steps) {
+			from, rate = l.Steps[i].At, l.Steps[i].Rate
+		}
+	}
+	if len(due) == nWarm { // a measured window too short for any request
+		due = append(due, measureStart)
+	}
+	return due, nWarm
 }
 
 // NewClient returns an HTTP/1.1 client suited to load generation on
@@ -147,10 +230,8 @@ func (l Load) Run(ctx context.Context) (*Result, error) {
 		defer client.CloseIdleConnections()
 	}
 
-	nWarm := int(l.Rate * l.Warmup.Seconds())
-	nMeasure := max(1, int(l.Rate*l.Duration.Seconds()))
-	res := &Result{Samples: make([]Sample, nMeasure), Window: l.Duration}
-	interval := float64(time.Second) / l.Rate
+	offsets, nWarm := l.schedule()
+	res := &Result{Samples: make([]Sample, len(offsets)-nWarm), Window: l.Duration}
 
 	var wg sync.WaitGroup
 	timer := time.NewTimer(0)
@@ -159,8 +240,8 @@ func (l Load) Run(ctx context.Context) (*Result, error) {
 
 	t0 := time.Now()
 	var measureStart time.Time
-	for i := range nWarm + nMeasure {
-		due := t0.Add(time.Duration(float64(i) * interval))
+	for i, off := range offsets {
+		due := t0.Add(off)
 		if d := time.Until(due); d > 0 {
 			timer.Reset(d)
 			select {
@@ -214,6 +295,7 @@ func (l Load) send(ctx context.Context, client *http.Client, timeout time.Durati
 	now := time.Now()
 	s.Latency = now.Sub(due)
 	if !measureStart.IsZero() {
+		s.Due = due.Sub(measureStart)
 		s.Done = now.Sub(measureStart)
 	}
 	if err != nil {

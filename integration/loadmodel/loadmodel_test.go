@@ -3,6 +3,8 @@ package loadmodel
 import (
 	"context"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -193,5 +195,251 @@ func TestLoadTimeout(t *testing.T) {
 	defer cancel()
 	if err := b.WaitIdle(ctx); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestFailModes checks that a failing backend fails every load request at
+// once, in the way its mode says, that a reset really reaches the client
+// as a transport error, and that its health endpoint still answers 200.
+func TestFailModes(t *testing.T) {
+	for _, mode := range []FailMode{Fail503, FailReset} {
+		t.Run(mode.String(), func(t *testing.T) {
+			b, err := StartBackend(Model{Name: "f", Workers: 1, Service: 50 * time.Millisecond, Fail: mode})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			client := NewClient(2 * time.Second)
+			defer client.CloseIdleConnections()
+
+			resp, err := client.Get(b.URL() + HealthPath[1:])
+			if err != nil {
+				t.Fatalf("health check: %v", err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Errorf("health check answered %d, want 200", resp.StatusCode)
+			}
+			if b.HealthChecks() != 1 {
+				t.Errorf("%d health checks counted, want 1", b.HealthChecks())
+			}
+
+			l := Load{URL: b.URL(), Rate: 100, Duration: 300 * time.Millisecond, Timeout: time.Second}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			b.SetEpoch(time.Now())
+			res, err := l.Run(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := Summarize(res)
+			if s.Requests != 30 || s.Errors != s.Requests || s.Timeouts != 0 {
+				t.Errorf("summary %+v, want all 30 requests to fail, none by timeout", s)
+			}
+			// Failing at once: well under the 50 ms service time.
+			if s.P99 > 40*time.Millisecond {
+				t.Errorf("p99 %v, want failures at once", s.P99)
+			}
+			want := BadStatus
+			if mode == FailReset {
+				want = Failed
+			}
+			for i, x := range res.Samples {
+				if x.Outcome != want {
+					t.Fatalf("request %d: outcome %v, want %v", i, x.Outcome, want)
+				}
+			}
+			c := b.Counters(PhaseMeasure)
+			if c.Arrivals != 30 || c.Failed != 30 || c.Served != 0 {
+				t.Errorf("counters %+v, want 30 arrivals, all failed", c)
+			}
+		})
+	}
+	// A reset is a reset, not an orderly close: the client's error says so.
+	b, err := StartBackend(Model{Name: "r", Workers: 1, Fail: FailReset})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	_, err = client.Get(b.URL())
+	if err == nil || !strings.Contains(err.Error(), "reset") {
+		t.Errorf("request to a resetting backend: error %v, want a connection reset", err)
+	}
+}
+
+func TestFailModeText(t *testing.T) {
+	for _, m := range []FailMode{FailNone, Fail503, FailReset} {
+		b, err := m.MarshalText()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var back FailMode
+		if err := back.UnmarshalText(b); err != nil || back != m {
+			t.Errorf("%v round-trips to %v, %v", m, back, err)
+		}
+	}
+	if _, err := ParseFailMode("slow"); err == nil {
+		t.Error("ParseFailMode accepted an unknown mode")
+	}
+	if _, err := FailMode(9).MarshalText(); err == nil {
+		t.Error("an invalid mode marshalled")
+	}
+}
+
+func TestModelValidate(t *testing.T) {
+	good := Model{Name: "v", Workers: 1, Service: time.Millisecond,
+		Change: Change{At: time.Second, Service: 2 * time.Millisecond}}
+	if err := good.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	for name, m := range map[string]Model{
+		"no name":             {Workers: 1},
+		"no workers":          {Name: "v"},
+		"jitter":              {Name: "v", Workers: 1, Jitter: 1.5},
+		"freeze":              {Name: "v", Workers: 1, Freeze: Freeze{Every: time.Second, Min: 2, Max: 1}},
+		"fail mode":           {Name: "v", Workers: 1, Fail: 7},
+		"change at negative":  {Name: "v", Workers: 1, Change: Change{At: -1}},
+		"change without time": {Name: "v", Workers: 1, Change: Change{Service: time.Millisecond}},
+		"change service":      {Name: "v", Workers: 1, Change: Change{At: 1, Service: -1}},
+		"change freeze":       {Name: "v", Workers: 1, Change: Change{At: 1, Freeze: Freeze{Every: -1}}},
+	} {
+		if err := m.Validate(); err == nil {
+			t.Errorf("%s: %+v validated", name, m)
+		}
+	}
+}
+
+// TestChange checks that a backend serves by the old model before its
+// change and by the new one after it.
+func TestChange(t *testing.T) {
+	b, err := StartBackend(Model{Name: "c", Workers: 1, Service: 40 * time.Millisecond,
+		Change: Change{At: 300 * time.Millisecond, Service: time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	client := NewClient(2 * time.Second)
+	defer client.CloseIdleConnections()
+	get := func() time.Duration {
+		start := time.Now()
+		resp, err := client.Get(b.URL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return time.Since(start)
+	}
+	epoch := time.Now()
+	b.SetEpoch(epoch)
+	if d := get(); d < 40*time.Millisecond {
+		t.Errorf("before the change: %v, want ≥ 40ms", d)
+	}
+	time.Sleep(time.Until(epoch.Add(300 * time.Millisecond)))
+	for range 5 {
+		if d := get(); d > 30*time.Millisecond {
+			t.Errorf("after the change: %v, want ≈ 1ms", d)
+		}
+	}
+}
+
+// TestJitterSeeded checks that the service times are a function of the
+// seed and of the request's number since the epoch.
+func TestJitterSeeded(t *testing.T) {
+	draw := func(b *Backend) []time.Duration {
+		b.SetEpoch(time.Now())
+		out := make([]time.Duration, 50)
+		for i := range out {
+			out[i] = b.serviceTime(b.model.Service)
+		}
+		return out
+	}
+	m := Model{Name: "j", Workers: 1, Service: 4 * time.Millisecond, Jitter: 0.25, Seed: 3}
+	a, b, c := &Backend{model: m}, &Backend{model: m}, &Backend{model: m}
+	c.model.Seed = 4
+	da, db, dc := draw(a), draw(b), draw(c)
+	if !slices.Equal(da, db) {
+		t.Error("the same seed drew different service times")
+	}
+	if slices.Equal(da, dc) {
+		t.Error("different seeds drew the same service times")
+	}
+	if !slices.Equal(da, draw(a)) {
+		t.Error("SetEpoch did not restart the sequence")
+	}
+	for _, d := range da {
+		if d < 3*time.Millisecond || d > 5*time.Millisecond {
+			t.Errorf("service time %v outside 4ms ± 25%%", d)
+		}
+	}
+	if slices.Min(da) == slices.Max(da) {
+		t.Error("no jitter")
+	}
+}
+
+// TestLoadStep checks that a step really changes the rate: the measured
+// requests, the samples' due times and the backend's arrival buckets all
+// double after it.
+func TestLoadStep(t *testing.T) {
+	b, err := StartBackend(Model{Name: "s", Workers: 16, Service: 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	l := Load{URL: b.URL(), Rate: 100, Duration: time.Second, Timeout: time.Second,
+		Steps: []Step{{At: 500 * time.Millisecond, Rate: 200}}}
+	if got := l.RateAt(499 * time.Millisecond); got != 100 {
+		t.Errorf("RateAt before the step = %v", got)
+	}
+	if got := l.RateAt(500 * time.Millisecond); got != 200 {
+		t.Errorf("RateAt at the step = %v", got)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	b.SetEpoch(time.Now())
+	res, err := l.Run(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := Summarize(res); s.Requests != 150 || s.Errors != 0 {
+		t.Fatalf("summary %+v, want 150 requests (50 + 100), no errors", s)
+	}
+	before, after := Summarize(res.Between(0, 500*time.Millisecond)), Summarize(res.Between(500*time.Millisecond, time.Second))
+	if before.Requests != 50 || after.Requests != 100 {
+		t.Errorf("%d requests due before the step and %d after, want 50 and 100", before.Requests, after.Requests)
+	}
+	if after.Throughput < 1.6*before.Throughput {
+		t.Errorf("throughput %.0f/s before, %.0f/s after the step, want it doubled", before.Throughput, after.Throughput)
+	}
+	buckets := b.Arrivals()
+	if len(buckets) < 10 {
+		t.Fatalf("arrival buckets %v, want 10", buckets)
+	}
+	var first, second int64
+	for i, n := range buckets {
+		switch {
+		case i < 5:
+			first += n
+		case i < 10:
+			second += n
+		}
+	}
+	if first < 45 || first > 55 || second < 90 || second > 110 {
+		t.Errorf("arrivals %d in the first half second and %d in the second (buckets %v), want ≈ 50 and ≈ 100", first, second, buckets)
+	}
+	b.ResetCounters()
+	if got := b.Arrivals(); len(got) != 0 {
+		t.Errorf("arrival buckets after reset: %v", got)
+	}
+	for _, bad := range [][]Step{
+		{{At: 0, Rate: 1}},
+		{{At: time.Second, Rate: 1}},
+		{{At: 100 * time.Millisecond, Rate: 0}},
+		{{At: 200 * time.Millisecond, Rate: 1}, {At: 100 * time.Millisecond, Rate: 1}},
+	} {
+		l.Steps = bad
+		if err := l.Validate(); err == nil {
+			t.Errorf("steps %v validated", bad)
+		}
 	}
 }

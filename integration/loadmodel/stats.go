@@ -62,6 +62,21 @@ func Summarize(r *Result) Summary {
 	return s
 }
 
+// Between returns the part of r whose requests were due in [from, to) of
+// the measured window, with times relative to from, for a summary of part
+// of a window (a load step, say).
+func (r *Result) Between(from, to time.Duration) *Result {
+	out := &Result{Window: to - from, MaxSendLag: r.MaxSendLag}
+	for _, s := range r.Samples {
+		if s.Due >= from && s.Due < to {
+			s.Due -= from
+			s.Done -= from
+			out.Samples = append(out.Samples, s)
+		}
+	}
+	return out
+}
+
 // Quantile returns the q-quantile (0 < q ≤ 1) of sorted by the
 // nearest-rank method: the smallest sample such that at least a fraction q
 // of the samples are at or below it. It returns 0 for no samples.
