@@ -27,6 +27,10 @@ type Summary struct {
 	P99  time.Duration `json:"p99_ns"`
 	P999 time.Duration `json:"p999_ns"`
 	Max  time.Duration `json:"max_ns"`
+	// AnsweredP50 is the median latency of the requests answered 200: where
+	// failures are instant, they lower P50 without anyone being served
+	// faster.
+	AnsweredP50 time.Duration `json:"answered_p50_ns"`
 	// ByBackend counts the 200 responses by the backend that sent them.
 	ByBackend map[string]int `json:"by_backend"`
 }
@@ -35,9 +39,13 @@ type Summary struct {
 func Summarize(r *Result) Summary {
 	s := Summary{Requests: len(r.Samples), ByBackend: map[string]int{}}
 	lat := make([]time.Duration, 0, len(r.Samples))
+	var answered []time.Duration
 	var lastOK time.Duration
 	for _, x := range r.Samples {
 		lat = append(lat, x.Latency)
+		if x.Outcome == OK {
+			answered = append(answered, x.Latency)
+		}
 		if x.Outcome != OK {
 			s.Errors++
 			if x.Outcome == Timeout {
@@ -50,6 +58,8 @@ func Summarize(r *Result) Summary {
 		lastOK = max(lastOK, x.Done)
 	}
 	slices.Sort(lat)
+	slices.Sort(answered)
+	s.AnsweredP50 = Quantile(answered, 0.50)
 	s.P50 = Quantile(lat, 0.50)
 	s.P99 = Quantile(lat, 0.99)
 	s.P999 = Quantile(lat, 0.999)
