@@ -95,11 +95,11 @@ type scenRow struct {
 	// row has the medians of every metric, and the per-backend medians.
 	row
 	P50      stat `json:"p50_ms_stat"`
-	// AnsweredP50 is the median latency of the requests answered 200.
-	AnsweredP50 stat `json:"answered_p50_ms_stat"`
 	P99      stat `json:"p99_ms_stat"`
 	P999     stat `json:"p999_ms_stat"`
 	ErrorPct stat `json:"error_pct"`
+	// AnsweredP50 is the median latency of the requests answered 200.
+	AnsweredP50 stat `json:"answered_p50_ms_stat"`
 	// MarkedShare is the share of the attempts that reached the marked
 	// backends (degraded, slower, failing or recovering), in %.
 	MarkedShare *stat `json:"marked_share_pct,omitempty"`
