@@ -22,6 +22,10 @@ type candidates interface {
 // the upstream's weight, and the latency it is expected to serve at.
 type cost struct {
 	queue, invWeight, latency float64
+	// busy is how long the upstream has been working without finishing
+	// anything (0 when idle): between equal queues of equally fast
+	// upstreams, the one furthest into its current work frees up first.
+	busy float64
 }
 
 // beats reports whether c is clearly cheaper than o: whether its queue,
@@ -30,29 +34,41 @@ type cost struct {
 // Latency estimates of equally fast upstreams differ by noise (a slow
 // answer here, a GC pause there); acting on that noise would pile requests
 // onto whichever upstream measured a few percent faster, and do worse than
-// least-connections. So upstreams whose latencies are within tieBand of
-// each other count as equally fast, and between those the queues alone
-// decide, divided by the weights — exactly weighted least-connections.
-// Only a clear difference in speed (a degraded host, a machine of another
-// size, a stall in progress, a run of failures) is weighed against the
-// queue.
+// least-connections. So the first tieBand of a difference in latency does
+// not count: upstreams within it of each other are equally fast, and
+// between those the queues alone decide, divided by the weights — exactly
+// weighted least-connections. Only the part of a difference beyond the band
+// is weighed against the queue: an upstream measured 3× faster counts as
+// 2× (3 ÷ 1.5), one 10× faster as 6.7×. The advantage grows smoothly from
+// the band's edge, so two upstreams measured near it do not flip between
+// least-connections and a strong preference as their estimates wander.
 //
-// A weight and a latency that both favour one upstream are two readings of
+// A weight and a speed that both favour one upstream are two readings of
 // the same capacity — a machine twice the size is configured with weight 2
-// and measured twice as fast — so the larger of the two counts, not their
+// and measured faster — so the larger of the two counts, not their
 // product, which would count the capacity twice and overload the bigger
 // machine. When they disagree, they partly cancel.
 func (c cost) beats(o cost) bool {
+	const k = 1 + tieBand
 	if c.invWeight == o.invWeight {
 		// the common case, without a division
-		if c.latency <= o.latency*(1+tieBand) && o.latency <= c.latency*(1+tieBand) {
+		switch {
+		case c.latency*k < o.latency: // c clearly faster
+			return c.queue*c.latency*k < o.queue*o.latency
+		case o.latency*k < c.latency: // c clearly slower
+			return c.queue*c.latency < o.queue*o.latency*k
+		case c.queue != o.queue:
 			return c.queue < o.queue
+		default:
+			return c.busy > o.busy
 		}
-		return c.queue*c.latency < o.queue*o.latency
 	}
-	speed := 1.0 // how many times faster c serves than o
-	if c.latency*(1+tieBand) < o.latency || o.latency*(1+tieBand) < c.latency {
-		speed = o.latency / c.latency
+	speed := 1.0 // how many times faster c counts as serving than o
+	switch {
+	case c.latency*k < o.latency:
+		speed = o.latency / (c.latency * k)
+	case o.latency*k < c.latency:
+		speed = o.latency * k / c.latency
 	}
 	size := o.invWeight / c.invWeight // how many times bigger c is configured
 	var adv float64
@@ -68,16 +84,17 @@ func (c cost) beats(o cost) bool {
 }
 
 // costOf is the cost of one more request to an upstream with inFlight
-// requests in flight, the inverse of its weight, and the latency it is
-// expected to serve at (hoststate.Table.Expected).
-func costOf(inFlight int, invWeight, latency float64) cost {
-	return cost{queue: float64(inFlight + 1), invWeight: invWeight, latency: latency}
+// requests in flight, the inverse of its weight, the latency it is
+// expected to serve at and how long it has been busy (hoststate.Table.Judge).
+func costOf(inFlight int, invWeight, latency, busy float64) cost {
+	return cost{queue: float64(inFlight + 1), invWeight: invWeight, latency: latency, busy: busy}
 }
 
 // tieBand is the relative difference in latency below which two upstreams
-// count as equally fast. Measured on loopback backends of equal speed, the
-// medians of recent answers stay within 20–30% of each other; a degraded
-// upstream is several times slower, a machine half the size twice.
+// count as equally fast, and which is discounted from any larger one.
+// Measured on loopback backends of equal speed, the medians of recent
+// answers stay within 20–30% of each other; a degraded upstream is several
+// times slower, a machine half the size twice.
 const tieBand = 0.5
 
 // drawTries bounds how many random draws are spent looking for a usable

@@ -28,13 +28,14 @@ func init() {
 //	cost = (requests in flight + 1) × expected latency / weight
 //
 // where the expected latency is the median time to response headers of
-// the upstream's last 16 answers within Decay, raised live to how long it
-// has gone without answering while requests are in flight (a stall is seen
-// as it happens), and doubled for each failed attempt in a row (a transport
-// error, or a 502, 503 or 504: an instant failure never looks fast).
-// Upstreams whose expected latencies are within half of each other count as
-// equally fast and are compared by load alone, exactly as least_conn would:
-// only a clear difference in speed is weighed against the load. An
+// the upstream's last 16 answers within Decay, raised live when it has gone
+// without answering for longer than that while requests are in flight (a
+// stall is seen as it happens), and doubled for each failed attempt in a
+// row (a transport error, or a 502, 503 or 504: an instant failure never
+// looks fast). The first 1.5× of a difference in expected latency does not
+// count: upstreams within it are compared by load alone, exactly as
+// least_conn would, and only the excess of a clear difference in speed is
+// weighed against the load. An
 // upstream not tried for Decay, with nothing in flight, is expected at the
 // pool's typical latency, so one request tells whether it has recovered;
 // a new upstream starts there too, neither starved nor stampeded.
@@ -430,7 +431,8 @@ func (c ewmaCandidates) Usable(i int) bool {
 
 func (c ewmaCandidates) Cost(i int) cost {
 	m := &c.view.members[i]
-	return costOf(c.pool[i].NumRequests(), m.invWeight, c.table.Expected(m.stats, c.now, c.base))
+	latency, busy := c.table.Judge(m.stats, c.now, c.base)
+	return costOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
 }
 
 // bestOfTwo is the common case of two random choices, written out so the

@@ -220,26 +220,36 @@ func (t *Table) Baseline() float64 {
 //     request will tell (a recovered host regains its share within a
 //     horizon, a still-slow one costs one slow answer per horizon);
 //   - otherwise the median of its recent answers (base if it has none),
-//     raised to how long it has gone without finishing anything while
-//     requests are in flight — a stall is seen as it happens, not when
-//     its answers arrive — and doubled for every failed attempt in a row.
+//     raised when it has gone without finishing anything for longer than
+//     that while requests are in flight (see stallExpected) — a stall is
+//     seen as it happens, not when its answers arrive — and doubled for
+//     every failed attempt in a row.
 func (t *Table) Expected(s *Stats, now int64, base float64) float64 {
+	latency, _ := t.Judge(s, now, base)
+	return latency
+}
+
+// Judge returns what Expected does, and for how long the host has been
+// busy without finishing anything (0 when it has nothing in flight): with
+// equal queues, the host furthest into its current work frees up first.
+func (t *Table) Judge(s *Stats, now int64, base float64) (latency, busy float64) {
 	pending := s.pending.Load()
 	lastDone := s.lastDoneNs.Load()
 	if pending <= 0 && now-lastDone >= t.horizonNs {
-		return base
+		return base, 0
 	}
 	est := float64(s.estimateNs.Load())
 	if est == 0 {
 		est = base
 	}
-	if stalled := float64(stalledFor(now, lastDone, s.busySinceNs.Load(), pending)); stalled > est {
-		est = stalled
+	busy = float64(stalledFor(now, lastDone, s.busySinceNs.Load(), pending))
+	if busy > est {
+		est = stallExpected(est, busy)
 	}
 	if f := s.failStreak.Load(); f > 0 {
 		est *= failurePenalty(f)
 	}
-	return est
+	return est, busy
 }
 
 // All returns a snapshot of every upstream known to any config, sorted by
