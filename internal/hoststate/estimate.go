@@ -91,17 +91,6 @@ func failurePenalty(streak int64) float64 {
 	return float64(uint64(1) << min(streak, maxFailureDoublings))
 }
 
-// stallExpected returns the latency to expect from a host whose estimate
-// is est and which has finished nothing for stalled (> est) with requests
-// in flight: est, plus twice the overrun. A stall already long is likely
-// to go on about as long again (a GC pause, a lock, a full disk), and a
-// new request waits for its end and then for its turn; counting the
-// overrun twice makes a host that stopped answering expensive within a
-// few milliseconds of overrunning its usual time, while a request merely
-// a little slower than usual costs little more. It is continuous at
-// stalled = est.
-func stallExpected(est, stalled float64) float64 { return est + 2*(stalled-est) }
-
 // stalledFor returns how long a host with attempts in flight has gone
 // without finishing any, at now: the time since the later of its last
 // finished attempt and the moment it last became busy; 0 when it has

@@ -104,13 +104,3 @@ func TestStalledFor(t *testing.T) {
 		t.Fatalf("a clock behind the last answer is no stall: %d", got)
 	}
 }
-
-func TestStallExpected(t *testing.T) {
-	const est = float64(4 * ms)
-	if got := stallExpected(est, est); got != est {
-		t.Fatalf("continuous at the estimate: %v", got)
-	}
-	if got := stallExpected(est, 3*est); got != 5*est {
-		t.Fatalf("twice the overrun: got %v, want %v", got, 5*est)
-	}
-}
