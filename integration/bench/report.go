@@ -415,21 +415,7 @@ func (r *report) writeMarkdown(w io.Writer) error {
 				fmt.Fprintf(&b, "- %s%s: %s, target %s — %s\n", c.Name, detail, val, c.Target, verdict)
 			}
 		}
-		var notes []string
-		for _, c := range r.Cases {
-			if c.Scenario != s.Name {
-				continue
-			}
-			for _, n := range c.Notes {
-				notes = append(notes, fmt.Sprintf("%s run %d: %s", c.Policy, c.Run, n))
-			}
-		}
-		if len(notes) > 0 {
-			b.WriteString("\nCase notes:\n\n")
-			for _, n := range notes {
-				b.WriteString("- " + n + "\n")
-			}
-		}
+		writeCaseNotes(&b, r.Cases, s.Name, func(c caseResult) string { return fmt.Sprintf("run %d", c.Run) })
 		b.WriteString("\n")
 	}
 	b.WriteString("Latencies run from each request's intended send time. p99 differences under ~3 ms are noise on a shared 2-core VM.\n")
@@ -488,4 +474,26 @@ func orDash(s string) string {
 		return "—"
 	}
 	return s
+}
+
+// writeCaseNotes appends the notes of the cases of scenario to b, each
+// named by its policy and by which(c) (its run or seed), under a heading;
+// nothing when there is none.
+func writeCaseNotes(b *strings.Builder, cases []caseResult, scenario string, which func(caseResult) string) {
+	var notes []string
+	for _, c := range cases {
+		if c.Scenario != scenario {
+			continue
+		}
+		for _, n := range c.Notes {
+			notes = append(notes, fmt.Sprintf("%s %s: %s", c.Policy, which(c), n))
+		}
+	}
+	if len(notes) == 0 {
+		return
+	}
+	b.WriteString("\nCase notes:\n\n")
+	for _, n := range notes {
+		b.WriteString("- " + n + "\n")
+	}
 }

@@ -693,21 +693,7 @@ func writeVariant(b *strings.Builder, v variantSummary, cases []caseResult) {
 			b.WriteString("- " + vd.String() + "\n")
 		}
 	}
-	var notes []string
-	for _, c := range cases {
-		if c.Scenario != v.Name {
-			continue
-		}
-		for _, n := range c.Notes {
-			notes = append(notes, fmt.Sprintf("%s seed %d: %s", c.Policy, c.Seed, n))
-		}
-	}
-	if len(notes) > 0 {
-		b.WriteString("\nCase notes:\n\n")
-		for _, n := range notes {
-			b.WriteString("- " + n + "\n")
-		}
-	}
+	writeCaseNotes(b, cases, v.Name, func(c caseResult) string { return fmt.Sprintf("seed %d", c.Seed) })
 	b.WriteString("\n")
 }
 

@@ -26,15 +26,20 @@ func TestWindowMedian(t *testing.T) {
 	}
 }
 
-// TestWindowOutvotesAStall: the answers one stall held back arrive together
-// after it; a window of normal answers outvotes them.
-func TestWindowOutvotesAStall(t *testing.T) {
-	var w window
-	at := int64(0)
+// steadyWindow returns a window full of 4 ms answers, one every 4 ms, and
+// the time of the last.
+func steadyWindow() (w window, at int64) {
 	for range windowSize {
 		at += 4 * ms
 		w.add(at, 4*ms)
 	}
+	return w, at
+}
+
+// TestWindowOutvotesAStall: the answers one stall held back arrive together
+// after it; a window of normal answers outvotes them.
+func TestWindowOutvotesAStall(t *testing.T) {
+	w, at := steadyWindow()
 	for _, l := range []int64{150, 146, 142, 138, 134, 130, 126} { // a 150 ms stall releases 7 answers
 		at += ms / 10
 		w.add(at, l*ms)
@@ -47,12 +52,7 @@ func TestWindowOutvotesAStall(t *testing.T) {
 // TestWindowBelievesPersistentSlowness: a host that became ten times slower
 // is believed after just over half a window of slow answers.
 func TestWindowBelievesPersistentSlowness(t *testing.T) {
-	var w window
-	at := int64(0)
-	for range windowSize {
-		at += 4 * ms
-		w.add(at, 4*ms)
-	}
+	w, at := steadyWindow()
 	n := 0
 	for w.median(0) < 20*ms {
 		at += 40 * ms
