@@ -428,7 +428,7 @@ func buildVariants(duration time.Duration) []variant {
 		rate := math.Round(0.5 * 21 * cap16ms)
 		vs = append(vs, variant{
 			name: "largepool-24", class: "largepool", title: "24 backends, 3 persistently degraded",
-			about: "A pool large enough that ewma's `choices auto` samples two random upstreams (above 16) instead of scanning all. " +
+			about: "A larger pool with a few sick machines. (ewma's `choices auto` scans pools of up to 32, so this is a scan; two random choices are simulated in lbpolicy's tests.) " +
 				"Backends serve 16 ms (degraded: 160 ms and 50–100 ms stalls every ~2 s).",
 			models: ms, marked: lastMarked(24, 3), markLabel: "degraded",
 			rate: rate, directRate: rate / 21,
