@@ -431,8 +431,7 @@ func (c ewmaCandidates) Usable(i int) bool {
 
 func (c ewmaCandidates) Cost(i int) cost {
 	m := &c.view.members[i]
-	latency, busy := c.table.Judge(m.stats, c.now, c.base)
-	return costOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
+	return costOf(c.pool[i].NumRequests(), m.invWeight, c.table.Expected(m.stats, c.now, c.base))
 }
 
 // bestOfTwo is the common case of two random choices, written out so the

@@ -115,8 +115,7 @@ func (c simCandidates) Cost(i int) cost {
 		inv = 1 / c.weights[i]
 	}
 	b := c.s.backends[i]
-	latency, busy := c.s.table.Judge(b.stats, c.now, c.base)
-	return costOf(b.inFlight, inv, latency, busy)
+	return costOf(b.inFlight, inv, c.s.table.Expected(b.stats, c.now, c.base))
 }
 
 func (r simEWMA) choose(s *sim, tried []int) int {
