@@ -63,6 +63,9 @@ type UpstreamView struct {
 	// detection, in milliseconds; 0 when it is not ejected.
 	EjectedForMs float64 `json:"ejected_for_ms"`
 	Ejections    uint64  `json:"ejections_total"`
+	// EjectionsOverflow counts the ejections max_ejection_percent refused:
+	// the upstream met a rule while the pool was at its cap.
+	EjectionsOverflow uint64 `json:"ejections_overflow_total"`
 	// EjectionReason is why the upstream is ejected now, or was last
 	// ejected: "consecutive_failures", "success_rate" or
 	// "failure_percentage"; absent when it never was.
@@ -97,6 +100,7 @@ func BuildReport() Report {
 
 			EjectedForMs:        float64(s.EjectedFor) / 1e6,
 			Ejections:           s.Ejections,
+			EjectionsOverflow:   s.Overflows,
 			EjectionsByReason:   make(map[string]uint64, len(s.Outlier.ByReason)),
 			ConsecutiveFailures: s.ConsecFailures,
 		}

@@ -26,6 +26,8 @@ var (
 		"1 while the upstream is ejected by outlier detection, else 0.", []string{"upstream"}, nil)
 	descEjections = prometheus.NewDesc("caddy_lbx_upstream_ejections_total",
 		"Ejections of the upstream by outlier detection, by reason.", []string{"upstream", "reason"}, nil)
+	descOverflow = prometheus.NewDesc("caddy_lbx_upstream_ejections_overflow_total",
+		"Ejections of the upstream that max_ejection_percent refused: it met a rule while the pool was at its cap.", []string{"upstream"}, nil)
 	descPanic = prometheus.NewDesc("caddy_lbx_pool_panic",
 		"1 while the pool is in panic mode (too few upstreams available; health ignored), else 0.", []string{"policy", "upstreams"}, nil)
 	descPanicEntered = prometheus.NewDesc("caddy_lbx_pool_panic_entered_total",
@@ -36,7 +38,7 @@ var (
 
 // Describe implements prometheus.Collector.
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descPanic, descPanicEntered, descRetriesRefused} {
+	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descOverflow, descPanic, descPanicEntered, descRetriesRefused} {
 		ch <- d
 	}
 }
@@ -54,6 +56,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ejected = 1
 		}
 		ch <- prometheus.MustNewConstMetric(descEjected, prometheus.GaugeValue, ejected, s.Dial)
+		ch <- prometheus.MustNewConstMetric(descOverflow, prometheus.CounterValue, float64(s.Overflows), s.Dial)
 		for r, n := range s.Outlier.ByReason {
 			ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), s.Dial, hoststate.EjectReason(r).String())
 		}

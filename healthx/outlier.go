@@ -285,6 +285,7 @@ func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, fai
 	defer t.UnlockEjections()
 	ejected, total := t.CountEjected(now)
 	if !o.mayEject(ejected, total) {
+		s.NoteOverflow()
 		if ce := o.logger.Check(zap.WarnLevel, "outlier not ejected: pool at max_ejection_percent"); ce != nil && n == int64(o.Consecutive) {
 			ce.Write(zap.String("upstream", dial), zap.String("reason", hoststate.ReasonConsecutiveFailures.String()),
 				zap.Int("ejected", ejected), zap.Int("upstreams", total),

@@ -154,6 +154,7 @@ func (sw *sweeper) sweep(now int64) (ejected, skipped []string) {
 			continue
 		}
 		if !o.mayEject(n, total) {
+			c.h.s.NoteOverflow()
 			skipped = append(skipped, c.h.s.Dial())
 			reasons = append(reasons, c.reason.String())
 			continue

@@ -67,7 +67,8 @@ type Stats struct {
 	ejectedUntilNs atomic.Int64 // Now() until which the host is ejected
 	ejections      atomic.Int64 // ejections in a row: the backoff multiplier
 	ejectionsTotal atomic.Uint64
-	restoreDue     atomic.Bool // ejected, and its return not yet announced
+	overflows      atomic.Uint64 // ejections the pool's cap refused
+	restoreDue     atomic.Bool   // ejected, and its return not yet announced
 
 	// rampFromNs is when the host last joined or returned to a pool that
 	// was already serving (slow start); 0 if never. The end of an ejection
@@ -182,8 +183,11 @@ type Snapshot struct {
 	InFlight     int // Caddy's count of requests in flight
 	PassiveFails int // Caddy's passive health-check failure count
 	// EjectedFor is how long the host stays ejected; 0 when it is not.
-	EjectedFor     time.Duration
-	Ejections      uint64 // times ejected, in total
+	EjectedFor time.Duration
+	Ejections  uint64 // times ejected, in total
+	// Overflows counts the times an ejection rule condemned the host but
+	// the pool was at its ejection cap, so it stayed in.
+	Overflows      uint64
 	ConsecFailures int64
 	Outlier        EjectionSnapshot // ejections by reason
 }
@@ -208,6 +212,7 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	}
 	snap.FailStreak = s.failStreak.Load()
 	snap.Ejections = s.ejectionsTotal.Load()
+	snap.Overflows = s.overflows.Load()
 	snap.ConsecFailures = s.consecutive.Load()
 	snap.Outlier = s.ejectionSnapshot()
 	if h := s.host.Load(); h != nil {
@@ -231,6 +236,11 @@ func (s *Stats) RecordOutcome(failed bool) int64 {
 	}
 	return s.consecutive.Add(1)
 }
+
+// NoteOverflow counts an ejection the pool's cap refused (Envoy's
+// ejections_overflow): the sign that max_ejection_percent is holding
+// failing hosts in.
+func (s *Stats) NoteOverflow() { s.overflows.Add(1) }
 
 // Ejected reports whether the upstream is ejected at now.
 func (s *Stats) Ejected(now int64) bool { return s.ejectedUntilNs.Load() > now }
