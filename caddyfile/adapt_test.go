@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -13,6 +14,11 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 )
+
+// update rewrites the JSON expectations of the golden files with what the
+// adapter makes of them now: `go test ./caddyfile -run TestAdapt -update`,
+// then read the diff before committing it.
+var update = flag.Bool("update", false, "rewrite the JSON expectations of the golden files")
 
 // goldenSeparator splits a .caddyfiletest file into its Caddyfile and its
 // expectation, as in Caddy's caddytest/integration/caddyfile_adapt.
@@ -63,6 +69,13 @@ func TestAdapt(t *testing.T) {
 			gotJSON, err := indentJSON(got)
 			if err != nil {
 				t.Fatalf("adapter output: %v\n%s", err, got)
+			}
+			if *update {
+				out := strings.TrimRight(string(input), "\n") + "\n" + goldenSeparator + "\n" + gotJSON + "\n"
+				if err := os.WriteFile(file, []byte(out), 0o644); err != nil {
+					t.Fatal(err)
+				}
+				return
 			}
 			wantJSON, err := indentJSON([]byte(want))
 			if err != nil {

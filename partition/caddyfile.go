@@ -16,7 +16,9 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/dustin/go-humanize"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/caddyopt"
 )
 
 func init() {
@@ -366,9 +368,10 @@ var _ caddyfile.Unmarshaler = (*Handler)(nil)
 // parseSerfTag parses the serf_tag option (see SerfNaming):
 //
 //	serf_tag [<member tag>] {
-//		port     <port>
-//		port_tag <member tag>
-//		tag      <key> <value>
+//		port         <port>
+//		port_tag     <member tag>
+//		tag          <key> <value>
+//		exclude_self
 //	}
 //
 // The member tag defaults to "partition"; `tag` may be repeated.
@@ -382,38 +385,20 @@ func parseSerfTag(d *caddyfile.Dispenser) (*SerfNaming, error) {
 	default:
 		return nil, d.Errf("serf_tag: at most one argument (the member tag holding the partition tags), got %d", len(args))
 	}
-	seen := make(map[string]bool)
+	const what = "serf_tag"
+	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
-		opt := d.Val()
-		if opt != "tag" && seen[opt] {
-			return nil, d.Errf("serf_tag: %s specified more than once", opt)
+		if d.Val() != "tag" {
+			if err := once.Check(d); err != nil {
+				return nil, err
+			}
 		}
-		seen[opt] = true
-		switch opt {
-		case "port", "port_tag":
-			v := d.RemainingArgs()
-			if len(v) != 1 {
-				return nil, d.Errf("serf_tag: %s: want one value, got %d", opt, len(v))
-			}
-			if opt == "port" {
-				sn.Port = v[0]
-			} else {
-				sn.PortTag = v[0]
-			}
-		case "tag":
-			kv := d.RemainingArgs()
-			if len(kv) != 2 {
-				return nil, d.Errf("serf_tag: tag: want <key> <value>, got %d argument(s)", len(kv))
-			}
-			if sn.Tags == nil {
-				sn.Tags = make(map[string]string)
-			}
-			if _, dup := sn.Tags[kv[0]]; dup {
-				return nil, d.Errf("serf_tag: tag %q specified more than once", kv[0])
-			}
-			sn.Tags[kv[0]] = kv[1]
-		default:
-			return nil, d.Errf("serf_tag: unknown option %q (want port, port_tag or tag)", opt)
+		ok, err := sn.UnmarshalOption(d, what)
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			return nil, caddyopt.Unknown(d, what, cluster.SelectorOptions...)
 		}
 	}
 	if err := sn.validate(); err != nil {

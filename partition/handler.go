@@ -35,6 +35,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+
 	// lbpolicy is the default replica selection policy, ewma.
 	"github.com/caddy-lbx/lbx/lbpolicy"
 )
@@ -135,8 +136,8 @@ type Handler struct {
 	// Default: 1s.
 	PollInterval caddy.Duration `json:"poll_interval,omitempty"`
 
-	// Upstreams from the member tags of this node's rebalance cluster
-	// (which needs the rebalance app in the config): each alive member's
+	// Upstreams from the member tags of this node's cluster
+	// (which needs the cluster app in the config): each alive member's
 	// tag "partition" (by default) holds its partition tags, e.g. "0/3" or
 	// "0/3,1/4". They are added to Upstreams and the naming file's, and
 	// follow the members: a new list replaces the old atomically.
@@ -377,7 +378,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		go h.watcher.run(ctx.Done())
 	}
 	if h.Serf != nil {
-		// The rebalance app's member starts after every module is
+		// The cluster app's member starts after every module is
 		// provisioned: the list fills in once it runs.
 		sw, err := newSerfWatcher(ctx, h.Serf, time.Duration(h.PollInterval), h.logger, h.installSerf)
 		if err != nil {

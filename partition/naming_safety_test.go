@@ -14,10 +14,11 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
 // writeInPlace overwrites path's content without a rename, as a careless

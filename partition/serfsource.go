@@ -2,7 +2,6 @@ package partition
 
 import (
 	"cmp"
-	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -11,15 +10,15 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/cluster"
 )
 
 // DefaultSerfPartitionTag is the member tag SerfNaming reads by default.
 const DefaultSerfPartitionTag = "partition"
 
 // SerfNaming takes tagged upstreams from the members of this node's
-// rebalance cluster (the `rebalance` app, which must be in the config):
-// each alive member whose tag PartitionTag holds partition tags, e.g.
+// cluster (the `cluster` app, which must be in the config): each alive
+// member whose tag PartitionTag holds partition tags, e.g.
 // `partition=0/3` or `partition=0/3,1/4` (a comma-separated list), is an
 // upstream for each of them, dialed at its advertised IP and the port in
 // its tag PortTag, or Port. Members without the tag are not partition
@@ -34,33 +33,14 @@ type SerfNaming struct {
 	// Default: "partition".
 	PartitionTag string `json:"partition_tag,omitempty"`
 
-	// Tags the members must also carry, with these values (e.g.
-	// {"role": "search"}). Default: none.
-	Tags map[string]string `json:"tags,omitempty"`
-
-	// Port is the port to dial on every member, unless its PortTag tag
-	// gives one. One of Port and PortTag is required.
-	Port string `json:"port,omitempty"`
-
-	// PortTag names the member tag that holds the port to dial (e.g.
-	// "http_port"). Default: none.
-	PortTag string `json:"port_tag,omitempty"`
+	// Selector picks the members (tags, port, port_tag, exclude_self).
+	cluster.Selector
 }
 
 // validate checks the configuration.
 func (s *SerfNaming) validate() error {
-	if s.Port == "" && s.PortTag == "" {
-		return errors.New("serf: give a port or a port_tag (the member tag that holds the port to dial)")
-	}
-	if s.Port != "" {
-		if _, err := rebalance.ParsePort(s.Port); err != nil {
-			return fmt.Errorf("serf: %v", err)
-		}
-	}
-	for k, v := range s.Tags {
-		if k == "" || v == "" {
-			return fmt.Errorf("serf: tag %q=%q: key and value must not be empty", k, v)
-		}
+	if err := s.Selector.Validate(); err != nil {
+		return fmt.Errorf("serf: %v", err)
 	}
 	return nil
 }
@@ -74,23 +54,16 @@ func (s *SerfNaming) partitionTag() string {
 
 // SerfEntries returns the tagged upstreams that members give under cfg,
 // sorted by address then tag and free of duplicates, and the problems of
-// the members left out (one string each).
-func SerfEntries(members []rebalance.Member, cfg *SerfNaming) ([]Entry, []string) {
-	var (
-		entries  []Entry
-		problems []string
-	)
+// the members left out (one string each, sorted).
+func SerfEntries(members []cluster.Member, cfg *SerfNaming) ([]Entry, []string) {
+	var entries []Entry
 	key := cfg.partitionTag()
-	for _, m := range members {
-		raw, ok := m.Tags[key]
-		if !ok || m.Status != rebalance.StatusAlive || !m.HasTags(cfg.Tags) {
-			continue
-		}
-		dial, err := m.DialAddr(cfg.Port, cfg.PortTag)
-		if err != nil {
-			problems = append(problems, err.Error())
-			continue
-		}
+	picked, problems := cfg.Select(members, func(m cluster.Member) bool {
+		_, ok := m.Tags[key]
+		return ok
+	})
+	for _, p := range picked {
+		raw := p.Tags[key]
 		var bad []string
 		var tags []Tag
 		for _, v := range strings.Split(raw, ",") {
@@ -104,58 +77,49 @@ func SerfEntries(members []rebalance.Member, cfg *SerfNaming) ([]Entry, []string
 		if len(bad) > 0 {
 			// A member with a bad tag is left out as a whole: serving
 			// some of its partitions would hide the mistake.
-			problems = append(problems, fmt.Sprintf("member %s: tag %s=%q: %s", m.Name, key, raw, strings.Join(bad, "; ")))
+			problems = append(problems, fmt.Sprintf("member %s: tag %s=%q: %s", p.Name, key, raw, strings.Join(bad, "; ")))
 			continue
 		}
 		for _, t := range tags {
-			entries = append(entries, Entry{Dial: dial, Tag: t})
+			entries = append(entries, Entry{Dial: p.Dial, Tag: t})
 		}
 	}
+	slices.Sort(problems) // the same problems read the same
 	slices.SortFunc(entries, func(a, b Entry) int {
 		return cmp.Or(strings.Compare(a.Dial, b.Dial), cmp.Compare(a.Tag.Count, b.Tag.Count), cmp.Compare(a.Tag.Index, b.Tag.Index))
 	})
 	return slices.Compact(entries), problems
 }
 
-// serfWatcher polls the cluster's member list and hands every changed
-// list of entries to apply. It runs in one goroutine; its state is not
-// shared.
+// serfWatcher turns the cluster's member lists into entries and hands
+// every changed list to apply. It runs in one goroutine (cluster.App.Poll);
+// its state is not shared.
 type serfWatcher struct {
 	cfg    *SerfNaming
-	app    *rebalance.App
+	app    *cluster.App
 	every  time.Duration
 	logger *zap.Logger
 	apply  func([]Entry) error
 
 	last     []Entry
-	started  bool   // a member list has been read
 	problems string // the last problems logged
 	rejected string // why apply refused the last list
 }
 
-// newSerfWatcher finds the config's rebalance app.
+// newSerfWatcher finds the config's cluster app.
 func newSerfWatcher(ctx caddy.Context, cfg *SerfNaming, every time.Duration, logger *zap.Logger, apply func([]Entry) error) (*serfWatcher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	app, err := ctx.AppIfConfigured("rebalance")
+	app, err := cluster.Lookup(ctx, "serf")
 	if err != nil {
-		if errors.Is(err, caddy.ErrNotConfigured) {
-			return nil, errors.New("serf: no rebalance app in this config; the upstreams come from the members of this node's rebalance cluster, so add the `rebalance` global option (or the \"rebalance\" app in JSON)")
-		}
-		return nil, fmt.Errorf("serf: %v", err)
+		return nil, err
 	}
-	return &serfWatcher{cfg: cfg, app: app.(*rebalance.App), every: every, logger: logger, apply: apply}, nil
+	return &serfWatcher{cfg: cfg, app: app, every: every, logger: logger, apply: apply}, nil
 }
 
-// load reads the member list and applies it if it changed. It returns
-// rebalance.ErrNotRunning before the app has started.
-func (w *serfWatcher) load() error {
-	members, err := w.app.Members()
-	if err != nil {
-		return err
-	}
-	w.started = true
+// load applies the entries members give, if they changed.
+func (w *serfWatcher) load(members []cluster.Member) error {
 	entries, problems := SerfEntries(members, w.cfg)
 	if p := strings.Join(problems, "\n"); p != w.problems {
 		if p != "" {
@@ -183,29 +147,7 @@ func (w *serfWatcher) load() error {
 	return nil
 }
 
-// run polls until done is closed: every 50ms until the rebalance app's
-// member runs (it starts after every module is provisioned), then every
-// poll interval. It recovers from panics; the last good list then stays.
+// run polls until done is closed (see cluster.App.Poll).
 func (w *serfWatcher) run(done <-chan struct{}) {
-	defer func() {
-		if r := recover(); r != nil {
-			w.logger.Error("serf member watcher panicked; the upstream list will no longer be updated",
-				zap.Any("panic", r), zap.Stack("stack"))
-		}
-	}()
-	wait := 50 * time.Millisecond
-	t := time.NewTimer(0)
-	defer t.Stop()
-	for {
-		select {
-		case <-done:
-			return
-		case <-t.C:
-		}
-		_ = w.load()
-		if w.started {
-			wait = w.every
-		}
-		t.Reset(wait)
-	}
+	w.app.Poll(done, w.every, w.logger, func(ms []cluster.Member) { _ = w.load(ms) })
 }

@@ -9,27 +9,26 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-
-	"github.com/caddy-lbx/lbx/rebalance"
 )
 
 // TestSerfEntries: members to tagged upstreams.
 func TestSerfEntries(t *testing.T) {
 	ip := net.ParseIP("10.0.0.1")
 	ip2 := net.ParseIP("10.0.0.2")
-	members := []rebalance.Member{
-		{Name: "a", Addr: ip, Status: rebalance.StatusAlive, Tags: map[string]string{"partition": "1/3, 0/3,0/4", "http_port": "8001", "role": "search"}},
-		{Name: "b", Addr: ip2, Status: rebalance.StatusAlive, Tags: map[string]string{"partition": "2/3", "role": "search"}},
-		{Name: "bad", Addr: ip2, Status: rebalance.StatusAlive, Tags: map[string]string{"partition": "0/3,3/3", "role": "search"}},
-		{Name: "left", Addr: ip2, Status: rebalance.StatusLeft, Tags: map[string]string{"partition": "0/3", "role": "search"}},
-		{Name: "web", Addr: ip2, Status: rebalance.StatusAlive, Tags: map[string]string{"partition": "0/3", "role": "web"}},
-		{Name: "notpart", Addr: ip2, Status: rebalance.StatusAlive, Tags: map[string]string{"role": "search"}},
-		{Name: "badport", Addr: ip2, Status: rebalance.StatusAlive, Tags: map[string]string{"partition": "0/3", "http_port": "x", "role": "search"}},
+	members := []cluster.Member{
+		{Name: "a", Addr: ip, Status: cluster.StatusAlive, Tags: map[string]string{"partition": "1/3, 0/3,0/4", "http_port": "8001", "role": "search"}},
+		{Name: "b", Addr: ip2, Status: cluster.StatusAlive, Tags: map[string]string{"partition": "2/3", "role": "search"}},
+		{Name: "bad", Addr: ip2, Status: cluster.StatusAlive, Tags: map[string]string{"partition": "0/3,3/3", "role": "search"}},
+		{Name: "left", Addr: ip2, Status: cluster.StatusLeft, Tags: map[string]string{"partition": "0/3", "role": "search"}},
+		{Name: "web", Addr: ip2, Status: cluster.StatusAlive, Tags: map[string]string{"partition": "0/3", "role": "web"}},
+		{Name: "notpart", Addr: ip2, Status: cluster.StatusAlive, Tags: map[string]string{"role": "search"}},
+		{Name: "badport", Addr: ip2, Status: cluster.StatusAlive, Tags: map[string]string{"partition": "0/3", "http_port": "x", "role": "search"}},
 	}
-	cfg := &SerfNaming{Port: "9000", PortTag: "http_port", Tags: map[string]string{"role": "search"}}
+	cfg := &SerfNaming{Selector: cluster.Selector{Port: "9000", PortTag: "http_port", Tags: map[string]string{"role": "search"}}}
 	got, problems := SerfEntries(members, cfg)
 	var gs []string
 	for _, e := range got {
@@ -45,7 +44,7 @@ func TestSerfEntries(t *testing.T) {
 	}
 	// Another tag key and no port fallback.
 	members[1].Tags = map[string]string{"shard": "0/1", "http_port": "7"}
-	got, problems = SerfEntries(members[1:2], &SerfNaming{PartitionTag: "shard", PortTag: "http_port"})
+	got, problems = SerfEntries(members[1:2], &SerfNaming{PartitionTag: "shard", Selector: cluster.Selector{PortTag: "http_port"}})
 	if len(got) != 1 || got[0].Dial != "10.0.0.2:7" || got[0].Tag != (Tag{0, 1}) || len(problems) != 0 {
 		t.Errorf("shard tag: %v %v", got, problems)
 	}
@@ -56,10 +55,10 @@ func TestSerfTagCaddyfileErrors(t *testing.T) {
 	for _, tc := range []struct{ in, want string }{
 		{"partition {\n serf_tag\n}", "serf_tag: give a port or a port_tag"},
 		{"partition {\n serf_tag a b\n}", "serf_tag: at most one argument"},
-		{"partition {\n serf_tag {\n  port\n }\n}", "serf_tag: port: want one value, got 0"},
+		{"partition {\n serf_tag {\n  port\n }\n}", "serf_tag: port: missing value"},
 		{"partition {\n serf_tag {\n  port 0\n }\n}", `serf_tag: port "0"`},
 		{"partition {\n serf_tag {\n  port 1\n  port 2\n }\n}", "serf_tag: port specified more than once"},
-		{"partition {\n serf_tag {\n  port_tag a b\n }\n}", "serf_tag: port_tag: want one value, got 2"},
+		{"partition {\n serf_tag {\n  port_tag a b\n }\n}", `serf_tag: port_tag: one value expected, got another: "b"`},
 		{"partition {\n serf_tag {\n  port 1\n  tag role\n }\n}", "serf_tag: tag: want <key> <value>"},
 		{"partition {\n serf_tag {\n  port 1\n  tag role a\n  tag role b\n }\n}", `serf_tag: tag "role" specified more than once`},
 		{"partition {\n serf_tag {\n  bogus\n }\n}", `serf_tag: unknown option "bogus"`},
@@ -77,7 +76,7 @@ func portOf(b *backend) string {
 	return p
 }
 
-// TestSerfNamingFollowsMembers: a real Caddy with the rebalance app joined
+// TestSerfNamingFollowsMembers: a real Caddy with the cluster app joined
 // to real serf members on loopback, each fronting a real backend, and a
 // partition handler whose upstreams come from the members' partition
 // tags. Under continuous load: a 2-partition scheme serves; a member
@@ -93,7 +92,7 @@ func TestSerfNamingFollowsMembers(t *testing.T) {
 	testutil.SerfMember(t, "mbad", map[string]string{"partition": "0/2,2/2", "http_port": portOf(bad), "role": "search"}, testutil.SerfAddr(m0))
 	testutil.SerfMember(t, "mweb", map[string]string{"partition": "0/2", "http_port": portOf(web), "role": "web"}, testutil.SerfAddr(m0))
 
-	e.global = fmt.Sprintf("rebalance {\n\t\tnode_name front\n\t\tbind 127.0.0.1:%d\n\t\tjoin %s\n\t\tinterval 100ms\n\t\thistory 100ms\n\t}",
+	e.global = fmt.Sprintf("cluster {\n\t\tnode_name front\n\t\tbind 127.0.0.1:%d\n\t\tjoin %s\n\t}",
 		freeUDPTCPPort(t), testutil.SerfAddr(m0))
 	e.load(`	partition {
 		serf_tag partition {
@@ -161,13 +160,13 @@ func TestSerfNamingFollowsMembers(t *testing.T) {
 	}
 }
 
-// TestSerfNamingNeedsRebalanceApp: serf_tag without the rebalance app
+// TestSerfNamingNeedsClusterApp: serf_tag without the cluster app
 // does not load, and says why.
-func TestSerfNamingNeedsRebalanceApp(t *testing.T) {
+func TestSerfNamingNeedsClusterApp(t *testing.T) {
 	e := newEnv(t)
 	err := e.loadErr("\tpartition {\n\t\tserf_tag {\n\t\t\tport 80\n\t\t}\n\t}")
-	if err == nil || !strings.Contains(err.Error(), "no rebalance app in this config") {
-		t.Fatalf("error %v; want one saying the rebalance app is missing", err)
+	if err == nil || !strings.Contains(err.Error(), "no cluster app in this config") {
+		t.Fatalf("error %v; want one saying the cluster app is missing", err)
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
+
+	"github.com/caddy-lbx/lbx/cluster"
 )
 
 // TestUnmarshalCaddyfileErrors covers every error path of the global
@@ -13,16 +15,8 @@ import (
 func TestUnmarshalCaddyfileErrors(t *testing.T) {
 	for _, tc := range []struct{ in, want string }{
 		{"rebalance extra", `unexpected argument "extra"`},
-		{"rebalance {\n node_name\n}", "node_name: missing value"},
-		{"rebalance {\n node_name a b\n}", `node_name: one value expected, got another: "b"`},
-		{"rebalance {\n bind a b\n}", "bind: one value expected"},
-		{"rebalance {\n join\n}", "wrong argument count"},
 		{"rebalance {\n metric\n}", "metric: missing value"},
 		{"rebalance {\n metric ram\n}", `metric "ram"`},
-		{"rebalance {\n tags x\n}", `tags: unexpected argument "x"`},
-		{"rebalance {\n tags {\n  zone\n }\n}", "zone: missing value"},
-		{"rebalance {\n tags {\n  zone a\n  zone b\n }\n}", `tag "zone" set twice`},
-		{"rebalance {\n tags {\n  lbx_load 1\n }\n}", `tag "lbx_load": keys starting with lbx_ are reserved`},
 		{"rebalance {\n interval soon\n}", `interval "soon": want a positive duration`},
 		{"rebalance {\n history -1s\n}", `history "-1s": want a positive duration`},
 		{"rebalance {\n freshness 0s\n}", `freshness "0s"`},
@@ -33,20 +27,21 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rebalance {\n stop_band 30\n}", "stop_band 30% is above threshold 20%"},
 		{"rebalance {\n min_connections -1\n}", `min_connections -1: want a whole number from 0 to 10000000`},
 		{"rebalance {\n min_connections many\n}", `min_connections "many"`},
-		{"rebalance {\n interval 1s\n interval 2s\n}", "interval set twice"},
+		{"rebalance {\n interval 1s\n interval 2s\n}", "interval specified more than once"},
 		{"rebalance {\n boundary_timeout\n}", "boundary_timeout: missing value"},
 		{"rebalance {\n boundary_timeout -1s\n}", `boundary_timeout "-1s": want a duration such as 30s, or 0 to never force`},
 		{"rebalance {\n boundary_timeout soon\n}", `boundary_timeout "soon"`},
 		{"rebalance {\n boundary_timeout 1s 2s\n}", `boundary_timeout: one value expected, got another: "2s"`},
-		{"rebalance {\n boundary_timeout 1s\n boundary_timeout 2s\n}", "boundary_timeout set twice"},
+		{"rebalance {\n boundary_timeout 1s\n boundary_timeout 2s\n}", "boundary_timeout specified more than once"},
 		{"rebalance {\n bogus 1\n}", `unknown option "bogus"`},
+		{"rebalance {\n join 127.0.0.1:7946\n}", "rebalance: join is an option of the cluster global option now"},
 	} {
 		d := caddyfile.NewTestDispenser(tc.in)
 		err := new(App).UnmarshalCaddyfile(d)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
 		}
-		if err != nil && !strings.Contains(err.Error(), "Testfile:") && !strings.Contains(err.Error(), "wrong argument count") {
+		if err != nil && !strings.Contains(err.Error(), "Testfile:") {
 			t.Errorf("%q: error %q does not name its line", tc.in, err)
 		}
 	}
@@ -61,29 +56,23 @@ func TestProvisionValidateErrors(t *testing.T) {
 	}{
 		// The process's own source (no test source): throughput needs a
 		// server with the listener wrapper, and this config has none.
-		{App{NodeName: "n", Metric: "throughput", source: nil}, "metric throughput needs the rebalance listener wrapper: add `listener_wrappers { rebalance tls }`"},
-		{App{NodeName: "n", Metric: "ram"}, `metric "ram": want`},
-		{App{NodeName: "n", Bind: "nohost"}, `bind "nohost": want host:port`},
-		{App{NodeName: "n", Bind: "127.0.0.1:99999"}, `bind "127.0.0.1:99999": invalid port "99999"`},
-		{App{NodeName: "n", Advertise: "x"}, `advertise "x": want host:port`},
-		{App{NodeName: "n", Join: []string{"10.0.0.1"}}, `join "10.0.0.1": want host:port`},
-		{App{NodeName: "n", EncryptKey: "not base64!"}, "encrypt_key: not valid base64"},
-		{App{NodeName: "n", EncryptKey: "c2hvcnQ="}, "encrypt_key: decodes to 5 bytes; want 16, 24 or 32"},
-		{App{NodeName: "n", EncryptKey: "{env.LBX_TEST_UNSET_KEY}"}, `encrypt_key "{env.LBX_TEST_UNSET_KEY}" is empty once placeholders are replaced`},
-		{App{NodeName: "n", Tags: map[string]string{"lbx_x": "1"}}, `tag "lbx_x": keys starting with lbx_ are reserved`},
-		{App{NodeName: "n", Interval: 2e9, History: 1e9}, "history (1s) must be at least interval (2s)"},
-		{App{NodeName: "n", Threshold: 10, StopBand: 15}, "stop_band 15% is above threshold 10%"},
-		{App{NodeName: "n", ShedRate: 200}, "shed_rate 200%: want a percentage above 0% and at most 100%"},
-		{App{NodeName: "n", BoundaryTimeout: -1e9}, "boundary_timeout -1s is below the minimum 0s"},
+		{App{Metric: "throughput", source: nil}, "metric throughput needs the rebalance listener wrapper: add `listener_wrappers { rebalance tls }`"},
+		{App{Metric: "ram"}, `metric "ram": want`},
+		{App{Interval: 2e9, History: 1e9}, "history (1s) must be at least interval (2s)"},
+		{App{Threshold: 10, StopBand: 15}, "stop_band 15% is above threshold 10%"},
+		{App{ShedRate: 200}, "shed_rate 200%: want a percentage above 0% and at most 100%"},
+		{App{BoundaryTimeout: -1e9}, "boundary_timeout -1s is below the minimum 0s"},
 	} {
 		a := tc.app
 		if tc.app.Metric != MetricThroughput {
 			a.source = &fakeSource{}
 		}
+		a.cluster = &cluster.App{NodeName: "n"}
 		err := a.Provision(testContext(t))
 		if err == nil {
 			err = a.Validate()
 		}
+
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: error %v; want one containing %q", tc.app, err, tc.want)
 		}

@@ -10,6 +10,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/dustin/go-humanize"
+
+	"github.com/caddy-lbx/lbx/cluster"
 )
 
 func init() {
@@ -19,10 +21,10 @@ func init() {
 // AdminAPI serves the cluster as this node sees it on Caddy's admin
 // endpoint:
 //
-//	GET /rebalance/cluster
+//	GET /lbx/rebalance
 //
-// returns, for each rebalance node in the process (normally one), its
-// members with status, load and report age, whether each counts toward the
+// returns, for each rebalance node in the process (normally one), the
+// cluster's members with status, load and report age, whether each counts toward the
 // average, this node's own load, connections by state, the bytes counted
 // by the rebalance listener wrapper, its last decision, its shed totals,
 // forced closes (boundary_timeout) and how shed WebSockets closed. Fields
@@ -33,7 +35,7 @@ type AdminAPI struct{}
 // CaddyModule returns the Caddy module information.
 func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "admin.api.rebalance",
+		ID:  "admin.api.lbx_rebalance",
 		New: func() caddy.Module { return new(AdminAPI) },
 	}
 }
@@ -41,7 +43,7 @@ func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 // Routes returns the admin routes.
 func (AdminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
-		Pattern: "/rebalance/cluster",
+		Pattern: "/lbx/rebalance",
 		Handler: caddy.AdminHandlerFunc(handleCluster),
 	}}
 }
@@ -161,7 +163,7 @@ func bytesView(b ByteTotals) BytesView {
 	}
 }
 
-// ClusterReport is the body of GET /rebalance/cluster.
+// ClusterReport is the body of GET /lbx/rebalance.
 type ClusterReport struct {
 	Nodes []NodeView `json:"nodes"`
 }
@@ -181,16 +183,23 @@ func BuildClusterReport() ClusterReport {
 // view returns the node's admin view.
 func (n *node) view(now time.Time) NodeView {
 	s := n.driver()
-	members := n.serf.Members()
+	var (
+		members []cluster.Member
+		st      cluster.Status
+	)
+	if s != nil {
+		members, _ = s.cluster.Members()
+		st, _ = s.cluster.Status()
+	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	v := NodeView{
 		Name:         n.name,
 		Bind:         n.key,
-		Encrypted:    n.serf.EncryptionEnabled(),
-		JoinError:    n.joinErr,
+		Encrypted:    st.Encrypted,
+		JoinError:    st.JoinError,
 		Members:      []MemberView{},
-		NameConflict: n.conflict,
+		NameConflict: st.Conflict,
 		Decision: DecisionView{
 			At: n.lastAt, Local: finite(n.local), Current: finite(n.current), Held: n.held,
 			Average: finite(n.last.Average), Balance: finite(n.last.Balance), Counted: n.last.Counted,
@@ -223,16 +232,12 @@ func (n *node) view(now time.Time) NodeView {
 	if s != nil {
 		params = s.params
 	}
-	if n.conflict != "" {
-		// serf's member list is frozen at the shutdown: not the cluster.
-		members = nil
-	}
 	for _, m := range members {
 		mv := MemberView{
 			Name:   m.Name,
 			Addr:   fmt.Sprintf("%s:%d", m.Addr, m.Port),
 			Status: m.Status.String(),
-			Self:   m.Name == n.name,
+			Self:   m.Self,
 			Tags:   m.Tags,
 		}
 		raw := m.Tags[LoadTag]
@@ -255,7 +260,7 @@ func (n *node) view(now time.Time) NodeView {
 			continue
 		}
 		// The rule Decide uses; the load is NaN when the tag holds none.
-		r := Report{Name: m.Name, Status: memberStatus(m.Status), Load: load, At: at, Metric: metric}
+		r := Report{Name: m.Name, Status: m.Status, Load: load, At: at, Metric: metric}
 		switch params.standing(r, now) {
 		case notAlive:
 			mv.Why = "not alive"

@@ -1,28 +1,19 @@
 package rebalance
 
 import (
-	"bytes"
-	"crypto/sha256"
-	"encoding/base64"
-	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"maps"
 	"math"
-	"net"
-	"os"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/hashicorp/go-msgpack/v2/codec"
-	"github.com/hashicorp/memberlist"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
@@ -53,9 +44,9 @@ const (
 // earlier config stay counted until they close.
 var tracker = new(ConnTracker)
 
-// App joins this Caddy node to a serf cluster of Caddy nodes, gossips its
-// load (by default the connections its HTTP servers hold, smoothed over
-// `history`), and sheds a share of its connections every interval while it
+// App gossips this Caddy node's load through the cluster app (by default
+// the connections its HTTP servers hold, smoothed over `history`, in the
+// member tag lbx_load), and sheds a share of its connections every interval while it
 // holds far more than the cluster average, so that clients reconnect
 // through the outer load balancer to another node.
 //
@@ -74,41 +65,10 @@ var tracker = new(ConnTracker)
 // long poll) counts toward the load again once it has been open `history`
 // since the shed, and is closed anyway after `boundary_timeout` if set.
 //
-// The serf member survives config reloads (it is shared between configs by
-// bind address) and leaves the cluster when Caddy stops.
+// It needs the cluster app in the same config (the `cluster` global
+// option). Its state (the load window, whether it is shedding) survives
+// config reloads along with the cluster member.
 type App struct {
-	// NodeName is this node's unique name in the cluster, at most 128
-	// bytes. A node that joins with a name the cluster already has loses
-	// serf's vote and stops gossiping (reported in the admin view, the
-	// log and the name_conflict metric). Default: the host name.
-	NodeName string `json:"node_name,omitempty"`
-
-	// Bind is the address (host:port) serf listens on, TCP and UDP.
-	// Default: 0.0.0.0:7946.
-	Bind string `json:"bind,omitempty"`
-
-	// Advertise is the address (host:port) other members use to reach
-	// this one, when it differs from Bind (NAT, containers). Default: the
-	// bind address, or a private IP of this host when binding 0.0.0.0.
-	Advertise string `json:"advertise,omitempty"`
-
-	// Join lists addresses (host:port) of cluster members to join. The
-	// node retries with backoff while it sees no other alive member.
-	// Default: none (a cluster of one until others join it).
-	Join []string `json:"join,omitempty"`
-
-	// EncryptKey is the base64 gossip encryption key (16, 24 or 32 bytes
-	// decoded; e.g. `head -c32 /dev/urandom | base64`), the same on every
-	// node. A node with another key cannot join. Default: none, gossip in
-	// clear text (a warning is logged).
-	EncryptKey string `json:"encrypt_key,omitempty"`
-
-	// Tags are extra serf tags this node publishes (for discovery). Keys
-	// starting with "lbx_" are reserved. Serf allows a member 512 bytes
-	// of tags, encoded, and the load tag takes up to about 60 of them: a
-	// config whose tags do not fit is refused.
-	Tags map[string]string `json:"tags,omitempty"`
-
 	// Metric is the load to balance: "connections" (the HTTP connections
 	// held, in any state), "throughput" (bytes per second read from and
 	// written to this process's HTTP connections over the last interval,
@@ -176,11 +136,7 @@ type App struct {
 	interval time.Duration
 	history  time.Duration
 	boundary time.Duration
-	keyBytes []byte
-	keyID    string
-	bindHost string
-	bindPort int
-	poolKey  string
+	cluster  *cluster.App
 	source   loadSource
 	logger   *zap.Logger
 	events   emitter
@@ -190,10 +146,8 @@ type App struct {
 	// measured (no test source).
 	httpApp *caddyhttp.App
 	// checkWrapper says that metric throughput must find a server with the
-	// listener wrapper; checkAtStart defers the check to Start when the
-	// HTTP app was still being provisioned (see nestedInHTTP).
+	// listener wrapper.
 	checkWrapper bool
-	checkAtStart bool
 }
 
 // CaddyModule returns the Caddy module information.
@@ -204,26 +158,14 @@ func (App) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision sets defaults, decodes the key and registers the connection
-// tracker with every HTTP server of the config. It does not touch the
+// Provision sets defaults, finds the cluster app and registers the
+// connection tracker with every HTTP server of the config. It does not touch the
 // network (it also runs for `caddy validate`).
 func (a *App) Provision(ctx caddy.Context) error {
 	a.logger = ctx.Logger()
 	a.events = newEmitter(ctx)
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
-	}
-	repl := caddy.NewReplacer()
-
-	if a.NodeName == "" {
-		host, err := os.Hostname()
-		if err != nil || host == "" {
-			return fmt.Errorf("node_name: not set, and the host name is unavailable: %v", err)
-		}
-		a.NodeName = host
-	}
-	if a.Bind == "" {
-		a.Bind = DefaultBind
 	}
 	if a.Metric == "" {
 		a.Metric = MetricConnections
@@ -234,31 +176,16 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 
-	if a.EncryptKey != "" {
-		raw := repl.ReplaceAll(a.EncryptKey, "")
-		if raw == "" {
-			return fmt.Errorf("encrypt_key %q is empty once placeholders are replaced (is the environment variable set?)", a.EncryptKey)
-		}
-		key, err := base64.StdEncoding.DecodeString(raw)
+	if a.cluster == nil { // tests set their own
+		clusterApp, err := cluster.Lookup(ctx, "rebalance")
 		if err != nil {
-			return fmt.Errorf("encrypt_key: not valid base64: %v", err)
+			return err
 		}
-		if err := memberlist.ValidateKey(key); err != nil {
-			return fmt.Errorf("encrypt_key: decodes to %d bytes; want 16, 24 or 32 (AES-128, -192 or -256)", len(key))
-		}
-		a.keyBytes = key
-		sum := sha256.Sum256(key)
-		a.keyID = hex.EncodeToString(sum[:4])
+		a.cluster = clusterApp
 	}
-	host, port, err := splitHostPort(a.Bind, "bind")
-	if err != nil {
-		return err
-	}
-	a.bindHost, a.bindPort = host, port
-	a.poolKey = net.JoinHostPort(host, strconv.Itoa(port))
-	if port == 0 {
-		// A port chosen by the kernel (tests): every node name its own.
-		a.poolKey += "#" + a.NodeName
+	a.cluster.Provide(requireRebalance)
+	if err := a.cluster.CheckTagsFit(map[string]string{LoadTag: longestLoadTag(a.Metric)}); err != nil {
+		return fmt.Errorf("rebalance: cluster %v", err)
 	}
 
 	if a.source == nil {
@@ -267,10 +194,13 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.source = src
 		a.registerServers(ctx)
 		a.checkWrapper = a.Metric == MetricThroughput
-		a.checkAtStart = nestedInHTTP(ctx)
 	}
 	return nil
 }
+
+// requireRebalance is what lb_policy cluster_load requires of the cluster
+// app: a rebalance app publishing loads through it (see cluster.App.Require).
+const requireRebalance = "the rebalance app (the `rebalance` global option, or the \"rebalance\" app in JSON), which publishes the loads"
 
 // resolve sets the effective settings from the options and their
 // defaults. It allocates nothing.
@@ -315,19 +245,6 @@ func (a *App) resolve() {
 func (a *App) UnmarshalJSON(b []byte) error {
 	type appJSON App
 	return jsonfield.Decode(b, (*appJSON)(a))
-}
-
-// nestedInHTTP reports whether the app is being provisioned from within
-// the HTTP app's provisioning: a handler (`dynamic serf` upstreams) asked
-// for it. The HTTP app's servers, and their listener wrappers, may then
-// not all be provisioned yet.
-func nestedInHTTP(ctx caddy.Context) bool {
-	for _, m := range ctx.Modules() {
-		if _, ok := m.(*caddyhttp.App); ok {
-			return true
-		}
-	}
-	return false
 }
 
 // errNoListenerWrapper says how to make metric throughput measure
@@ -392,15 +309,14 @@ func (a *App) registerServers(ctx caddy.Context) {
 	}
 }
 
-// Validate checks the configuration.
+// Validate checks the configuration. The HTTP app is provisioned by now
+// (registerServers asked for it, and no module of the HTTP app asks for
+// this one), so the listener wrappers of its servers are known.
 func (a *App) Validate() error {
 	if err := a.validate(); err != nil {
 		return err
 	}
-	if !a.checkAtStart {
-		return a.checkThroughputWrapper()
-	}
-	return nil
+	return a.checkThroughputWrapper()
 }
 
 // Bounds of the app's options. Each rule is stated once, in checkOption
@@ -419,14 +335,11 @@ const (
 	maxThreshold       = 1000.0
 	maxMinConnections  = 10_000_000
 	maxBoundaryTimeout = 24 * time.Hour
-	// maxNodeName is the longest node_name, in bytes (serf's own limit
-	// when it validates names).
-	maxNodeName = 128
 )
 
 // appOptions are the app's options, in the order checkOption checks them.
 var appOptions = []string{
-	"node_name", "bind", "advertise", "join", "tags", "metric", "interval", "history", "freshness",
+	"metric", "interval", "history", "freshness",
 	"threshold", "stop_band", "shed_rate", "min_connections", "boundary_timeout",
 }
 
@@ -447,37 +360,6 @@ func (a *App) validate() error {
 // against its bounds; the error names the option, the value and why.
 func (a *App) checkOption(opt string) error {
 	switch opt {
-	case "node_name":
-		if len(a.NodeName) > maxNodeName {
-			return fmt.Errorf("node_name %.32q… is %d bytes; at most %d", a.NodeName, len(a.NodeName), maxNodeName)
-		}
-	case "bind":
-		if a.Bind != "" {
-			_, _, err := splitHostPort(a.Bind, "bind")
-			return err
-		}
-	case "advertise":
-		if a.Advertise != "" {
-			_, _, err := splitHostPort(a.Advertise, "advertise")
-			return err
-		}
-	case "join":
-		for _, j := range a.Join {
-			_, port, err := splitHostPort(j, "join")
-			if err != nil {
-				return err
-			}
-			if port == 0 {
-				return fmt.Errorf("join %q: port 0 cannot be joined; want 1 to 65535", j)
-			}
-		}
-	case "tags":
-		for k := range a.Tags {
-			if strings.HasPrefix(k, "lbx_") {
-				return fmt.Errorf("tag %q: keys starting with lbx_ are reserved", k)
-			}
-		}
-		return checkTagSize(a.Tags, a.Metric)
 	case "metric":
 		switch a.Metric {
 		case "", MetricConnections, MetricThroughput, MetricCPU:
@@ -541,9 +423,6 @@ func checkPercent(opt string, v, hi float64) error {
 	return fmt.Errorf("%s %v%%: want a percentage above 0%% and at most %v%%", opt, v, hi)
 }
 
-// tagMagicByte starts serf's encoding of a member's tags.
-const tagMagicByte = 255
-
 // longestLoadTag is the longest value the load tag takes for metric: the
 // longest number strconv's 'g' format with 6 digits writes, and the
 // largest sequence.
@@ -551,89 +430,40 @@ func longestLoadTag(metric string) string {
 	return metric + " -1.23457e-308 " + strconv.FormatUint(math.MaxUint64, 10)
 }
 
-// checkTagSize checks that tags, with the longest load tag, fit in the
-// 512 bytes serf allows a member's tags (memberlist.MetaMaxSize), encoded
-// as serf encodes them. Serf refuses larger tags at start and on every
-// update, which on a reload would stop the node gossiping its load.
-func checkTagSize(tags map[string]string, metric string) error {
-	if metric == "" {
-		metric = MetricConnections
-	}
-	all := maps.Clone(tags)
-	if all == nil {
-		all = make(map[string]string, 1)
-	}
-	all[LoadTag] = longestLoadTag(metric)
-	buf := bytes.NewBuffer([]byte{tagMagicByte})
-	if err := codec.NewEncoder(buf, &codec.MsgpackHandle{}).Encode(all); err != nil {
-		return fmt.Errorf("tags: %v", err)
-	}
-	if buf.Len() > memberlist.MetaMaxSize {
-		return fmt.Errorf("tags: encoded with the longest load tag they take %d bytes, above serf's limit of %d; use fewer or shorter tags",
-			buf.Len(), memberlist.MetaMaxSize)
-	}
-	return nil
-}
-
 // settings returns what this config asks of the node.
 func (a *App) settings() *settings {
 	return &settings{
-		owner:     a,
-		params:    a.params,
-		interval:  a.interval,
-		history:   a.history,
-		boundary:  a.boundary,
-		tags:      maps.Clone(a.Tags),
-		join:      a.Join,
-		metric:    a.Metric,
-		source:    a.source,
-		logger:    a.logger,
-		events:    a.events,
-		name:      a.NodeName,
-		keyID:     a.keyID,
-		advertise: a.Advertise,
+		owner:    a,
+		cluster:  a.cluster,
+		params:   a.params,
+		interval: a.interval,
+		history:  a.history,
+		boundary: a.boundary,
+		metric:   a.Metric,
+		source:   a.source,
+		logger:   a.logger,
+		events:   a.events,
 	}
 }
 
-// Start joins the cluster, or takes over the member of the config this one
-// replaces (same bind address): no second bind, no leave and rejoin.
+// Start starts shedding, or takes over the shedding state of the config
+// this one replaces (same cluster member).
 func (a *App) Start() error {
-	if a.checkAtStart {
-		// Every app is provisioned by now.
-		if err := a.checkThroughputWrapper(); err != nil {
-			return err
-		}
-	}
 	s := a.settings()
-	val, loaded, err := nodes.LoadOrNew(a.poolKey, func() (caddy.Destructor, error) {
-		return newNode(a.poolKey, s, a.keyBytes, a.bindHost, a.bindPort)
+	key := a.cluster.Key()
+	val, loaded, err := nodes.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return newNode(key, a.cluster.NodeName, s), nil
 	})
 	if err != nil {
 		return fmt.Errorf("rebalance: %v", err)
 	}
 	n := val.(*node)
 	if loaded {
-		if old := n.driver(); old != nil && (old.name != s.name || old.keyID != s.keyID || old.advertise != s.advertise) {
-			a.logger.Warn("node_name, encrypt_key and advertise cannot change while the node runs; they keep their previous values until Caddy restarts",
-				zap.String("node_name", old.name))
-			s.name, s.keyID, s.advertise = old.name, old.keyID, old.advertise
-		}
 		n.attach(s)
-		n.mu.Lock()
-		conflict := n.conflict
-		n.mu.Unlock()
-		if conflict != "" {
-			// The new config cannot revive it: say so at every reload.
-			a.logger.Error("rebalance member stopped: name conflict", zap.String("error", conflict))
-		}
 	}
 	a.node = n
-	if a.keyBytes == nil {
-		a.logger.Warn("gossip is not encrypted: anyone who can reach the bind address can join the cluster and read its traffic; set encrypt_key",
-			zap.String("bind", a.Bind))
-	}
 	a.logger.Info("rebalance started",
-		zap.String("node_name", n.name), zap.String("bind", a.Bind), zap.Bool("reused_member", loaded),
+		zap.String("node_name", n.name), zap.Bool("reused_state", loaded),
 		zap.String("metric", a.Metric), zap.Float64("threshold_percent", a.params.Threshold*100),
 		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
 		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history),
@@ -641,8 +471,8 @@ func (a *App) Start() error {
 	return nil
 }
 
-// Stop hands the member back: to the config that replaces this one, or,
-// when none does, the member leaves the cluster and shuts down.
+// Stop hands the shedding state back: to the config that replaces this
+// one, or, when none does, the node stops and withdraws its load tag.
 func (a *App) Stop() error {
 	n := a.node
 	a.node = nil
@@ -650,7 +480,7 @@ func (a *App) Stop() error {
 		return nil
 	}
 	n.detach(a)
-	_, err := nodes.Delete(a.poolKey)
+	_, err := nodes.Delete(n.key)
 	return err
 }
 

@@ -19,6 +19,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -64,29 +65,18 @@ func TestAppBoundsJSON(t *testing.T) {
 		{`"boundary_timeout": "-1s"`, "boundary_timeout -1s is below the minimum 0s"},
 		{`"boundary_timeout": "25h"`, "boundary_timeout 25h0m0s is above the maximum 24h0m0s"},
 		{`"boundary_timeout": "x"`, "boundary_timeout: time: invalid duration"},
-		{`"bind": "127.0.0.1:70000"`, `bind "127.0.0.1:70000": invalid port "70000"`},
-		{`"bind": "127.0.0.1:-1"`, `bind "127.0.0.1:-1": invalid port "-1"`},
-		{`"advertise": "10.0.0.1:x"`, `advertise "10.0.0.1:x": invalid port "x"`},
-		{`"join": ["10.0.0.1:0"]`, `join "10.0.0.1:0": port 0 cannot be joined`},
-		{`"join": ["10.0.0.1:99999"]`, `join "10.0.0.1:99999": invalid port "99999"`},
-		{`"join": "10.0.0.1:7946"`, "appJSON.join of type []string"},
-		{`"node_name": "` + strings.Repeat("n", 129) + `"`, "node_name \"nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn\"… is 129 bytes; at most 128"},
-		{`"tags": ` + bigTags, "tags: encoded with the longest load tag they take 570 bytes, above serf's limit of 512"},
-		{`"tags": {"lbx_x": "1"}`, `tag "lbx_x": keys starting with lbx_ are reserved`},
 		{`"metric": "ram"`, `metric "ram": want`},
 		{`"bogus": 1`, `unknown field "bogus"`},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
-			raw := []byte(`{"node_name": "bounds", "bind": "127.0.0.1:0", ` + tc.json + `}`)
-			if strings.HasPrefix(tc.json, `"node_name"`) {
-				raw = []byte(`{"bind": "127.0.0.1:0", ` + tc.json + `}`)
-			}
+			raw := []byte(`{` + tc.json + `}`)
 			var before, after runtime.MemStats
 			runtime.ReadMemStats(&before)
 			a := new(App)
 			err := caddy.StrictUnmarshalJSON(raw, a)
 			if err == nil {
 				a.source = &fakeSource{}
+				a.cluster = &cluster.App{NodeName: "bounds"}
 				if err = a.Provision(testContext(t)); err == nil {
 					err = a.Validate()
 				}
@@ -103,17 +93,37 @@ func TestAppBoundsJSON(t *testing.T) {
 	}
 	// The bounds themselves are accepted.
 	a := new(App)
-	err := caddy.StrictUnmarshalJSON([]byte(`{"node_name": "bounds", "bind": "127.0.0.1:0", "interval": "100ms",
+	err := caddy.StrictUnmarshalJSON([]byte(`{"interval": "100ms",
 		"history": "360s", "freshness": "24h", "threshold": 1000, "stop_band": 1000, "shed_rate": 100,
 		"min_connections": 10000000, "boundary_timeout": "24h"}`), a)
 	if err == nil {
 		a.source = &fakeSource{}
+		a.cluster = &cluster.App{NodeName: "bounds"}
 		if err = a.Provision(testContext(t)); err == nil {
 			err = a.Validate()
 		}
 	}
 	if err != nil {
 		t.Errorf("the bounds: %v", err)
+	}
+}
+
+// TestLoadTagMustFit: cluster tags that fit serf's 512 bytes alone but
+// not with the load tag are refused by the rebalance app, which
+// publishes it.
+func TestLoadTagMustFit(t *testing.T) {
+	var tags map[string]string
+	if err := json.Unmarshal([]byte(bigTags), &tags); err != nil {
+		t.Fatal(err)
+	}
+	c := &cluster.App{NodeName: "fit", Tags: tags}
+	if err := c.CheckTagsFit(nil); err != nil {
+		t.Fatalf("the tags alone: %v", err)
+	}
+	a := &App{source: &fakeSource{}, cluster: c}
+	err := a.Provision(testContext(t))
+	if err == nil || !strings.Contains(err.Error(), "with the ones lbx publishes, take 570 bytes encoded, above serf's limit of 512") {
+		t.Fatalf("error %v; want the load tag's room refused", err)
 	}
 }
 
@@ -137,10 +147,7 @@ func TestAppBoundsCaddyfile(t *testing.T) {
 		{"rebalance {\n threshold 10\n stop_band 15\n}", "stop_band 15% is above threshold 10%"},
 		{"rebalance {\n min_connections 99999999999\n}", "min_connections 99999999999: want a whole number from 0 to 10000000, at Testfile:2"},
 		{"rebalance {\n boundary_timeout 25h\n}", "boundary_timeout 25h0m0s is above the maximum 24h0m0s, at Testfile:2"},
-		{"rebalance {\n join 10.0.0.1:7946 10.0.0.2:0\n}", `join "10.0.0.2:0": port 0 cannot be joined`},
-		{"rebalance {\n bind 127.0.0.1:70000\n}", `bind "127.0.0.1:70000": invalid port`},
 		{"rebalance {\n metric ram\n}", `metric "ram": want connections, throughput or cpu, at Testfile:2`},
-		{"rebalance {\n tags {\n  a " + strings.Repeat("x", 250) + "\n  b " + strings.Repeat("y", 250) + "\n }\n}", "above serf's limit of 512"},
 	} {
 		err := new(App).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -152,25 +159,9 @@ func TestAppBoundsCaddyfile(t *testing.T) {
 	}
 }
 
-// TestRefreshBounds: refresh of dynamic serf and lb_policy cluster_load,
-// in JSON (the field named when it does not decode) and the Caddyfile.
+// TestRefreshBounds: refresh of lb_policy cluster_load, in JSON (the
+// field named when it does not decode) and the Caddyfile.
 func TestRefreshBounds(t *testing.T) {
-	for _, tc := range []struct{ json, want string }{
-		{`{"port": "80", "refresh": "1ns"}`, "dynamic serf: refresh 1ns is below the minimum 10ms"},
-		{`{"port": "80", "refresh": "2h"}`, "dynamic serf: refresh 2h0m0s is above the maximum 1h0m0s"},
-		{`{"port": "80", "refresh": "soon"}`, `refresh: time: invalid duration "soon"`},
-		{`{"port": "80", "bogus": 1}`, `unknown field "bogus"`},
-		{`{"port": "99999"}`, `port "99999": want a number from 1 to 65535`},
-	} {
-		var su SerfUpstreams
-		err := caddy.StrictUnmarshalJSON([]byte(tc.json), &su)
-		if err == nil {
-			err = su.Validate()
-		}
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("dynamic serf %s: error %v; want one containing %q", tc.json, err, tc.want)
-		}
-	}
 	for _, tc := range []struct{ json, want string }{
 		{`{"refresh": "1ns"}`, "lb_policy cluster_load: refresh 1ns is below the minimum 10ms"},
 		{`{"refresh": "1000h"}`, "lb_policy cluster_load: refresh 1000h0m0s is above the maximum 1h0m0s"},
@@ -191,8 +182,6 @@ func TestRefreshBounds(t *testing.T) {
 		u    caddyfile.Unmarshaler
 		want string
 	}{
-		{"serf 80 {\n refresh 1ns\n}", new(SerfUpstreams), "dynamic serf: refresh 1ns is below the minimum 10ms, at Testfile:2"},
-		{"serf 80 {\n refresh 2h\n}", new(SerfUpstreams), "refresh 2h0m0s is above the maximum 1h0m0s, at Testfile:2"},
 		{"cluster_load {\n refresh 1ns\n}", new(ClusterLoadSelection), "lb_policy cluster_load: refresh 1ns is below the minimum 10ms, at Testfile:2"},
 	} {
 		err := tc.u.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
@@ -205,10 +194,10 @@ func TestRefreshBounds(t *testing.T) {
 // TestDuplicateGlobalBlock: a second `rebalance` block names its file
 // and line (it used to say "at :0").
 func TestDuplicateGlobalBlock(t *testing.T) {
-	src := "{\n\trebalance {\n\t\tnode_name a\n\t}\n\trebalance {\n\t\tnode_name b\n\t}\n}\n\n:8080\n"
+	src := "{\n\tcluster\n\trebalance {\n\t\tinterval 1s\n\t}\n\trebalance {\n\t\tinterval 2s\n\t}\n}\n\n:8080\n"
 	_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(src), map[string]any{"filename": "Caddyfile"})
-	if err == nil || !strings.Contains(err.Error(), "the global option is already set") || !strings.Contains(err.Error(), "Caddyfile:5") {
-		t.Fatalf("error %v; want the duplicate named at Caddyfile:5", err)
+	if err == nil || !strings.Contains(err.Error(), "the global option is already set") || !strings.Contains(err.Error(), "Caddyfile:6") {
+		t.Fatalf("error %v; want the duplicate named at Caddyfile:6", err)
 	}
 }
 
@@ -255,7 +244,8 @@ func TestReloadTagsTooLarge(t *testing.T) {
 					"listen": ["127.0.0.1:%d"],
 					"routes": [{"handle": [{"handler": "static_response", "body": "ok"}]}]
 				}}},
-				"rebalance": {"node_name": "tags", "bind": "127.0.0.1:%d", "interval": "100ms", "history": "100ms", "tags": %s}
+				"cluster": {"node_name": "tags", "bind": "127.0.0.1:%d", "tags": %s},
+				"rebalance": {"interval": "100ms", "history": "100ms"}
 			}
 		}`, adminPort, httpPort, gossipPort, tags)
 	}
@@ -274,7 +264,7 @@ func TestReloadTagsTooLarge(t *testing.T) {
 		t.Fatal("no node")
 	}
 	gossips := func() (bool, string) {
-		tags := n.serf.LocalMember().Tags
+		tags := selfTags(n)
 		_, _, ok := parseLoadTag(tags[LoadTag])
 		return ok && tags["zone"] == "a", fmt.Sprintf("tags %v", tags)
 	}
@@ -299,11 +289,27 @@ func TestReloadTagsTooLarge(t *testing.T) {
 		t.Fatalf("the old config does not serve: %v", err)
 	}
 	got.Body.Close()
-	seq := n.serf.LocalMember().Tags[LoadTag]
+	seq := selfTags(n)[LoadTag]
 	testutil.WaitFor(t, 5*time.Second, "the node still publishes new load reports", func() (bool, string) {
 		ok, why := gossips()
-		return ok && n.serf.LocalMember().Tags[LoadTag] != seq, why
+		return ok && selfTags(n)[LoadTag] != seq, why
 	})
+}
+
+// selfTags returns the tags n's cluster member gossips, as its serf sees
+// them.
+func selfTags(n *node) map[string]string {
+	s := n.driver()
+	if s == nil {
+		return nil
+	}
+	ms, _ := s.cluster.Members()
+	for _, m := range ms {
+		if m.Self {
+			return m.Tags
+		}
+	}
+	return nil
 }
 
 // FuzzAppJSON: decoding, provisioning and validating any JSON as the
@@ -319,8 +325,6 @@ func FuzzAppJSON(f *testing.F) {
 		`{"threshold": 1e18, "stop_band": -1, "shed_rate": 1e308}`,
 		`{"min_connections": -9223372036854775808}`,
 		`{"freshness": "-9223372036854775807ns", "boundary_timeout": "2562047h"}`,
-		`{"tags": ` + bigTags + `}`,
-		`{"join": ["10.0.0.1:0", ":"], "advertise": "[::1]:99999"}`,
 		`{"metric": "cpu", "interval": 9223372036854775807}`,
 	} {
 		f.Add([]byte(seed))
@@ -330,7 +334,7 @@ func FuzzAppJSON(f *testing.F) {
 		if caddy.StrictUnmarshalJSON(raw, a) != nil {
 			return
 		}
-		a.NodeName, a.Bind, a.EncryptKey = "fuzz", "127.0.0.1:0", ""
+		a.cluster = &cluster.App{NodeName: "fuzz"}
 		a.source = &fakeSource{}
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)

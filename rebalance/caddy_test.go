@@ -29,10 +29,7 @@ func TestCaddyWiring(t *testing.T) {
 					"listen": ["127.0.0.1:%d"],
 					"routes": [{"handle": [{"handler": "static_response", "body": "ok"}]}]
 				}}},
-				"rebalance": {
-					"node_name": "wired", "bind": "127.0.0.1:%d",
-					"interval": "100ms", "history": "100ms", "threshold": %d
-				}
+				"cluster": {"node_name": "wired", "bind": "127.0.0.1:%d"}, "rebalance": {"interval": "100ms", "history": "100ms", "threshold": %d}
 			}
 		}`, httpPort, gossipPort, threshold)
 	}
@@ -78,8 +75,9 @@ func TestCaddyWiring(t *testing.T) {
 		t.Fatal("no node in the pool")
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips 3 connections", func() (bool, string) {
-		_, load, _ := parseLoadTag(n.serf.LocalMember().Tags[LoadTag])
-		return load >= 3, fmt.Sprintf("tag %q", n.serf.LocalMember().Tags[LoadTag])
+		tag := selfTags(n)[LoadTag]
+		_, load, _ := parseLoadTag(tag)
+		return load >= 3, fmt.Sprintf("tag %q", tag)
 	})
 
 	// Reload with another threshold: same member, new settings.

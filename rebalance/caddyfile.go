@@ -8,6 +8,9 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+
+	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/caddyopt"
 )
 
 func init() {
@@ -32,14 +35,6 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 // Syntax:
 //
 //	rebalance {
-//		node_name       <name>
-//		bind            <host:port>
-//		advertise       <host:port>
-//		join            <host:port>...
-//		encrypt_key     <base64 key>
-//		tags {
-//			<key> <value>
-//		}
 //		metric          connections|throughput|cpu
 //		interval        <duration>
 //		history         <duration>
@@ -56,59 +51,23 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 // 0 (the default: never forced). Each value is checked against the bounds
 // of its JSON field as it is read, so errors name their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the option's name
-	if d.NextArg() {
-		return d.Errf("rebalance: unexpected argument %q; options go in a block", d.Val())
+	const what = "rebalance"
+	if err := caddyopt.BlockOnly(d, what); err != nil {
+		return err
 	}
-	seen := make(map[string]bool)
+	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
 		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("rebalance: %s set twice", opt)
+		if err := once.Check(d); err != nil {
+			return err
 		}
-		seen[opt] = true
 		switch opt {
-		case "node_name", "bind", "advertise", "encrypt_key", "metric":
+		case "metric":
 			val, err := oneArg(d, "rebalance")
 			if err != nil {
 				return err
 			}
-			switch opt {
-			case "node_name":
-				a.NodeName = val
-			case "bind":
-				a.Bind = val
-			case "advertise":
-				a.Advertise = val
-			case "encrypt_key":
-				a.EncryptKey = val
-			case "metric":
-				a.Metric = val
-			}
-		case "join":
-			a.Join = d.RemainingArgs()
-			if len(a.Join) == 0 {
-				return d.ArgErr()
-			}
-		case "tags":
-			if d.NextArg() {
-				return d.Errf("rebalance: tags: unexpected argument %q; tags go in a block", d.Val())
-			}
-			a.Tags = make(map[string]string)
-			for nesting := d.Nesting(); d.NextBlock(nesting); {
-				key := d.Val()
-				val, err := oneArg(d, "rebalance")
-				if err != nil {
-					return err
-				}
-				if _, dup := a.Tags[key]; dup {
-					return d.Errf("rebalance: tag %q set twice", key)
-				}
-				if strings.HasPrefix(key, "lbx_") {
-					return d.Errf("rebalance: tag %q: keys starting with lbx_ are reserved", key)
-				}
-				a.Tags[key] = val
-			}
+			a.Metric = val
 		case "interval", "history", "freshness":
 			val, err := oneArg(d, "rebalance")
 			if err != nil {
@@ -165,7 +124,10 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			a.MinConnections = &n
 		default:
-			return d.Errf("rebalance: unknown option %q", opt)
+			if clusterOption(opt) {
+				return d.Errf("rebalance: %s is an option of the cluster global option now: cluster { %s … }", opt, opt)
+			}
+			return caddyopt.Unknown(d, what, appOptions...)
 		}
 		if err := a.checkOption(opt); err != nil {
 			return d.Errf("rebalance: %v", err)
@@ -178,6 +140,16 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return d.Errf("rebalance: %v", err)
 	}
 	return nil
+}
+
+// clusterOption reports whether opt belongs to the cluster global option,
+// so that a rebalance block written with it says where it goes.
+func clusterOption(opt string) bool {
+	switch opt {
+	case "node_name", "bind", "advertise", "join", "encrypt_key", "tags":
+		return true
+	}
+	return false
 }
 
 // UnmarshalCaddyfile sets up the listener wrapper, which has no options,
@@ -244,7 +216,7 @@ func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error 
 			if err != nil {
 				return err
 			}
-			if _, err := ParsePort(val); err != nil {
+			if _, err := cluster.ParsePort(val); err != nil {
 				return d.Errf("lb_policy cluster_load: %v", err)
 			}
 			p.Port = val

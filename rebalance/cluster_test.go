@@ -16,8 +16,8 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/hashicorp/serf/serf"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -86,50 +86,88 @@ func (f *fakeSource) get() (load float64, shed int) {
 	return f.load, f.shed
 }
 
-// testApp provisions and starts a rebalance app on 127.0.0.1 with a port
-// chosen by the kernel and the given source. Stop it with stopApp (or
-// leave it to t.Cleanup).
-func testApp(t *testing.T, name string, src loadSource, mut func(*App)) *App {
+// testApp provisions and starts a cluster app on 127.0.0.1 with a port
+// chosen by the kernel and a rebalance app on it with the given source;
+// mut may change either before they are provisioned. Both stop at the end
+// of the test, unless the test stopped them.
+func testApp(t *testing.T, name string, src loadSource, mut func(*cluster.App, *App)) *App {
 	t.Helper()
 	zero := 0
+	c := &cluster.App{NodeName: name, Bind: "127.0.0.1:0"}
 	a := &App{
-		NodeName:       name,
-		Bind:           "127.0.0.1:0",
 		Interval:       caddy.Duration(100 * time.Millisecond),
 		History:        caddy.Duration(100 * time.Millisecond),
 		MinConnections: &zero,
 		ShedRate:       10,
 		source:         src,
+		cluster:        c,
 	}
 	if mut != nil {
-		mut(a)
+		mut(c, a)
 	}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	if err := a.Provision(ctx); err != nil {
-		cancel()
-		t.Fatalf("provision %s: %v", name, err)
-	}
-	if err := a.Validate(); err != nil {
-		cancel()
-		t.Fatalf("validate %s: %v", name, err)
-	}
-	if err := a.Start(); err != nil {
-		cancel()
-		t.Fatalf("start %s: %v", name, err)
+	for _, step := range []struct {
+		what string
+		do   func() error
+	}{
+		{"provision cluster", func() error { return c.Provision(ctx) }},
+		{"provision rebalance", func() error { return a.Provision(ctx) }},
+		{"validate", a.Validate},
+		{"start cluster", c.Start},
+		{"start rebalance", a.Start},
+	} {
+		if err := step.do(); err != nil {
+			cancel()
+			t.Fatalf("%s %s: %v", step.what, name, err)
+		}
 	}
 	t.Cleanup(func() {
 		a.Stop()
+		c.Stop()
 		cancel() // runs Cleanup: idempotent
 	})
 	return a
 }
 
-// gossipAddr returns the gossip address the app's member listens on.
-// (serf's LocalMember is a copy taken under serf's lock; memberlist's
-// LocalNode is not.)
+// gossipAddr returns the gossip address the app's cluster member listens
+// on.
 func (a *App) gossipAddr() string {
-	m := a.node.serf.LocalMember()
-	return net.JoinHostPort(m.Addr.String(), strconv.Itoa(int(m.Port)))
+	st, _ := a.cluster.Status()
+	return st.Addr
+}
+
+// stopAll stops the rebalance app, then its cluster app, as Caddy stops
+// a config.
+func (a *App) stopAll() error {
+	err := a.Stop()
+	if e := a.cluster.Stop(); err == nil {
+		err = e
+	}
+	return err
+}
+
+// memberOf returns the member named name as a's cluster member sees it.
+func memberOf(a *App, name string) (cluster.Member, bool) {
+	ms, _ := a.cluster.Members()
+	for _, m := range ms {
+		if m.Name == name {
+			return m, true
+		}
+	}
+	return cluster.Member{}, false
+}
+
+// aliveOthers counts the alive members a's cluster member sees, itself
+// left out.
+func aliveOthers(a *App) int {
+	ms, _ := a.cluster.Members()
+	n := 0
+	for _, m := range ms {
+		if !m.Self && m.Status == cluster.StatusAlive {
+			n++
+		}
+	}
+	return n
 }
 
 // seesLoads reports whether n's last decision counted want members, and
@@ -151,12 +189,12 @@ func TestClusterGossipAndShed(t *testing.T) {
 	fleet := newFakeFleet(400, 100, 100)
 	srcA, srcB, srcC := fleet[0], fleet[1], fleet[2]
 	a := testApp(t, "node-a", srcA, nil)
-	join := func(x *App) { x.Join = []string{a.gossipAddr()} }
+	join := func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} }
 	b := testApp(t, "node-b", srcB, join)
 	c := testApp(t, "node-c", srcC, join)
 
 	for _, x := range []*App{a, b, c} {
-		testutil.WaitFor(t, 15*time.Second, x.NodeName+" counts three fresh members", func() (bool, string) { return seesLoads(x.node, 3) })
+		testutil.WaitFor(t, 15*time.Second, x.cluster.NodeName+" counts three fresh members", func() (bool, string) { return seesLoads(x.node, 3) })
 	}
 	// a: 400 against an average of 200 sheds, and its clients land on a
 	// random member (a third of them back on a): a ends between the
@@ -192,7 +230,7 @@ func TestClusterGossipAndShed(t *testing.T) {
 
 	// The admin view shows the three members, counted, with their loads.
 	rec := httptest.NewRecorder()
-	if err := handleCluster(rec, httptest.NewRequest("GET", "/rebalance/cluster", nil)); err != nil {
+	if err := handleCluster(rec, httptest.NewRequest("GET", "/lbx/rebalance", nil)); err != nil {
 		t.Fatal(err)
 	}
 	var rep ClusterReport
@@ -222,23 +260,20 @@ func TestClusterGossipAndShed(t *testing.T) {
 // (a graceful Leave, not a crash) and exclude it from the average.
 func TestClusterLeaveOnStopAndGhost(t *testing.T) {
 	a := testApp(t, "ghost-a", &fakeSource{load: 100}, nil)
-	b := testApp(t, "ghost-b", &fakeSource{load: 100}, func(x *App) { x.Join = []string{a.gossipAddr()} })
-	c := testApp(t, "ghost-c", &fakeSource{load: 0}, func(x *App) { x.Join = []string{a.gossipAddr()} })
+	b := testApp(t, "ghost-b", &fakeSource{load: 100}, func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} })
+	c := testApp(t, "ghost-c", &fakeSource{load: 0}, func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} })
 	testutil.WaitFor(t, 15*time.Second, "ghost-a counts three", func() (bool, string) { return seesLoads(a.node, 3) })
 
-	cNode := c.node
-	if err := c.Stop(); err != nil {
+	if err := c.stopAll(); err != nil {
 		t.Fatal(err)
 	}
-	if st := cNode.serf.State(); st != serf.SerfShutdown {
-		t.Fatalf("after the last Stop, serf state %v; want shutdown", st)
+	if _, running := c.cluster.Status(); running {
+		t.Fatal("after the last Stop, the cluster member still runs")
 	}
 	testutil.WaitFor(t, 15*time.Second, "ghost-a sees ghost-c left and counts two", func() (bool, string) {
 		ok, why := seesLoads(a.node, 2)
-		for _, m := range a.node.serf.Members() {
-			if m.Name == "ghost-c" {
-				return ok && m.Status == serf.StatusLeft, fmt.Sprintf("ghost-c %v; %s", m.Status, why)
-			}
+		if m, found := memberOf(a, "ghost-c"); found {
+			return ok && m.Status == cluster.StatusLeft, fmt.Sprintf("ghost-c %v; %s", m.Status, why)
 		}
 		return false, "ghost-c not listed"
 	})
@@ -255,43 +290,43 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 	// A fixed port, so that the two configs share the pool key.
 	port := freePort(t)
 	bind := "127.0.0.1:" + strconv.Itoa(port)
-	old := testApp(t, "reload-x", &fakeSource{load: 10}, func(x *App) {
-		x.Bind = bind
-		x.Join = []string{peer.gossipAddr()}
-		x.Tags = map[string]string{"zone": "a"}
+	old := testApp(t, "reload-x", &fakeSource{load: 10}, func(c *cluster.App, x *App) {
+		c.Bind = bind
+		c.Join = []string{peer.gossipAddr()}
+		c.Tags = map[string]string{"zone": "a"}
 	})
 	testutil.WaitFor(t, 15*time.Second, "peer counts reload-x", func() (bool, string) { return seesLoads(peer.node, 2) })
 
 	src2 := &fakeSource{load: 20}
-	neu := testApp(t, "reload-x", src2, func(x *App) {
-		x.Bind = bind
-		x.Tags = map[string]string{"zone": "b"}
+	neu := testApp(t, "reload-x", src2, func(c *cluster.App, x *App) {
+		c.Bind = bind
+		c.Tags = map[string]string{"zone": "b"}
+		// Not shedding, so that its load stays the new source's.
+		many := 1000
+		x.MinConnections = &many
 	})
 	if neu.node != old.node {
 		t.Fatal("the new config created a second member instead of reusing the old one")
 	}
-	n := neu.node
-	if err := old.Stop(); err != nil {
+	if err := old.stopAll(); err != nil {
 		t.Fatal(err)
 	}
-	if st := n.serf.State(); st != serf.SerfAlive {
-		t.Fatalf("after stopping the old config, serf state %v; want alive", st)
+	if _, running := neu.cluster.Status(); !running {
+		t.Fatal("after stopping the old config, the cluster member no longer runs")
 	}
 	// The new settings drive: the peer sees the new tag and the new load.
 	testutil.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
-		for _, m := range peer.node.serf.Members() {
-			if m.Name == "reload-x" {
-				_, load, _ := parseLoadTag(m.Tags[LoadTag])
-				return m.Status == serf.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
-			}
+		if m, found := memberOf(peer, "reload-x"); found {
+			_, load, _ := parseLoadTag(m.Tags[LoadTag])
+			return m.Status == cluster.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
 		}
 		return false, "not listed"
 	})
-	if err := neu.Stop(); err != nil {
+	if err := neu.stopAll(); err != nil {
 		t.Fatal(err)
 	}
-	if st := n.serf.State(); st != serf.SerfShutdown {
-		t.Fatalf("after stopping the last config, serf state %v; want shutdown", st)
+	if _, running := neu.cluster.Status(); running {
+		t.Fatal("after stopping the last config, the cluster member still runs")
 	}
 	// The port is free again.
 	ln, err := net.Listen("tcp", bind)
@@ -306,30 +341,26 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 func TestClusterWrongKeyCannotJoin(t *testing.T) {
 	key1 := base64.StdEncoding.EncodeToString([]byte("0123456789abcdef0123456789abcdef"))
 	key2 := base64.StdEncoding.EncodeToString([]byte("fedcba9876543210fedcba9876543210"))
-	a := testApp(t, "key-a", &fakeSource{}, func(x *App) { x.EncryptKey = key1 })
-	good := testApp(t, "key-good", &fakeSource{}, func(x *App) { x.EncryptKey = key1; x.Join = []string{a.gossipAddr()} })
-	bad := testApp(t, "key-bad", &fakeSource{}, func(x *App) { x.EncryptKey = key2; x.Join = []string{a.gossipAddr()} })
+	a := testApp(t, "key-a", &fakeSource{}, func(c *cluster.App, x *App) { c.EncryptKey = key1 })
+	good := testApp(t, "key-good", &fakeSource{}, func(c *cluster.App, x *App) { c.EncryptKey = key1; c.Join = []string{a.gossipAddr()} })
+	bad := testApp(t, "key-bad", &fakeSource{}, func(c *cluster.App, x *App) { c.EncryptKey = key2; c.Join = []string{a.gossipAddr()} })
 	testutil.WaitFor(t, 15*time.Second, "key-good joins", func() (bool, string) {
-		return good.node.aliveOthers() == 1, fmt.Sprintf("%d others", good.node.aliveOthers())
+		return aliveOthers(good) == 1, fmt.Sprintf("%d others", aliveOthers(good))
 	})
+	joinErr := ""
 	testutil.WaitFor(t, 15*time.Second, "key-bad reports a join error", func() (bool, string) {
-		bad.node.mu.Lock()
-		defer bad.node.mu.Unlock()
-		return bad.node.joinErr != "", "no join error yet"
+		st, _ := bad.cluster.Status()
+		joinErr = st.JoinError
+		return joinErr != "", "no join error yet"
 	})
-	bad.node.mu.Lock()
-	joinErr := bad.node.joinErr
-	bad.node.mu.Unlock()
 	t.Logf("join error with the wrong key: %s", joinErr)
-	if n := bad.node.aliveOthers(); n != 0 {
+	if n := aliveOthers(bad); n != 0 {
 		t.Errorf("key-bad sees %d other members", n)
 	}
-	for _, m := range a.node.serf.Members() {
-		if m.Name == "key-bad" {
-			t.Errorf("key-a lists key-bad (%v)", m.Status)
-		}
+	if m, found := memberOf(a, "key-bad"); found {
+		t.Errorf("key-a lists key-bad (%v)", m.Status)
 	}
-	if !a.node.serf.EncryptionEnabled() {
+	if st, _ := a.cluster.Status(); !st.Encrypted {
 		t.Error("encryption not enabled with a key")
 	}
 }

@@ -4,42 +4,16 @@ import (
 	"fmt"
 	"math"
 	"time"
+
+	"github.com/caddy-lbx/lbx/cluster"
 )
-
-// MemberStatus is a cluster member's state as serf reports it, reduced to
-// what the shedding decision needs.
-type MemberStatus int
-
-// Member states. Only StatusAlive members count toward the cluster
-// average; serf keeps failed and left members in its list for a day.
-const (
-	StatusAlive MemberStatus = iota
-	StatusLeaving
-	StatusLeft
-	StatusFailed
-)
-
-// String returns serf's name for the status.
-func (s MemberStatus) String() string {
-	switch s {
-	case StatusAlive:
-		return "alive"
-	case StatusLeaving:
-		return "leaving"
-	case StatusLeft:
-		return "left"
-	case StatusFailed:
-		return "failed"
-	}
-	return fmt.Sprintf("status(%d)", int(s))
-}
 
 // Report is one member's last load report as this node sees it.
 type Report struct {
 	// Name is the member's serf node name.
 	Name string
 	// Status is the member's serf status.
-	Status MemberStatus
+	Status cluster.MemberStatus
 	// Load is the member's smoothed load, in the unit of the metric; NaN
 	// when its tag does not hold one (such a report never counts).
 	Load float64
@@ -143,7 +117,7 @@ const (
 // cluster_load selection policy.
 func (p Params) standing(r Report, now time.Time) standing {
 	switch {
-	case r.Status != StatusAlive:
+	case r.Status != cluster.StatusAlive:
 		return notAlive
 	case r.At.IsZero() || now.Sub(r.At) > p.Freshness:
 		return stale

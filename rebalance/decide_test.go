@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddy-lbx/lbx/cluster"
 )
 
 var t0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
@@ -14,7 +16,7 @@ func defaultParams() Params {
 }
 
 func alive(name string, load float64) Report {
-	return Report{Name: name, Status: StatusAlive, Load: load, At: t0}
+	return Report{Name: name, Status: cluster.StatusAlive, Load: load, At: t0}
 }
 
 func TestDecideTable(t *testing.T) {
@@ -145,8 +147,8 @@ func TestDecideTable(t *testing.T) {
 			// bytes/s: average 3.667e6, stop line 4.033e6; 200 connections
 			// carry 5e6: shed 200 × (1 − 4.033/5) = 38.7 -> 39.
 			in: Input{Self: "a", Local: 5e6, Held: 200, Now: t0, Members: []Report{
-				{Name: "b", Status: StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
-				{Name: "c", Status: StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
+				{Name: "b", Status: cluster.StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
+				{Name: "c", Status: cluster.StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
 			}},
 			shed: 39, shedding: true, reason: "down to the stop band",
 		},
@@ -156,8 +158,8 @@ func TestDecideTable(t *testing.T) {
 			// percent: average 66.7, stop line 73.3; 100 connections at
 			// 90%: shed 100 × (1 − 73.3/90) = 18.5 -> 19.
 			in: Input{Self: "a", Local: 90, Held: 100, Now: t0, Members: []Report{
-				{Name: "b", Status: StatusAlive, Load: 55, At: t0, Metric: "cpu"},
-				{Name: "c", Status: StatusAlive, Load: 55, At: t0, Metric: "cpu"},
+				{Name: "b", Status: cluster.StatusAlive, Load: 55, At: t0, Metric: "cpu"},
+				{Name: "c", Status: cluster.StatusAlive, Load: 55, At: t0, Metric: "cpu"},
 			}},
 			shed: 19, shedding: true, reason: "down to the stop band",
 		},
@@ -181,13 +183,13 @@ func TestDecideExcludes(t *testing.T) {
 	p.Metric = "connections"
 	members := []Report{
 		alive("b", 1000),
-		{Name: "failed", Status: StatusFailed, Load: 0, At: t0},
-		{Name: "left", Status: StatusLeft, Load: 0, At: t0},
-		{Name: "leaving", Status: StatusLeaving, Load: 0, At: t0},
-		{Name: "silent", Status: StatusAlive, Load: 0, At: t0.Add(-6 * time.Second)},
-		{Name: "never", Status: StatusAlive},
-		{Name: "cpu", Status: StatusAlive, Load: 3, At: t0, Metric: "cpu"},
-		{Name: "edge", Status: StatusAlive, Load: 1000, At: t0.Add(-5 * time.Second)}, // exactly Freshness old: counts
+		{Name: "failed", Status: cluster.StatusFailed, Load: 0, At: t0},
+		{Name: "left", Status: cluster.StatusLeft, Load: 0, At: t0},
+		{Name: "leaving", Status: cluster.StatusLeaving, Load: 0, At: t0},
+		{Name: "silent", Status: cluster.StatusAlive, Load: 0, At: t0.Add(-6 * time.Second)},
+		{Name: "never", Status: cluster.StatusAlive},
+		{Name: "cpu", Status: cluster.StatusAlive, Load: 3, At: t0, Metric: "cpu"},
+		{Name: "edge", Status: cluster.StatusAlive, Load: 1000, At: t0.Add(-5 * time.Second)}, // exactly Freshness old: counts
 	}
 	d := Decide(p, Input{Self: "a", Local: 1000, Held: 1000, Members: members, Now: t0})
 	if d.Counted != 3 || d.NotAlive != 3 || d.Stale != 2 || d.OtherMetric != 1 {

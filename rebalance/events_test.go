@@ -11,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -34,27 +35,27 @@ func (r *eventRecorder) get() []caddy.Event {
 }
 
 // startAppCtx is testApp with the caller's context; mut, when not nil,
-// changes the app's settings before it is provisioned.
-func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource, mut func(*App)) *App {
+// changes the apps' settings before they are provisioned.
+func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource, mut func(*cluster.App, *App)) *App {
 	t.Helper()
 	zero := 0
+	c := &cluster.App{NodeName: name, Bind: "127.0.0.1:0"}
 	a := &App{
-		NodeName: name, Bind: "127.0.0.1:0", MinConnections: &zero, ShedRate: 10, source: src,
+		MinConnections: &zero, ShedRate: 10, source: src, cluster: c,
 		Interval: caddy.Duration(100 * time.Millisecond), History: caddy.Duration(100 * time.Millisecond),
 	}
 	if mut != nil {
-		mut(a)
+		mut(c, a)
 	}
-	if err := a.Provision(ctx); err != nil {
-		t.Fatal(err)
+	for _, step := range []func() error{
+		func() error { return c.Provision(ctx) }, func() error { return a.Provision(ctx) },
+		a.Validate, c.Start, a.Start,
+	} {
+		if err := step(); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if err := a.Validate(); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Stop() })
+	t.Cleanup(func() { a.stopAll() })
 	return a
 }
 
@@ -86,7 +87,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 	fleet := newFakeFleet(400, 100)
 	srcA, srcB := fleet[0], fleet[1]
 	a := startAppCtx(t, ctx, "ev-a", srcA, nil)
-	testApp(t, "ev-b", srcB, func(x *App) { x.Join = []string{a.gossipAddr()} })
+	testApp(t, "ev-b", srcB, func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} })
 
 	testutil.WaitFor(t, 20*time.Second, "ev-a sheds, then reaches the stop band", func() (bool, string) {
 		load, shed := srcA.get()

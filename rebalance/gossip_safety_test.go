@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -13,12 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest/observer"
-
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -62,7 +56,7 @@ func stopTogether(apps ...*App) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			a.Stop()
+			a.stopAll()
 		}()
 	}
 	wg.Wait()
@@ -86,7 +80,7 @@ func lastDecision(n *node) (Decision, uint64) {
 func TestBadPeerLoadsShedNothing(t *testing.T) {
 	srcA, srcB := &fakeSource{load: 100}, &fakeSource{load: 100}
 	a := testApp(t, "safe-a", srcA, nil)
-	b := testApp(t, "safe-b", srcB, func(x *App) { x.Join = []string{a.gossipAddr()} })
+	b := testApp(t, "safe-b", srcB, func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} })
 	bad := map[string]func(int) string{
 		"bad-nan":      func(s int) string { return fmt.Sprintf("connections NaN %d", s) },
 		"bad-inf":      func(s int) string { return fmt.Sprintf("connections +Inf %d", s) },
@@ -103,7 +97,7 @@ func TestBadPeerLoadsShedNothing(t *testing.T) {
 
 	// Every node has seen the six bad members change and judged them.
 	for _, x := range []*App{a, b} {
-		testutil.WaitFor(t, 20*time.Second, x.NodeName+" judges the six bad members invalid", func() (bool, string) {
+		testutil.WaitFor(t, 20*time.Second, x.cluster.NodeName+" judges the six bad members invalid", func() (bool, string) {
 			d, _ := lastDecision(x.node)
 			return d.Invalid == len(bad) && d.Counted == 2, fmt.Sprintf("last decision %+v", d)
 		})
@@ -119,10 +113,10 @@ func TestBadPeerLoadsShedNothing(t *testing.T) {
 	}{{a, srcA}, {b, srcB}} {
 		d, decisions := lastDecision(x.app.node)
 		if _, shed := x.src.get(); shed != 0 || decisions != 0 || d.Active() {
-			t.Errorf("%s shed %d connections in %d intervals (last decision %+v); want none", x.app.NodeName, shed, decisions, d)
+			t.Errorf("%s shed %d connections in %d intervals (last decision %+v); want none", x.app.cluster.NodeName, shed, decisions, d)
 		}
 		if d.Invalid != len(bad) || d.Counted != 2 || d.Average != 100 {
-			t.Errorf("%s: last decision counted %d (invalid %d), average %v; want 2 (6), 100", x.app.NodeName, d.Counted, d.Invalid, d.Average)
+			t.Errorf("%s: last decision counted %d (invalid %d), average %v; want 2 (6), 100", x.app.cluster.NodeName, d.Counted, d.Invalid, d.Average)
 		}
 	}
 
@@ -162,7 +156,7 @@ func TestBadPeerLoadsShedNothing(t *testing.T) {
 	}
 
 	// cluster_load reads the loads under the same rule.
-	loads, err := a.memberLoads(time.Now())
+	loads, err := nodeLoads{a.cluster}.memberLoads(time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,8 +190,64 @@ func TestAdminViewEncodesNonFinite(t *testing.T) {
 	}
 }
 
-// TestTagSizeMatchesSerf: checkTagSize accepts exactly the tags that serf
-// accepts with the longest load tag this node can publish, and refuses
+// TestNameConflictIsLoud: a node that joins with a node_name the cluster
+// already has loses serf's vote, and its serf member shuts down. Caddy
+// keeps running, but the node says so: the admin view's name_conflict,
+// no stale member list, and no more decisions (the cluster package's
+// tests cover the metric).
+func TestNameConflictIsLoud(t *testing.T) {
+	first := testApp(t, "dup", &fakeSource{load: 10}, nil)
+	witness := testApp(t, "dup-witness", &fakeSource{load: 10}, func(c *cluster.App, x *App) { c.Join = []string{first.gossipAddr()} })
+	testutil.WaitFor(t, 15*time.Second, "the first dup counts the witness", func() (bool, string) { return seesLoads(first.node, 2) })
+
+	// Another bind address, so that the pool does not hand back the
+	// first one's member.
+	second := testApp(t, "dup", &fakeSource{load: 10}, func(c *cluster.App, x *App) {
+		c.Bind = "127.0.0.1:" + strconv.Itoa(freePort(t))
+		c.Join = []string{first.gossipAddr()}
+	})
+	if second.node == first.node {
+		t.Fatal("the second dup shares the first's member")
+	}
+	t.Cleanup(func() { stopTogether(first, witness, second) })
+	n := second.node
+	msg := ""
+	testutil.WaitFor(t, 20*time.Second, "the second dup reports the conflict", func() (bool, string) {
+		st, _ := second.cluster.Status()
+		msg = st.Conflict
+		return msg != "", "no conflict yet"
+	})
+	testutil.WaitFor(t, 5*time.Second, "the second dup's decision gives the conflict", func() (bool, string) {
+		n.mu.Lock()
+		defer n.mu.Unlock()
+		return n.last.Reason == msg, fmt.Sprintf("last reason %q", n.last.Reason)
+	})
+	t.Logf("conflict: %s", msg)
+	if !strings.Contains(msg, `node_name "dup" is also used by the member at `+first.gossipAddr()) {
+		t.Errorf("conflict %q; want it to name the other member %s", msg, first.gossipAddr())
+	}
+
+	v := n.view(time.Now())
+	if v.NameConflict != msg || len(v.Members) != 0 {
+		t.Errorf("admin view: name_conflict %q, %d members; want the conflict and no members", v.NameConflict, len(v.Members))
+	}
+	// The first keeps its place and its view of the cluster.
+	if ok, why := seesLoads(first.node, 2); !ok {
+		t.Errorf("the first dup: %s", why)
+	}
+	// The loser decides no more.
+	steps := n.steps.Load()
+	testutil.WaitFor(t, 5*time.Second, "the first dup takes five more steps", func() (bool, string) {
+		return first.node.steps.Load()-steps >= int64(5*first.interval), "not yet"
+	})
+	if got := n.steps.Load(); got != steps {
+		t.Errorf("the second dup still takes steps after its member shut down")
+	}
+}
+
+// TestTagSizeMatchesSerf: the cluster's tag check, with the load tag,
+// accepts exactly the tags that serf accepts
+// with the longest load tag this node can publish, and refuses
 // one byte more, which serf refuses too.
 func TestTagSizeMatchesSerf(t *testing.T) {
 	s := testutil.SerfMember(t, "tag-size", nil, "")
@@ -206,7 +256,7 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 	}
 	fits := -1
 	for n := 300; n < 600; n++ {
-		if checkTagSize(tagsOf(n), MetricConnections) != nil {
+		if fitsWithLoadTag(tagsOf(n), MetricConnections) != nil {
 			fits = n - 1
 			break
 		}
@@ -225,190 +275,14 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 	if err := s.SetTags(withLoad(fits + 1)); err == nil {
 		t.Errorf("checkTagSize refuses a %d-byte tag that serf accepts", fits+1)
 	}
-	err := checkTagSize(tagsOf(fits+1), MetricConnections)
+	err := fitsWithLoadTag(tagsOf(fits+1), MetricConnections)
 	if err == nil || !strings.Contains(err.Error(), "above serf's limit of 512") {
 		t.Errorf("error %v; want one naming serf's limit", err)
 	}
 }
 
-// TestNameConflictIsLoud: a node that joins with a node_name the cluster
-// already has loses serf's vote, and its serf member shuts down. Caddy
-// keeps running, but the node says so: the admin view's name_conflict,
-// no stale member list, the name_conflict metric, and no more decisions.
-func TestNameConflictIsLoud(t *testing.T) {
-	first := testApp(t, "dup", &fakeSource{load: 10}, nil)
-	witness := testApp(t, "dup-witness", &fakeSource{load: 10}, func(x *App) { x.Join = []string{first.gossipAddr()} })
-	testutil.WaitFor(t, 15*time.Second, "the first dup counts the witness", func() (bool, string) { return seesLoads(first.node, 2) })
-
-	// Another bind address, so that the pool does not hand back the
-	// first one's member.
-	second := testApp(t, "dup", &fakeSource{load: 10}, func(x *App) {
-		x.Bind = "127.0.0.1:" + strconv.Itoa(freePort(t))
-		x.Join = []string{first.gossipAddr()}
-	})
-	if second.node == first.node {
-		t.Fatal("the second dup shares the first's member")
-	}
-	t.Cleanup(func() { stopTogether(first, witness, second) })
-	n := second.node
-	testutil.WaitFor(t, 20*time.Second, "the second dup reports the conflict", func() (bool, string) {
-		n.mu.Lock()
-		defer n.mu.Unlock()
-		return n.conflict != "", "no conflict yet"
-	})
-	n.mu.Lock()
-	msg, reason := n.conflict, n.last.Reason
-	n.mu.Unlock()
-	t.Logf("conflict: %s", msg)
-	if !strings.Contains(msg, `node_name "dup" is also used by the member at `+first.gossipAddr()) || reason != msg {
-		t.Errorf("conflict %q, last reason %q; want them to name the other member %s", msg, reason, first.gossipAddr())
-	}
-
-	v := n.view(time.Now())
-	if v.NameConflict != msg || len(v.Members) != 0 {
-		t.Errorf("admin view: name_conflict %q, %d members; want the conflict and no members", v.NameConflict, len(v.Members))
-	}
-	if got := conflictSeries(t); len(got) != 1 || got[0] != "dup" {
-		t.Errorf("name_conflict is 1 for %v; want for one node, dup (the second)", got)
-	}
-	// The first keeps its place and its view of the cluster.
-	if ok, why := seesLoads(first.node, 2); !ok {
-		t.Errorf("the first dup: %s", why)
-	}
-	// The loser decides no more.
-	steps := n.steps.Load()
-	testutil.WaitFor(t, 5*time.Second, "the first dup takes five more steps", func() (bool, string) {
-		return first.node.steps.Load()-steps >= int64(5*first.interval), "not yet"
-	})
-	if got := n.steps.Load(); got != steps {
-		t.Errorf("the second dup still takes steps after its member shut down")
-	}
-}
-
-// conflictSeries returns the nodes whose name_conflict series is 1, from
-// one collection of the metrics collector (the two nodes named alike in
-// TestNameConflictIsLoud would make a registry refuse the gathering).
-func conflictSeries(t *testing.T) []string {
-	t.Helper()
-	ch := make(chan prometheus.Metric, 1000)
-	metricsCollector{tracker: new(ConnTracker)}.Collect(ch)
-	close(ch)
-	var out []string
-	for m := range ch {
-		if m.Desc() != descNameConflict {
-			continue
-		}
-		var pb dto.Metric
-		if err := m.Write(&pb); err != nil {
-			t.Fatal(err)
-		}
-		if pb.GetGauge().GetValue() == 1 {
-			out = append(out, pb.GetLabel()[0].GetValue())
-		}
-	}
-	return out
-}
-
-// TestGossipLogRateLimit: a burst of one kind of error from the gossip
-// library writes gossipLogBurst lines per period; the rest are counted,
-// and the first line of the next period says how many were suppressed.
-// Each kind has its own budget.
-func TestGossipLogRateLimit(t *testing.T) {
-	core, logs := observer.New(zapcore.DebugLevel)
-	w := &zapWriter{logger: zap.New(core)}
-	lines0, suppressed0 := gossipLogs.lines.Load(), gossipLogs.suppressed.Load()
-	for i := range 1000 {
-		fmt.Fprintf(w, "[ERR] memberlist: Failed to decode ping: bad %d from=127.0.0.1:%d\n", i, 1000+i)
-	}
-	fmt.Fprintf(w, "[WARN] memberlist: Got ping for unexpected node from=127.0.0.1:1\n")
-	if n := logs.FilterLevelExact(zapcore.ErrorLevel).Len(); n != gossipLogBurst {
-		t.Errorf("%d error lines written of 1000; want %d", n, gossipLogBurst)
-	}
-	if n := logs.FilterLevelExact(zapcore.WarnLevel).Len(); n != 1 {
-		t.Errorf("%d warning lines of another kind; want 1", n)
-	}
-	if d := gossipLogs.lines.Load() - lines0; d != 1001 {
-		t.Errorf("lines counted: %d; want 1001", d)
-	}
-	if d := gossipLogs.suppressed.Load() - suppressed0; d != 1000-gossipLogBurst {
-		t.Errorf("lines suppressed: %d; want %d", d, 1000-gossipLogBurst)
-	}
-	// The next period.
-	w.mu.Lock()
-	for _, k := range w.kinds {
-		k.start = k.start.Add(-gossipLogPeriod)
-	}
-	w.mu.Unlock()
-	fmt.Fprintf(w, "[ERR] memberlist: Failed to decode ping: bad again from=127.0.0.1:9\n")
-	all := logs.FilterLevelExact(zapcore.ErrorLevel).All()
-	last := all[len(all)-1]
-	if got := last.ContextMap()["suppressed_similar"]; got != int64(1000-gossipLogBurst) {
-		t.Errorf("first line of the next period: suppressed_similar %v; want %d (%v)", got, 1000-gossipLogBurst, last.ContextMap())
-	}
-	// Packets that each quote something else do not each get a kind.
-	for i := range 500 {
-		fmt.Fprintf(w, "[ERR] memberlist: discarding packet with unacceptable label \"l%d\": from=127.0.0.1:1\n", i)
-	}
-	for i := range 200 {
-		fmt.Fprintf(w, "[ERR] memberlist: error %c%d\n", 'a'+rune(i%26), i)
-	}
-	w.mu.Lock()
-	kinds := len(w.kinds)
-	w.mu.Unlock()
-	if kinds > gossipLogKinds {
-		t.Errorf("%d kinds tracked; want at most %d", kinds, gossipLogKinds)
-	}
-}
-
-// TestGossipGarbagePackets sends garbage UDP packets to a real node's
-// gossip port: memberlist logs an error for each, and the rate limit
-// lets only a few through.
-func TestGossipGarbagePackets(t *testing.T) {
-	a := testApp(t, "garbage-target", &fakeSource{}, nil)
-	conn, err := net.Dial("udp", a.gossipAddr())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	lines0, suppressed0 := gossipLogs.lines.Load(), gossipLogs.suppressed.Load()
-	const packets = 2000
-	for i := range packets {
-		// 255 is no memberlist message type.
-		conn.Write([]byte{255, byte(i), byte(i >> 8), 'x'})
-	}
-	testutil.WaitFor(t, 10*time.Second, "memberlist reports most of the packets", func() (bool, string) {
-		d := gossipLogs.lines.Load() - lines0
-		return d >= packets/2, fmt.Sprintf("%d lines", d)
-	})
-	lines, suppressed := gossipLogs.lines.Load()-lines0, gossipLogs.suppressed.Load()-suppressed0
-	t.Logf("%d garbage packets: %d error lines, %d suppressed", packets, lines, suppressed)
-	if written := lines - suppressed; written > 4*gossipLogBurst {
-		t.Errorf("%d lines written for %d garbage packets; want at most %d", written, packets, 4*gossipLogBurst)
-	}
-}
-
-// TestConflictLines: the node learns of serf's vote on its name from
-// serf's log lines, and publishes no load while the vote runs (serf
-// reads the member's node unlocked then, and SetTags writes it).
-func TestConflictLines(t *testing.T) {
-	n := &node{}
-	w := &zapWriter{logger: zap.NewNop(), conflict: n.sawConflict, conflictOver: n.conflictOver}
-	now := time.Now()
-	if n.resolvingConflict(now) {
-		t.Fatal("resolving before any conflict")
-	}
-	fmt.Fprintf(w, "[ERR] serf: Node name conflicts with another node at 10.0.0.1:7946. Names must be unique! (Resolution enabled: true)\n")
-	if with := n.conflictWith.Load(); with == nil || *with != "10.0.0.1:7946" {
-		t.Fatalf("conflict with %v; want 10.0.0.1:7946", with)
-	}
-	if !n.resolvingConflict(time.Now()) {
-		t.Fatal("not resolving after serf's conflict line")
-	}
-	if n.resolvingConflict(time.Now().Add(maxConflictVote)) {
-		t.Error("still resolving after maxConflictVote")
-	}
-	fmt.Fprintf(w, "[INFO] serf: majority in name conflict resolution [2 / 3]\n")
-	if n.resolvingConflict(time.Now()) {
-		t.Error("still resolving after the vote kept the name")
-	}
+// fitsWithLoadTag is the check the app makes at Provision: the cluster's
+// tags with the longest load tag of metric.
+func fitsWithLoadTag(tags map[string]string, metric string) error {
+	return (&cluster.App{Tags: tags}).CheckTagsFit(map[string]string{LoadTag: longestLoadTag(metric)})
 }

@@ -251,7 +251,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 		"apps": {
 			"tls": {"certificates": {"load_pem": [{"certificate": %s, "key": %s}]}},
 			"http": {"servers": {"h2c-1": %s, "h2c-2": %s, "tls-1": %s, "tls-2": %s}},
-			"rebalance": {"node_name": "grpc-node", "bind": "127.0.0.1:%d"}
+			"cluster": {"node_name": "grpc-node", "bind": "127.0.0.1:%d"}, "rebalance": {}
 		}
 	}`, t.TempDir(), errLog, jsonString(certPEM), jsonString(keyPEM),
 		server(ports[0], false), server(ports[1], false), server(ports[2], true), server(ports[3], true), gossipPort)

@@ -8,6 +8,7 @@ import (
 
 	"github.com/hashicorp/serf/serf"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -62,7 +63,7 @@ func TestMemberLoads(t *testing.T) {
 	stopGone := reportLoad(t, gone, nil, MetricConnections, 1)
 
 	counting := func() (map[string]float64, error) {
-		ms, err := front.memberLoads(time.Now())
+		ms, err := nodeLoads{front.cluster}.memberLoads(time.Now())
 		if err != nil {
 			return nil, err
 		}
@@ -91,7 +92,7 @@ func TestMemberLoads(t *testing.T) {
 		return err == nil && ok && len(got) == 2 && got["ml-fresh"] == 120 && got["ml-front"] == 7,
 			fmt.Sprintf("loads %v %v; decision: %s", got, err, why)
 	})
-	ms, _ := front.memberLoads(time.Now())
+	ms, _ := nodeLoads{front.cluster}.memberLoads(time.Now())
 	for _, m := range ms {
 		if m.Name == "ml-fresh" {
 			if addr, err := m.DialAddr("", "http_port"); err != nil || addr != "127.0.0.1:8001" {
@@ -99,8 +100,8 @@ func TestMemberLoads(t *testing.T) {
 			}
 		}
 	}
-	stopped := &App{poolKey: "127.0.0.1:1#nobody"}
-	if _, err := stopped.memberLoads(time.Now()); err != ErrNotRunning {
+	stopped := &App{cluster: &cluster.App{}}
+	if _, err := (nodeLoads{stopped.cluster}).memberLoads(time.Now()); err != errNotStarted {
 		t.Errorf("no node: %v", err)
 	}
 }

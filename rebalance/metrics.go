@@ -35,12 +35,6 @@ var (
 		"Connections the rebalance listener wrapper passed through uncounted because they were already TLS (the wrapper is placed after tls).", nil, nil)
 	descForcedCloses = prometheus.NewDesc("caddy_lbx_rebalance_forced_closes_total",
 		"Shed active connections this node closed because they reached no response boundary within boundary_timeout.", []string{"node"}, nil)
-	descNameConflict = prometheus.NewDesc("caddy_lbx_rebalance_name_conflict",
-		"1 when this node's serf member shut down because another member uses its node_name: the node no longer gossips, sees the cluster or sheds.", []string{"node"}, nil)
-	descGossipLogLines = prometheus.NewDesc("caddy_lbx_rebalance_gossip_log_lines_total",
-		"Warning and error lines logged by the gossip library (serf, memberlist), whether written or suppressed by the rate limit.", nil, nil)
-	descGossipLogSuppressed = prometheus.NewDesc("caddy_lbx_rebalance_gossip_log_lines_suppressed_total",
-		"Warning and error lines of the gossip library not written because of the rate limit (at most 5 of a kind per 10 s).", nil, nil)
 	descHTTP2GoAways = prometheus.NewDesc("caddy_lbx_rebalance_http2_goaways_total",
 		"GOAWAY frames written to shed idle HTTP/2 connections (TLS or h2c), so that their clients reconnect without failing a call.", nil, nil)
 	descWebSocketCloses = prometheus.NewDesc("caddy_lbx_rebalance_websocket_closes_total",
@@ -51,7 +45,7 @@ var (
 func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted,
 		descShedDecisions, descConnectionsShed, descBytes, descTLSUncounted, descForcedCloses, descWebSocketCloses,
-		descNameConflict, descGossipLogLines, descGossipLogSuppressed, descHTTP2GoAways} {
+		descHTTP2GoAways} {
 		ch <- d
 	}
 }
@@ -73,8 +67,6 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.CloseFrame), "close_frame")
 	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.WithoutFrame), "without_frame")
 	ch <- prometheus.MustNewConstMetric(descHTTP2GoAways, prometheus.CounterValue, float64(m.tracker.GoAwayTotal()))
-	ch <- prometheus.MustNewConstMetric(descGossipLogLines, prometheus.CounterValue, float64(gossipLogs.lines.Load()))
-	ch <- prometheus.MustNewConstMetric(descGossipLogSuppressed, prometheus.CounterValue, float64(gossipLogs.suppressed.Load()))
 
 	// One node per process, except briefly when a reload changes the bind
 	// address (and in tests): the node label keeps their series apart.
@@ -83,10 +75,6 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 		n.mu.Lock()
 		name, local, avg, counted := n.name, n.local, n.last.Average, n.last.Counted
 		decisions, shed, forced := n.shedDecisions, n.shed, n.forced
-		var conflict float64
-		if n.conflict != "" {
-			conflict = 1
-		}
 		n.mu.Unlock()
 		ch <- prometheus.MustNewConstMetric(descLocalLoad, prometheus.GaugeValue, local, name)
 		ch <- prometheus.MustNewConstMetric(descClusterAverage, prometheus.GaugeValue, avg, name)
@@ -96,7 +84,6 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Active), name, "active")
 		ch <- prometheus.MustNewConstMetric(descConnectionsShed, prometheus.CounterValue, float64(shed.Hijacked), name, "hijacked")
 		ch <- prometheus.MustNewConstMetric(descForcedCloses, prometheus.CounterValue, float64(forced), name)
-		ch <- prometheus.MustNewConstMetric(descNameConflict, prometheus.GaugeValue, conflict, name)
 		return true
 	})
 }

@@ -1,12 +1,9 @@
 package rebalance
 
 import (
-	"bytes"
+	"errors"
 	"fmt"
-	"log"
-	"maps"
 	"math"
-	"net"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -17,10 +14,10 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/dustin/go-humanize"
-	"github.com/hashicorp/memberlist"
-	"github.com/hashicorp/serf/serf"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/caddy-lbx/lbx/cluster"
 )
 
 // LoadTag is the serf member tag in which a node gossips its load:
@@ -30,29 +27,26 @@ import (
 // matter).
 const LoadTag = "lbx_load"
 
-// nodes holds the serf members of this process, keyed by bind address: a
-// config reload starts the new config (which finds the member here) before
-// stopping the old one, so the member survives without leaving, rejoining
-// or binding its port twice. Its Destruct leaves the cluster.
+// nodes holds the shedding state of this process, keyed by the cluster
+// member it publishes through (cluster.App.Key): a config reload starts
+// the new config (which finds the node here) before stopping the old one,
+// so the load window and the shedding state survive it. Its Destruct
+// withdraws the load tag.
 var nodes = caddy.NewUsagePool()
 
 // settings are what one config asks of the node. The node runs with the
 // settings of the most recently started config that still runs.
 type settings struct {
-	owner     *App
-	params    Params
-	interval  time.Duration
-	history   time.Duration
-	boundary  time.Duration // boundary_timeout; 0: never forced
-	tags      map[string]string
-	join      []string
-	metric    string
-	source    loadSource
-	logger    *zap.Logger
-	events    emitter
-	name      string // node name: fixed for the member's life
-	keyID     string // fingerprint of the gossip key: fixed too
-	advertise string
+	owner    *App
+	cluster  *cluster.App
+	params   Params
+	interval time.Duration
+	history  time.Duration
+	boundary time.Duration // boundary_timeout; 0: never forced
+	metric   string
+	source   loadSource
+	logger   *zap.Logger
+	events   emitter
 }
 
 // loadSource measures this node's load and sheds its connections.
@@ -76,11 +70,10 @@ type seenReport struct {
 	at  time.Time // zero until the tag is seen to change
 }
 
-// node is this process's serf member and its decision loop.
+// node is this process's shedding state and its decision loop.
 type node struct {
-	key    string
-	name   string
-	serf   *serf.Serf
+	key    string // the cluster member's key
+	name   string // the member's node name
 	logger *zap.Logger
 
 	mu       sync.Mutex
@@ -102,17 +95,6 @@ type node struct {
 	lastForced int
 	// shedDecisions counts the intervals that shed since the node started.
 	shedDecisions uint64
-	joined        bool
-	joinErr       string
-	// conflict is set once serf shut this member down because another
-	// member claims its name (see lostMember).
-	conflict string
-	// conflictWith is the address of a member that claims this node's
-	// name, as serf last logged it, and resolving when serf started its
-	// vote on the name (monoSince; 0: no vote running). Not under mu:
-	// serf logs while it holds its own locks.
-	conflictWith atomic.Pointer[string]
-	resolving    atomic.Int64
 
 	// steps is the node's coarse clock: when its last decision step
 	// took in the members' reports, as monoSince. It advances once per
@@ -131,60 +113,20 @@ var monoEpoch = time.Now()
 // process loaded this package (wall-clock changes do not move it).
 func monoSince(t time.Time) int64 { return int64(t.Sub(monoEpoch)) }
 
-// newNode creates the serf member for s and starts its loops. It binds the
-// gossip port.
-func newNode(key string, s *settings, key32 []byte, bindHost string, bindPort int) (*node, error) {
+// newNode creates the shedding state for s and starts its loop.
+func newNode(key, name string, s *settings) *node {
 	n := &node{
 		key:    key,
-		name:   s.name,
-		logger: s.logger.With(zap.String("node", s.name)),
+		name:   name,
+		logger: s.logger.With(zap.String("node", name)),
 		seen:   make(map[string]seenReport),
 		window: NewWindow(windowSize(s.history, s.interval)),
 		stop:   make(chan struct{}),
 		owners: []*settings{s},
 	}
-
-	conf := serf.DefaultConfig()
-	conf.Init()
-	conf.NodeName = n.name
-	conf.Tags = n.tagsFor(s, "")
-	stdlog := log.New(&zapWriter{logger: n.logger.Named("serf"), conflict: n.sawConflict, conflictOver: n.conflictOver}, "", 0)
-	conf.LogOutput = nil
-	conf.Logger = stdlog
-	conf.EnableNameConflictResolution = true
-	// SetTags waits for its broadcast up to BroadcastTimeout (default 5 s,
-	// also the Leave broadcast's wait): keep a step within about two
-	// intervals when no peer acknowledges.
-	conf.BroadcastTimeout = min(max(2*s.interval, 500*time.Millisecond), 5*time.Second)
-	ml := conf.MemberlistConfig
-	ml.BindAddr = bindHost
-	ml.BindPort = bindPort
-	ml.LogOutput = nil
-	ml.Logger = stdlog
-	if s.advertise != "" {
-		host, port, err := splitHostPort(s.advertise, "advertise")
-		if err != nil {
-			return nil, err
-		}
-		ml.AdvertiseAddr = host
-		ml.AdvertisePort = port
-	}
-	if key32 != nil {
-		kr, err := memberlist.NewKeyring(nil, key32)
-		if err != nil {
-			return nil, fmt.Errorf("encrypt_key: %v", err)
-		}
-		ml.Keyring = kr
-	}
-	sf, err := serf.Create(conf)
-	if err != nil {
-		return nil, fmt.Errorf("starting serf on %s: %v", key, err)
-	}
-	n.serf = sf
-	n.done.Add(2)
+	n.done.Add(1)
 	go n.run()
-	go n.joinLoop()
-	return n, nil
+	return n
 }
 
 // windowSize is the number of samples in history at one per interval.
@@ -195,18 +137,19 @@ func windowSize(history, interval time.Duration) int {
 	return max(1, int(history/interval))
 }
 
-// Destruct leaves the cluster gracefully and stops serf: the last config
-// using the node has stopped. Leave first: Shutdown alone looks like a
-// crash to the other members.
+// Destruct stops the loop and withdraws the load tag: the last config
+// using the node has stopped. A cluster member that leaves with it takes
+// the tag along anyway.
 func (n *node) Destruct() error {
 	close(n.stop)
 	n.done.Wait()
-	if err := n.serf.Leave(); err != nil {
-		n.logger.Warn("leaving the cluster", zap.Error(err))
+	n.mu.Lock()
+	last := n.owners
+	n.mu.Unlock()
+	for _, s := range last {
+		_ = s.cluster.Publish(LoadTag, "")
 	}
-	err := n.serf.Shutdown()
-	n.logger.Info("left the cluster")
-	return err
+	return nil
 }
 
 // attach makes s the settings that drive the node (a newer config).
@@ -217,15 +160,21 @@ func (n *node) attach(s *settings) {
 	n.window.Resize(windowSize(s.history, s.interval))
 }
 
-// detach removes the settings of a config that stopped.
+// detach removes the settings of a config that stopped; it returns the
+// ones it removed.
 func (n *node) detach(owner *App) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.owners = slices.DeleteFunc(n.owners, func(s *settings) bool { return s.owner == owner })
-	if len(n.owners) > 0 {
-		s := n.owners[len(n.owners)-1]
-		n.window.Resize(windowSize(s.history, s.interval))
+	gone := slices.IndexFunc(n.owners, func(s *settings) bool { return s.owner == owner })
+	if gone < 0 {
+		return
 	}
+	if len(n.owners) == 1 {
+		return // Destruct withdraws the tag through it
+	}
+	n.owners = slices.Delete(n.owners, gone, gone+1)
+	s := n.owners[len(n.owners)-1]
+	n.window.Resize(windowSize(s.history, s.interval))
 }
 
 // driver returns the driving settings, or nil.
@@ -238,34 +187,15 @@ func (n *node) driver() *settings {
 	return n.owners[len(n.owners)-1]
 }
 
-// tagsFor returns the member tags for s with the load tag value load.
-func (n *node) tagsFor(s *settings, load string) map[string]string {
-	tags := maps.Clone(s.tags)
-	if tags == nil {
-		tags = make(map[string]string)
-	}
-	if load != "" {
-		tags[LoadTag] = load
-	}
-	return tags
-}
-
 // run is the decision loop: every interval, sample, publish, decide, shed.
 func (n *node) run() {
 	defer n.done.Done()
 	timer := time.NewTimer(0)
 	defer timer.Stop()
-	// Destruct closes stop before it shuts serf down: a shutdown seen
-	// here is serf's own.
-	down := n.serf.ShutdownCh()
 	for {
 		select {
 		case <-n.stop:
 			return
-		case <-down:
-			down = nil
-			n.lostMember()
-			continue
 		case <-timer.C:
 		}
 		s := n.driver()
@@ -273,56 +203,28 @@ func (n *node) run() {
 			timer.Reset(time.Second)
 			continue
 		}
-		if down != nil {
-			n.safeStep(s)
-		}
+		n.safeStep(s)
 		timer.Reset(s.interval)
 	}
 }
 
-// sawConflict records that serf logged another member claiming this
-// node's name, at addr: serf starts its vote on the name.
-func (n *node) sawConflict(addr string) {
-	n.conflictWith.Store(&addr)
-	n.resolving.Store(max(monoSince(time.Now()), 1))
-}
-
-// conflictOver records that serf's vote on the name ended with this
-// member keeping it (or could not run).
-func (n *node) conflictOver() { n.resolving.Store(0) }
-
-// maxConflictVote bounds how long the node waits for serf's vote on a
-// name (serf's query timeout is a few seconds) before it publishes again,
-// should it miss the vote's end.
-const maxConflictVote = 30 * time.Second
-
-// resolvingConflict reports whether serf is voting on this node's name
-// at now.
-func (n *node) resolvingConflict(now time.Time) bool {
-	since := n.resolving.Load()
-	return since != 0 && monoSince(now)-since < int64(maxConflictVote)
-}
-
-// lostMember handles serf shutting this member down on its own, which it
-// does when it loses the vote on a name conflict (another member has the
-// same node_name). Caddy keeps serving: failing the process would turn a
-// naming mistake into an outage, and the vote happens seconds after
-// Start, so Start cannot wait for it. But the node no longer gossips,
-// sees the cluster or sheds, and says so: an error in the log, the admin
-// view's name_conflict and the metric caddy_lbx_rebalance_name_conflict.
-func (n *node) lostMember() {
+// noMembers records a step that could not read or publish through the
+// cluster member (not started yet, or shut down over a name conflict):
+// the node decides nothing and says why.
+func (n *node) noMembers(s *settings, err error, now time.Time) {
 	n.mu.Lock()
-	msg := "this node's serf member shut down on its own"
-	if with := n.conflictWith.Load(); with != nil {
-		msg = fmt.Sprintf("node_name %q is also used by the member at %s, which kept it in serf's name conflict vote; this node's serf member shut down",
-			n.name, *with)
-	}
-	msg += ": the node no longer gossips its load, sees the cluster or sheds (Caddy keeps serving); give every node a unique node_name and restart Caddy"
-	n.conflict = msg
-	n.last = Decision{Reason: msg}
+	changed := n.last.Reason != err.Error()
+	n.last, n.lastAt = Decision{Reason: err.Error()}, now
 	n.members = nil
+	n.shedding, n.lift = false, LiftState{}
 	n.mu.Unlock()
-	n.logger.Error("rebalance member stopped: name conflict", zap.String("error", msg))
+	lvl := zapcore.WarnLevel
+	if errors.Is(err, cluster.ErrNotRunning) {
+		lvl = zapcore.DebugLevel // it starts after this app, or has stopped
+	}
+	if c := s.logger.Check(lvl, "rebalance is not deciding: the cluster member is not available"); changed && c != nil {
+		c.Write(zap.Error(err))
+	}
 }
 
 // safeStep runs one step, logging a panic instead of crashing Caddy.
@@ -348,25 +250,22 @@ func (n *node) step(s *settings, now time.Time) {
 	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
-	if n.resolvingConflict(now) {
-		// serf reads this member's node unlocked while it resolves a
-		// name conflict, and SetTags writes it: skip this report.
-		if c := n.logger.Check(zapcore.DebugLevel, "not publishing load while serf resolves a name conflict"); c != nil {
-			c.Write()
-		}
-	} else if err := n.serf.SetTags(n.tagsFor(s, tag)); err != nil {
-		if c := n.logger.Check(zapcore.DebugLevel, "publishing load"); c != nil {
-			c.Write(zap.Error(err))
-		}
+	if err := s.cluster.Publish(LoadTag, tag); err != nil {
+		n.noMembers(s, err, now)
+		return
 	}
 
-	members := n.serf.Members()
+	members, err := s.cluster.Members()
+	if err != nil {
+		n.noMembers(s, err, now)
+		return
+	}
 	n.mu.Lock()
 	reports := make([]Report, 0, len(members))
 	present := make(map[string]bool, len(members))
 	for _, m := range members {
 		present[m.Name] = true
-		r := Report{Name: m.Name, Status: memberStatus(m.Status)}
+		r := Report{Name: m.Name, Status: m.Status}
 		raw := m.Tags[LoadTag]
 		prev, ok := n.seen[m.Name]
 		switch {
@@ -378,7 +277,7 @@ func (n *node) step(s *settings, now time.Time) {
 			n.seen[m.Name] = seenReport{raw: raw, at: now}
 		}
 		r.At = n.seen[m.Name].at
-		if m.Name == n.name {
+		if m.Self {
 			r.At = now
 		}
 		// An invalid tag gives load NaN: Decide does not count it.
@@ -476,68 +375,6 @@ func formatLoad(metric string, v float64) string {
 	return humanize.FormatFloat("#,###.#", v)
 }
 
-// joinLoop joins the configured addresses, and joins again with backoff
-// while this node sees no other alive member (a node that starts before
-// its peers, or after a partition).
-func (n *node) joinLoop() {
-	defer n.done.Done()
-	backoff := time.Second
-	for {
-		s := n.driver()
-		if s != nil && len(s.join) > 0 && n.aliveOthers() == 0 {
-			_, err := n.serf.Join(s.join, true)
-			if err != nil {
-				// serf returns a multierror spread over lines.
-				err = fmt.Errorf("joining %s: %s (a peer with another encrypt_key, or none, cannot be joined either)",
-					strings.Join(s.join, ", "), strings.Join(strings.Fields(err.Error()), " "))
-			}
-			n.mu.Lock()
-			n.joined = err == nil
-			n.joinErr = ""
-			if err != nil {
-				n.joinErr = err.Error()
-			}
-			n.mu.Unlock()
-			if err != nil {
-				n.logger.Warn("cannot join the cluster", zap.Error(err), zap.Duration("retry_in", backoff))
-				backoff = min(2*backoff, 30*time.Second)
-			} else {
-				n.logger.Info("joined the cluster", zap.Strings("join", s.join), zap.Int("members", n.serf.NumNodes()))
-				backoff = time.Second
-			}
-		}
-		select {
-		case <-n.stop:
-			return
-		case <-time.After(backoff):
-		}
-	}
-}
-
-// aliveOthers counts the alive members other than this node.
-func (n *node) aliveOthers() int {
-	c := 0
-	for _, m := range n.serf.Members() {
-		if m.Name != n.name && m.Status == serf.StatusAlive {
-			c++
-		}
-	}
-	return c
-}
-
-// memberStatus converts serf's status.
-func memberStatus(s serf.MemberStatus) MemberStatus {
-	switch s {
-	case serf.StatusAlive:
-		return StatusAlive
-	case serf.StatusLeaving:
-		return StatusLeaving
-	case serf.StatusLeft:
-		return StatusLeft
-	}
-	return StatusFailed
-}
-
 // parseLoadTag reads "<metric> <load> <seq>". ok is false, and load NaN
 // (which Params.standing never counts), when the tag does not hold a
 // valid load (validLoad).
@@ -551,178 +388,4 @@ func parseLoadTag(raw string) (metric string, load float64, ok bool) {
 		return "", math.NaN(), false
 	}
 	return f[0], v, true
-}
-
-// splitHostPort parses "host:port" for option opt.
-func splitHostPort(addr, opt string) (string, int, error) {
-	host, portStr, err := net.SplitHostPort(addr)
-	if err != nil {
-		return "", 0, fmt.Errorf("%s %q: want host:port: %v", opt, addr, err)
-	}
-	port, err := strconv.Atoi(portStr)
-	if err != nil || port < 0 || port > 65535 {
-		return "", 0, fmt.Errorf("%s %q: invalid port %q", opt, addr, portStr)
-	}
-	if host == "" {
-		host = "0.0.0.0"
-	}
-	return host, port, nil
-}
-
-// zapWriter turns serf's and memberlist's log lines ("[WARN] serf: …")
-// into zap entries at the matching level. Warnings and errors go through
-// a rate limiter (gossipLogLimit): a peer sending garbage packets makes
-// memberlist log one line per packet.
-type zapWriter struct {
-	logger *zap.Logger
-	// conflict is told the address of a member that claims this node's
-	// name, when serf logs one; conflictOver, when serf's vote on the
-	// name keeps it here or cannot run.
-	conflict     func(addr string)
-	conflictOver func()
-
-	mu    sync.Mutex
-	kinds map[string]*logKind
-}
-
-// Rate limit of the gossip library's warnings and errors: per kind of
-// message, at most gossipLogBurst lines per gossipLogPeriod; the first
-// line after a period that suppressed some says how many.
-const (
-	gossipLogBurst  = 5
-	gossipLogPeriod = 10 * time.Second
-	// gossipLogKinds bounds the kinds tracked; further kinds share one.
-	gossipLogKinds = 64
-)
-
-// gossipLogs counts the gossip library's warning and error lines in the
-// process, and those suppressed (metrics).
-var gossipLogs struct {
-	lines, suppressed atomic.Uint64
-}
-
-// logKind is the rate limiter's state for one kind of message.
-type logKind struct {
-	start      time.Time // of the current period
-	n          int       // lines written in it
-	suppressed int       // lines dropped since the last one written
-}
-
-// serfLevels maps the gossip library's level prefixes to zap's.
-var serfLevels = []struct {
-	prefix string
-	level  zapcore.Level
-}{
-	{"[DEBUG]", zapcore.DebugLevel}, {"[TRACE]", zapcore.DebugLevel}, {"[INFO]", zapcore.InfoLevel},
-	{"[WARN]", zapcore.WarnLevel}, {"[ERR]", zapcore.ErrorLevel}, {"[ERROR]", zapcore.ErrorLevel},
-}
-
-// conflictPrefix starts serf's line on a member that claims this node's
-// name: "serf: Node name conflicts with another node at 10.0.0.1:7946.
-// Names must be unique! …".
-const conflictPrefix = "serf: Node name conflicts with another node at "
-
-// serf's lines when its vote on the name keeps it here, or cannot start.
-const (
-	conflictKept   = "serf: majority in name conflict resolution"
-	conflictNoVote = "serf: Failed to start name resolution query"
-)
-
-func (w *zapWriter) Write(p []byte) (int, error) {
-	line := string(bytes.TrimSpace(p))
-	lvl := zapcore.InfoLevel
-	for _, l := range serfLevels {
-		if rest, ok := strings.CutPrefix(line, l.prefix); ok {
-			lvl, line = l.level, strings.TrimSpace(rest)
-			break
-		}
-	}
-	if rest, ok := strings.CutPrefix(line, conflictPrefix); ok && w.conflict != nil {
-		addr, _, _ := strings.Cut(rest, " ")
-		w.conflict(strings.TrimSuffix(addr, "."))
-	}
-	if w.conflictOver != nil && (strings.HasPrefix(line, conflictKept) || strings.HasPrefix(line, conflictNoVote)) {
-		w.conflictOver()
-	}
-	// Serf logs every member update (every load report of every member,
-	// every interval) at INFO: that is debug detail here.
-	if lvl == zapcore.InfoLevel && strings.Contains(line, "EventMemberUpdate") {
-		lvl = zapcore.DebugLevel
-	}
-	var suppressed int
-	if lvl >= zapcore.WarnLevel {
-		gossipLogs.lines.Add(1)
-		var ok bool
-		if ok, suppressed = w.allow(logKindOf(line), time.Now()); !ok {
-			gossipLogs.suppressed.Add(1)
-			return len(p), nil
-		}
-	}
-	if c := w.logger.Check(lvl, line); c != nil {
-		if suppressed > 0 {
-			c.Write(zap.Int("suppressed_similar", suppressed), zap.Duration("rate_limit_period", gossipLogPeriod))
-		} else {
-			c.Write()
-		}
-	}
-	return len(p), nil
-}
-
-// allow reports whether a line of kind may be written at t, and how many
-// of that kind were suppressed before it.
-func (w *zapWriter) allow(kind string, t time.Time) (ok bool, suppressed int) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.kinds == nil {
-		w.kinds = make(map[string]*logKind)
-	}
-	k := w.kinds[kind]
-	if k == nil {
-		if len(w.kinds) >= gossipLogKinds {
-			kind = "other"
-			k = w.kinds[kind]
-		}
-		if k == nil {
-			k = &logKind{start: t}
-			w.kinds[kind] = k
-		}
-	}
-	if t.Sub(k.start) >= gossipLogPeriod {
-		k.start, k.n = t, 0
-	}
-	if k.n >= gossipLogBurst {
-		k.suppressed++
-		return false, 0
-	}
-	k.n++
-	suppressed, k.suppressed = k.suppressed, 0
-	return true, suppressed
-}
-
-// logKindOf returns the kind of a gossip log line: its text up to the
-// first colon after the library's name ("memberlist: Failed to decode
-// ping: …" is "memberlist: Failed to decode ping"), without the details
-// (addresses, errors) that vary from line to line.
-func logKindOf(line string) string {
-	lib, rest, ok := strings.Cut(line, ": ")
-	if !ok {
-		lib, rest = "", line
-	}
-	// Details start at a colon or a quote (memberlist quotes what a
-	// packet carried).
-	msg := rest
-	if i := strings.IndexAny(rest, ":\"'"); i >= 0 {
-		msg = rest[:i]
-	}
-	// Numbers in the message itself vary too.
-	msg = strings.Map(func(r rune) rune {
-		if r >= '0' && r <= '9' {
-			return -1
-		}
-		return r
-	}, msg)
-	if len(msg) > 80 {
-		msg = msg[:80]
-	}
-	return lib + ": " + msg
 }

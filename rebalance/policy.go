@@ -2,7 +2,6 @@ package rebalance
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
@@ -16,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/randpick"
 	"github.com/caddy-lbx/lbx/lbpolicy"
@@ -26,7 +26,7 @@ func init() {
 }
 
 // ClusterLoadSelection is a selection policy for upstreams that are
-// members of this node's rebalance cluster: it balances by the load each
+// members of this node's cluster: it balances by the load each
 // member gossips (its `lbx_load` tag: connections held or CPU, smoothed
 // over the member's history), with power of two random choices.
 //
@@ -86,7 +86,9 @@ type ClusterLoadSelection struct {
 	// Default: the rebalance app's interval (1s by default).
 	Refresh caddy.Duration `json:"refresh,omitempty"`
 
-	refresh time.Duration
+	// refresh is Refresh, or the rebalance node's interval (as of the
+	// last reading) when Refresh is not set; nanoseconds.
+	refresh atomic.Int64
 	logger  *zap.Logger
 	// trackTried: the handler can retry, so a retry avoids the
 	// upstreams its request tried (lbpolicy.Tried)
@@ -102,13 +104,16 @@ type ClusterLoadSelection struct {
 }
 
 // loadReader is where the policy reads the members' loads: the rebalance
-// app.
+// node on this node's cluster member (nodeLoads).
 type loadReader interface {
 	// memberLoads returns the members with their loads, judged at now.
 	memberLoads(now time.Time) ([]memberLoad, error)
 	// stepClock returns a clock (monoSince) that advances each time new
 	// reports are taken in, or nil when there is none.
 	stepClock() *atomic.Int64
+	// interval returns how often new reports are taken in; 0 when
+	// unknown.
+	interval() time.Duration
 }
 
 // loadSnapshot is one reading of the members' loads, never changed once
@@ -152,7 +157,7 @@ func (*ClusterLoadSelection) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision finds the rebalance app of the config and sets the defaults.
+// Provision finds the cluster app of the config and sets the defaults.
 // It does not read the members: the app's serf member starts after every
 // module is provisioned.
 func (p *ClusterLoadSelection) Provision(ctx caddy.Context) error {
@@ -160,19 +165,21 @@ func (p *ClusterLoadSelection) Provision(ctx caddy.Context) error {
 	if err := p.Validate(); err != nil {
 		return err
 	}
-	appIface, err := ctx.AppIfConfigured("rebalance")
+	// The cluster app, not the rebalance app: asking the config for the
+	// rebalance app here would have the HTTP app provision it, and it
+	// needs the HTTP app's servers. The loads are found through the
+	// cluster member when they are read, and the cluster app refuses to
+	// start without a rebalance app to publish them.
+	clusterApp, err := cluster.Lookup(ctx, "lb_policy cluster_load")
 	if err != nil {
-		if errors.Is(err, caddy.ErrNotConfigured) {
-			return errors.New("lb_policy cluster_load: no rebalance app in this config; the upstreams' loads come from this node's rebalance cluster, so add the `rebalance` global option (or the \"rebalance\" app in JSON)")
-		}
-		return fmt.Errorf("lb_policy cluster_load: %v", err)
+		return err
 	}
-	app := appIface.(*App)
-	p.source = app
+	clusterApp.Require(requireRebalance, "lb_policy cluster_load")
+	p.source = nodeLoads{cluster: clusterApp}
 	p.trackTried = lbpolicy.TracksTried(ctx)
-	p.refresh = time.Duration(p.Refresh)
-	if p.refresh == 0 {
-		p.refresh = app.interval
+	p.refresh.Store(int64(p.Refresh))
+	if p.Refresh == 0 {
+		p.refresh.Store(int64(DefaultInterval))
 	}
 	return nil
 }
@@ -187,11 +194,11 @@ func (p *ClusterLoadSelection) UnmarshalJSON(b []byte) error {
 // Validate checks the configuration.
 func (p *ClusterLoadSelection) Validate() error {
 	if p.Port != "" {
-		if _, err := ParsePort(p.Port); err != nil {
+		if _, err := cluster.ParsePort(p.Port); err != nil {
 			return fmt.Errorf("lb_policy cluster_load: %v", err)
 		}
 	}
-	if err := checkDuration("refresh", p.Refresh, minRefresh, maxRefresh); err != nil {
+	if err := cluster.CheckRefresh(p.Refresh); err != nil {
 		return fmt.Errorf("lb_policy cluster_load: %v", err)
 	}
 	return nil
@@ -229,7 +236,7 @@ func (p *ClusterLoadSelection) Select(pool reverseproxy.UpstreamPool, r *http.Re
 // pool's), one request refreshes it while the others use it as is.
 func (p *ClusterLoadSelection) snapshot(pool reverseproxy.UpstreamPool) *loadSnapshot {
 	s := p.snap.Load()
-	if s != nil && s.pool == len(pool) && !s.expired(p.refresh) {
+	if s != nil && s.pool == len(pool) && !s.expired(time.Duration(p.refresh.Load())) {
 		return s
 	}
 	if s == nil {
@@ -258,7 +265,7 @@ func (s *loadSnapshot) expired(refresh time.Duration) bool {
 // recomputes the mean) and stores a new snapshot; p.mu is held.
 func (p *ClusterLoadSelection) refreshLocked(pool reverseproxy.UpstreamPool) *loadSnapshot {
 	prev := p.snap.Load()
-	current := prev != nil && !prev.expired(p.refresh)
+	current := prev != nil && !prev.expired(time.Duration(p.refresh.Load()))
 	if current && prev.pool == len(pool) {
 		return prev // another request refreshed it meanwhile
 	}
@@ -290,6 +297,11 @@ func (p *ClusterLoadSelection) read() *loadSnapshot {
 	if clock != nil {
 		at = clock.Load() // before the reports it stands for are read
 	}
+	if p.Refresh == 0 {
+		if iv := p.source.interval(); iv > 0 {
+			p.refresh.Store(int64(iv))
+		}
+	}
 	members, err := p.source.memberLoads(now)
 	if err != nil {
 		if msg := err.Error(); msg != p.lastErr {
@@ -316,7 +328,7 @@ func buildLoads(members []memberLoad, port, portTag string) *loadSnapshot {
 	alive := make(map[string]int)
 	keys := make([]string, len(members))
 	for i, m := range members {
-		if m.Status != StatusAlive || m.Addr == nil {
+		if m.Status != cluster.StatusAlive || m.Addr == nil {
 			continue
 		}
 		key := m.Addr.String()

@@ -23,6 +23,7 @@ import (
 	"github.com/hashicorp/serf/serf"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -140,14 +141,14 @@ func member(name, ip, port string, load float64, counts bool) memberLoad {
 		tags["http_port"] = port
 	}
 	return memberLoad{
-		Member: Member{Name: name, Addr: net.ParseIP(ip), Status: StatusAlive, Tags: tags},
+		Member: cluster.Member{Name: name, Addr: net.ParseIP(ip), Status: cluster.StatusAlive, Tags: tags},
 		Load:   load, Counts: counts,
 	}
 }
 
 // failed returns m with status failed.
 func failed(m memberLoad) memberLoad {
-	m.Status = StatusFailed
+	m.Status = cluster.StatusFailed
 	return m
 }
 
@@ -291,15 +292,19 @@ func newUpstreams(dials ...string) reverseproxy.UpstreamPool {
 type fakeReader struct {
 	read  func() ([]memberLoad, error)
 	clock *atomic.Int64
+	every time.Duration // the interval it reports
 }
 
 func (f fakeReader) memberLoads(time.Time) ([]memberLoad, error) { return f.read() }
 func (f fakeReader) stepClock() *atomic.Int64                    { return f.clock }
+func (f fakeReader) interval() time.Duration                     { return f.every }
 
 // fixedPolicy returns a policy, set up as Provision would, whose members
 // are those read returns, read at most every hour.
 func fixedPolicy(portTag string, read func() ([]memberLoad, error)) *ClusterLoadSelection {
-	return &ClusterLoadSelection{PortTag: portTag, refresh: time.Hour, logger: zap.NewNop(), source: fakeReader{read: read}}
+	p := &ClusterLoadSelection{PortTag: portTag, Refresh: caddy.Duration(time.Hour), logger: zap.NewNop(), source: fakeReader{read: read}}
+	p.refresh.Store(int64(time.Hour))
+	return p
 }
 
 // loadsPool returns a pool of one upstream per load, and the members that
@@ -422,7 +427,7 @@ func TestClusterLoadSelectEdges(t *testing.T) {
 	broken.Store(true)
 	p := fixedPolicy("http_port", func() ([]memberLoad, error) {
 		if broken.Load() {
-			return nil, ErrNotRunning
+			return nil, errNotStarted
 		}
 		return members, nil
 	})
@@ -486,7 +491,7 @@ func requestWithVars() *http.Request {
 // expire makes the policy's snapshot out of date.
 func expire(p *ClusterLoadSelection) {
 	s := *p.snap.Load()
-	s.at -= 2 * int64(p.refresh)
+	s.at -= 2 * p.refresh.Load()
 	p.snap.Store(&s)
 }
 
@@ -547,7 +552,7 @@ func TestClusterLoadRefresh(t *testing.T) {
 		reads.Add(1)
 		return members, nil
 	}, clock: &clock}
-	p.refresh = time.Second
+	p.refresh.Store(int64(time.Second))
 	expire(p)
 	p.Select(pool, nil, nil)
 	before := reads.Load()
@@ -625,37 +630,40 @@ func TestClusterLoadValidate(t *testing.T) {
 }
 
 // TestClusterLoadNeedsRebalanceApp: a config with lb_policy cluster_load
-// and no rebalance app does not load, and says why; with the app it does,
-// and refresh defaults to the app's interval.
+// and no cluster app does not validate, and one with the cluster app but
+// no rebalance app does not start; each says why. Without refresh, the
+// policy reads as often as the rebalance node takes in reports.
 func TestClusterLoadNeedsRebalanceApp(t *testing.T) {
-	cfg := func(apps string) string {
-		return `{"admin": {"disabled": true}, "apps": {` + apps + `"http": {"servers": {"s": {
+	cfg := func(apps string) []byte {
+		return []byte(`{"admin": {"disabled": true}, "apps": {` + apps + `"http": {"servers": {"s": {
 			"listen": ["127.0.0.1:0"],
 			"routes": [{"handle": [{"handler": "reverse_proxy", "upstreams": [{"dial": "127.0.0.1:9"}],
 				"load_balancing": {"selection_policy": {"policy": "cluster_load"}}}]}]
-		}}}}}`
+		}}}}}`)
 	}
 	var c caddy.Config
-	if err := json.Unmarshal([]byte(cfg("")), &c); err != nil {
+	if err := json.Unmarshal(cfg(""), &c); err != nil {
 		t.Fatal(err)
 	}
 	err := caddy.Validate(&c)
-	if err == nil || !strings.Contains(err.Error(), "lb_policy cluster_load: no rebalance app in this config") {
+	if err == nil || !strings.Contains(err.Error(), "lb_policy cluster_load: no cluster app in this config") {
+		t.Fatalf("error %v; want one saying the cluster app is missing", err)
+	}
+	err = caddy.Load(cfg(`"cluster": {"node_name": "needs", "bind": "127.0.0.1:0"}, `), true)
+	if err == nil {
+		caddy.Stop()
+		t.Fatal("a config with cluster_load and no rebalance app started")
+	}
+	if !strings.Contains(err.Error(), "lb_policy cluster_load needs the rebalance app") {
 		t.Fatalf("error %v; want one saying the rebalance app is missing", err)
 	}
 
-	ctx, err := caddy.ProvisionContext(&caddy.Config{AppsRaw: caddy.ModuleMap{
-		"rebalance": json.RawMessage(`{"node_name": "needs", "bind": "127.0.0.1:0", "interval": "250ms", "history": "1s"}`),
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	mod, err := ctx.LoadModuleByID("http.reverse_proxy.selection_policies.cluster_load", json.RawMessage(`{}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if p := mod.(*ClusterLoadSelection); p.refresh != 250*time.Millisecond {
-		t.Errorf("refresh %v; want the app's interval, 250ms", p.refresh)
+	p := fixedPolicy("", func() ([]memberLoad, error) { return nil, nil })
+	p.Refresh = 0
+	p.source = fakeReader{read: func() ([]memberLoad, error) { return nil, nil }, every: 250 * time.Millisecond}
+	p.read()
+	if got := time.Duration(p.refresh.Load()); got != 250*time.Millisecond {
+		t.Errorf("refresh %v; want the node's interval, 250ms", got)
 	}
 }
 
@@ -676,7 +684,7 @@ func TestClusterLoadCaddy(t *testing.T) {
 		name string
 		load float64
 	}{{"cl-a", 100}, {"cl-b", 900}, {"cl-c", 500}} {
-		ports[m.name] = namedBackend(t, m.name)
+		ports[m.name] = testutil.NamedBackend(t, m.name)
 		tags := map[string]string{"role": "api", "http_port": ports[m.name]}
 		members[m.name] = testutil.SerfMember(t, m.name, tags, join)
 		if join == "" {
@@ -697,7 +705,7 @@ func TestClusterLoadCaddy(t *testing.T) {
 					"load_balancing": {"selection_policy": {"policy": "cluster_load", "port_tag": "http_port"}}
 				}]}]
 			}}},
-			"rebalance": {"node_name": "cl-front", "bind": "127.0.0.1:%d", "join": [%q], "interval": "100ms", "history": "100ms", "freshness": "3s"}
+			"cluster": {"node_name": "cl-front", "bind": "127.0.0.1:%d", "join": [%q]}, "rebalance": {"interval": "100ms", "history": "100ms", "freshness": "3s"}
 		}
 	}`, httpPort, gossipPort, join)
 	if err := caddy.Load([]byte(cfg), true); err != nil {
@@ -750,8 +758,9 @@ func TestClusterLoadCaddy(t *testing.T) {
 		})
 		alive := 0
 		if front != nil {
-			for _, m := range front.serf.Members() {
-				if m.Status == serf.StatusAlive && m.Tags["role"] == "api" {
+			ms, _ := front.driver().cluster.Members()
+			for _, m := range ms {
+				if m.Status == cluster.StatusAlive && m.Tags["role"] == "api" {
 					alive++
 				}
 			}

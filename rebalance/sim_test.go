@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/shedsim"
 )
 
@@ -27,7 +28,7 @@ type simNode struct {
 	unreachable bool
 	// status is how the others see the node (serf's status); a dead node
 	// may still look alive until serf's failure detector notices.
-	status MemberStatus
+	status cluster.MemberStatus
 }
 
 // simResult is the outcome of a simulation.
@@ -284,7 +285,7 @@ func TestSimulateTriggerLine(t *testing.T) {
 func TestSimulateGhost(t *testing.T) {
 	p := defaultParams()
 	start := []int{1000, 1000, 1000, 0}
-	dieAtStart := func(status MemberStatus) func(int, []*simNode) bool {
+	dieAtStart := func(status cluster.MemberStatus) func(int, []*simNode) bool {
 		return func(step int, nodes []*simNode) bool {
 			if step == 0 {
 				nodes[3].dead = true
@@ -297,7 +298,7 @@ func TestSimulateGhost(t *testing.T) {
 	}
 
 	// Failed (or left): serf's status excludes it at once.
-	for _, st := range []MemberStatus{StatusFailed, StatusLeft} {
+	for _, st := range []cluster.MemberStatus{cluster.StatusFailed, cluster.StatusLeft} {
 		res := simulate(p, start, 1, 1000, 11, dieAtStart(st))
 		if res.shed != 0 {
 			t.Errorf("%v ghost: shed %d; want 0", st, res.shed)
@@ -305,7 +306,7 @@ func TestSimulateGhost(t *testing.T) {
 	}
 
 	// Still listed as alive, but silent: excluded after Freshness.
-	res := simulate(p, start, 1, 1000, 11, dieAtStart(StatusAlive))
+	res := simulate(p, start, 1, 1000, 11, dieAtStart(cluster.StatusAlive))
 	fresh := int(p.Freshness / time.Second)
 	if res.lastShed > fresh {
 		t.Errorf("silent ghost: still shedding at step %d; want none after step %d", res.lastShed, fresh)
@@ -315,7 +316,7 @@ func TestSimulateGhost(t *testing.T) {
 	// The Piko behaviour: a ghost that never goes stale.
 	piko := p
 	piko.Freshness = time.Duration(math.MaxInt64)
-	res = simulate(piko, start, 1, 1000, 11, dieAtStart(StatusAlive))
+	res = simulate(piko, start, 1, 1000, 11, dieAtStart(cluster.StatusAlive))
 	if res.lastShed < 990 {
 		t.Errorf("ghost counted forever: last shed at step %d; expected endless churn (this test's premise)", res.lastShed)
 	}
@@ -335,7 +336,7 @@ func TestSimulateKillMidway(t *testing.T) {
 			nodes[0].dead = true
 			return true
 		case 103:
-			nodes[0].status = StatusFailed
+			nodes[0].status = cluster.StatusFailed
 		}
 		return false
 	}

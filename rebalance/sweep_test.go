@@ -15,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -386,7 +387,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	ts := newTrackedServer(t)
 	ctx, rec := eventsContext(t)
 	src := &processSource{tracker: ts.tracker}
-	a := startAppCtx(t, ctx, "forcing", src, func(a *App) {
+	a := startAppCtx(t, ctx, "forcing", src, func(_ *cluster.App, a *App) {
 		a.ShedRate = 0
 		a.Interval = caddy.Duration(100 * time.Millisecond) // the minimum
 		a.BoundaryTimeout = caddy.Duration(300 * time.Millisecond)

@@ -164,7 +164,7 @@ func TestThroughputCaddy(t *testing.T) {
 					"routes": %s
 				}
 			}},
-			"rebalance": {"node_name": "bytes-node", "bind": "127.0.0.1:%d", "metric": "throughput", "interval": "100ms", "history": "100ms"}
+			"cluster": {"node_name": "bytes-node", "bind": "127.0.0.1:%d"}, "rebalance": {"metric": "throughput", "interval": "100ms", "history": "100ms"}
 		}
 	}`, t.TempDir(), jsonString(certPEM), jsonString(keyPEM), plainPort, routes, securePort, routes, misplacedPort, routes, gossipPort)
 	if err := caddy.Load([]byte(cfg), true); err != nil {
@@ -327,7 +327,7 @@ func TestThroughputCaddy(t *testing.T) {
 		// gossiped returns the node's load tag: the throughput and the
 		// report's sequence number.
 		gossiped := func() (float64, int) {
-			raw := n.serf.LocalMember().Tags[LoadTag]
+			raw := selfTags(n)[LoadTag]
 			metric, load, ok := parseLoadTag(raw)
 			f := strings.Fields(raw)
 			if !ok || metric != MetricThroughput {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -111,7 +112,7 @@ func TestThroughputNeedsListenerWrapper(t *testing.T) {
 		return fmt.Sprintf(`%q: {"listen": ["127.0.0.1:%d"], %s "routes": [{"handle": [{"handler": "reverse_proxy", "dynamic_upstreams": {"source": "serf", "port": "80"}}]}]}`, name, freePort(t), extra)
 	}
 	config := func(metric string, servers ...string) []byte {
-		apps := `"rebalance": {"node_name": "check", "bind": "127.0.0.1:0", "metric": "` + metric + `"}`
+		apps := `"cluster": {"node_name": "check", "bind": "127.0.0.1:0"}, "rebalance": {"metric": "` + metric + `"}`
 		if len(servers) > 0 {
 			apps = `"http": {"servers": {` + strings.Join(servers, ", ") + `}}, ` + apps
 		}
@@ -234,9 +235,9 @@ func (s *simTraffic) Sample(metric string) (float64, int) {
 func TestThroughputClusterSheds(t *testing.T) {
 	const perConn = 10_000
 	simA, simB := newSimTraffic(300, perConn), newSimTraffic(100, perConn)
-	throughput := func(x *App) { x.Metric = MetricThroughput }
+	throughput := func(c *cluster.App, x *App) { x.Metric = MetricThroughput }
 	a := testApp(t, "bytes-a", simA, throughput)
-	b := testApp(t, "bytes-b", simB, func(x *App) { throughput(x); x.Join = []string{a.gossipAddr()} })
+	b := testApp(t, "bytes-b", simB, func(c *cluster.App, x *App) { throughput(c, x); c.Join = []string{a.gossipAddr()} })
 	testutil.WaitFor(t, 15*time.Second, "both nodes count two fresh members", func() (bool, string) {
 		okA, whyA := seesLoads(a.node, 2)
 		okB, whyB := seesLoads(b.node, 2)

@@ -150,7 +150,7 @@ func TestWebSocketShedThroughCaddy(t *testing.T) {
 				"plain": {"listen": ["127.0.0.1:%d"], "routes": %s},
 				"logged": {"listen": ["127.0.0.1:%d"], "routes": %s, "logs": {}}
 			}},
-			"rebalance": {"node_name": "ws-node", "bind": "127.0.0.1:%d", "interval": "100ms", "history": "1s"}
+			"cluster": {"node_name": "ws-node", "bind": "127.0.0.1:%d"}, "rebalance": {"interval": "100ms", "history": "1s"}
 		}
 	}`, errLog, plainPort, route, loggedPort, route, gossipPort)
 	if err := caddy.Load([]byte(config), true); err != nil {

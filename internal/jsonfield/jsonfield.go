@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"reflect"
 	"sort"
 	"strings"
@@ -88,6 +89,11 @@ func fieldsByKey(t reflect.Type) map[string]reflect.Type {
 			continue
 		}
 		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		if f.Anonymous && name == "" && f.Type.Kind() == reflect.Struct {
+			// encoding/json promotes an embedded struct's fields.
+			maps.Copy(out, fieldsByKey(f.Type))
+			continue
+		}
 		switch name {
 		case "-":
 			continue

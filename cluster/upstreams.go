@@ -1,4 +1,4 @@
-package rebalance
+package cluster
 
 import (
 	"encoding/json"
@@ -17,6 +17,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/caddyopt"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
@@ -24,20 +26,30 @@ func init() {
 	caddy.RegisterModule(SerfUpstreams{})
 }
 
-// Bounds of refresh, for dynamic serf and lb_policy cluster_load: a
-// reading locks serf's member list, so not on every request, and a list
-// an hour old is no longer the cluster.
+// Bounds of refresh, for every module that caches what it reads from the
+// member list (dynamic serf, lb_policy cluster_load): a reading locks
+// serf's member list, so not on every request, and a list an hour old is
+// no longer the cluster.
 const (
-	minRefresh = 10 * time.Millisecond
-	maxRefresh = time.Hour
+	MinRefresh = 10 * time.Millisecond
+	MaxRefresh = time.Hour
 )
+
+// CheckRefresh checks a refresh option: 0 (the default) or from
+// MinRefresh to MaxRefresh.
+func CheckRefresh(refresh caddy.Duration) error {
+	if refresh == 0 {
+		return nil
+	}
+	return bounds.Duration("refresh", time.Duration(refresh), MinRefresh, MaxRefresh)
+}
 
 // DefaultUpstreamsRefresh is how often SerfUpstreams re-reads the member
 // list by default.
 const DefaultUpstreamsRefresh = time.Second
 
 // SerfUpstreams is a dynamic upstream source for reverse_proxy: the alive
-// members of this node's rebalance cluster whose serf tags match Tags.
+// members of this node's cluster whose serf tags match Tags.
 // Each member's dial address is its advertised IP with the port from its
 // tag PortTag, or Port.
 //
@@ -48,25 +60,11 @@ const DefaultUpstreamsRefresh = time.Second
 // so selection policies see the same pool in the same order between
 // changes. Each change is logged once.
 //
-// It needs the rebalance app in the same config (the `rebalance` global
+// It needs the cluster app in the same config (the `cluster` global
 // option); without it the config does not load.
 type SerfUpstreams struct {
-	// Tags the members must carry, all with these values (e.g.
-	// {"role": "api"}). Default: none, every alive member.
-	Tags map[string]string `json:"tags,omitempty"`
-
-	// Port is the port to dial on every member, unless its PortTag tag
-	// gives one. One of Port and PortTag is required.
-	Port string `json:"port,omitempty"`
-
-	// PortTag names the member tag that holds the port to dial (e.g.
-	// "http_port"); a member without it is dialed at Port, or left out
-	// (logged) when Port is not set. Default: none.
-	PortTag string `json:"port_tag,omitempty"`
-
-	// ExcludeSelf leaves this node out even when its tags match.
-	// Default: false.
-	ExcludeSelf bool `json:"exclude_self,omitempty"`
+	// Selector picks the members (tags, port, port_tag, exclude_self).
+	Selector
 
 	// Refresh is the longest time between two readings of the member
 	// list, from 10ms to 1h. Default: 1s.
@@ -104,7 +102,7 @@ func (SerfUpstreams) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision finds the rebalance app of the config. It does not read the
+// Provision finds the cluster app of the config. It does not read the
 // member list: the app's serf member starts after every module is
 // provisioned.
 func (su *SerfUpstreams) Provision(ctx caddy.Context) error {
@@ -117,34 +115,21 @@ func (su *SerfUpstreams) Provision(ctx caddy.Context) error {
 	if err := su.Validate(); err != nil {
 		return err
 	}
-	app, err := ctx.AppIfConfigured("rebalance")
+	app, err := Lookup(ctx, "dynamic serf")
 	if err != nil {
-		if errors.Is(err, caddy.ErrNotConfigured) {
-			return errors.New("dynamic serf: no rebalance app in this config; its upstreams are members of this node's rebalance cluster, so add the `rebalance` global option (or the \"rebalance\" app in JSON)")
-		}
-		return fmt.Errorf("dynamic serf: %v", err)
+		return err
 	}
-	su.app = app.(*App)
+	su.app = app
 	return nil
 }
 
 // Validate checks the configuration.
 func (su *SerfUpstreams) Validate() error {
-	if su.Port == "" && su.PortTag == "" {
-		return errors.New("dynamic serf: give a port or a port_tag (the member tag that holds the port to dial)")
-	}
-	if su.Port != "" {
-		if _, err := ParsePort(su.Port); err != nil {
-			return fmt.Errorf("dynamic serf: %v", err)
-		}
-	}
-	if err := checkDuration("refresh", su.Refresh, minRefresh, maxRefresh); err != nil {
+	if err := su.Selector.Validate(); err != nil {
 		return fmt.Errorf("dynamic serf: %v", err)
 	}
-	for k, v := range su.Tags {
-		if k == "" || v == "" {
-			return fmt.Errorf("dynamic serf: tag %q=%q: key and value must not be empty", k, v)
-		}
+	if err := CheckRefresh(su.Refresh); err != nil {
+		return fmt.Errorf("dynamic serf: %v", err)
 	}
 	return nil
 }
@@ -248,16 +233,9 @@ func (su *SerfUpstreams) refreshLocked() *upstreamSnapshot {
 // build returns the sorted, deduplicated dial addresses of the alive
 // members that match, and why the others that match were left out.
 func (su *SerfUpstreams) build(members []Member) (dials, skipped []string) {
-	for _, m := range members {
-		if m.Status != StatusAlive || !m.HasTags(su.Tags) || (su.ExcludeSelf && m.Self) {
-			continue
-		}
-		addr, err := m.DialAddr(su.Port, su.PortTag)
-		if err != nil {
-			skipped = append(skipped, err.Error())
-			continue
-		}
-		dials = append(dials, addr)
+	picked, skipped := su.Select(members, nil)
+	for _, p := range picked {
+		dials = append(dials, p.Dial)
 	}
 	sort.Strings(dials)
 	return slices.Compact(dials), skipped
@@ -306,70 +284,34 @@ func (su *SerfUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	default:
 		return d.Errf("dynamic serf: at most one argument (the port), got %d", len(args))
 	}
-	seen := make(map[string]bool)
+	const what = "dynamic serf"
+	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
-		opt := d.Val()
-		if opt != "tag" && seen[opt] {
-			return d.Errf("dynamic serf: %s already specified", opt)
+		if d.Val() != "tag" {
+			if err := once.Check(d); err != nil {
+				return err
+			}
 		}
-		seen[opt] = true
-		switch opt {
-		case "tag":
-			kv := d.RemainingArgs()
-			if len(kv) != 2 {
-				return d.Errf("dynamic serf: tag: want <key> <value>, got %d argument(s)", len(kv))
+		if ok, err := su.UnmarshalOption(d, what); ok {
+			if err != nil {
+				return err
 			}
-			if su.Tags == nil {
-				su.Tags = make(map[string]string)
-			}
-			if _, dup := su.Tags[kv[0]]; dup {
-				return d.Errf("dynamic serf: tag %q already specified", kv[0])
-			}
-			su.Tags[kv[0]] = kv[1]
-		case "port":
-			if su.Port != "" {
-				return d.Errf("dynamic serf: port already specified")
-			}
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			su.Port = d.Val()
-			if _, err := ParsePort(su.Port); err != nil {
-				return d.Errf("dynamic serf: %v", err)
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-		case "port_tag":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			su.PortTag = d.Val()
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-		case "exclude_self":
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-			su.ExcludeSelf = true
-		case "refresh":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(d.Val())
-			if err != nil || dur <= 0 {
-				return d.Errf("dynamic serf: refresh %q: want a positive duration", d.Val())
-			}
-			su.Refresh = caddy.Duration(dur)
-			if err := checkDuration("refresh", su.Refresh, minRefresh, maxRefresh); err != nil {
-				return d.Errf("dynamic serf: %v", err)
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-		default:
-			return d.Errf("dynamic serf: unknown option %q", opt)
+			continue
+		}
+		if d.Val() != "refresh" {
+			return caddyopt.Unknown(d, what, slices.Concat(SelectorOptions, []string{"refresh"})...)
+		}
+		val, err := caddyopt.OneArg(d, what)
+		if err != nil {
+			return err
+		}
+		dur, err := caddy.ParseDuration(val)
+		if err != nil || dur <= 0 {
+			return d.Errf("%s: refresh %q: want a positive duration such as 1s", what, val)
+		}
+		su.Refresh = caddy.Duration(dur)
+		if err := CheckRefresh(su.Refresh); err != nil {
+			return d.Errf("%s: %v", what, err)
 		}
 	}
 	if err := su.Validate(); err != nil {

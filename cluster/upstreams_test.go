@@ -1,6 +1,7 @@
-package rebalance
+package cluster
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -19,17 +20,6 @@ import (
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
-// namedBackend is an HTTP server on 127.0.0.1 that answers with its name.
-func namedBackend(t *testing.T, name string) (port string) {
-	t.Helper()
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		io.WriteString(w, name)
-	}))
-	t.Cleanup(srv.Close)
-	_, port, _ = net.SplitHostPort(srv.Listener.Addr().String())
-	return port
-}
-
 // newTestSource returns a SerfUpstreams over app, set up as Provision
 // would (a bare test context has no config to find the app in).
 func newTestSource(app *App, su SerfUpstreams) *SerfUpstreams {
@@ -41,6 +31,49 @@ func newTestSource(app *App, su SerfUpstreams) *SerfUpstreams {
 		su.refresh = DefaultUpstreamsRefresh
 	}
 	return &su
+}
+
+// testCluster provisions and starts a cluster app on 127.0.0.1 with a
+// port chosen by the kernel; mut may change it before. It stops at the
+// end of the test unless the test stopped it.
+func testCluster(t *testing.T, name string, mut func(*App)) *App {
+	t.Helper()
+	a := &App{NodeName: name, Bind: "127.0.0.1:0"}
+	if mut != nil {
+		mut(a)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := a.Provision(ctx); err != nil {
+		cancel()
+		t.Fatalf("provision %s: %v", name, err)
+	}
+	if err := a.Start(); err != nil {
+		cancel()
+		t.Fatalf("start %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		a.Stop()
+		cancel()
+	})
+	return a
+}
+
+// gossipAddr returns the gossip address the app's member listens on.
+func (a *App) gossipAddr() string {
+	st, _ := a.Status()
+	return st.Addr
+}
+
+// freePort returns a TCP port that was free on 127.0.0.1 (serf binds
+// TCP and UDP).
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
 }
 
 // getDials calls GetUpstreams and returns the dial addresses.
@@ -63,17 +96,14 @@ func getDials(t *testing.T, su *SerfUpstreams) []string {
 // never listed; the list is rebuilt only when it changes, while many
 // goroutines read it.
 func TestSerfUpstreamsFollowMembers(t *testing.T) {
-	front := testApp(t, "front", &fakeSource{}, func(a *App) { a.Tags = map[string]string{"role": "edge"} })
+	front := testCluster(t, "front", func(a *App) { a.Tags = map[string]string{"role": "edge"} })
 	api1 := testutil.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": "9001"}, front.gossipAddr())
 	api2 := testutil.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": "9002"}, front.gossipAddr())
 	testutil.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": "9003"}, front.gossipAddr())
 	testutil.SerfMember(t, "api-noport", map[string]string{"role": "api"}, front.gossipAddr())
 	_ = api1
 
-	su := newTestSource(front, SerfUpstreams{
-		Tags: map[string]string{"role": "api"}, PortTag: "http_port",
-		Refresh: caddy.Duration(20 * time.Millisecond),
-	})
+	su := newTestSource(front, SerfUpstreams{Selector: Selector{Tags: map[string]string{"role": "api"}, PortTag: "http_port"}, Refresh: caddy.Duration(20 * time.Millisecond)})
 	want := []string{"127.0.0.1:9001", "127.0.0.1:9002"}
 	testutil.WaitFor(t, 10*time.Second, "both api members listed", func() (bool, string) {
 		got := getDials(t, su)
@@ -137,34 +167,34 @@ func TestSerfUpstreamsFollowMembers(t *testing.T) {
 // TestSerfUpstreamsPortAndSelf covers the fixed port, the port tag
 // fallback and exclude_self on the local member.
 func TestSerfUpstreamsPortAndSelf(t *testing.T) {
-	front := testApp(t, "self", &fakeSource{}, func(a *App) { a.Tags = map[string]string{"role": "api", "http_port": "7000"} })
+	front := testCluster(t, "self", func(a *App) { a.Tags = map[string]string{"role": "api", "http_port": "7000"} })
 	testutil.SerfMember(t, "other", map[string]string{"role": "api"}, front.gossipAddr())
 
-	su := newTestSource(front, SerfUpstreams{Tags: map[string]string{"role": "api"}, Port: "8080", PortTag: "http_port"})
+	su := newTestSource(front, SerfUpstreams{Selector: Selector{Tags: map[string]string{"role": "api"}, Port: "8080", PortTag: "http_port"}})
 	testutil.WaitFor(t, 10*time.Second, "both listed", func() (bool, string) {
 		su.stale.Store(true)
 		got := getDials(t, su)
 		return strings.Join(got, ",") == "127.0.0.1:7000,127.0.0.1:8080", fmt.Sprint(got)
 	})
-	su = newTestSource(front, SerfUpstreams{Tags: map[string]string{"role": "api"}, Port: "8080", ExcludeSelf: true})
+	su = newTestSource(front, SerfUpstreams{Selector: Selector{Tags: map[string]string{"role": "api"}, Port: "8080", ExcludeSelf: true}})
 	if got := getDials(t, su); strings.Join(got, ",") != "127.0.0.1:8080" {
 		t.Errorf("exclude_self: %v", got)
 	}
 	// Before the app runs (or after it stopped): an error, not a panic.
 	stopped := &App{poolKey: "127.0.0.1:1#nobody"}
-	su = newTestSource(stopped, SerfUpstreams{Port: "80"})
+	su = newTestSource(stopped, SerfUpstreams{Selector: Selector{Port: "80"}})
 	if _, err := su.GetUpstreams(httptest.NewRequest("GET", "/", nil)); err == nil || !strings.Contains(err.Error(), "not running") {
 		t.Errorf("no node: error %v", err)
 	}
 }
 
 // TestSerfUpstreamsCaddy loads a real Caddy config: reverse_proxy with
-// `dynamic serf` on an HTTP server, the rebalance app joined to raw serf
+// `dynamic serf` on an HTTP server, the cluster app joined to raw serf
 // members fronting real backends. Requests reach both role=api backends,
 // never the role=web one, and the api member that leaves stops getting
 // requests.
 func TestSerfUpstreamsCaddy(t *testing.T) {
-	p1, p2, p3 := namedBackend(t, "api-1"), namedBackend(t, "api-2"), namedBackend(t, "web-1")
+	p1, p2, p3 := testutil.NamedBackend(t, "api-1"), testutil.NamedBackend(t, "api-2"), testutil.NamedBackend(t, "web-1")
 	api1 := testutil.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": p1}, "")
 	api2 := testutil.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": p2}, testutil.SerfAddr(api1))
 	testutil.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": p3}, testutil.SerfAddr(api1))
@@ -181,7 +211,7 @@ func TestSerfUpstreamsCaddy(t *testing.T) {
 					"load_balancing": {"selection_policy": {"policy": "round_robin"}}
 				}]}]
 			}}},
-			"rebalance": {"node_name": "front", "bind": "127.0.0.1:%d", "join": [%q], "interval": "100ms", "history": "100ms"}
+			"cluster": {"node_name": "front", "bind": "127.0.0.1:%d", "join": [%q]}
 		}
 	}`, httpPort, gossipPort, testutil.SerfAddr(api1))
 	if err := caddy.Load([]byte(cfg), true); err != nil {
@@ -239,9 +269,9 @@ func TestSerfUpstreamsCaddy(t *testing.T) {
 	t.Logf("api-2 left; 20 requests in a row went to api-1 within %v", time.Since(start).Round(time.Millisecond))
 }
 
-// TestSerfUpstreamsNeedRebalanceApp: a config with `dynamic serf` and no
-// rebalance app does not load, and says why.
-func TestSerfUpstreamsNeedRebalanceApp(t *testing.T) {
+// TestSerfUpstreamsNeedClusterApp: a config with `dynamic serf` and no
+// cluster app does not load, and says why.
+func TestSerfUpstreamsNeedClusterApp(t *testing.T) {
 	cfg := `{"admin": {"disabled": true}, "apps": {"http": {"servers": {"s": {
 		"listen": ["127.0.0.1:0"],
 		"routes": [{"handle": [{"handler": "reverse_proxy", "dynamic_upstreams": {"source": "serf", "port": "80"}}]}]
@@ -251,8 +281,8 @@ func TestSerfUpstreamsNeedRebalanceApp(t *testing.T) {
 		t.Fatal(err)
 	}
 	err := caddy.Validate(&c)
-	if err == nil || !strings.Contains(err.Error(), "no rebalance app in this config") {
-		t.Fatalf("error %v; want one saying the rebalance app is missing", err)
+	if err == nil || !strings.Contains(err.Error(), "no cluster app in this config") {
+		t.Fatalf("error %v; want one saying the cluster app is missing", err)
 	}
 }
 
@@ -263,10 +293,10 @@ func TestSerfUpstreamsValidate(t *testing.T) {
 		want string
 	}{
 		{SerfUpstreams{}, "give a port or a port_tag"},
-		{SerfUpstreams{Port: "http"}, `port "http": want a number from 1 to 65535`},
-		{SerfUpstreams{Port: "70000"}, `port "70000"`},
-		{SerfUpstreams{PortTag: "p", Refresh: -1}, "refresh -1ns is below the minimum 10ms"},
-		{SerfUpstreams{PortTag: "p", Tags: map[string]string{"role": ""}}, `tag "role"=""`},
+		{SerfUpstreams{Selector: Selector{Port: "http"}}, `port "http": want a number from 1 to 65535`},
+		{SerfUpstreams{Selector: Selector{Port: "70000"}}, `port "70000"`},
+		{SerfUpstreams{Selector: Selector{PortTag: "p"}, Refresh: -1}, "refresh -1ns is below the minimum 10ms"},
+		{SerfUpstreams{Selector: Selector{PortTag: "p", Tags: map[string]string{"role": ""}}}, `tag "role"=""`},
 	} {
 		if err := tc.su.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: error %v; want %q", tc.su, err, tc.want)
@@ -289,15 +319,15 @@ func TestSerfUpstreamsUnmarshalCaddyfile(t *testing.T) {
 		{"serf", "give a port or a port_tag"},
 		{"serf 1 2", "at most one argument"},
 		{"serf abc", `port "abc"`},
-		{"serf 80 {\n port 81\n}", "port already specified"},
-		{"serf {\n port\n}", "wrong argument count"},
-		{"serf {\n port 80 81\n}", "wrong argument count"},
+		{"serf 80 {\n port 81\n}", "port specified more than once"},
+		{"serf {\n port\n}", "dynamic serf: port: missing value"},
+		{"serf {\n port 80 81\n}", `dynamic serf: port: one value expected, got another: "81"`},
 		{"serf {\n port 0\n}", `port "0"`},
-		{"serf {\n port_tag\n}", "wrong argument count"},
-		{"serf {\n port_tag a\n port_tag b\n}", "port_tag already specified"},
+		{"serf {\n port_tag\n}", "dynamic serf: port_tag: missing value"},
+		{"serf {\n port_tag a\n port_tag b\n}", "port_tag specified more than once"},
 		{"serf {\n tag role\n port 1\n}", "tag: want <key> <value>, got 1"},
-		{"serf {\n tag role api\n tag role web\n port 1\n}", `tag "role" already specified`},
-		{"serf {\n exclude_self yes\n port 1\n}", "wrong argument count"},
+		{"serf {\n tag role api\n tag role web\n port 1\n}", `tag "role" specified more than once`},
+		{"serf {\n exclude_self yes\n port 1\n}", `exclude_self: unexpected argument "yes"`},
 		{"serf {\n refresh soon\n port 1\n}", `refresh "soon": want a positive duration`},
 		{"serf {\n refresh 0s\n port 1\n}", `refresh "0s"`},
 		{"serf {\n bogus\n}", `unknown option "bogus"`},

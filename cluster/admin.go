@@ -1,0 +1,115 @@
+package cluster
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"sort"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func init() {
+	caddy.RegisterModule(AdminAPI{})
+}
+
+// AdminAPI serves the cluster membership as this node sees it on Caddy's
+// admin endpoint:
+//
+//	GET /lbx/cluster
+//
+// returns, for each serf member of the process (normally one), its name,
+// address, whether gossip is encrypted, the last join error, a name
+// conflict if serf shut it down over one, and every member serf knows
+// with its status and tags.
+type AdminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.lbx_cluster",
+		New: func() caddy.Module { return new(AdminAPI) },
+	}
+}
+
+// Routes returns the admin routes.
+func (AdminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{
+		Pattern: "/lbx/cluster",
+		Handler: caddy.AdminHandlerFunc(handleCluster),
+	}}
+}
+
+// NodeView is one serf member of this process in the admin view.
+type NodeView struct {
+	Name      string `json:"node_name"`
+	Bind      string `json:"bind"`
+	Addr      string `json:"advertised"`
+	Encrypted bool   `json:"encrypted"`
+	Joined    bool   `json:"joined"`
+	JoinError string `json:"join_error,omitempty"`
+	// NameConflict is set when serf shut the member down because another
+	// member uses its node_name: the node no longer gossips or sees the
+	// cluster, and Members is empty.
+	NameConflict string       `json:"name_conflict,omitempty"`
+	Members      []MemberView `json:"members"`
+}
+
+// MemberView is one cluster member in the admin view.
+type MemberView struct {
+	Name   string            `json:"name"`
+	Addr   string            `json:"addr"`
+	Status string            `json:"status"`
+	Self   bool              `json:"self,omitempty"`
+	Tags   map[string]string `json:"tags,omitempty"`
+}
+
+// Report is the body of GET /lbx/cluster.
+type Report struct {
+	Nodes []NodeView `json:"nodes"`
+}
+
+// BuildReport assembles the admin view of every serf member in the
+// process.
+func BuildReport() Report {
+	rep := Report{Nodes: []NodeView{}}
+	members.Range(func(_, v any) bool {
+		rep.Nodes = append(rep.Nodes, v.(*member).view())
+		return true
+	})
+	sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Bind < rep.Nodes[j].Bind })
+	return rep
+}
+
+// view returns the member's admin view.
+func (m *member) view() NodeView {
+	st := m.status()
+	v := NodeView{
+		Name: st.Name, Bind: m.key, Addr: st.Addr, Encrypted: st.Encrypted, Joined: st.Joined,
+		JoinError: st.JoinError, NameConflict: st.Conflict, Members: []MemberView{},
+	}
+	if st.Conflict != "" {
+		// serf's member list is frozen at the shutdown: not the cluster.
+		return v
+	}
+	for _, mem := range m.list() {
+		v.Members = append(v.Members, MemberView{
+			Name: mem.Name, Addr: fmt.Sprintf("%s:%d", mem.Addr, mem.Port), Status: mem.Status.String(),
+			Self: mem.Self, Tags: mem.Tags,
+		})
+	}
+	return v
+}
+
+func handleCluster(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method not allowed")}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(BuildReport())
+}
+
+// Interface guard
+var _ caddy.AdminRouter = (*AdminAPI)(nil)

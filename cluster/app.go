@@ -1,0 +1,378 @@
+// Package cluster joins this Caddy node to a serf cluster of Caddy nodes:
+// membership and discovery only. It is the `cluster` app (global option
+// `cluster`), which shares one serf member across config reloads, and the
+// member sources built on it: `dynamic serf` upstreams for reverse_proxy
+// and the member lists partition's `serf_tag` reads. Shedding
+// (package rebalance) publishes its load through it; nothing here sheds.
+package cluster
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/hashicorp/go-msgpack/v2/codec"
+	"github.com/hashicorp/memberlist"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
+)
+
+func init() {
+	caddy.RegisterModule(App{})
+}
+
+// DefaultBind is the address serf listens on by default.
+const DefaultBind = "0.0.0.0:7946"
+
+// ReservedTagPrefix starts the member tags lbx publishes itself (the
+// load tag of package rebalance); configured tags may not use it.
+const ReservedTagPrefix = "lbx_"
+
+// App is this node's membership in a serf cluster of Caddy nodes. Other
+// lbx modules read the members (discovery) and publish tags through it.
+//
+// The serf member survives config reloads: it is shared between configs
+// by bind address, so a reload neither leaves nor rejoins the cluster. It
+// leaves gracefully when Caddy stops or a config without it is loaded.
+type App struct {
+	// NodeName is this node's unique name in the cluster, at most 128
+	// bytes. A node that joins with a name the cluster already has loses
+	// serf's vote and stops gossiping (reported in the admin view, the
+	// log and the caddy_lbx_cluster_name_conflict metric). It cannot change
+	// while the member runs. Default: the host name.
+	NodeName string `json:"node_name,omitempty"`
+
+	// Bind is the address (host:port) serf listens on, TCP and UDP.
+	// Default: 0.0.0.0:7946.
+	Bind string `json:"bind,omitempty"`
+
+	// Advertise is the address (host:port) other members use to reach
+	// this one, when it differs from Bind (NAT, containers). Default: the
+	// bind address, or a private IP of this host when binding 0.0.0.0.
+	Advertise string `json:"advertise,omitempty"`
+
+	// Join lists addresses (host:port) of cluster members to join. The
+	// node retries with backoff while it sees no other alive member.
+	// Default: none (a cluster of one until others join it).
+	Join []string `json:"join,omitempty"`
+
+	// EncryptKey is the base64 gossip encryption key (16, 24 or 32 bytes
+	// decoded; e.g. `head -c32 /dev/urandom | base64`), the same on every
+	// node; placeholders such as {env.LBX_GOSSIP_KEY} are replaced. A node
+	// with another key cannot join. Default: none, gossip in clear text (a
+	// warning is logged).
+	EncryptKey string `json:"encrypt_key,omitempty"`
+
+	// Tags are serf tags this node publishes for discovery (e.g. role,
+	// zone, the port it serves on). Keys starting with "lbx_" are
+	// reserved. Serf allows a member 512 bytes of tags, encoded, including
+	// the ones lbx publishes: a config whose tags do not fit is refused.
+	Tags map[string]string `json:"tags,omitempty"`
+
+	keyBytes []byte
+	keyID    string
+	bindHost string
+	bindPort int
+	poolKey  string
+	logger   *zap.Logger
+	member   *member // set by Start, cleared by Stop
+
+	// What modules of the config need of each other through this app
+	// (Require, Provide), checked at Start.
+	required map[string]string // what → by whom
+	provided map[string]bool
+}
+
+// CaddyModule returns the Caddy module information.
+func (App) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "cluster",
+		New: func() caddy.Module { return new(App) },
+	}
+}
+
+// Provision sets defaults, checks every option and decodes the key. It
+// does not touch the network (it also runs for `caddy validate`).
+func (a *App) Provision(ctx caddy.Context) error {
+	a.logger = ctx.Logger()
+	if err := registerMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %v", err)
+	}
+	if a.NodeName == "" {
+		host, err := os.Hostname()
+		if err != nil || host == "" {
+			return fmt.Errorf("node_name: not set, and the host name is unavailable: %v", err)
+		}
+		a.NodeName = host
+	}
+	if a.Bind == "" {
+		a.Bind = DefaultBind
+	}
+	if err := a.Validate(); err != nil {
+		return err
+	}
+	if a.EncryptKey != "" {
+		key, err := decodeKey(a.EncryptKey)
+		if err != nil {
+			return err
+		}
+		a.keyBytes = key
+		sum := sha256.Sum256(key)
+		a.keyID = hex.EncodeToString(sum[:4])
+	}
+	a.bindHost, a.bindPort, _ = SplitHostPort(a.Bind, "bind")
+	a.poolKey = net.JoinHostPort(a.bindHost, strconv.Itoa(a.bindPort))
+	if a.bindPort == 0 {
+		// A port chosen by the kernel (tests): every node name its own.
+		a.poolKey += "#" + a.NodeName
+	}
+	return nil
+}
+
+// decodeKey replaces placeholders in the configured key and decodes it.
+func decodeKey(configured string) ([]byte, error) {
+	raw := caddy.NewReplacer().ReplaceAll(configured, "")
+	if raw == "" {
+		return nil, fmt.Errorf("encrypt_key %q is empty once placeholders are replaced (is the environment variable set?)", configured)
+	}
+	key, err := base64.StdEncoding.DecodeString(raw)
+	if err != nil {
+		return nil, fmt.Errorf("encrypt_key: not valid base64: %v", err)
+	}
+	if err := memberlist.ValidateKey(key); err != nil {
+		return nil, fmt.Errorf("encrypt_key: decodes to %d bytes; want 16, 24 or 32 (AES-128, -192 or -256)", len(key))
+	}
+	return key, nil
+}
+
+// UnmarshalJSON decodes the app's JSON as Caddy does, naming the field
+// of a value that does not decode.
+func (a *App) UnmarshalJSON(b []byte) error {
+	type appJSON App
+	return jsonfield.Decode(b, (*appJSON)(a))
+}
+
+// maxNodeName is the longest node_name, in bytes (serf's own limit when
+// it validates names).
+const maxNodeName = 128
+
+// options are the app's options, in the order checkOption checks them.
+var options = []string{"node_name", "bind", "advertise", "join", "tags"}
+
+// Validate checks every option. Provision runs it before anything sized
+// by the options exists; the Caddyfile checks each option as it is read.
+func (a *App) Validate() error {
+	for _, opt := range options {
+		if err := a.checkOption(opt); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkOption checks one option as configured (empty: the default); the
+// error names the option, the value and why.
+func (a *App) checkOption(opt string) error {
+	switch opt {
+	case "node_name":
+		if len(a.NodeName) > maxNodeName {
+			return fmt.Errorf("node_name %.32q… is %d bytes; at most %d", a.NodeName, len(a.NodeName), maxNodeName)
+		}
+	case "bind", "advertise":
+		addr := a.Bind
+		if opt == "advertise" {
+			addr = a.Advertise
+		}
+		if addr != "" {
+			_, _, err := SplitHostPort(addr, opt)
+			return err
+		}
+	case "join":
+		for _, j := range a.Join {
+			_, port, err := SplitHostPort(j, "join")
+			if err != nil {
+				return err
+			}
+			if port == 0 {
+				return fmt.Errorf("join %q: port 0 cannot be joined; want 1 to 65535", j)
+			}
+		}
+	case "tags":
+		for k, v := range a.Tags {
+			if strings.HasPrefix(k, ReservedTagPrefix) {
+				return fmt.Errorf("tag %q: keys starting with %s are reserved", k, ReservedTagPrefix)
+			}
+			if k == "" || v == "" {
+				return fmt.Errorf("tag %q=%q: key and value must not be empty", k, v)
+			}
+		}
+		return a.CheckTagsFit(nil)
+	}
+	return nil
+}
+
+// tagMagicByte starts serf's encoding of a member's tags.
+const tagMagicByte = 255
+
+// CheckTagsFit checks that the configured tags, with extra (the longest
+// values of the tags another module will publish), fit in the 512 bytes
+// serf allows a member's tags (memberlist.MetaMaxSize), encoded as serf
+// encodes them. Serf refuses larger tags at start and on every update,
+// which on a reload would stop the node gossiping.
+func (a *App) CheckTagsFit(extra map[string]string) error {
+	all := maps.Clone(a.Tags)
+	if all == nil {
+		all = make(map[string]string, len(extra))
+	}
+	maps.Copy(all, extra)
+	buf := bytes.NewBuffer([]byte{tagMagicByte})
+	if err := codec.NewEncoder(buf, &codec.MsgpackHandle{}).Encode(all); err != nil {
+		return fmt.Errorf("tags: %v", err)
+	}
+	if buf.Len() > memberlist.MetaMaxSize {
+		what := "tags"
+		if len(extra) > 0 {
+			what = "tags, with the ones lbx publishes,"
+		}
+		return fmt.Errorf("%s take %d bytes encoded, above serf's limit of %d; use fewer or shorter tags",
+			what, buf.Len(), memberlist.MetaMaxSize)
+	}
+	return nil
+}
+
+// Require records, while the config is provisioned, that module by
+// needs what, which another module of the config provides (Provide):
+// Start refuses to run the config without it. It lets a module depend on
+// another that it must not provision itself.
+func (a *App) Require(what, by string) {
+	if a.required == nil {
+		a.required = make(map[string]string)
+	}
+	a.required[what] = by
+}
+
+// Provide records, while the config is provisioned, that a module of the
+// config provides what.
+func (a *App) Provide(what string) {
+	if a.provided == nil {
+		a.provided = make(map[string]bool)
+	}
+	a.provided[what] = true
+}
+
+// Start joins the cluster, or takes over the member of the config this one
+// replaces (same bind address): no second bind, no leave and rejoin.
+func (a *App) Start() error {
+	for what, by := range a.required {
+		if !a.provided[what] {
+			return fmt.Errorf("%s needs %s in the same config", by, what)
+		}
+	}
+	s := a.settings()
+	val, loaded, err := members.LoadOrNew(a.poolKey, func() (caddy.Destructor, error) {
+		return newMember(a.poolKey, s, a.keyBytes, a.bindHost, a.bindPort)
+	})
+	if err != nil {
+		return fmt.Errorf("cluster: %v", err)
+	}
+	m := val.(*member)
+	if loaded {
+		m.attach(s)
+		if conflict := m.status().Conflict; conflict != "" {
+			// The new config cannot revive it: say so at every reload.
+			a.logger.Error("cluster member stopped: name conflict", zap.String("error", conflict))
+		}
+	}
+	a.member = m
+	if a.keyBytes == nil {
+		a.logger.Warn("gossip is not encrypted: anyone who can reach the bind address can join the cluster and read its traffic; set encrypt_key",
+			zap.String("bind", a.Bind))
+	}
+	a.logger.Info("cluster member started",
+		zap.String("node_name", m.name), zap.String("bind", a.Bind), zap.Bool("reused_member", loaded),
+		zap.Strings("join", a.Join))
+	return nil
+}
+
+// settings returns what this config asks of the member.
+func (a *App) settings() *settings {
+	return &settings{
+		owner: a, tags: maps.Clone(a.Tags), join: a.Join, logger: a.logger,
+		name: a.NodeName, keyID: a.keyID, advertise: a.Advertise,
+	}
+}
+
+// Stop hands the member back: to the config that replaces this one, or,
+// when none does, the member leaves the cluster and shuts down.
+func (a *App) Stop() error {
+	m := a.member
+	a.member = nil
+	if m == nil {
+		return nil
+	}
+	m.detach(a)
+	_, err := members.Delete(a.poolKey)
+	return err
+}
+
+// Cleanup releases the member if Stop did not (it is idempotent).
+func (a *App) Cleanup() error { return a.Stop() }
+
+// ErrNotRunning is returned by App.Members and App.Publish before the
+// app's serf member has started (Caddy provisions every app before it
+// starts any), after it stopped, or once serf shut it down.
+var ErrNotRunning = errors.New("the cluster app's serf member is not running")
+
+// Lookup returns the config's cluster app for the module that needs it
+// (what names it in the error: "dynamic serf", "rebalance", …).
+func Lookup(ctx caddy.Context, what string) (*App, error) {
+	app, err := ctx.AppIfConfigured("cluster")
+	if err != nil {
+		if errors.Is(err, caddy.ErrNotConfigured) {
+			return nil, fmt.Errorf("%s: no cluster app in this config; it works on the members of this node's serf cluster, so add the `cluster` global option (or the \"cluster\" app in JSON)", what)
+		}
+		return nil, fmt.Errorf("%s: %v", what, err)
+	}
+	return app.(*App), nil
+}
+
+// Key identifies the app's serf member in the process: the same for
+// every config that shares the member.
+func (a *App) Key() string { return a.poolKey }
+
+// SplitHostPort parses "host:port" for option opt; an empty host is
+// 0.0.0.0.
+func SplitHostPort(addr, opt string) (string, int, error) {
+	host, portStr, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", 0, fmt.Errorf("%s %q: want host:port: %v", opt, addr, err)
+	}
+	port, err := strconv.Atoi(portStr)
+	if err != nil || port < 0 || port > 65535 {
+		return "", 0, fmt.Errorf("%s %q: invalid port %q", opt, addr, portStr)
+	}
+	if host == "" {
+		host = "0.0.0.0"
+	}
+	return host, port, nil
+}
+
+// Interface guards
+var (
+	_ caddy.App          = (*App)(nil)
+	_ caddy.Provisioner  = (*App)(nil)
+	_ caddy.Validator    = (*App)(nil)
+	_ caddy.CleanerUpper = (*App)(nil)
+	_ json.Unmarshaler   = (*App)(nil)
+)

@@ -1,0 +1,392 @@
+package cluster
+
+import (
+	"fmt"
+	"log"
+	"maps"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/hashicorp/memberlist"
+	"github.com/hashicorp/serf/serf"
+	"go.uber.org/zap"
+)
+
+// members holds the serf members of this process, keyed by bind address:
+// a config reload starts the new config (which finds the member here)
+// before stopping the old one, so the member survives without leaving,
+// rejoining or binding its port twice. Its Destruct leaves the cluster.
+var members = caddy.NewUsagePool()
+
+// settings are what one config asks of the member. The member runs with
+// the settings of the most recently started config that still runs.
+type settings struct {
+	owner     *App
+	tags      map[string]string
+	join      []string
+	logger    *zap.Logger
+	name      string // node name: fixed for the member's life
+	keyID     string // fingerprint of the gossip key: fixed too
+	advertise string
+}
+
+// member is this process's serf member.
+type member struct {
+	key    string
+	name   string
+	serf   *serf.Serf
+	logger *zap.Logger
+
+	mu        sync.Mutex
+	owners    []*settings       // oldest first; the last one drives
+	published map[string]string // tags other modules publish (Publish)
+	joined    bool
+	joinErr   string
+	// conflict is set once serf shut this member down because another
+	// member claims its name (see lost).
+	conflict string
+
+	// conflictWith is the address of a member that claims this node's
+	// name, as serf last logged it, and resolving when serf started its
+	// vote on the name (nanoseconds on the monotonic clock; 0: no vote
+	// running). Not under mu: serf logs while it holds its own locks.
+	conflictWith atomic.Pointer[string]
+	resolving    atomic.Int64
+
+	kick chan struct{} // wakes publishLoop; capacity 1
+	stop chan struct{}
+	done sync.WaitGroup
+}
+
+// broadcastTimeout bounds how long serf waits for a tag update's (and the
+// leave message's) broadcast when no peer acknowledges.
+const broadcastTimeout = 2 * time.Second
+
+// newMember creates the serf member for s and starts its loops. It binds
+// the gossip port.
+func newMember(key string, s *settings, key32 []byte, bindHost string, bindPort int) (*member, error) {
+	m := &member{
+		key:       key,
+		name:      s.name,
+		logger:    s.logger.With(zap.String("node", s.name)),
+		owners:    []*settings{s},
+		published: make(map[string]string),
+		kick:      make(chan struct{}, 1),
+		stop:      make(chan struct{}),
+	}
+	conf := serf.DefaultConfig()
+	conf.Init()
+	conf.NodeName = m.name
+	conf.Tags = m.tagsFor(s)
+	stdlog := log.New(&serfLog{logger: m.logger.Named("serf"), conflict: m.sawConflict, conflictOver: m.conflictOver}, "", 0)
+	conf.LogOutput = nil
+	conf.Logger = stdlog
+	conf.EnableNameConflictResolution = true
+	conf.BroadcastTimeout = broadcastTimeout
+	ml := conf.MemberlistConfig
+	ml.BindAddr = bindHost
+	ml.BindPort = bindPort
+	ml.LogOutput = nil
+	ml.Logger = stdlog
+	if s.advertise != "" {
+		host, port, err := SplitHostPort(s.advertise, "advertise")
+		if err != nil {
+			return nil, err
+		}
+		ml.AdvertiseAddr = host
+		ml.AdvertisePort = port
+	}
+	if key32 != nil {
+		kr, err := memberlist.NewKeyring(nil, key32)
+		if err != nil {
+			return nil, fmt.Errorf("encrypt_key: %v", err)
+		}
+		ml.Keyring = kr
+	}
+	sf, err := serf.Create(conf)
+	if err != nil {
+		return nil, fmt.Errorf("starting serf on %s: %v", key, err)
+	}
+	m.serf = sf
+	m.done.Add(3)
+	go m.watchShutdown()
+	go m.joinLoop()
+	go m.publishLoop()
+	return m, nil
+}
+
+// Destruct leaves the cluster gracefully and stops serf: the last config
+// using the member has stopped. Leave first: Shutdown alone looks like a
+// crash to the other members.
+func (m *member) Destruct() error {
+	close(m.stop)
+	m.done.Wait()
+	if err := m.serf.Leave(); err != nil {
+		m.logger.Warn("leaving the cluster", zap.Error(err))
+	}
+	err := m.serf.Shutdown()
+	m.logger.Info("left the cluster")
+	return err
+}
+
+// attach makes s the settings that drive the member (a newer config).
+// The name, key and advertise address are the member's for its life.
+func (m *member) attach(s *settings) {
+	m.mu.Lock()
+	if old := m.owners[len(m.owners)-1]; old.name != s.name || old.keyID != s.keyID || old.advertise != s.advertise {
+		s.logger.Warn("node_name, encrypt_key and advertise cannot change while the cluster member runs; they keep their previous values until Caddy restarts",
+			zap.String("node_name", old.name))
+		s.name, s.keyID, s.advertise = old.name, old.keyID, old.advertise
+	}
+	m.owners = append(m.owners, s)
+	m.mu.Unlock()
+	m.wake()
+}
+
+// detach removes the settings of a config that stopped.
+func (m *member) detach(owner *App) {
+	m.mu.Lock()
+	m.owners = slices.DeleteFunc(m.owners, func(s *settings) bool { return s.owner == owner })
+	m.mu.Unlock()
+	m.wake()
+}
+
+// driver returns the driving settings, or nil.
+func (m *member) driver() *settings {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.owners) == 0 {
+		return nil
+	}
+	return m.owners[len(m.owners)-1]
+}
+
+// tagsFor returns the member tags for s with the published ones; m.mu is
+// held or m is not shared yet.
+func (m *member) tagsFor(s *settings) map[string]string {
+	tags := maps.Clone(s.tags)
+	if tags == nil {
+		tags = make(map[string]string, len(m.published))
+	}
+	maps.Copy(tags, m.published)
+	return tags
+}
+
+// wake makes publishLoop publish the current tags.
+func (m *member) wake() {
+	select {
+	case m.kick <- struct{}{}:
+	default: // already due
+	}
+}
+
+// publishLoop sets the member's tags whenever they change. It runs apart
+// from the modules that publish: serf's SetTags waits for the broadcast
+// (up to broadcastTimeout), and a shedding decision must not.
+func (m *member) publishLoop() {
+	defer m.done.Done()
+	retry := time.NewTimer(time.Hour)
+	defer retry.Stop()
+	for {
+		select {
+		case <-m.stop:
+			return
+		case <-m.kick:
+		case <-retry.C:
+		}
+		if m.resolvingConflict(time.Now()) {
+			// serf reads this member's node unlocked while it resolves a
+			// name conflict, and SetTags writes it: publish after.
+			retry.Reset(time.Second)
+			continue
+		}
+		m.mu.Lock()
+		var tags map[string]string
+		if len(m.owners) > 0 {
+			tags = m.tagsFor(m.owners[len(m.owners)-1])
+		}
+		conflict := m.conflict
+		m.mu.Unlock()
+		if tags == nil || conflict != "" || m.serf.State() != serf.SerfAlive {
+			continue
+		}
+		if err := m.serf.SetTags(tags); err != nil {
+			if c := m.logger.Check(zap.DebugLevel, "publishing tags"); c != nil {
+				c.Write(zap.Error(err))
+			}
+		}
+	}
+}
+
+// publish sets (or, with value "", removes) a tag other modules publish.
+func (m *member) publish(key, value string) {
+	m.mu.Lock()
+	old, had := m.published[key]
+	if value == "" {
+		delete(m.published, key)
+	} else {
+		m.published[key] = value
+	}
+	changed := had != (value != "") || old != value
+	m.mu.Unlock()
+	if changed {
+		m.wake()
+	}
+}
+
+// watchShutdown notices serf shutting the member down on its own.
+func (m *member) watchShutdown() {
+	defer m.done.Done()
+	select {
+	case <-m.stop:
+	case <-m.serf.ShutdownCh():
+		select {
+		case <-m.stop: // Destruct's own shutdown cannot come first: stop closes before
+		default:
+			m.lost()
+		}
+	}
+}
+
+// sawConflict records that serf logged another member claiming this
+// node's name, at addr: serf starts its vote on the name.
+func (m *member) sawConflict(addr string) {
+	m.conflictWith.Store(&addr)
+	m.resolving.Store(max(monoSince(time.Now()), 1))
+}
+
+// conflictOver records that serf's vote on the name ended with this
+// member keeping it (or could not run).
+func (m *member) conflictOver() { m.resolving.Store(0) }
+
+// maxConflictVote bounds how long the member waits for serf's vote on a
+// name (serf's query timeout is a few seconds) before it publishes again,
+// should it miss the vote's end.
+const maxConflictVote = 30 * time.Second
+
+// resolvingConflict reports whether serf is voting on this node's name
+// at now.
+func (m *member) resolvingConflict(now time.Time) bool {
+	since := m.resolving.Load()
+	return since != 0 && monoSince(now)-since < int64(maxConflictVote)
+}
+
+// lost handles serf shutting this member down on its own, which it does
+// when it loses the vote on a name conflict (another member has the same
+// node_name). Caddy keeps serving: failing the process would turn a
+// naming mistake into an outage, and the vote happens seconds after
+// Start, so Start cannot wait for it. But the node no longer gossips or
+// sees the cluster, and says so: an error in the log, the admin view's
+// name_conflict and the metric caddy_lbx_cluster_name_conflict.
+func (m *member) lost() {
+	msg := "this node's serf member shut down on its own"
+	if with := m.conflictWith.Load(); with != nil {
+		msg = fmt.Sprintf("node_name %q is also used by the member at %s, which kept it in serf's name conflict vote; this node's serf member shut down",
+			m.name, *with)
+	}
+	msg += ": the node no longer gossips or sees the cluster (Caddy keeps serving); give every node a unique node_name and restart Caddy"
+	m.mu.Lock()
+	m.conflict = msg
+	m.mu.Unlock()
+	m.logger.Error("cluster member stopped: name conflict", zap.String("error", msg))
+}
+
+// joinLoop joins the configured addresses, and joins again with backoff
+// while this node sees no other alive member (a node that starts before
+// its peers, or after a partition).
+func (m *member) joinLoop() {
+	defer m.done.Done()
+	backoff := time.Second
+	for {
+		s := m.driver()
+		if s != nil && len(s.join) > 0 && m.aliveOthers() == 0 && m.serf.State() == serf.SerfAlive {
+			_, err := m.serf.Join(s.join, true)
+			if err != nil {
+				// serf returns a multierror spread over lines.
+				err = fmt.Errorf("joining %s: %s (a peer with another encrypt_key, or none, cannot be joined either)",
+					strings.Join(s.join, ", "), strings.Join(strings.Fields(err.Error()), " "))
+			}
+			m.mu.Lock()
+			m.joined = err == nil
+			m.joinErr = ""
+			if err != nil {
+				m.joinErr = err.Error()
+			}
+			m.mu.Unlock()
+			if err != nil {
+				m.logger.Warn("cannot join the cluster", zap.Error(err), zap.Duration("retry_in", backoff))
+				backoff = min(2*backoff, 30*time.Second)
+			} else {
+				m.logger.Info("joined the cluster", zap.Strings("join", s.join), zap.Int("members", m.serf.NumNodes()))
+				backoff = time.Second
+			}
+		}
+		select {
+		case <-m.stop:
+			return
+		case <-time.After(backoff):
+		}
+	}
+}
+
+// aliveOthers counts the alive members other than this node.
+func (m *member) aliveOthers() int {
+	c := 0
+	for _, sm := range m.serf.Members() {
+		if sm.Name != m.name && sm.Status == serf.StatusAlive {
+			c++
+		}
+	}
+	return c
+}
+
+// running reports whether serf still runs the member.
+func (m *member) running() bool {
+	return m != nil && m.serf != nil && m.serf.State() != serf.SerfShutdown
+}
+
+// list returns the members serf knows, sorted by name.
+func (m *member) list() []Member {
+	ms := m.serf.Members()
+	out := make([]Member, 0, len(ms))
+	for _, sm := range ms {
+		out = append(out, Member{
+			Name:   sm.Name,
+			Addr:   sm.Addr,
+			Port:   sm.Port,
+			Status: statusOf(sm.Status),
+			Tags:   sm.Tags,
+			Self:   sm.Name == m.name,
+		})
+	}
+	slices.SortFunc(out, func(x, y Member) int { return strings.Compare(x.Name, y.Name) })
+	return out
+}
+
+// status returns the member's join and conflict state.
+func (m *member) status() Status {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	st := Status{Name: m.name, Joined: m.joined, JoinError: m.joinErr, Conflict: m.conflict}
+	if len(m.owners) > 0 {
+		st.Encrypted = m.owners[len(m.owners)-1].keyID != ""
+	}
+	if m.serf != nil {
+		if a := m.serf.Memberlist().LocalNode(); a != nil {
+			st.Addr = net.JoinHostPort(a.Addr.String(), fmt.Sprint(a.Port))
+		}
+	}
+	return st
+}
+
+// monoEpoch is the origin of monoSince.
+var monoEpoch = time.Now()
+
+// monoSince returns t on a monotonic clock, in nanoseconds since the
+// package loaded (wall-clock changes do not move it).
+func monoSince(t time.Time) int64 { return int64(t.Sub(monoEpoch)) }

@@ -1,0 +1,68 @@
+package cluster
+
+import (
+	"errors"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// collector exposes the membership as Prometheus metrics, read at scrape
+// time.
+type collector struct{}
+
+var (
+	descMembers = prometheus.NewDesc("caddy_lbx_cluster_members",
+		"Cluster members this node's serf knows, by status.", []string{"node", "status"}, nil)
+	descNameConflict = prometheus.NewDesc("caddy_lbx_cluster_name_conflict",
+		"1 when this node's serf member shut down because another member uses its node_name: the node no longer gossips or sees the cluster.", []string{"node"}, nil)
+	descGossipLogLines = prometheus.NewDesc("caddy_lbx_cluster_gossip_log_lines_total",
+		"Warning and error lines logged by the gossip library (serf, memberlist), whether written or suppressed by the rate limit.", nil, nil)
+	descGossipLogSuppressed = prometheus.NewDesc("caddy_lbx_cluster_gossip_log_lines_suppressed_total",
+		"Warning and error lines of the gossip library not written because of the rate limit (at most 5 of a kind per 10 s).", nil, nil)
+)
+
+// Describe implements prometheus.Collector.
+func (collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (collector) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(descGossipLogLines, prometheus.CounterValue, float64(gossipLogs.lines.Load()))
+	ch <- prometheus.MustNewConstMetric(descGossipLogSuppressed, prometheus.CounterValue, float64(gossipLogs.suppressed.Load()))
+	// One member per process, except briefly when a reload changes the
+	// bind address (and in tests): the node label keeps them apart.
+	members.Range(func(_, v any) bool {
+		m := v.(*member)
+		st := m.status()
+		var conflict float64
+		by := map[MemberStatus]int{StatusAlive: 0, StatusLeaving: 0, StatusLeft: 0, StatusFailed: 0}
+		if st.Conflict != "" {
+			conflict = 1
+		} else {
+			for _, mem := range m.list() {
+				by[mem.Status]++
+			}
+		}
+		ch <- prometheus.MustNewConstMetric(descNameConflict, prometheus.GaugeValue, conflict, st.Name)
+		for s, n := range by {
+			ch <- prometheus.MustNewConstMetric(descMembers, prometheus.GaugeValue, float64(n), st.Name, s.String())
+		}
+		return true
+	})
+}
+
+// registerMetrics adds the cluster metrics to the config's metrics
+// registry (the one Caddy's /metrics endpoints serve). Registering again
+// (a reload) is harmless.
+func registerMetrics(ctx caddy.Context) error {
+	err := ctx.GetMetricsRegistry().Register(collector{})
+	var are prometheus.AlreadyRegisteredError
+	if err != nil && !errors.As(err, &are) {
+		return err
+	}
+	return nil
+}
