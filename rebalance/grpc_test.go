@@ -25,8 +25,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
-	"github.com/caddy-lbx/lbx/integration/fleet"
 	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
 )
 
 // grpcShedsEnv sets how many connections TestGRPCShedThroughCaddy sheds
@@ -187,7 +187,7 @@ func runGRPCClient(t *testing.T, addr string, creds credentials.TransportCredent
 }
 
 // TestGRPCShedThroughCaddy runs real grpc-go clients through two random
-// TCP balancers (fleet.Balancer), one to two cleartext (h2c) Caddy
+// TCP balancers (tcplb.Balancer), one to two cleartext (h2c) Caddy
 // servers and one to two TLS servers, each with the rebalance listener
 // wrapper, rebalance_close and reverse_proxy over h2c to a grpc-go
 // backend. While the clients call (unary at 50 a second per channel,
@@ -273,7 +273,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 	var clients sync.WaitGroup
 	loads := []grpcLoad{busyLoad, busyLoad, busyLoad, busyLoad, streamLoad, streamLoad, quietLoad, quietLoad, quietLoad, quietLoad, quietLoad}
 	for k, kind := range kinds {
-		lb, err := fleet.StartBalancer()
+		lb, err := tcplb.Start()
 		if err != nil {
 			t.Fatal(err)
 		}

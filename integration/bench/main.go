@@ -3,12 +3,13 @@
 // open-loop load on the same machine, and prints Markdown tables and the
 // ratios of the project's performance targets.
 //
-// Usage, from anywhere in the module:
+// Usage, from the repository's root (integration/ is a module of its own,
+// so the plugin's go.mod carries none of the harness's dependencies):
 //
-//	go run ./integration/bench [flags]
-//	go run ./integration/bench -quick   # a smoke test of well under a minute
-//	go run ./integration/bench rebalance [flags]   # the rebalance scale-out, with a plot
-//	go run ./integration/bench scenarios [flags]   # the scenario classes of issue 11 (docs/bench.md)
+//	cd integration && go run ./bench [flags]
+//	cd integration && go run ./bench -quick   # a smoke test of well under a minute
+//	cd integration && go run ./bench rebalance [flags]   # the rebalance scale-out, with a plot
+//	cd integration && go run ./bench scenarios [flags]   # the scenario classes of issue 11 (docs/bench.md)
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -74,12 +75,15 @@ func main() {
 	}
 }
 
+// benchCommand runs this benchmark from the repository's root.
+const benchCommand = "cd integration && go run ./bench"
+
 // commandLine renders the command that started the benchmark, as the user
 // would type it.
 func commandLine(args []string) string {
 	name := args[0]
 	if strings.Contains(name, "go-build") || strings.HasPrefix(name, os.TempDir()) {
-		name = "go run ./integration/bench"
+		name = benchCommand
 	}
 	parts := []string{name}
 	for _, a := range args[1:] {
@@ -145,7 +149,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: go run ./integration/bench [flags]\n\n"+
+		fmt.Fprintf(stderr, "Usage: "+benchCommand+" [flags]\n\n"+
 			"Compares lbx's lb_policy ewma with stock Caddy, nginx and HAProxy\n"+
 			"under open-loop load; prints Markdown tables.\n\nFlags:\n")
 		fs.PrintDefaults()
@@ -361,20 +365,27 @@ func parsePolicies(list string) ([]policy, error) {
 	return out, nil
 }
 
-// moduleRoot returns the directory of the go.mod of the lbx module.
+// lbxModule is the module path of the plugin this benchmark measures.
+const lbxModule = "github.com/caddy-lbx/lbx"
+
+// moduleRoot returns the directory of the lbx module: the plugin's, where
+// ./cmd/caddy is built and relative output paths start, not that of the
+// nested module this benchmark belongs to.
 func moduleRoot(ctx context.Context) (string, error) {
-	out, err := exec.CommandContext(ctx, "go", "env", "GOMOD").Output()
+	out, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", lbxModule).Output()
 	if err == nil {
-		if gomod := strings.TrimSpace(string(out)); gomod != "" && gomod != os.DevNull {
-			return filepath.Dir(gomod), nil
+		if dir := strings.TrimSpace(string(out)); dir != "" {
+			return dir, nil
 		}
 	}
+	// Without the go command (a binary given with -caddy) the checkout is
+	// found by its go.mod.
 	dir, err := os.Getwd()
 	if err != nil {
 		return "", err
 	}
 	for range 64 { // bounded walk up to the file system root
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+		if declaresModule(filepath.Join(dir, "go.mod"), lbxModule) {
 			return dir, nil
 		}
 		parent := filepath.Dir(dir)
@@ -383,7 +394,21 @@ func moduleRoot(ctx context.Context) (string, error) {
 		}
 		dir = parent
 	}
-	return "", errors.New("cannot find the module root (go.mod); run from inside the lbx module")
+	return "", errors.New("cannot find the lbx module's root (its go.mod); run from inside an lbx checkout")
+}
+
+// declaresModule reports whether the go.mod file gomod declares module.
+func declaresModule(gomod, module string) bool {
+	data, err := os.ReadFile(gomod)
+	if err != nil {
+		return false
+	}
+	for line := range strings.Lines(string(data)) {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == "module" && strings.Trim(f[1], `"`) == module {
+			return true
+		}
+	}
+	return false
 }
 
 // buildCaddy builds ./cmd/caddy of the module at root into dir and

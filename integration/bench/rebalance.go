@@ -29,7 +29,7 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	fs := flag.NewFlagSet("bench rebalance", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: go run ./integration/bench rebalance [flags]\n\n"+
+		fmt.Fprintf(stderr, "Usage: "+benchCommand+" rebalance [flags]\n\n"+
 			"Runs the rebalance scale-out with real Caddy processes: 3 nodes under\n"+
 			"long-lived clients behind a random TCP balancer, 3 more join (and one with\n"+
 			"the wrong gossip key), then 2 more while one node is reloaded and one is\n"+
@@ -41,7 +41,7 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	fs.IntVar(&c.clients, "clients", 3000, "long-lived keep-alive clients")
 	fs.DurationVar(&c.every, "every", time.Second, "each client's request period")
 	fs.IntVar(&c.runs, "runs", 3, "runs; the summary shows the median of each measure")
-	fs.StringVar(&c.plot, "plot", "docs/rebalance-scaleout.png", "write the median run's plot to this PNG file, relative to the module root (empty: none)")
+	fs.StringVar(&c.plot, "plot", "docs/rebalance-scaleout.png", "write the median run's plot to this PNG file, relative to the lbx module's root (empty: none)")
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.DurationVar(&c.converge, "converge", 90*time.Second, "the longest wait for the fleet to converge, per phase")
 	fs.StringVar(&c.settings.Interval, "interval", "200ms", "rebalance interval")

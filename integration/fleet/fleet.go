@@ -10,17 +10,19 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
 )
 
-// Fleet is a set of Caddy nodes in one serf cluster behind one Balancer,
-// with a Timeline of every node's connections.
+// Fleet is a set of Caddy nodes in one serf cluster behind one
+// tcplb.Balancer, with a Timeline of every node's connections.
 type Fleet struct {
 	bin, dir string
 	settings Settings
 	// Key is the fleet's gossip key.
 	Key string
 	// LB is the outer load balancer.
-	LB *Balancer
+	LB *tcplb.Balancer
 	// Timeline records every node's held connections over time.
 	Timeline *Timeline
 
@@ -37,7 +39,7 @@ type Fleet struct {
 // nodes are added with AddNode. bin is a cmd/caddy binary, dir a
 // directory for the nodes' files.
 func New(bin, dir string, s Settings, sampleEvery time.Duration) (*Fleet, error) {
-	lb, err := StartBalancer()
+	lb, err := tcplb.Start()
 	if err != nil {
 		return nil, err
 	}

@@ -1,4 +1,8 @@
-package fleet
+// Package tcplb is a random TCP load balancer on loopback, the outer
+// balancer that lbx's rebalance tests and benchmarks put in front of
+// their Caddy nodes. It uses the standard library only, so the benchmark
+// command that links it stays free of Caddy.
+package tcplb
 
 import (
 	"io"
@@ -24,8 +28,8 @@ type Balancer struct {
 	wg      sync.WaitGroup
 }
 
-// StartBalancer listens on a free loopback port.
-func StartBalancer() (*Balancer, error) {
+// Start listens on a free loopback port.
+func Start() (*Balancer, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
