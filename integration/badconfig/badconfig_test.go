@@ -41,12 +41,14 @@ const baseline = `{
 			rebalance
 		}
 	}
-	rebalance {
+	cluster {
 		node_name badconfig
 		bind 127.0.0.1:{SERF}
 		tags {
 			role edge
 		}
+	}
+	rebalance {
 		metric connections
 		interval 1s
 		history 10s

@@ -34,8 +34,8 @@ func (s *server) namedCases() []badCase {
 	}
 	panicPolicy := func(o map[string]any) bool { return o["policy"] == "panic" }
 	partition := func(o map[string]any) bool { return o["handler"] == "partition" && o["upstreams"] != nil }
-	rebalanceApp := func(cfg map[string]any) map[string]any {
-		return cfg["apps"].(map[string]any)["rebalance"].(map[string]any)
+	app := func(name string) func(cfg map[string]any) map[string]any {
+		return func(cfg map[string]any) map[string]any { return cfg["apps"].(map[string]any)[name].(map[string]any) }
 	}
 	set := func(pred func(map[string]any) bool, path string, v any) func(map[string]any) {
 		return func(cfg map[string]any) {
@@ -44,8 +44,8 @@ func (s *server) namedCases() []badCase {
 			}
 		}
 	}
-	setApp := func(path string, v any) func(map[string]any) {
-		return func(cfg map[string]any) { setPath(rebalanceApp(cfg), path, v) }
+	setApp := func(name, path string, v any) func(map[string]any) {
+		return func(cfg map[string]any) { setPath(app(name)(cfg), path, v) }
 	}
 	return []badCase{
 		s.jsonCase("ewma outlier interval -1s", "interval -1s", set(ewma, "outlier.interval", "-1s")),
@@ -54,10 +54,10 @@ func (s *server) namedCases() []badCase {
 		s.jsonCase("partition proxy ewma outlier interval -1s", "interval -1s",
 			set(partition, "proxy.load_balancing.selection_policy.outlier.interval", "-1s")),
 		s.jsonCase("ewma outlier interval 1ns", "interval 1ns", set(ewma, "outlier.interval", 1)),
-		s.jsonCase("rebalance interval 1ns", "interval", setApp("interval", 1)),
-		s.jsonCase("rebalance history 1000000h", "history", setApp("history", "1000000h")),
-		s.jsonCase("rebalance threshold 1e18", "threshold", setApp("threshold", 1e18)),
-		s.jsonCase("rebalance tags over 512 bytes", "tag", setApp("tags.big", strings.Repeat("x", 600))),
+		s.jsonCase("rebalance interval 1ns", "interval", setApp("rebalance", "interval", 1)),
+		s.jsonCase("rebalance history 1000000h", "history", setApp("rebalance", "history", "1000000h")),
+		s.jsonCase("rebalance threshold 1e18", "threshold", setApp("rebalance", "threshold", 1e18)),
+		s.jsonCase("cluster tags over 512 bytes", "tag", setApp("cluster", "tags.big", strings.Repeat("x", 600))),
 		s.jsonCase("partition poll_interval 1ns", "poll_interval", func(cfg map[string]any) {
 			for _, o := range find(cfg, func(o map[string]any) bool { return o["handler"] == "partition" && o["naming_file"] != nil }) {
 				o["poll_interval"] = 1
@@ -73,7 +73,7 @@ func (s *server) namedCases() []badCase {
 			"to "+s.vars["{B1}"]+" 0/2", "to localhost 0/2"),
 		s.caddyfileCase("Caddyfile poll_interval 1ns", "Caddyfile:", "poll_interval 1s", "poll_interval 1ns"),
 		s.caddyfileCase("Caddyfile duplicate rebalance block", "rebalance",
-			"\trebalance {\n\t\tnode_name", "\trebalance {\n\t}\n\trebalance {\n\t\tnode_name"),
+			"\trebalance {\n\t\tmetric", "\trebalance {\n\t}\n\trebalance {\n\t\tmetric"),
 		s.caddyfileCase("Caddyfile rebalance interval 1ns", "Caddyfile:", "interval 1s\n\t\thistory", "interval 1ns\n\t\thistory"),
 		s.caddyfileCase("Caddyfile rebalance history 1000000h", "Caddyfile:", "history 10s", "history 1000000h"),
 	}
@@ -208,7 +208,7 @@ func (s *server) matrix() []badCase {
 			// partition's proxy is a stock reverse_proxy handler without
 			// its inline key: Caddy's own options are not ours to test.
 			stock := isModule || len(path) > 0 && path[len(path)-1] == "proxy"
-			mine := isLBX(x) || (inLBX && !stock) || strings.Join(path, ".") == "apps.rebalance"
+			mine := isLBX(x) || (inLBX && !stock) || slices.Contains([]string{"apps.rebalance", "apps.cluster"}, strings.Join(path, "."))
 			if mine {
 				cases = append(cases, s.mutate(path, "lbx_no_such_option", "unknown option", 1, true))
 			}

@@ -51,8 +51,8 @@ func FreePort() (int, error) {
 	return ln.Addr().(*net.TCPAddr).Port, nil
 }
 
-// Caddyfile returns the node's configuration: the rebalance global option
-// and one site, with rebalance_close, that answers "ok".
+// Caddyfile returns the node's configuration: the cluster and rebalance
+// global options and one site, with rebalance_close, that answers "ok".
 func (n *Node) Caddyfile(spec NodeSpec) string {
 	var opts []string
 	if spec.Join != "" {
@@ -82,10 +82,12 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 	log {
 		exclude admin.api
 	}
-	rebalance {
+	cluster {
 		node_name %s
 		bind %s
 		%s
+	}
+	rebalance {
 		interval %s
 		history %s
 		freshness %s
@@ -144,7 +146,7 @@ func StartNode(bin, dir string, spec NodeSpec) (*Node, error) {
 	}
 }
 
-// View is the part of a node's GET /rebalance/cluster this package reads.
+// View is the part of a node's GET /lbx/rebalance this package reads.
 type View struct {
 	Name      string `json:"node_name"`
 	JoinError string `json:"join_error"`
@@ -203,12 +205,12 @@ func (v View) Alive() int {
 
 var adminClient = &http.Client{Timeout: 5 * time.Second}
 
-// View reads the node's GET /rebalance/cluster.
+// View reads the node's GET /lbx/rebalance.
 func (n *Node) View() (View, error) {
 	var body struct {
 		Nodes []View `json:"nodes"`
 	}
-	if err := n.admin(http.MethodGet, "/rebalance/cluster", "", nil, &body); err != nil {
+	if err := n.admin(http.MethodGet, "/lbx/rebalance", "", nil, &body); err != nil {
 		return View{}, err
 	}
 	if len(body.Nodes) != 1 {
