@@ -35,6 +35,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"unicode"
@@ -54,6 +55,8 @@ const gossipKey = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 
 // block is a fenced code block of a Markdown file.
 type block struct {
+	file string
+	line int      // of the opening fence
 	name string   // file:line of the opening fence
 	lang string   // the info string's first word
 	tags []string // the info string's other words
@@ -88,7 +91,7 @@ func readBlocks(t *testing.T, file string) []block {
 		switch {
 		case open == nil && m != nil:
 			words := strings.Fields(m[3])
-			open = &block{name: fmt.Sprintf("%s:%d", file, n)}
+			open = &block{file: file, line: n, name: fmt.Sprintf("%s:%d", file, n)}
 			if len(words) > 0 {
 				open.lang, open.tags = words[0], words[1:]
 			}
@@ -184,15 +187,23 @@ func checkCaddyfile(t *testing.T, b block, storage string) {
 	}
 
 	if got := caddyfile.Format(b.body); !bytes.Equal(got, b.body) {
-		t.Errorf("not formatted as `caddy fmt` formats it:\n%s", lineDiff(string(b.body), string(got)))
+		t.Errorf("not formatted as `caddy fmt` formats it:\n%s", lineDiff(b, string(got)))
 	}
 
-	adapted, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt(input, map[string]any{"filename": b.name})
+	// The adapter numbers the lines of its input; errors and warnings are
+	// reported at the Markdown file's lines.
+	fileLine := func(n int) int { return b.line + n - offset }
+	adapted, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt(input, map[string]any{"filename": b.file})
 	for _, w := range warnings {
-		t.Errorf("adapter warning at block line %d: %s", w.Line-offset, w.Message)
+		t.Errorf("adapter warning at %s:%d: %s", b.file, fileLine(w.Line), w.Message)
 	}
 	if err != nil {
-		t.Fatalf("adapting: %v", err)
+		at := regexp.MustCompile(regexp.QuoteMeta(b.file) + `:(\d+)`)
+		msg := at.ReplaceAllStringFunc(err.Error(), func(m string) string {
+			n, _ := strconv.Atoi(at.FindStringSubmatch(m)[1])
+			return fmt.Sprintf("%s:%d", b.file, fileLine(n))
+		})
+		t.Fatalf("adapting: %s", msg)
 	}
 	validate(t, adapted, storage)
 }
@@ -294,9 +305,9 @@ func activeHealthChecks(v any, path string) string {
 	return ""
 }
 
-// lineDiff shows the lines of want and got from the first that differs.
-func lineDiff(want, got string) string {
-	w, g := strings.Split(want, "\n"), strings.Split(got, "\n")
+// lineDiff shows the first line of b that formatting changes.
+func lineDiff(b block, got string) string {
+	w, g := strings.Split(string(b.body), "\n"), strings.Split(got, "\n")
 	for i := 0; i < len(w) || i < len(g); i++ {
 		var wl, gl string
 		if i < len(w) {
@@ -306,7 +317,7 @@ func lineDiff(want, got string) string {
 			gl = g[i]
 		}
 		if wl != gl {
-			return fmt.Sprintf("block line %d:\n  as written: %q\n  caddy fmt:  %q", i+1, wl, gl)
+			return fmt.Sprintf("%s:%d:\n  as written: %q\n  caddy fmt:  %q", b.file, b.line+1+i, wl, gl)
 		}
 	}
 	return "(only trailing space differs)"
