@@ -20,9 +20,12 @@
 //
 // caddy.Validate provisions every module without starting any app, so it
 // binds no socket: Caddy's HTTP app and lbx's cluster and rebalance apps
-// listen and join only in Start. The exception is reverse_proxy's active
-// health checks, which Caddy starts probing in Provision: a config with
-// them is adapted and checked but not validated (the test logs it).
+// listen and join only in Start. Gossip bind addresses in the docs must be
+// addresses this machine does not have, so that an app that bound in
+// Provision would fail the test rather than listen. The exception is
+// reverse_proxy's active health checks, which Caddy starts probing in
+// Provision: a config with them is adapted and checked but not validated
+// (the test logs it).
 package docs_test
 
 import (
@@ -31,6 +34,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -262,6 +266,7 @@ func validate(t *testing.T, cfg []byte, storage string) {
 	if err := json.Unmarshal(cfg, &top); err != nil {
 		t.Fatalf("config: %v", err)
 	}
+	checkGossipBind(t, top)
 	if _, ok := top["logging"]; !ok {
 		top["logging"] = json.RawMessage(`{"logs": {"default": {"writer": {"output": "discard"}}}}`)
 	}
@@ -279,6 +284,35 @@ func validate(t *testing.T, cfg []byte, storage string) {
 	}
 	if err := caddy.Validate(&c); err != nil {
 		t.Errorf("caddy.Validate: %v\nconfig: %s", err, cfg)
+	}
+}
+
+// checkGossipBind makes sure that validating the config cannot open a
+// gossip socket: the cluster app binds only in Start, and a bind address
+// this machine does not have (10.0.0.1, a documentation address) turns a
+// Provision that bound anyway into an error instead of a listener.
+func checkGossipBind(t *testing.T, top map[string]json.RawMessage) {
+	t.Helper()
+	var apps map[string]struct {
+		Bind *string `json:"bind"`
+	}
+	if json.Unmarshal(top["apps"], &apps) != nil {
+		return
+	}
+	for _, name := range []string{"cluster", "rebalance"} {
+		app, ok := apps[name]
+		if !ok || (name == "rebalance" && app.Bind == nil) {
+			continue
+		}
+		bind := "0.0.0.0:7946" // the default
+		if app.Bind != nil {
+			bind = *app.Bind
+		}
+		host, _, err := net.SplitHostPort(bind)
+		ip := net.ParseIP(host)
+		if err != nil || ip == nil || ip.IsLoopback() || ip.IsUnspecified() {
+			t.Errorf("%s app: bind %q: give a documentation address such as 10.0.0.1:7946, which this machine cannot listen on", name, bind)
+		}
 	}
 }
 
