@@ -7,7 +7,6 @@ package lbx
 
 import (
 	_ "github.com/caddy-lbx/lbx/caddyfile"
-	_ "github.com/caddy-lbx/lbx/healthx"
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
 	_ "github.com/caddy-lbx/lbx/partition"
 	_ "github.com/caddy-lbx/lbx/rebalance"

@@ -3,7 +3,6 @@ package lbpolicy
 import (
 	"strconv"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -92,23 +91,23 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				s.Weights = append(s.Weights, w)
 			}
 		case "panic_threshold":
-			p, err := healthx.ParsePercent(d, "ewma")
+			p, err := ParsePercent(d, "ewma")
 			if err != nil {
 				return err
 			}
 			s.PanicThreshold = &p
 		case "outlier":
-			s.Outlier = new(healthx.Outlier)
+			s.Outlier = new(Outlier)
 			if err := s.Outlier.UnmarshalCaddyfile(d); err != nil {
 				return err
 			}
 		case "slow_start":
-			s.SlowStart = new(healthx.SlowStart)
+			s.SlowStart = new(SlowStart)
 			if err := s.SlowStart.UnmarshalCaddyfile(d); err != nil {
 				return err
 			}
 		case "retry_budget":
-			s.RetryBudget = new(healthx.RetryBudget)
+			s.RetryBudget = new(RetryBudget)
 			if err := s.RetryBudget.UnmarshalCaddyfile(d); err != nil {
 				return err
 			}
@@ -143,7 +142,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if p.Threshold != nil {
 				return d.Err("panic: threshold specified more than once")
 			}
-			v, err := healthx.ParsePercent(d, "panic")
+			v, err := ParsePercent(d, "panic")
 			if err != nil {
 				return err
 			}
@@ -155,7 +154,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if p.Outlier != nil {
 				return d.Err("panic: outlier specified more than once")
 			}
-			p.Outlier = new(healthx.Outlier)
+			p.Outlier = new(Outlier)
 			if err := p.Outlier.UnmarshalCaddyfile(d); err != nil {
 				return err
 			}

@@ -11,7 +11,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -77,22 +76,22 @@ type EWMASelection struct {
 	// Outlier ejection from live traffic; off when absent. An ejected
 	// upstream is not chosen (unless the pool is in panic mode) and counts
 	// as unavailable for the panic threshold.
-	Outlier *healthx.Outlier `json:"outlier,omitempty"`
+	Outlier *Outlier `json:"outlier,omitempty"`
 
 	// Slow start: an upstream that joins the pool, or returns to it after
 	// an ejection or after failing Caddy's health checks, gets a share
 	// that ramps up over a window instead of a full share at once. Off
 	// when absent.
-	SlowStart *healthx.SlowStart `json:"slow_start,omitempty"`
+	SlowStart *SlowStart `json:"slow_start,omitempty"`
 
 	// A budget for reverse_proxy's retries: a retry (a second selection
 	// for the same request) is refused while too many retries are in
 	// flight, so a brown-out does not turn into a retry storm. Off when
 	// absent.
-	RetryBudget *healthx.RetryBudget `json:"retry_budget,omitempty"`
+	RetryBudget *RetryBudget `json:"retry_budget,omitempty"`
 
 	table    *hoststate.Table
-	observer *healthx.ObservingTransport
+	observer *ObservingTransport
 	views    views
 	panic    panicMode
 	logger   *zap.Logger
@@ -120,7 +119,7 @@ func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
 // transport so latency is observed.
 func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
-	events := healthx.NewEmitter(ctx)
+	events := NewEmitter(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
 	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
 	s.trackTried = TracksTried(ctx)
@@ -140,14 +139,14 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	if err := s.Validate(); err != nil {
 		return err
 	}
-	h, err := healthx.Install(ctx, s.table, s.Outlier)
+	h, err := Install(ctx, s.table, s.Outlier)
 	switch {
-	case errors.Is(err, healthx.ErrNoProxyHandler):
+	case errors.Is(err, ErrNoProxyHandler):
 		s.logger.Warn("ewma policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
 	case err != nil:
 		return err
 	default:
-		s.observer, _ = h.Transport.(*healthx.ObservingTransport)
+		s.observer, _ = h.Transport.(*ObservingTransport)
 		s.views.pruner = newPruner(s.table, h)
 		if s.observer != nil && s.RetryBudget != nil {
 			s.observer.CountRetries(s.RetryBudget)
@@ -156,7 +155,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
 		}
 	}
-	if err := healthx.RegisterMetrics(ctx); err != nil {
+	if err := RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
 	hoststate.RegisterPool(s)
@@ -399,7 +398,7 @@ type ewmaCandidates struct {
 	// only when admit, drawn once per selection, is below its weight
 	// factor, so its share follows the factor even when loads are
 	// equal (a cost-weighted factor would starve it at light load).
-	ramp  *healthx.SlowStart
+	ramp  *SlowStart
 	admit float64
 	// tried is what this request already tried, nil on a first attempt:
 	// a retry leaves those out while another upstream is usable.

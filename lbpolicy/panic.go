@@ -9,7 +9,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -39,14 +38,14 @@ type PanicSelection struct {
 	// the pool is in panic mode) and count as unavailable for the
 	// threshold. Not allowed around ewma, which takes its own outlier
 	// block.
-	Outlier *healthx.Outlier `json:"outlier,omitempty"`
+	Outlier *Outlier `json:"outlier,omitempty"`
 
 	inner     reverseproxy.Selector
 	innerName string
 	views     views
 	panic     panicMode
 	table     *hoststate.Table // nil without outlier ejection
-	observer  *healthx.ObservingTransport
+	observer  *ObservingTransport
 	// trackTried: the handler can retry, and the wrapped policy does not
 	// avoid the upstreams a request tried by itself, so the wrapper
 	// does (see tried.go)
@@ -89,7 +88,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		// per subset
 		p.trackTried = TracksTried(ctx)
 	}
-	events := healthx.NewEmitter(ctx)
+	events := NewEmitter(ctx)
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
 	if p.Outlier != nil {
 		if _, ok := p.inner.(*EWMASelection); ok {
@@ -101,18 +100,18 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 			return err
 		}
 		p.table = hoststate.NewTable(hoststate.Config{})
-		h, err := healthx.Install(ctx, p.table, p.Outlier)
+		h, err := Install(ctx, p.table, p.Outlier)
 		switch {
-		case errors.Is(err, healthx.ErrNoProxyHandler):
+		case errors.Is(err, ErrNoProxyHandler):
 			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection has no traffic to judge")
 		case err != nil:
 			return err
 		default:
-			p.observer, _ = h.Transport.(*healthx.ObservingTransport)
+			p.observer, _ = h.Transport.(*ObservingTransport)
 			p.views.pruner = newPruner(p.table, h)
 		}
 	}
-	if err := healthx.RegisterMetrics(ctx); err != nil {
+	if err := RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
 	hoststate.RegisterPool(p)

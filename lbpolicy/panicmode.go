@@ -3,7 +3,6 @@ package lbpolicy
 import (
 	"sync/atomic"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -21,7 +20,7 @@ type panicMode struct {
 	threshold float64 // fraction of the pool, 0 disables
 	policy    string
 	logger    *zap.Logger
-	events    healthx.Emitter
+	events    Emitter
 }
 
 // panicState is one pool's panic mode: whether it is on, and how often it
@@ -31,7 +30,7 @@ type panicState struct {
 	entered atomic.Uint64
 }
 
-func newPanicMode(percent *float64, policy string, logger *zap.Logger, events healthx.Emitter) panicMode {
+func newPanicMode(percent *float64, policy string, logger *zap.Logger, events Emitter) panicMode {
 	p := DefaultPanicThreshold
 	if percent != nil {
 		p = *percent
@@ -60,10 +59,10 @@ func (m *panicMode) decide(st *panicState, avail, total int) bool {
 }
 
 func (m *panicMode) transition(st *panicState, on bool, avail, total int) {
-	msg, lvl, event := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel, healthx.EventPanicLeft
+	msg, lvl, event := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel, EventPanicLeft
 	if on {
 		st.entered.Add(1)
-		msg, lvl, event = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel, healthx.EventPanicEntered
+		msg, lvl, event = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel, EventPanicEntered
 	}
 	m.events.Emit(event, map[string]any{
 		"policy": m.policy, "available": avail, "upstreams": total, "threshold_percent": m.threshold * 100,

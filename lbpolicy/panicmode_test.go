@@ -4,7 +4,6 @@ import (
 	"context"
 	"testing"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
@@ -14,7 +13,7 @@ import (
 func TestPanicDecisionAroundThreshold(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
 	fifty := 50.0
-	m := newPanicMode(&fifty, "test", zap.New(core), healthx.Emitter{})
+	m := newPanicMode(&fifty, "test", zap.New(core), Emitter{})
 	var st panicState
 	steps := []struct {
 		avail, total int
@@ -48,16 +47,16 @@ func TestPanicDecisionAroundThreshold(t *testing.T) {
 
 func TestPanicDisabledAndHundredPercent(t *testing.T) {
 	zero, hundred := 0.0, 100.0
-	off := newPanicMode(&zero, "t", zap.NewNop(), healthx.Emitter{})
+	off := newPanicMode(&zero, "t", zap.NewNop(), Emitter{})
 	if off.threshold != 0 {
 		t.Fatal("0% must disable panic mode")
 	}
-	all := newPanicMode(&hundred, "t", zap.NewNop(), healthx.Emitter{})
+	all := newPanicMode(&hundred, "t", zap.NewNop(), Emitter{})
 	var st panicState
 	if !all.decide(&st, 3, 4) || all.decide(&st, 4, 4) {
 		t.Fatal("at 100%, any unavailable upstream means panic, none means not")
 	}
-	def := newPanicMode(nil, "t", zap.NewNop(), healthx.Emitter{})
+	def := newPanicMode(nil, "t", zap.NewNop(), Emitter{})
 	if def.percent() != DefaultPanicThreshold {
 		t.Fatalf("default threshold %v, want %v", def.percent(), DefaultPanicThreshold)
 	}
@@ -80,12 +79,12 @@ func TestPanicTransitionsEmitEvents(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := make(eventRecorder, 8)
-	for _, name := range []string{healthx.EventPanicEntered, healthx.EventPanicLeft} {
+	for _, name := range []string{EventPanicEntered, EventPanicLeft} {
 		if err := app.(*caddyevents.App).On(name, rec); err != nil {
 			t.Fatal(err)
 		}
 	}
-	m := newPanicMode(nil, "ewma", zap.NewNop(), healthx.NewEmitter(ctx))
+	m := newPanicMode(nil, "ewma", zap.NewNop(), NewEmitter(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)
 	m.decide(&st, 0, 4) // still in panic: no event
@@ -94,10 +93,10 @@ func TestPanicTransitionsEmitEvents(t *testing.T) {
 		t.Fatalf("want 2 events (entered, left), got %d", len(rec))
 	}
 	in, out := <-rec, <-rec
-	if in.Name() != healthx.EventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
+	if in.Name() != EventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
 		t.Fatalf("entered event: %s %v", in.Name(), in.Data)
 	}
-	if out.Name() != healthx.EventPanicLeft || out.Data["available"] != 4 {
+	if out.Name() != EventPanicLeft || out.Data["available"] != 4 {
 		t.Fatalf("left event: %s %v", out.Name(), out.Data)
 	}
 }

@@ -14,7 +14,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
@@ -189,7 +188,7 @@ func TestPanicRetryAvoidsTried(t *testing.T) {
 func TestPanicRetryAvoidsTriedInPanicMode(t *testing.T) {
 	p := provisionPanic(t, &PanicSelection{
 		PolicyRaw: json.RawMessage(`{"policy":"first"}`),
-		Outlier:   &healthx.Outlier{MaxEjectionPercent: percent(100)},
+		Outlier:   &Outlier{MaxEjectionPercent: percent(100)},
 	})
 	pool := newPool(t, 4)
 	p.Select(pool, nil, nil) // builds the view

@@ -11,8 +11,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 func ejectFor(s *hoststate.Stats, now int64, d time.Duration) int64 {
@@ -129,14 +129,14 @@ func TestSourceLeavesEjectedOut(t *testing.T) {
 }
 
 // lbxUpstreams reads GET /lbx/upstreams from the test Caddy's admin API.
-func lbxUpstreams(t *testing.T) healthx.Report {
+func lbxUpstreams(t *testing.T) lbpolicy.Report {
 	t.Helper()
 	res, err := adminClient.Get(fmt.Sprintf("http://localhost:%d/lbx/upstreams", adminPort))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer res.Body.Close()
-	var rep healthx.Report
+	var rep lbpolicy.Report
 	if err := json.NewDecoder(res.Body).Decode(&rep); err != nil {
 		t.Fatalf("decoding /lbx/upstreams: %v", err)
 	}

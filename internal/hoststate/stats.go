@@ -222,7 +222,7 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	return snap
 }
 
-// Outlier state: written by healthx's outlier detection under no lock of
+// Outlier state: written by lbpolicy's outlier detection under no lock of
 // ours (each field is a single atomic), read by selection.
 
 // RecordOutcome counts one attempt for outlier detection and returns the

@@ -1,8 +1,4 @@
-// Package healthx observes every attempt reverse_proxy makes to an upstream
-// and turns it into shared per-upstream state (latency estimate, outcome
-// counters) that lbx's selection policies read, and shows that state through
-// Caddy's admin API.
-package healthx
+package lbpolicy
 
 import (
 	"context"

@@ -1,12 +1,10 @@
-package healthx
+package lbpolicy
 
 import (
-	"context"
 	"net/http"
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -21,15 +19,6 @@ func newBudget(t *testing.T, b *RetryBudget) *RetryBudget {
 	}
 	b.Provision(zap.NewNop())
 	return b
-}
-
-// clientRequest is a request as Caddy's server hands it to handlers: with
-// request variables and a replacer.
-func clientRequest() *http.Request {
-	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
-	ctx = context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer())
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://example/", nil)
-	return req
 }
 
 func TestRetryBudgetAdmit(t *testing.T) {

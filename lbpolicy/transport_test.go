@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -232,7 +232,7 @@ func (instant) RoundTrip(*http.Request) (*http.Response, error) {
 // the same request through the bare inner transport and through the
 // observing one, with and without outlier detection.
 //
-//	go test ./healthx -run '^$' -bench Observe -benchmem
+//	go test ./lbpolicy -run '^$' -bench Observe -benchmem
 func BenchmarkObserve(b *testing.B) {
 	table := hoststate.NewTable(hoststate.Config{})
 	b.Cleanup(table.Release)

@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -19,17 +19,17 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// attempts is one upstream's traffic in an interval: judged attempts, of
+// hostTraffic is one upstream's traffic in an interval: judged attempts, of
 // which failed.
-type attempts struct{ judged, failed int }
+type hostTraffic struct{ judged, failed int }
 
 // full is an upstream with n attempts and no failure.
-func full(n int) attempts { return attempts{n, 0} }
+func full(n int) hostTraffic { return hostTraffic{n, 0} }
 
 // sweepPool makes a table of one upstream per entry of traffic, starts a
 // sweeper on it (its interval begins now), records the traffic as judge
 // would and returns the sweeper and the upstreams in order.
-func sweepPool(t *testing.T, o *Outlier, traffic []attempts) (*sweeper, []*hoststate.Stats) {
+func sweepPool(t *testing.T, o *Outlier, traffic []hostTraffic) (*sweeper, []*hoststate.Stats) {
 	t.Helper()
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
@@ -46,7 +46,7 @@ func sweepPool(t *testing.T, o *Outlier, traffic []attempts) (*sweeper, []*hosts
 }
 
 // record counts a's attempts on s the way judge does (without judging).
-func record(s *hoststate.Stats, a attempts) {
+func record(s *hoststate.Stats, a hostTraffic) {
 	for i := range a.judged {
 		s.RecordOutcome(i < a.failed)
 	}
@@ -69,28 +69,28 @@ func TestSuccessRateSweep(t *testing.T) {
 	// Four upstreams at 100% and one at 50%, 100 attempts each: the mean
 	// is 90%, σ = 20 points. With the default factor 1.9 the threshold
 	// is 52%.
-	four := []attempts{full(100), full(100), full(100), full(100)}
-	outlier := append(slices.Clone(four), attempts{100, 50})
+	four := []hostTraffic{full(100), full(100), full(100), full(100)}
+	outlier := append(slices.Clone(four), hostTraffic{100, 50})
 	cases := []struct {
 		name    string
 		cfg     Outlier
-		traffic []attempts
+		traffic []hostTraffic
 		want    []int // ejected upstreams
 	}{
 		{"exactly min hosts and min requests", Outlier{}, outlier, []int{4}},
 		{"one host below min hosts", Outlier{SuccessRateMinHosts: 6}, outlier, nil},
 		{"min hosts counts only hosts with min requests",
-			Outlier{}, append([]attempts{full(100), full(100), full(100), full(99)}, attempts{100, 50}), nil},
+			Outlier{}, append([]hostTraffic{full(100), full(100), full(100), full(99)}, hostTraffic{100, 50}), nil},
 		{"outlier one attempt below min requests: not judged",
-			Outlier{}, append(slices.Clone(four), full(100), attempts{99, 60}), nil},
+			Outlier{}, append(slices.Clone(four), full(100), hostTraffic{99, 60}), nil},
 		{"rate exactly at mean − k·σ is not ejected", Outlier{SuccessRateStdevFactor: 2}, outlier, nil},
 		{"rate just below mean − k·σ is ejected", Outlier{SuccessRateStdevFactor: 1.99}, outlier, []int{4}},
 		{"σ = 0 ejects nothing", Outlier{SuccessRateStdevFactor: 0.001},
-			[]attempts{{100, 10}, {100, 10}, {100, 10}, {100, 10}, {100, 10}}, nil},
+			[]hostTraffic{{100, 10}, {100, 10}, {100, 10}, {100, 10}, {100, 10}}, nil},
 		// 100×60/101 summed five times and divided by five is not quite
 		// the rate itself: σ comes out as 7e-15, not 0.
 		{"σ = 0 up to rounding ejects nothing", Outlier{SuccessRateStdevFactor: 0.001},
-			[]attempts{{101, 40}, {101, 40}, {101, 40}, {101, 40}, {101, 40}}, nil},
+			[]hostTraffic{{101, 40}, {101, 40}, {101, 40}, {101, 40}, {101, 40}}, nil},
 		{"success_rate off", Outlier{DisableSuccessRate: true}, outlier, nil},
 	}
 	for _, c := range cases {
@@ -119,26 +119,26 @@ func TestSuccessRateSweep(t *testing.T) {
 }
 
 func TestFailurePercentageSweep(t *testing.T) {
-	five := []attempts{full(50), full(50), full(50), full(50), full(50)}
+	five := []hostTraffic{full(50), full(50), full(50), full(50), full(50)}
 	cases := []struct {
 		name    string
 		cfg     Outlier
-		traffic []attempts
+		traffic []hostTraffic
 		want    []int
 	}{
-		{"off by default", Outlier{}, append(slices.Clone(five), attempts{50, 50}), nil},
+		{"off by default", Outlier{}, append(slices.Clone(five), hostTraffic{50, 50}), nil},
 		{"above the threshold", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five), attempts{50, 26}), []int{5}},
+			append(slices.Clone(five), hostTraffic{50, 26}), []int{5}},
 		{"exactly at the threshold is not ejected", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five), attempts{50, 25}), nil},
+			append(slices.Clone(five), hostTraffic{50, 25}), nil},
 		{"exactly min hosts and min requests", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five[:4]), attempts{50, 50}), []int{4}},
+			append(slices.Clone(five[:4]), hostTraffic{50, 50}), []int{4}},
 		{"one host below min hosts", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five[:3]), full(49), attempts{50, 50}), nil},
+			append(slices.Clone(five[:3]), full(49), hostTraffic{50, 50}), nil},
 		{"one attempt below min requests", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five), attempts{49, 49}), nil},
+			append(slices.Clone(five), hostTraffic{49, 49}), nil},
 		{"threshold 0 ejects any failure", Outlier{FailurePercentageThreshold: pct(0)},
-			append(slices.Clone(five), attempts{50, 1}), []int{5}},
+			append(slices.Clone(five), hostTraffic{50, 1}), []int{5}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -168,7 +168,7 @@ func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Ten upstreams, the cap is two. Three fail too often: 20%, 60%, 40%.
-	traffic := []attempts{full(50), full(50), full(50), full(50), full(50), full(50), full(50),
+	traffic := []hostTraffic{full(50), full(50), full(50), full(50), full(50), full(50), full(50),
 		{50, 10}, {50, 30}, {50, 20}}
 	sw, hosts := sweepPool(t, &o, traffic)
 	now := hoststate.Now()
@@ -202,7 +202,7 @@ func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 
 func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(50), DisableSuccessRate: true})
-	traffic := []attempts{full(100), full(100), full(100), full(100), full(100), {100, 90}}
+	traffic := []hostTraffic{full(100), full(100), full(100), full(100), full(100), {100, 90}}
 	sw, hosts := sweepPool(t, o, traffic)
 	// Upstream 5 is already ejected (say for consecutive failures), which
 	// puts the pool at the cap (10% of 6: one): it is neither ejected
@@ -223,7 +223,7 @@ func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 	// The next interval: upstream 4 fails 51 of 100. Counted from the
 	// start it failed 51 of 200 (25.5%); only this interval's attempts
 	// count: 51%.
-	for i, a := range []attempts{full(100), full(100), full(100), full(100), {100, 51}} {
+	for i, a := range []hostTraffic{full(100), full(100), full(100), full(100), {100, 51}} {
 		record(hosts[i], a)
 	}
 	ejected, _ := sw.sweep(hoststate.Now())
@@ -237,11 +237,11 @@ func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 
 func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10), MaxEjectionPercent: pct(100), DisableSuccessRate: true})
-	traffic := []attempts{full(50), full(50), full(50), full(50), full(50)}
+	traffic := []hostTraffic{full(50), full(50), full(50), full(50), full(50)}
 	sw, hosts := sweepPool(t, o, traffic)
 	// A new upstream with history from elsewhere: all failures.
 	late := sw.table.Stats(t.Name() + "-late:80")
-	record(late, attempts{1000, 1000})
+	record(late, hostTraffic{1000, 1000})
 	if ejected, _ := sw.sweep(hoststate.Now()); len(ejected) != 0 {
 		t.Fatalf("an upstream the sweeper never saw before was judged on its whole history: %v", ejected)
 	}
@@ -249,7 +249,7 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 	for _, s := range append(hosts, late) {
 		record(s, full(50))
 	}
-	record(late, attempts{50, 50})
+	record(late, hostTraffic{50, 50})
 	ejected, _ := sw.sweep(hoststate.Now())
 	if !slices.Equal(ejected, []string{late.Dial()}) {
 		t.Fatalf("ejected %v, want the late upstream", ejected)
@@ -258,7 +258,7 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 
 func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10), MaxEjectionPercent: pct(100)})
-	sw, hosts := sweepPool(t, o, []attempts{full(100), full(100), full(100), full(100), {100, 50}})
+	sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	now := hoststate.Now()
 	if ejected, _ := sw.sweep(now); !slices.Equal(ejected, []string{hosts[4].Dial()}) {
 		t.Fatalf("ejected %v", ejected)
@@ -271,7 +271,7 @@ func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 	// reported once.
 	t.Run("at the cap", func(t *testing.T) {
 		o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10)})
-		sw, hosts := sweepPool(t, o, []attempts{full(100), full(100), full(100), full(100), {100, 50}})
+		sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 		now := hoststate.Now()
 		o.eject(hosts[0], now, hoststate.ReasonConsecutiveFailures)
 		if ejected, skipped := sw.sweep(now); len(ejected) != 0 || !slices.Equal(skipped, []string{hosts[4].Dial()}) {
@@ -283,7 +283,7 @@ func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 func TestTallySince(t *testing.T) {
 	var s hoststate.Stats
 	prev := s.Tally()
-	record(&s, attempts{7, 3})
+	record(&s, hostTraffic{7, 3})
 	if j, f := s.Tally().Since(prev); j != 7 || f != 3 {
 		t.Fatalf("Since = %d judged, %d failed; want 7, 3", j, f)
 	}
@@ -467,7 +467,7 @@ func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
 	ctx, rec := subscribe(t, EventUpstreamEjected)
 	o := Outlier{MaxEjectionPercent: pct(100)}
 	o.Provision(zap.NewNop(), NewEmitter(ctx))
-	sw, hosts := sweepPool(t, &o, []attempts{full(100), full(100), full(100), full(100), {100, 50}})
+	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	sw.sweep(hoststate.Now())
 	select {
 	case e := <-rec:
