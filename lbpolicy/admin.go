@@ -77,13 +77,13 @@ type UpstreamView struct {
 
 // Report is the body of GET /lbx/upstreams.
 type Report struct {
-	Upstreams []UpstreamView         `json:"upstreams"`
-	Pools     []hoststate.PoolReport `json:"pools"`
+	Upstreams []UpstreamView `json:"upstreams"`
+	Pools     []poolReport   `json:"pools"`
 }
 
 // BuildReport assembles the admin API's view of the current state.
 func BuildReport() Report {
-	rep := Report{Upstreams: []UpstreamView{}, Pools: hoststate.Pools()}
+	rep := Report{Upstreams: []UpstreamView{}, Pools: poolReports()}
 	now := time.Now()
 	for _, s := range hoststate.All() {
 		v := UpstreamView{

@@ -158,7 +158,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	if err := RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
-	hoststate.RegisterPool(s)
+	registerPool(s)
 	return nil
 }
 
@@ -216,7 +216,7 @@ func checkWeight(w int) error { return bounds.Int("weight", w, 1, maxWeight) }
 
 // Cleanup releases the policy's references to shared upstream state.
 func (s *EWMASelection) Cleanup() error {
-	hoststate.UnregisterPool(s)
+	unregisterPool(s)
 	if s.table != nil {
 		s.table.Release()
 	}
@@ -451,9 +451,9 @@ func (c ewmaCandidates) bestOfTwo() (int, cost, bool) {
 	return i, ci, true // i is the cheaper or a tie; it was drawn at random
 }
 
-// ReportPools implements hoststate.PoolReporter.
-func (s *EWMASelection) ReportPools() []hoststate.PoolReport {
-	var reps []hoststate.PoolReport
+// reportPools implements poolReporter.
+func (s *EWMASelection) reportPools() []poolReport {
+	var reps []poolReport
 	last := s.views.last.Load()
 	for _, v := range s.views.all() {
 		reps = append(reps, s.report(v, v == last))
@@ -463,10 +463,10 @@ func (s *EWMASelection) ReportPools() []hoststate.PoolReport {
 
 // report describes the pool of v; withBudget adds the retry budget, which
 // is the policy's, to one of its pools' reports.
-func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolReport {
+func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 	now := hoststate.Now()
 	base := s.table.Baseline()
-	rep := hoststate.PoolReport{
+	rep := poolReport{
 		Policy:         "ewma",
 		Available:      v.availableNow(),
 		PanicThreshold: s.panic.percent(),
@@ -474,14 +474,14 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolRepor
 		PanicEntered:   v.panic.entered.Load(),
 	}
 	if b := s.RetryBudget; b != nil && withBudget {
-		rep.RetryBudget = &hoststate.RetryBudgetReport{
+		rep.RetryBudget = &retryBudgetReport{
 			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.InFlight(), Refused: b.Refused(),
 		}
 	}
 	for i, u := range v.ups {
 		st := v.members[i].stats
 		est := s.table.Expected(st, now, base) / 1e6
-		m := hoststate.PoolMember{
+		m := poolMember{
 			Dial:       u.Dial,
 			Weight:     1 / v.members[i].invWeight,
 			Healthy:    u.Healthy(),
@@ -501,9 +501,9 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolRepor
 
 // Interface guards
 var (
-	_ reverseproxy.Selector  = (*EWMASelection)(nil)
-	_ caddy.Provisioner      = (*EWMASelection)(nil)
-	_ caddy.Validator        = (*EWMASelection)(nil)
-	_ caddy.CleanerUpper     = (*EWMASelection)(nil)
-	_ hoststate.PoolReporter = (*EWMASelection)(nil)
+	_ reverseproxy.Selector = (*EWMASelection)(nil)
+	_ caddy.Provisioner     = (*EWMASelection)(nil)
+	_ caddy.Validator       = (*EWMASelection)(nil)
+	_ caddy.CleanerUpper    = (*EWMASelection)(nil)
+	_ poolReporter          = (*EWMASelection)(nil)
 )

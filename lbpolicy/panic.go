@@ -114,7 +114,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 	if err := RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
-	hoststate.RegisterPool(p)
+	registerPool(p)
 	return nil
 }
 
@@ -138,7 +138,7 @@ func (p *PanicSelection) Validate() error {
 // Cleanup unregisters the pool from the admin API and releases shared
 // upstream state.
 func (p *PanicSelection) Cleanup() error {
-	hoststate.UnregisterPool(p)
+	unregisterPool(p)
 	if p.table != nil {
 		p.table.Release()
 	}
@@ -235,9 +235,9 @@ func (p *PanicSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 	return v
 }
 
-// ReportPools implements hoststate.PoolReporter.
-func (p *PanicSelection) ReportPools() []hoststate.PoolReport {
-	var reps []hoststate.PoolReport
+// reportPools implements poolReporter.
+func (p *PanicSelection) reportPools() []poolReport {
+	var reps []poolReport
 	for _, v := range p.views.all() {
 		reps = append(reps, p.report(v))
 	}
@@ -245,8 +245,8 @@ func (p *PanicSelection) ReportPools() []hoststate.PoolReport {
 }
 
 // report describes the pool of v.
-func (p *PanicSelection) report(v *poolView) hoststate.PoolReport {
-	rep := hoststate.PoolReport{
+func (p *PanicSelection) report(v *poolView) poolReport {
+	rep := poolReport{
 		Policy:         "panic(" + p.innerName + ")",
 		Available:      v.availableNow(),
 		PanicThreshold: p.panic.percent(),
@@ -256,16 +256,16 @@ func (p *PanicSelection) report(v *poolView) hoststate.PoolReport {
 	now := hoststate.Now()
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
-		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
+		rep.Upstreams = append(rep.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
 	}
 	return rep
 }
 
 // Interface guards
 var (
-	_ reverseproxy.Selector  = (*PanicSelection)(nil)
-	_ caddy.Provisioner      = (*PanicSelection)(nil)
-	_ caddy.Validator        = (*PanicSelection)(nil)
-	_ caddy.CleanerUpper     = (*PanicSelection)(nil)
-	_ hoststate.PoolReporter = (*PanicSelection)(nil)
+	_ reverseproxy.Selector = (*PanicSelection)(nil)
+	_ caddy.Provisioner     = (*PanicSelection)(nil)
+	_ caddy.Validator       = (*PanicSelection)(nil)
+	_ caddy.CleanerUpper    = (*PanicSelection)(nil)
+	_ poolReporter          = (*PanicSelection)(nil)
 )

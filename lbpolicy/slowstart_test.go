@@ -84,8 +84,8 @@ func TestSlowStartNewMember(t *testing.T) {
 			t.Fatalf("old member %s ramps", u.Dial)
 		}
 	}
-	var rep hoststate.PoolReport
-	for _, r := range s.ReportPools() {
+	var rep poolReport
+	for _, r := range s.reportPools() {
 		if len(r.Upstreams) == len(grown) {
 			rep = r
 		}
