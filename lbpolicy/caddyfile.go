@@ -91,24 +91,24 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				s.Weights = append(s.Weights, w)
 			}
 		case "panic_threshold":
-			p, err := ParsePercent(d, "ewma")
+			p, err := parsePercent(d, "ewma")
 			if err != nil {
 				return err
 			}
 			s.PanicThreshold = &p
 		case "outlier":
 			s.Outlier = new(Outlier)
-			if err := s.Outlier.UnmarshalCaddyfile(d); err != nil {
+			if err := s.Outlier.unmarshalCaddyfile(d); err != nil {
 				return err
 			}
 		case "slow_start":
 			s.SlowStart = new(SlowStart)
-			if err := s.SlowStart.UnmarshalCaddyfile(d); err != nil {
+			if err := s.SlowStart.unmarshalCaddyfile(d); err != nil {
 				return err
 			}
 		case "retry_budget":
 			s.RetryBudget = new(RetryBudget)
-			if err := s.RetryBudget.UnmarshalCaddyfile(d); err != nil {
+			if err := s.RetryBudget.unmarshalCaddyfile(d); err != nil {
 				return err
 			}
 		default:
@@ -142,7 +142,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if p.Threshold != nil {
 				return d.Err("panic: threshold specified more than once")
 			}
-			v, err := ParsePercent(d, "panic")
+			v, err := parsePercent(d, "panic")
 			if err != nil {
 				return err
 			}
@@ -155,7 +155,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Err("panic: outlier specified more than once")
 			}
 			p.Outlier = new(Outlier)
-			if err := p.Outlier.UnmarshalCaddyfile(d); err != nil {
+			if err := p.Outlier.unmarshalCaddyfile(d); err != nil {
 				return err
 			}
 		case "policy":

@@ -9,39 +9,39 @@ import (
 // subscribe to. Their data uses reverse_proxy's shape where it fits
 // ("host": the dial address).
 const (
-	// EventUpstreamEjected: outlier detection ejected an upstream. Data:
+	// eventUpstreamEjected: outlier detection ejected an upstream. Data:
 	// host, reason, for_ms, ejections_in_a_row.
-	EventUpstreamEjected = "upstream_ejected"
-	// EventUpstreamRestored: an ejected upstream's time ran out; announced
+	eventUpstreamEjected = "upstream_ejected"
+	// eventUpstreamRestored: an ejected upstream's time ran out; announced
 	// with the first attempt made to it afterwards. Data: host.
-	EventUpstreamRestored = "upstream_restored"
-	// EventPanicEntered: a pool entered panic mode. Data: policy,
+	eventUpstreamRestored = "upstream_restored"
+	// eventPanicEntered: a pool entered panic mode. Data: policy,
 	// available, upstreams, threshold_percent.
-	EventPanicEntered = "panic_entered"
-	// EventPanicLeft: a pool left panic mode. Same data.
-	EventPanicLeft = "panic_left"
+	eventPanicEntered = "panic_entered"
+	// eventPanicLeft: a pool left panic mode. Same data.
+	eventPanicLeft = "panic_left"
 )
 
-// Emitter sends Caddy events on behalf of the module whose context it was
-// made from. The zero Emitter sends nothing.
-type Emitter struct {
+// emitter sends Caddy events on behalf of the module whose context it was
+// made from. The zero emitter sends nothing.
+type emitter struct {
 	app *caddyevents.App
 	ctx caddy.Context
 }
 
-// NewEmitter returns an Emitter for ctx's module. Without an events app in
+// newEmitter returns an emitter for ctx's module. Without an events app in
 // the config (as in unit tests with a bare context) it sends nothing;
 // inside reverse_proxy there always is one, since the handler loads it.
-func NewEmitter(ctx caddy.Context) Emitter {
+func newEmitter(ctx caddy.Context) emitter {
 	app, err := ctx.AppIfConfigured("events")
 	if err != nil {
-		return Emitter{}
+		return emitter{}
 	}
-	return Emitter{app: app.(*caddyevents.App), ctx: ctx}
+	return emitter{app: app.(*caddyevents.App), ctx: ctx}
 }
 
-// Emit sends the event if anything could observe it.
-func (e Emitter) Emit(name string, data map[string]any) {
+// emit sends the event if anything could observe it.
+func (e emitter) emit(name string, data map[string]any) {
 	if e.app != nil && e.app.ShouldEmit(name) {
 		e.app.Emit(e.ctx, name, data)
 	}

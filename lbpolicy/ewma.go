@@ -91,7 +91,7 @@ type EWMASelection struct {
 	RetryBudget *RetryBudget `json:"retry_budget,omitempty"`
 
 	table    *hoststate.Table
-	observer *ObservingTransport
+	observer *observingTransport
 	views    views
 	panic    panicMode
 	logger   *zap.Logger
@@ -119,43 +119,43 @@ func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
 // transport so latency is observed.
 func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
-	events := NewEmitter(ctx)
+	events := newEmitter(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
 	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
 	s.trackTried = TracksTried(ctx)
 
 	if s.Outlier != nil {
-		s.Outlier.Provision(s.logger, events)
+		s.Outlier.provision(s.logger, events)
 	}
 	if s.SlowStart != nil {
-		s.SlowStart.Provision()
+		s.SlowStart.provision()
 	}
 	if s.RetryBudget != nil {
-		s.RetryBudget.Provision(s.logger)
+		s.RetryBudget.provision(s.logger)
 	}
-	// Caddy validates after provisioning, but Install starts the outlier
+	// Caddy validates after provisioning, but install starts the outlier
 	// sweep loop: a bad value must be refused before it (a negative
 	// interval panicked in NewTicker and took the process down).
 	if err := s.Validate(); err != nil {
 		return err
 	}
-	h, err := Install(ctx, s.table, s.Outlier)
+	h, err := install(ctx, s.table, s.Outlier)
 	switch {
-	case errors.Is(err, ErrNoProxyHandler):
+	case errors.Is(err, errNoProxyHandler):
 		s.logger.Warn("ewma policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
 	case err != nil:
 		return err
 	default:
-		s.observer, _ = h.Transport.(*ObservingTransport)
+		s.observer, _ = h.Transport.(*observingTransport)
 		s.views.pruner = newPruner(s.table, h)
 		if s.observer != nil && s.RetryBudget != nil {
-			s.observer.CountRetries(s.RetryBudget)
+			s.observer.budget = s.RetryBudget
 		}
 		if len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
 			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
 		}
 	}
-	if err := RegisterMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
 	registerPool(s)
@@ -183,17 +183,17 @@ func (s *EWMASelection) Validate() error {
 		}
 	}
 	if s.Outlier != nil {
-		if err := s.Outlier.Validate(); err != nil {
+		if err := s.Outlier.validate(); err != nil {
 			return err
 		}
 	}
 	if s.SlowStart != nil {
-		if err := s.SlowStart.Validate(); err != nil {
+		if err := s.SlowStart.validate(); err != nil {
 			return err
 		}
 	}
 	if s.RetryBudget != nil {
-		return s.RetryBudget.Validate()
+		return s.RetryBudget.validate()
 	}
 	return nil
 }
@@ -232,7 +232,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	if len(pool) == 0 {
 		return nil
 	}
-	if s.RetryBudget != nil && !s.RetryBudget.Admit(pool, r) {
+	if s.RetryBudget != nil && !s.RetryBudget.admit(pool, r) {
 		return nil
 	}
 	var (
@@ -425,7 +425,7 @@ func (c ewmaCandidates) Usable(i int) bool {
 		return true
 	}
 	start := c.view.members[i].stats.RampStart(c.now)
-	return !c.ramp.Ramping(start, c.now) || c.admit < c.ramp.Factor(start, c.now)
+	return !c.ramp.ramping(start, c.now) || c.admit < c.ramp.factor(start, c.now)
 }
 
 func (c ewmaCandidates) Cost(i int) cost {
@@ -475,7 +475,7 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 	}
 	if b := s.RetryBudget; b != nil && withBudget {
 		rep.RetryBudget = &retryBudgetReport{
-			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.InFlight(), Refused: b.Refused(),
+			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.inFlight.Load(), Refused: b.refused.Load(),
 		}
 	}
 	for i, u := range v.ups {
@@ -489,7 +489,7 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 			EstimateMs: &est,
 		}
 		if s.SlowStart != nil {
-			if f := s.SlowStart.Factor(st.RampStart(now), now); f < 1 {
+			if f := s.SlowStart.factor(st.RampStart(now), now); f < 1 {
 				pct := f * 100
 				m.SlowStartPercent = &pct
 			}

@@ -96,8 +96,8 @@ type Outlier struct {
 	KeepEjectedOnHealthCheck bool `json:"keep_ejected_on_health_check,omitempty"`
 
 	logger *zap.Logger
-	events Emitter
-	// sweepDone is closed when the interval loop started by Install ends;
+	events emitter
+	// sweepDone is closed when the interval loop started by install ends;
 	// nil when none was started.
 	sweepDone chan struct{}
 }
@@ -111,17 +111,17 @@ func (x *Outlier) UnmarshalJSON(b []byte) error {
 
 // Outlier defaults, as in Envoy.
 const (
-	DefaultConsecutiveFailures = 5
-	DefaultBaseEjectionTime    = 30 * time.Second
-	DefaultMaxEjectionTime     = 300 * time.Second
-	DefaultMaxEjectionPercent  = 10.0
+	defaultConsecutiveFailures = 5
+	defaultBaseEjectionTime    = 30 * time.Second
+	defaultMaxEjectionTime     = 300 * time.Second
+	defaultMaxEjectionPercent  = 10.0
 
-	DefaultOutlierInterval              = 10 * time.Second
-	DefaultSuccessRateMinHosts          = 5
-	DefaultSuccessRateMinRequests       = 100
-	DefaultSuccessRateStdevFactor       = 1.9
-	DefaultFailurePercentageMinHosts    = 5
-	DefaultFailurePercentageMinRequests = 50
+	defaultOutlierInterval              = 10 * time.Second
+	defaultSuccessRateMinHosts          = 5
+	defaultSuccessRateMinRequests       = 100
+	defaultSuccessRateStdevFactor       = 1.9
+	defaultFailurePercentageMinHosts    = 5
+	defaultFailurePercentageMinRequests = 50
 )
 
 // defaultFailureStatus is the response statuses that count as a failed
@@ -130,43 +130,43 @@ const (
 // be modified.
 var defaultFailureStatus = []int{502, 503, 504}
 
-// Provision applies defaults and sets where ejections are logged and
+// provision applies defaults and sets where ejections are logged and
 // announced.
-func (o *Outlier) Provision(logger *zap.Logger, events Emitter) {
+func (o *Outlier) provision(logger *zap.Logger, events emitter) {
 	o.logger, o.events = logger, events
 	if o.Consecutive == 0 {
-		o.Consecutive = DefaultConsecutiveFailures
+		o.Consecutive = defaultConsecutiveFailures
 	}
 	if o.FailureStatus == nil {
 		o.FailureStatus = slices.Clone(defaultFailureStatus)
 	}
 	if o.BaseEjectionTime == 0 {
-		o.BaseEjectionTime = caddy.Duration(DefaultBaseEjectionTime)
+		o.BaseEjectionTime = caddy.Duration(defaultBaseEjectionTime)
 	}
 	if o.MaxEjectionTime == 0 {
-		o.MaxEjectionTime = caddy.Duration(max(DefaultMaxEjectionTime, time.Duration(o.BaseEjectionTime)))
+		o.MaxEjectionTime = caddy.Duration(max(defaultMaxEjectionTime, time.Duration(o.BaseEjectionTime)))
 	}
 	if o.MaxEjectionPercent == nil {
-		p := DefaultMaxEjectionPercent
+		p := defaultMaxEjectionPercent
 		o.MaxEjectionPercent = &p
 	}
 	if o.Interval == 0 {
-		o.Interval = caddy.Duration(DefaultOutlierInterval)
+		o.Interval = caddy.Duration(defaultOutlierInterval)
 	}
 	if o.SuccessRateMinHosts == 0 {
-		o.SuccessRateMinHosts = DefaultSuccessRateMinHosts
+		o.SuccessRateMinHosts = defaultSuccessRateMinHosts
 	}
 	if o.SuccessRateMinRequests == 0 {
-		o.SuccessRateMinRequests = DefaultSuccessRateMinRequests
+		o.SuccessRateMinRequests = defaultSuccessRateMinRequests
 	}
 	if o.SuccessRateStdevFactor == 0 {
-		o.SuccessRateStdevFactor = DefaultSuccessRateStdevFactor
+		o.SuccessRateStdevFactor = defaultSuccessRateStdevFactor
 	}
 	if o.FailurePercentageMinHosts == 0 {
-		o.FailurePercentageMinHosts = DefaultFailurePercentageMinHosts
+		o.FailurePercentageMinHosts = defaultFailurePercentageMinHosts
 	}
 	if o.FailurePercentageMinRequests == 0 {
-		o.FailurePercentageMinRequests = DefaultFailurePercentageMinRequests
+		o.FailurePercentageMinRequests = defaultFailurePercentageMinRequests
 	}
 }
 
@@ -183,7 +183,7 @@ const (
 	maxStdevFactor     = 100
 )
 
-// outlierOptions lists the options check knows, in the order Validate
+// outlierOptions lists the options check knows, in the order validate
 // reports them.
 var outlierOptions = []string{
 	"consecutive_failures", "failure_status", "base_ejection_time", "max_ejection_time",
@@ -192,8 +192,8 @@ var outlierOptions = []string{
 	"failure_percentage_min_requests",
 }
 
-// Validate checks the configuration.
-func (o *Outlier) Validate() error {
+// validate checks the configuration.
+func (o *Outlier) validate() error {
 	for _, opt := range outlierOptions {
 		if err := o.check(opt); err != nil {
 			return fmt.Errorf("outlier: %v", err)
@@ -202,10 +202,10 @@ func (o *Outlier) Validate() error {
 	return nil
 }
 
-// check is the rule for the value of one option: Validate applies every
+// check is the rule for the value of one option: validate applies every
 // rule, and the Caddyfile parser each option's as it reads it, so that the
 // error has its line. A duration or count of 0 is the default, set by
-// Provision before Validate; in a Caddyfile it is an error.
+// provision before validate; in a Caddyfile it is an error.
 func (o *Outlier) check(opt string) error {
 	switch opt {
 	case "consecutive_failures":
@@ -309,13 +309,13 @@ func (o *Outlier) eject(s *hoststate.Stats, now int64, reason hoststate.EjectRea
 		fields := append([]zap.Field{zap.String("upstream", s.Dial()), zap.String("reason", reason.String())}, detail...)
 		ce.Write(append(fields, zap.Int64("ejections_in_a_row", m), zap.Duration("for", d))...)
 	}
-	o.events.Emit(EventUpstreamEjected, map[string]any{
+	o.events.emit(eventUpstreamEjected, map[string]any{
 		"host": s.Dial(), "reason": reason.String(), "for_ms": d.Milliseconds(), "ejections_in_a_row": m,
 	})
 	return true
 }
 
-// UnmarshalCaddyfile reads an outlier block, the dispenser on its name:
+// unmarshalCaddyfile reads an outlier block, the dispenser on its name:
 //
 //	outlier {
 //		consecutive_failures            <n>
@@ -333,7 +333,7 @@ func (o *Outlier) eject(s *hoststate.Stats, now int64, reason hoststate.EjectRea
 //		failure_percentage_min_requests <n>
 //		health_check_restore            on|off
 //	}
-func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.ArgErr()
 	}
@@ -409,7 +409,7 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			o.SuccessRateStdevFactor = f
 		case "failure_percentage_threshold":
-			p, err := ParsePercent(d, "outlier")
+			p, err := parsePercent(d, "outlier")
 			if err != nil {
 				return err
 			}
@@ -419,7 +419,7 @@ func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				o.FailurePercentageThreshold = &p
 			}
 		case "max_ejection_percent":
-			p, err := ParsePercent(d, "outlier")
+			p, err := parsePercent(d, "outlier")
 			if err != nil {
 				return err
 			}

@@ -45,7 +45,7 @@ type PanicSelection struct {
 	views     views
 	panic     panicMode
 	table     *hoststate.Table // nil without outlier ejection
-	observer  *ObservingTransport
+	observer  *observingTransport
 	// trackTried: the handler can retry, and the wrapped policy does not
 	// avoid the upstreams a request tried by itself, so the wrapper
 	// does (see tried.go)
@@ -88,30 +88,30 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		// per subset
 		p.trackTried = TracksTried(ctx)
 	}
-	events := NewEmitter(ctx)
+	events := newEmitter(ctx)
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
 	if p.Outlier != nil {
 		if _, ok := p.inner.(*EWMASelection); ok {
 			return errOutlierAroundEWMA
 		}
-		p.Outlier.Provision(ctx.Logger(), events)
-		// Validated before Install starts the sweep loop (see ewma).
+		p.Outlier.provision(ctx.Logger(), events)
+		// Validated before install starts the sweep loop (see ewma).
 		if err := p.Validate(); err != nil {
 			return err
 		}
 		p.table = hoststate.NewTable(hoststate.Config{})
-		h, err := Install(ctx, p.table, p.Outlier)
+		h, err := install(ctx, p.table, p.Outlier)
 		switch {
-		case errors.Is(err, ErrNoProxyHandler):
+		case errors.Is(err, errNoProxyHandler):
 			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection has no traffic to judge")
 		case err != nil:
 			return err
 		default:
-			p.observer, _ = h.Transport.(*ObservingTransport)
+			p.observer, _ = h.Transport.(*observingTransport)
 			p.views.pruner = newPruner(p.table, h)
 		}
 	}
-	if err := RegisterMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
 	registerPool(p)
@@ -130,7 +130,7 @@ func (p *PanicSelection) Validate() error {
 		}
 	}
 	if p.Outlier != nil {
-		return p.Outlier.Validate()
+		return p.Outlier.validate()
 	}
 	return nil
 }
@@ -198,7 +198,7 @@ func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request,
 // of those (none is left, or none is usable).
 func (p *PanicSelection) selectUntried(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	if tried != nil {
-		if rest := tried.Without(ups); rest != nil {
+		if rest := tried.without(ups); rest != nil {
 			if picked := p.inner.Select(rest, r, w); picked != nil {
 				return picked
 			}

@@ -13,7 +13,7 @@ import (
 func TestPanicDecisionAroundThreshold(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
 	fifty := 50.0
-	m := newPanicMode(&fifty, "test", zap.New(core), Emitter{})
+	m := newPanicMode(&fifty, "test", zap.New(core), emitter{})
 	var st panicState
 	steps := []struct {
 		avail, total int
@@ -47,18 +47,18 @@ func TestPanicDecisionAroundThreshold(t *testing.T) {
 
 func TestPanicDisabledAndHundredPercent(t *testing.T) {
 	zero, hundred := 0.0, 100.0
-	off := newPanicMode(&zero, "t", zap.NewNop(), Emitter{})
+	off := newPanicMode(&zero, "t", zap.NewNop(), emitter{})
 	if off.threshold != 0 {
 		t.Fatal("0% must disable panic mode")
 	}
-	all := newPanicMode(&hundred, "t", zap.NewNop(), Emitter{})
+	all := newPanicMode(&hundred, "t", zap.NewNop(), emitter{})
 	var st panicState
 	if !all.decide(&st, 3, 4) || all.decide(&st, 4, 4) {
 		t.Fatal("at 100%, any unavailable upstream means panic, none means not")
 	}
-	def := newPanicMode(nil, "t", zap.NewNop(), Emitter{})
-	if def.percent() != DefaultPanicThreshold {
-		t.Fatalf("default threshold %v, want %v", def.percent(), DefaultPanicThreshold)
+	def := newPanicMode(nil, "t", zap.NewNop(), emitter{})
+	if def.percent() != defaultPanicThreshold {
+		t.Fatalf("default threshold %v, want %v", def.percent(), defaultPanicThreshold)
 	}
 }
 
@@ -79,12 +79,12 @@ func TestPanicTransitionsEmitEvents(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := make(eventRecorder, 8)
-	for _, name := range []string{EventPanicEntered, EventPanicLeft} {
+	for _, name := range []string{eventPanicEntered, eventPanicLeft} {
 		if err := app.(*caddyevents.App).On(name, rec); err != nil {
 			t.Fatal(err)
 		}
 	}
-	m := newPanicMode(nil, "ewma", zap.NewNop(), NewEmitter(ctx))
+	m := newPanicMode(nil, "ewma", zap.NewNop(), newEmitter(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)
 	m.decide(&st, 0, 4) // still in panic: no event
@@ -93,10 +93,10 @@ func TestPanicTransitionsEmitEvents(t *testing.T) {
 		t.Fatalf("want 2 events (entered, left), got %d", len(rec))
 	}
 	in, out := <-rec, <-rec
-	if in.Name() != EventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
+	if in.Name() != eventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
 		t.Fatalf("entered event: %s %v", in.Name(), in.Data)
 	}
-	if out.Name() != EventPanicLeft || out.Data["available"] != 4 {
+	if out.Name() != eventPanicLeft || out.Data["available"] != 4 {
 		t.Fatalf("left event: %s %v", out.Name(), out.Data)
 	}
 }

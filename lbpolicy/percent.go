@@ -9,10 +9,10 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 )
 
-// ParsePercent reads the argument of a Caddyfile percentage option (the
+// parsePercent reads the argument of a Caddyfile percentage option (the
 // current token): "50%", "50" or "off" (0). It must lie in [0, 100]. owner
 // names the policy or block in error messages.
-func ParsePercent(d *caddyfile.Dispenser, owner string) (float64, error) {
+func parsePercent(d *caddyfile.Dispenser, owner string) (float64, error) {
 	opt := d.Val()
 	if !d.NextArg() {
 		return 0, d.ArgErr()

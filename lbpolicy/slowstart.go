@@ -50,14 +50,14 @@ func (x *SlowStart) UnmarshalJSON(b []byte) error {
 	return jsonfield.Decode(b, (*plain)(x))
 }
 
-// DefaultSlowStartMinWeight is the default floor of the ramp, in percent
+// defaultSlowStartMinWeight is the default floor of the ramp, in percent
 // (Envoy's default).
-const DefaultSlowStartMinWeight = 10.0
+const defaultSlowStartMinWeight = 10.0
 
-// Provision applies defaults.
-func (s *SlowStart) Provision() {
+// provision applies defaults.
+func (s *SlowStart) provision() {
 	if s.MinWeightPercent == nil {
-		p := DefaultSlowStartMinWeight
+		p := defaultSlowStartMinWeight
 		s.MinWeightPercent = &p
 	}
 	if s.Aggression == 0 {
@@ -79,8 +79,8 @@ const (
 	maxAggression      = 100
 )
 
-// Validate checks the configuration.
-func (s *SlowStart) Validate() error {
+// validate checks the configuration.
+func (s *SlowStart) validate() error {
 	for _, opt := range []string{"window", "min_weight", "aggression"} {
 		if opt == "aggression" && s.Aggression == 0 {
 			continue // the default
@@ -93,9 +93,9 @@ func (s *SlowStart) Validate() error {
 }
 
 // check is the rule for the value of one option (by its Caddyfile name):
-// Validate applies every rule, and the Caddyfile parser each option's as
+// validate applies every rule, and the Caddyfile parser each option's as
 // it reads it, so that the error has its line. An aggression of 0 is the
-// default, set by Provision before Validate.
+// default, set by provision before validate.
 func (s *SlowStart) check(opt string) error {
 	switch opt {
 	case "window":
@@ -114,16 +114,16 @@ func (s *SlowStart) check(opt string) error {
 	return nil
 }
 
-// Ramping reports whether an upstream whose ramp began at start is still
+// ramping reports whether an upstream whose ramp began at start is still
 // ramping at now; small enough to inline, for the common case.
-func (s *SlowStart) Ramping(start, now int64) bool {
+func (s *SlowStart) ramping(start, now int64) bool {
 	return start != 0 && now-start < s.windowNs && now >= start
 }
 
-// Factor returns the fraction of its weight an upstream whose ramp began
+// factor returns the fraction of its weight an upstream whose ramp began
 // at start (ns, hoststate clock; 0 if it never began) has at now: 1 when
 // it is not ramping, else in [floor, 1).
-func (s *SlowStart) Factor(start, now int64) float64 {
+func (s *SlowStart) factor(start, now int64) float64 {
 	elapsed := now - start
 	if start == 0 || elapsed >= s.windowNs || elapsed < 0 {
 		return 1
@@ -135,13 +135,13 @@ func (s *SlowStart) Factor(start, now int64) float64 {
 	return max(f, s.floor)
 }
 
-// UnmarshalCaddyfile reads a slow_start option, the dispenser on its name:
+// unmarshalCaddyfile reads a slow_start option, the dispenser on its name:
 //
 //	slow_start <window> [{
 //		min_weight <percent>
 //		aggression <number>
 //	}]
-func (s *SlowStart) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (s *SlowStart) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if !d.NextArg() {
 		return d.ArgErr()
 	}
@@ -165,7 +165,7 @@ func (s *SlowStart) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		seen[opt] = true
 		switch opt {
 		case "min_weight":
-			p, err := ParsePercent(d, "slow_start")
+			p, err := parsePercent(d, "slow_start")
 			if err != nil {
 				return err
 			}

@@ -43,7 +43,7 @@ func TestSlowStartShareFollowsRamp(t *testing.T) {
 // TestSlowStartNeverRefuses: when every usable upstream is ramping at the
 // floor, a draw that admits none of them must still choose one.
 func TestSlowStartNeverRefuses(t *testing.T) {
-	for _, choices := range []Choices{ChoicesAll, 2} {
+	for _, choices := range []Choices{choicesAll, 2} {
 		s := provisionEWMA(t, &EWMASelection{Choices: choices, SlowStart: &SlowStart{Window: caddy.Duration(time.Minute)}})
 		pool := newPool(t, 3)
 		now := hoststate.Now()
@@ -123,11 +123,11 @@ func TestSlowStartFactor(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			s := tc.cfg
 			s.Window = caddy.Duration(window)
-			if err := s.Validate(); err != nil {
+			if err := s.validate(); err != nil {
 				t.Fatal(err)
 			}
-			s.Provision()
-			if got := s.Factor(tc.start, tc.now); math.Abs(got-tc.want) > 1e-9 {
+			s.provision()
+			if got := s.factor(tc.start, tc.now); math.Abs(got-tc.want) > 1e-9 {
 				t.Fatalf("Factor = %v, want %v", got, tc.want)
 			}
 		})
@@ -147,7 +147,7 @@ func TestSlowStartValidate(t *testing.T) {
 		{SlowStart{Window: caddy.Duration(time.Second), Aggression: -1}, "aggression -1 is below the minimum 0"},
 		{SlowStart{Window: caddy.Duration(time.Second), Aggression: math.Inf(1)}, "aggression +Inf is not a finite number"},
 	} {
-		err := tc.cfg.Validate()
+		err := tc.cfg.validate()
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("Validate(%+v) = %v, want error containing %q", tc.cfg, err, tc.want)
 		}
@@ -194,7 +194,7 @@ func TestSlowStartUnmarshalCaddyfile(t *testing.T) {
 	} {
 		t.Run(tc.input, func(t *testing.T) {
 			var s SlowStart
-			if !unmarshalOption(t, tc.input, tc.wantErr, s.UnmarshalCaddyfile) {
+			if !unmarshalOption(t, tc.input, tc.wantErr, s.unmarshalCaddyfile) {
 				return
 			}
 			if s.Window != tc.want.Window || s.Aggression != tc.want.Aggression {

@@ -163,8 +163,8 @@ func TestFailurePercentageSweep(t *testing.T) {
 func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	o := Outlier{FailurePercentageThreshold: pct(10), DisableSuccessRate: true, MaxEjectionPercent: pct(20)}
-	o.Provision(zap.New(core), Emitter{})
-	if err := o.Validate(); err != nil {
+	o.provision(zap.New(core), emitter{})
+	if err := o.validate(); err != nil {
 		t.Fatal(err)
 	}
 	// Ten upstreams, the cap is two. Three fail too often: 20%, 60%, 40%.
@@ -315,17 +315,17 @@ func TestJudgedAttemptsAreCounted(t *testing.T) {
 		statusTransport(200), statusTransport(503), statusTransport(404),
 		fakeTransport{err: errors.New("connection refused")},
 	} {
-		ot := &ObservingTransport{inner: inner, table: table, outlier: o}
+		ot := &observingTransport{inner: inner, table: table, outlier: o}
 		_, _ = ot.RoundTrip(request(context.Background(), u, false))
 	}
 	// A client that went away is not judged; nor is a health check.
 	gone, cancel := context.WithCancel(context.Background())
 	cancel()
-	ot := &ObservingTransport{inner: fakeTransport{delay: time.Minute}, table: table, outlier: o}
+	ot := &observingTransport{inner: fakeTransport{delay: time.Minute}, table: table, outlier: o}
 	if _, err := ot.RoundTrip(request(gone, u, false)); err == nil {
 		t.Fatal("want cancellation error")
 	}
-	ot = &ObservingTransport{inner: statusTransport(503), table: table, outlier: o}
+	ot = &observingTransport{inner: statusTransport(503), table: table, outlier: o}
 	_, _ = ot.RoundTrip(request(context.Background(), u, true))
 
 	if j, f := s.Tally().Since(start); j != 4 || f != 2 {
@@ -334,7 +334,7 @@ func TestJudgedAttemptsAreCounted(t *testing.T) {
 }
 
 // outlierProbe is a selection policy that installs the observer with an
-// outlier configuration, to test the sweep loop Install starts.
+// outlier configuration, to test the sweep loop install starts.
 type outlierProbe struct {
 	Outlier Outlier `json:"outlier"`
 	table   *hoststate.Table
@@ -351,12 +351,12 @@ var lastOutlierProbe *outlierProbe
 
 func (p *outlierProbe) Provision(ctx caddy.Context) error {
 	p.table = hoststate.NewTable(hoststate.Config{})
-	p.Outlier.Provision(zap.NewNop(), Emitter{})
-	if err := p.Outlier.Validate(); err != nil {
+	p.Outlier.provision(zap.NewNop(), emitter{})
+	if err := p.Outlier.validate(); err != nil {
 		return err
 	}
 	lastOutlierProbe = p
-	_, err := Install(ctx, p.table, &p.Outlier)
+	_, err := install(ctx, p.table, &p.Outlier)
 	return err
 }
 
@@ -402,7 +402,7 @@ func TestInstallSweepLoopEndsWithContext(t *testing.T) {
 		"consecutive_failures":1000,"max_ejection_percent":100}`)
 	done := p.Outlier.sweepDone
 	if done == nil {
-		t.Fatal("Install started no sweep loop")
+		t.Fatal("install started no sweep loop")
 	}
 	s := p.table.Stats("127.0.0.1:1")
 	p.Outlier.judge(p.table, s, "127.0.0.1:1", true)
@@ -438,8 +438,8 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 	never, ejected := table.Stats(t.Name()+"-never:80"), table.Stats(t.Name()+"-ejected:80")
 	o.eject(ejected, hoststate.Now(), hoststate.ReasonFailurePercentage)
 
-	views := map[string]UpstreamView{}
-	for _, v := range BuildReport().Upstreams {
+	views := map[string]upstreamView{}
+	for _, v := range buildReport().Upstreams {
 		views[v.Dial] = v
 	}
 	if v := views[never.Dial()]; v.EjectionReason != "" || len(v.EjectionsByReason) != 3 || v.EjectionsByReason["success_rate"] != 0 {
@@ -464,9 +464,9 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 }
 
 func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
-	ctx, rec := subscribe(t, EventUpstreamEjected)
+	ctx, rec := subscribe(t, eventUpstreamEjected)
 	o := Outlier{MaxEjectionPercent: pct(100)}
-	o.Provision(zap.NewNop(), NewEmitter(ctx))
+	o.provision(zap.NewNop(), newEmitter(ctx))
 	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	sw.sweep(hoststate.Now())
 	select {

@@ -36,7 +36,7 @@ var lastProbe *probePolicy
 
 func (p *probePolicy) Provision(ctx caddy.Context) error {
 	p.table = hoststate.NewTable(hoststate.Config{})
-	h, err := Install(ctx, p.table, nil)
+	h, err := install(ctx, p.table, nil)
 	p.handler = h
 	lastProbe = p
 	return err
@@ -70,25 +70,25 @@ const probe = `"load_balancing":{"selection_policy":{"policy":"healthx_probe"}}`
 
 func TestInstallWrapsDefaultTransport(t *testing.T) {
 	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`}`)
-	ot, ok := h.Transport.(*ObservingTransport)
+	ot, ok := h.Transport.(*observingTransport)
 	if !ok {
-		t.Fatalf("transport is %T, want *ObservingTransport", h.Transport)
+		t.Fatalf("transport is %T, want *observingTransport", h.Transport)
 	}
-	if _, ok := ot.Inner().(*reverseproxy.HTTPTransport); !ok {
-		t.Fatalf("inner transport is %T, want Caddy's default *HTTPTransport", ot.Inner())
+	if _, ok := ot.inner.(*reverseproxy.HTTPTransport); !ok {
+		t.Fatalf("inner transport is %T, want Caddy's default *HTTPTransport", ot.inner)
 	}
 	if ot.owned == nil {
-		t.Fatal("a default transport created by Install must be cleaned up with it")
+		t.Fatal("a default transport created by install must be cleaned up with it")
 	}
 }
 
 func TestInstallWrapsConfiguredTransport(t *testing.T) {
 	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`,
 		"transport":{"protocol":"http","tls":{"insecure_skip_verify":true},"versions":["1.1"]}}`)
-	ot := h.Transport.(*ObservingTransport)
-	inner, ok := ot.Inner().(*reverseproxy.HTTPTransport)
+	ot := h.Transport.(*observingTransport)
+	inner, ok := ot.inner.(*reverseproxy.HTTPTransport)
 	if !ok || !inner.TLSEnabled() {
-		t.Fatalf("inner transport %T should be the configured TLS HTTPTransport", ot.Inner())
+		t.Fatalf("inner transport %T should be the configured TLS HTTPTransport", ot.inner)
 	}
 	if !ot.TLSEnabled() {
 		t.Fatal("TLSEnabled not forwarded")
@@ -107,9 +107,9 @@ func TestInstallWrapsConfiguredTransport(t *testing.T) {
 func TestForwardsFastCGIInterfaces(t *testing.T) {
 	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:9000"}],`+probe+`,
 		"transport":{"protocol":"fastcgi","root":"/srv"}}`)
-	ot := h.Transport.(*ObservingTransport)
-	if _, ok := ot.Inner().(*fastcgi.Transport); !ok {
-		t.Fatalf("inner is %T", ot.Inner())
+	ot := h.Transport.(*observingTransport)
+	if _, ok := ot.inner.(*fastcgi.Transport); !ok {
+		t.Fatalf("inner is %T", ot.inner)
 	}
 	if !ot.RequiresContentLength() {
 		t.Fatal("RequiresContentLength not forwarded from fastcgi")
@@ -170,7 +170,7 @@ func TestObservesAttemptsButNotHealthChecks(t *testing.T) {
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
-	ot := &ObservingTransport{inner: fakeTransport{delay: 5 * time.Millisecond}, table: table}
+	ot := &observingTransport{inner: fakeTransport{delay: 5 * time.Millisecond}, table: table}
 
 	for range 3 {
 		if _, err := ot.RoundTrip(request(context.Background(), u, true)); err != nil {
@@ -195,7 +195,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	t.Cleanup(table.Release)
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
 
-	refused := &ObservingTransport{inner: fakeTransport{err: errors.New("connection refused")}, table: table}
+	refused := &observingTransport{inner: fakeTransport{err: errors.New("connection refused")}, table: table}
 	if _, err := refused.RoundTrip(request(context.Background(), u, false)); err == nil {
 		t.Fatal("want error")
 	}
@@ -203,7 +203,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 		t.Fatalf("transport error must count as a failure, got %d", f)
 	}
 
-	slow := &ObservingTransport{inner: fakeTransport{delay: time.Minute}, table: table}
+	slow := &observingTransport{inner: fakeTransport{delay: time.Minute}, table: table}
 	ctx, cancel := context.WithCancel(context.Background())
 	st := table.Stats(u.Dial)
 	go func() {
@@ -239,14 +239,14 @@ func BenchmarkObserve(b *testing.B) {
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: "bench:80"}
 	req := request(context.Background(), u, false)
 	o := Outlier{}
-	o.Provision(zap.NewNop(), Emitter{})
+	o.provision(zap.NewNop(), emitter{})
 	for _, c := range []struct {
 		name string
 		rt   http.RoundTripper
 	}{
 		{"bare", instant{}},
-		{"observed", &ObservingTransport{inner: instant{}, table: table}},
-		{"observed_outlier", &ObservingTransport{inner: instant{}, table: table, outlier: &o}},
+		{"observed", &observingTransport{inner: instant{}, table: table}},
+		{"observed_outlier", &observingTransport{inner: instant{}, table: table, outlier: &o}},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()

@@ -12,7 +12,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
-	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 func ejectFor(s *hoststate.Stats, now int64, d time.Duration) int64 {
@@ -128,15 +127,24 @@ func TestSourceLeavesEjectedOut(t *testing.T) {
 	}
 }
 
+// upstreamsReport is the part of GET /lbx/upstreams these tests read.
+type upstreamsReport struct {
+	Upstreams []struct {
+		Dial           string  `json:"dial"`
+		EjectedForMs   float64 `json:"ejected_for_ms"`
+		EjectionReason string  `json:"ejection_reason"`
+	} `json:"upstreams"`
+}
+
 // lbxUpstreams reads GET /lbx/upstreams from the test Caddy's admin API.
-func lbxUpstreams(t *testing.T) lbpolicy.Report {
+func lbxUpstreams(t *testing.T) upstreamsReport {
 	t.Helper()
 	res, err := adminClient.Get(fmt.Sprintf("http://localhost:%d/lbx/upstreams", adminPort))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer res.Body.Close()
-	var rep lbpolicy.Report
+	var rep upstreamsReport
 	if err := json.NewDecoder(res.Body).Decode(&rep); err != nil {
 		t.Fatalf("decoding /lbx/upstreams: %v", err)
 	}
