@@ -298,6 +298,12 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	return pool[i]
 }
 
+// SkipsEjected reports true: Select leaves out the upstreams its outlier
+// detection ejected (unless the pool is in panic mode), so a handler that
+// builds the pool (partition) must hand it every upstream, ejected ones
+// included, for the panic threshold to count them.
+func (*EWMASelection) SkipsEjected() bool { return true }
+
 // choose runs the configured algorithm: a scan, or the best of k draws.
 func (c ewmaCandidates) choose(k int) int {
 	switch {

@@ -164,6 +164,12 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 	return picked
 }
 
+// SkipsEjected reports true: with an outlier block, Select hides the
+// ejected upstreams from the wrapped policy itself (unless the pool is in
+// panic mode), so a handler that builds the pool (partition) must hand it
+// every upstream for the panic threshold to count them.
+func (*PanicSelection) SkipsEjected() bool { return true }
+
 // choose is Select, given what the request already tried (nil on a
 // first attempt).
 func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
