@@ -176,9 +176,9 @@ type Handler struct {
 	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
 
 	// How sub-responses are merged: a module in the namespace
-	// http.handlers.partition.merge (json, concat, ndjson, first).
+	// http.partition.mergers (json, concat, ndjson, first).
 	// Default: json.
-	MergeRaw json.RawMessage `json:"merge,omitempty" caddy:"namespace=http.handlers.partition.merge inline_key=merger"`
+	MergeRaw json.RawMessage `json:"merge,omitempty" caddy:"namespace=http.partition.mergers inline_key=merger"`
 
 	// Matcher sets evaluated once per partition against that partition's
 	// sub-request, whose placeholders include {partition.index},
