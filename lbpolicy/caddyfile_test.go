@@ -32,6 +32,7 @@ func (*notASelector) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// percent returns a pointer to v, for the optional percentage fields.
 func percent(v float64) *float64 { return &v }
 
 func TestEWMAUnmarshalCaddyfile(t *testing.T) {

@@ -255,7 +255,7 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 	if o := newOutlier(t, Outlier{DisableSuccessRate: true}); o.sweeps() {
 		t.Fatal("with success_rate off and no failure_percentage_threshold nothing is swept")
 	}
-	if o := newOutlier(t, Outlier{DisableSuccessRate: true, FailurePercentageThreshold: pct(50)}); !o.sweeps() {
+	if o := newOutlier(t, Outlier{DisableSuccessRate: true, FailurePercentageThreshold: percent(50)}); !o.sweeps() {
 		t.Fatal("failure_percentage_threshold turns sweeping on")
 	}
 	nan := math.NaN()
@@ -269,7 +269,7 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 		{Outlier{SuccessRateStdevFactor: -1}, "success_rate_stdev_factor -1 is below the minimum 0"},
 		{Outlier{SuccessRateStdevFactor: nan}, "success_rate_stdev_factor NaN is not a finite number"},
 		{Outlier{SuccessRateStdevFactor: math.Inf(1)}, "success_rate_stdev_factor +Inf is not a finite number"},
-		{Outlier{FailurePercentageThreshold: pct(120)}, "failure_percentage_threshold 120% is not a percentage"},
+		{Outlier{FailurePercentageThreshold: percent(120)}, "failure_percentage_threshold 120% is not a percentage"},
 		{Outlier{FailurePercentageThreshold: &nan}, "failure_percentage_threshold NaN% is not a percentage"},
 		{Outlier{FailurePercentageMinHosts: -2}, "failure_percentage_min_hosts -2 is below the minimum 1"},
 		{Outlier{FailurePercentageMinRequests: -3}, "failure_percentage_min_requests -3 is below the minimum 1"},
@@ -287,7 +287,7 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 // ejected ones and ejecting.
 func TestCapHoldsUnderConcurrentFailures(t *testing.T) {
 	for round := range 200 {
-		o := newOutlier(t, Outlier{Consecutive: 1, MaxEjectionPercent: percentOf(20), BaseEjectionTime: caddy.Duration(time.Hour)})
+		o := newOutlier(t, Outlier{Consecutive: 1, MaxEjectionPercent: percent(20), BaseEjectionTime: caddy.Duration(time.Hour)})
 		table := hoststate.NewTable(hoststate.Config{})
 		stats := make([]*hoststate.Stats, 10)
 		for i := range stats {
@@ -311,5 +311,3 @@ func TestCapHoldsUnderConcurrentFailures(t *testing.T) {
 		table.Release()
 	}
 }
-
-func percentOf(v float64) *float64 { return &v }

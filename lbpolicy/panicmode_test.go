@@ -1,11 +1,8 @@
 package lbpolicy
 
 import (
-	"context"
 	"testing"
 
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 )
@@ -62,28 +59,8 @@ func TestPanicDisabledAndHundredPercent(t *testing.T) {
 	}
 }
 
-type eventRecorder chan caddy.Event
-
-func (r eventRecorder) Handle(_ context.Context, e caddy.Event) error {
-	r <- e
-	return nil
-}
-
 func TestPanicTransitionsEmitEvents(t *testing.T) {
-	ctx, err := caddy.ProvisionContext(&caddy.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	app, err := ctx.App("events")
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec := make(eventRecorder, 8)
-	for _, name := range []string{eventPanicEntered, eventPanicLeft} {
-		if err := app.(*caddyevents.App).On(name, rec); err != nil {
-			t.Fatal(err)
-		}
-	}
+	ctx, rec := subscribe(t, eventPanicEntered, eventPanicLeft)
 	m := newPanicMode(nil, "ewma", zap.NewNop(), newEmitter(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)

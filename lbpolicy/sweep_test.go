@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -63,8 +62,6 @@ func ejectedIndexes(hosts []*hoststate.Stats, ejected []string) []int {
 	return out
 }
 
-func pct(v float64) *float64 { return &v }
-
 func TestSuccessRateSweep(t *testing.T) {
 	// Four upstreams at 100% and one at 50%, 100 attempts each: the mean
 	// is 90%, σ = 20 points. With the default factor 1.9 the threshold
@@ -95,7 +92,7 @@ func TestSuccessRateSweep(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			c.cfg.MaxEjectionPercent = pct(100)
+			c.cfg.MaxEjectionPercent = percent(100)
 			o := newOutlier(t, c.cfg)
 			sw, hosts := sweepPool(t, o, c.traffic)
 			now := hoststate.Now()
@@ -127,22 +124,22 @@ func TestFailurePercentageSweep(t *testing.T) {
 		want    []int
 	}{
 		{"off by default", Outlier{}, append(slices.Clone(five), hostTraffic{50, 50}), nil},
-		{"above the threshold", Outlier{FailurePercentageThreshold: pct(50)},
+		{"above the threshold", Outlier{FailurePercentageThreshold: percent(50)},
 			append(slices.Clone(five), hostTraffic{50, 26}), []int{5}},
-		{"exactly at the threshold is not ejected", Outlier{FailurePercentageThreshold: pct(50)},
+		{"exactly at the threshold is not ejected", Outlier{FailurePercentageThreshold: percent(50)},
 			append(slices.Clone(five), hostTraffic{50, 25}), nil},
-		{"exactly min hosts and min requests", Outlier{FailurePercentageThreshold: pct(50)},
+		{"exactly min hosts and min requests", Outlier{FailurePercentageThreshold: percent(50)},
 			append(slices.Clone(five[:4]), hostTraffic{50, 50}), []int{4}},
-		{"one host below min hosts", Outlier{FailurePercentageThreshold: pct(50)},
+		{"one host below min hosts", Outlier{FailurePercentageThreshold: percent(50)},
 			append(slices.Clone(five[:3]), full(49), hostTraffic{50, 50}), nil},
-		{"one attempt below min requests", Outlier{FailurePercentageThreshold: pct(50)},
+		{"one attempt below min requests", Outlier{FailurePercentageThreshold: percent(50)},
 			append(slices.Clone(five), hostTraffic{49, 49}), nil},
-		{"threshold 0 ejects any failure", Outlier{FailurePercentageThreshold: pct(0)},
+		{"threshold 0 ejects any failure", Outlier{FailurePercentageThreshold: percent(0)},
 			append(slices.Clone(five), hostTraffic{50, 1}), []int{5}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			c.cfg.MaxEjectionPercent = pct(100)
+			c.cfg.MaxEjectionPercent = percent(100)
 			c.cfg.DisableSuccessRate = true
 			o := newOutlier(t, c.cfg)
 			sw, hosts := sweepPool(t, o, c.traffic)
@@ -162,7 +159,7 @@ func TestFailurePercentageSweep(t *testing.T) {
 
 func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
-	o := Outlier{FailurePercentageThreshold: pct(10), DisableSuccessRate: true, MaxEjectionPercent: pct(20)}
+	o := Outlier{FailurePercentageThreshold: percent(10), DisableSuccessRate: true, MaxEjectionPercent: percent(20)}
 	o.provision(zap.New(core), emitter{})
 	if err := o.validate(); err != nil {
 		t.Fatal(err)
@@ -201,7 +198,7 @@ func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 }
 
 func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
-	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(50), DisableSuccessRate: true})
+	o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(50), DisableSuccessRate: true})
 	traffic := []hostTraffic{full(100), full(100), full(100), full(100), full(100), {100, 90}}
 	sw, hosts := sweepPool(t, o, traffic)
 	// Upstream 5 is already ejected (say for consecutive failures), which
@@ -236,7 +233,7 @@ func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 }
 
 func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
-	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10), MaxEjectionPercent: pct(100), DisableSuccessRate: true})
+	o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10), MaxEjectionPercent: percent(100), DisableSuccessRate: true})
 	traffic := []hostTraffic{full(50), full(50), full(50), full(50), full(50)}
 	sw, hosts := sweepPool(t, o, traffic)
 	// A new upstream with history from elsewhere: all failures.
@@ -257,7 +254,7 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 }
 
 func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
-	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10), MaxEjectionPercent: pct(100)})
+	o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10), MaxEjectionPercent: percent(100)})
 	sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	now := hoststate.Now()
 	if ejected, _ := sw.sweep(now); !slices.Equal(ejected, []string{hosts[4].Dial()}) {
@@ -270,7 +267,7 @@ func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 	// At the cap (one of five, taken by upstream 0) it is left in, and
 	// reported once.
 	t.Run("at the cap", func(t *testing.T) {
-		o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10)})
+		o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10)})
 		sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 		now := hoststate.Now()
 		o.eject(hosts[0], now, hoststate.ReasonConsecutiveFailures)
@@ -333,64 +330,13 @@ func TestJudgedAttemptsAreCounted(t *testing.T) {
 	}
 }
 
-// outlierProbe is a selection policy that installs the observer with an
-// outlier configuration, to test the sweep loop install starts.
-type outlierProbe struct {
-	Outlier Outlier `json:"outlier"`
-	table   *hoststate.Table
-}
-
-func (*outlierProbe) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{
-		ID:  "http.reverse_proxy.selection_policies.healthx_outlier_probe",
-		New: func() caddy.Module { return new(outlierProbe) },
-	}
-}
-
-var lastOutlierProbe *outlierProbe
-
-func (p *outlierProbe) Provision(ctx caddy.Context) error {
-	p.table = hoststate.NewTable(hoststate.Config{})
-	p.Outlier.provision(zap.NewNop(), emitter{})
-	if err := p.Outlier.validate(); err != nil {
-		return err
-	}
-	lastOutlierProbe = p
-	_, err := install(ctx, p.table, &p.Outlier)
-	return err
-}
-
-func (p *outlierProbe) Cleanup() error {
-	p.table.Release()
-	return nil
-}
-
-func (p *outlierProbe) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
-	return pool[0]
-}
-
-func init() { caddy.RegisterModule(new(outlierProbe)) }
-
-// provisionOutlierProxy provisions a reverse_proxy handler with the outlier
-// probe in a context of its own, and returns the probe and the function
-// that cancels the context (as Caddy does when it unloads the config).
-func provisionOutlierProxy(t *testing.T, outlierJSON string) (*outlierProbe, context.CancelFunc) {
+// provisionOutlierProxy provisions a reverse_proxy handler of two
+// upstreams whose probe policy has the outlier block outlierJSON, and
+// returns the probe and the function that cancels its context.
+func provisionOutlierProxy(t *testing.T, outlierJSON string) (*probePolicy, context.CancelFunc) {
 	t.Helper()
-	parent, err := caddy.ProvisionContext(&caddy.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := caddy.NewContext(parent)
-	t.Cleanup(cancel)
-	lastOutlierProbe = nil
-	_, err = ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(
-		`{"upstreams":[{"dial":"127.0.0.1:1"},{"dial":"127.0.0.1:2"}],
-		"load_balancing":{"selection_policy":{"policy":"healthx_outlier_probe","outlier":`+outlierJSON+`}}}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := lastOutlierProbe
-	t.Cleanup(func() { p.table.Release() })
+	_, p, cancel := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"},{"dial":"127.0.0.1:2"}],
+		"load_balancing":{"selection_policy":{"policy":"lbx_probe","outlier":`+outlierJSON+`}}}`)
 	return p, cancel
 }
 
@@ -465,7 +411,7 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 
 func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
 	ctx, rec := subscribe(t, eventUpstreamEjected)
-	o := Outlier{MaxEjectionPercent: pct(100)}
+	o := Outlier{MaxEjectionPercent: percent(100)}
 	o.provision(zap.NewNop(), newEmitter(ctx))
 	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	sw.sweep(hoststate.Now())

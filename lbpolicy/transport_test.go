@@ -18,16 +18,17 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// probePolicy is a selection policy that installs the observer, standing
-// in for lbx's policies so this package is tested on its own.
+// probePolicy is a selection policy that installs the observer, with
+// outlier ejection when given an outlier block, standing in for lbx's
+// policies so the observer is tested apart from their selection.
 type probePolicy struct {
+	Outlier *Outlier `json:"outlier,omitempty"`
 	table   *hoststate.Table
-	handler *reverseproxy.Handler
 }
 
 func (*probePolicy) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "http.reverse_proxy.selection_policies.healthx_probe",
+		ID:  "http.reverse_proxy.selection_policies.lbx_probe",
 		New: func() caddy.Module { return new(probePolicy) },
 	}
 }
@@ -36,10 +37,20 @@ var lastProbe *probePolicy
 
 func (p *probePolicy) Provision(ctx caddy.Context) error {
 	p.table = hoststate.NewTable(hoststate.Config{})
-	h, err := install(ctx, p.table, nil)
-	p.handler = h
 	lastProbe = p
+	if p.Outlier != nil {
+		p.Outlier.provision(zap.NewNop(), emitter{})
+		if err := p.Outlier.validate(); err != nil {
+			return err
+		}
+	}
+	_, err := install(ctx, p.table, p.Outlier)
 	return err
+}
+
+func (p *probePolicy) Cleanup() error {
+	p.table.Release()
+	return nil
 }
 
 func (p *probePolicy) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
@@ -48,28 +59,32 @@ func (p *probePolicy) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ 
 
 func init() { caddy.RegisterModule(new(probePolicy)) }
 
-// provisionProxy provisions a real reverse_proxy handler from JSON and
-// returns it with the probe policy that ran inside it.
-func provisionProxy(t *testing.T, handlerJSON string) (*reverseproxy.Handler, *probePolicy) {
+// provisionProxy provisions a real reverse_proxy handler from JSON in a
+// context of its own, and returns it, the probe policy that ran inside it
+// and the function that cancels the context (as Caddy does when it
+// unloads the config; the test's cleanup does too).
+func provisionProxy(t *testing.T, handlerJSON string) (*reverseproxy.Handler, *probePolicy, context.CancelFunc) {
 	t.Helper()
-	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	parent, err := caddy.ProvisionContext(&caddy.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	ctx, cancel := caddy.NewContext(parent)
+	t.Cleanup(cancel)
 	lastProbe = nil
 	mod, err := ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(handlerJSON))
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := mod.(*reverseproxy.Handler)
-	t.Cleanup(func() { _ = h.Cleanup(); lastProbe.table.Release() })
-	return h, lastProbe
+	h, p := mod.(*reverseproxy.Handler), lastProbe
+	t.Cleanup(func() { _ = h.Cleanup(); _ = p.Cleanup() })
+	return h, p, cancel
 }
 
-const probe = `"load_balancing":{"selection_policy":{"policy":"healthx_probe"}}`
+const probe = `"load_balancing":{"selection_policy":{"policy":"lbx_probe"}}`
 
 func TestInstallWrapsDefaultTransport(t *testing.T) {
-	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`}`)
+	h, _, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`}`)
 	ot, ok := h.Transport.(*observingTransport)
 	if !ok {
 		t.Fatalf("transport is %T, want *observingTransport", h.Transport)
@@ -83,7 +98,7 @@ func TestInstallWrapsDefaultTransport(t *testing.T) {
 }
 
 func TestInstallWrapsConfiguredTransport(t *testing.T) {
-	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`,
+	h, _, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`,
 		"transport":{"protocol":"http","tls":{"insecure_skip_verify":true},"versions":["1.1"]}}`)
 	ot := h.Transport.(*observingTransport)
 	inner, ok := ot.inner.(*reverseproxy.HTTPTransport)
@@ -105,7 +120,7 @@ func TestInstallWrapsConfiguredTransport(t *testing.T) {
 }
 
 func TestForwardsFastCGIInterfaces(t *testing.T) {
-	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:9000"}],`+probe+`,
+	h, _, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:9000"}],`+probe+`,
 		"transport":{"protocol":"fastcgi","root":"/srv"}}`)
 	ot := h.Transport.(*observingTransport)
 	if _, ok := ot.inner.(*fastcgi.Transport); !ok {

@@ -115,12 +115,10 @@ func (t *Tried) without(ups []*reverseproxy.Upstream) []*reverseproxy.Upstream {
 // pays nothing. Outside a reverse_proxy handler it cannot tell, and
 // records.
 func TracksTried(ctx caddy.Context) bool {
-	mods := ctx.Modules()
-	for i := len(mods) - 1; i >= 0; i-- {
-		if h, ok := mods[i].(*reverseproxy.Handler); ok {
-			lb := h.LoadBalancing
-			return lb != nil && (lb.Retries > 0 || lb.TryDuration > 0)
-		}
+	h := parentProxy(ctx)
+	if h == nil {
+		return true
 	}
-	return true
+	lb := h.LoadBalancing
+	return lb != nil && (lb.Retries > 0 || lb.TryDuration > 0)
 }
