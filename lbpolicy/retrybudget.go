@@ -5,12 +5,10 @@ import (
 	"fmt"
 	"math"
 	"net/http"
-	"strconv"
 	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -187,49 +185,4 @@ func (b *RetryBudget) isRetry(ctx context.Context) bool {
 	}
 	v, _ := repl.Get(retryBudgetVar)
 	return v == &b.retry
-}
-
-// unmarshalCaddyfile reads a retry_budget option, the dispenser on its
-// name:
-//
-//	retry_budget [<percent>] [{
-//		min_concurrent <n>
-//	}]
-func (b *RetryBudget) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	if d.NextArg() {
-		d.Prev()
-		p, err := parsePercent(d, "retry_budget")
-		if err != nil {
-			return err
-		}
-		b.Percent = &p
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-	}
-	seen := false
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if d.Val() != "min_concurrent" {
-			return d.Errf("retry_budget: unrecognized option %q", d.Val())
-		}
-		if seen {
-			return d.Err("retry_budget: min_concurrent specified more than once")
-		}
-		seen = true
-		if !d.NextArg() {
-			return d.ArgErr()
-		}
-		n, err := strconv.Atoi(d.Val())
-		if err != nil {
-			return d.Errf("retry_budget: invalid min_concurrent %q: want a whole number, 0 or more", d.Val())
-		}
-		b.MinConcurrent = &n
-		if err := b.checkFloor(); err != nil {
-			return d.Errf("retry_budget: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-	}
-	return nil
 }

@@ -3,11 +3,9 @@ package lbpolicy
 import (
 	"fmt"
 	"math"
-	"strconv"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -133,61 +131,4 @@ func (s *SlowStart) factor(start, now int64) float64 {
 		f = math.Pow(f, s.exponent)
 	}
 	return max(f, s.floor)
-}
-
-// unmarshalCaddyfile reads a slow_start option, the dispenser on its name:
-//
-//	slow_start <window> [{
-//		min_weight <percent>
-//		aggression <number>
-//	}]
-func (s *SlowStart) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	if !d.NextArg() {
-		return d.ArgErr()
-	}
-	w, err := caddy.ParseDuration(d.Val())
-	if err != nil {
-		return d.Errf("slow_start: invalid window %q: want a positive duration", d.Val())
-	}
-	s.Window = caddy.Duration(w)
-	if err := s.check("window"); err != nil {
-		return d.Errf("slow_start: %v", err)
-	}
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	seen := map[string]bool{}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("slow_start: %s specified more than once", opt)
-		}
-		seen[opt] = true
-		switch opt {
-		case "min_weight":
-			p, err := parsePercent(d, "slow_start")
-			if err != nil {
-				return err
-			}
-			s.MinWeightPercent = &p
-		case "aggression":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			a, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil {
-				return d.Errf("slow_start: invalid aggression %q: want a positive number", d.Val())
-			}
-			s.Aggression = a
-		default:
-			return d.Errf("slow_start: unrecognized option %q", opt)
-		}
-		if err := s.check(opt); err != nil {
-			return d.Errf("slow_start: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-	}
-	return nil
 }
