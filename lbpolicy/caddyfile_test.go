@@ -32,6 +32,7 @@ func (*notASelector) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
+// percent returns a pointer to v, for the optional percentage fields.
 func percent(v float64) *float64 { return &v }
 
 func TestEWMAUnmarshalCaddyfile(t *testing.T) {
@@ -51,8 +52,8 @@ func TestEWMAUnmarshalCaddyfile(t *testing.T) {
 		{name: "empty block", input: "ewma {\n}"},
 		{name: "choices 2", input: "ewma {\n\tchoices 2\n}", choices: 2},
 		{name: "choices 3", input: "ewma {\n\tchoices 3\n}", choices: 3},
-		{name: "choices all", input: "ewma {\n\tchoices all\n}", choices: ChoicesAll},
-		{name: "choices auto", input: "ewma {\n\tchoices auto\n}", choices: ChoicesAuto},
+		{name: "choices all", input: "ewma {\n\tchoices all\n}", choices: choicesAll},
+		{name: "choices auto", input: "ewma {\n\tchoices auto\n}", choices: choicesAuto},
 		{name: "decay", input: "ewma {\n\tdecay 1m30s\n}", decay: 90 * time.Second},
 		{name: "decay in days", input: "ewma {\n\tdecay 1d\n}", decay: 24 * time.Hour},
 		{name: "one weight", input: "ewma {\n\tweights 4\n}", weights: []int{4}},
@@ -65,7 +66,7 @@ func TestEWMAUnmarshalCaddyfile(t *testing.T) {
 		{
 			name:    "every option",
 			input:   "ewma {\n\tchoices all\n\tdecay 30s\n\tweights 1 1 2\n\tpanic_threshold 25%\n}",
-			choices: ChoicesAll, decay: 30 * time.Second, weights: []int{1, 1, 2}, panic: percent(25),
+			choices: choicesAll, decay: 30 * time.Second, weights: []int{1, 1, 2}, panic: percent(25),
 		},
 
 		{name: "argument after the name", input: "ewma foo", err: "wrong argument count or unexpected line ending after 'foo', at Testfile:1"},
@@ -256,8 +257,8 @@ func TestChoicesMarshalJSON(t *testing.T) {
 		{2, `2`},
 		{3, `3`},
 		{100, `100`},
-		{ChoicesAll, `"all"`},
-		{ChoicesAuto, `"auto"`},
+		{choicesAll, `"all"`},
+		{choicesAuto, `"auto"`},
 	} {
 		got, err := json.Marshal(tt.c)
 		if err != nil {
@@ -278,9 +279,9 @@ func TestChoicesUnmarshalJSON(t *testing.T) {
 	}{
 		{in: `2`, want: 2},
 		{in: `7`, want: 7},
-		{in: `"all"`, want: ChoicesAll},
-		{in: `"auto"`, want: ChoicesAuto},
-		{in: `0`, want: ChoicesAuto}, // the value of an absent field
+		{in: `"all"`, want: choicesAll},
+		{in: `"auto"`, want: choicesAuto},
+		{in: `0`, want: choicesAuto}, // the value of an absent field
 		{in: `"2"`, want: 2},
 
 		{in: `1`, err: `choices 1: must be a number of 2 or more, "all" or "auto"`},
@@ -317,7 +318,7 @@ func TestChoicesUnmarshalJSON(t *testing.T) {
 }
 
 func TestChoicesJSONRoundTrip(t *testing.T) {
-	for _, c := range []Choices{2, 3, 16, 1000, ChoicesAll, ChoicesAuto} {
+	for _, c := range []Choices{2, 3, 16, 1000, choicesAll, choicesAuto} {
 		b, err := json.Marshal(c)
 		if err != nil {
 			t.Fatalf("Marshal(%v): %v", c, err)
@@ -339,8 +340,8 @@ func TestChoicesJSONRoundTrip(t *testing.T) {
 		c    Choices
 		want string
 	}{
-		{ChoicesAuto, `{}`},
-		{ChoicesAll, `{"choices":"all"}`},
+		{choicesAuto, `{}`},
+		{choicesAll, `{"choices":"all"}`},
 		{2, `{"choices":2}`},
 	} {
 		b, err := json.Marshal(&EWMASelection{Choices: tt.c})
@@ -358,7 +359,7 @@ func TestChoicesJSONRoundTrip(t *testing.T) {
 }
 
 func TestChoicesValidate(t *testing.T) {
-	for _, c := range []Choices{ChoicesAll, ChoicesAuto, 2, 50} {
+	for _, c := range []Choices{choicesAll, choicesAuto, 2, 50} {
 		if err := c.validate(); err != nil {
 			t.Errorf("Choices(%d).validate() = %v, want nil", int(c), err)
 		}
@@ -372,7 +373,7 @@ func TestChoicesValidate(t *testing.T) {
 }
 
 func TestChoicesString(t *testing.T) {
-	for c, want := range map[Choices]string{ChoicesAll: "all", ChoicesAuto: "auto", 2: "2", 10: "10"} {
+	for c, want := range map[Choices]string{choicesAll: "all", choicesAuto: "auto", 2: "2", 10: "10"} {
 		if got := c.String(); got != want {
 			t.Errorf("Choices(%d).String() = %q, want %q", int(c), got, want)
 		}

@@ -10,18 +10,18 @@ import (
 // Choices is how many upstreams the ewma policy compares per request. In
 // JSON it is a number of random candidates (2 or more; 2 is "power of two
 // choices") or the string "all" for a full scan ("least response time").
-// Zero or absent means automatic: a full scan for pools of up to
-// AutoScanLimit upstreams, two random choices above.
+// Zero or absent means automatic: a full scan for pools of up to 32
+// upstreams (autoScanLimit), two random choices above.
 type Choices int
 
 const (
-	// ChoicesAuto picks the mode from the pool size.
-	ChoicesAuto Choices = 0
-	// ChoicesAll scans the whole pool.
-	ChoicesAll Choices = -1
+	// choicesAuto picks the mode from the pool size.
+	choicesAuto Choices = 0
+	// choicesAll scans the whole pool.
+	choicesAll Choices = -1
 )
 
-// AutoScanLimit is the largest pool that ChoicesAuto scans fully. A scan
+// autoScanLimit is the largest pool that choicesAuto scans fully. A scan
 // costs some 20 ns per upstream, well under 1 µs up to this size next to
 // the tens of microseconds a proxied request costs, and it has no sampling
 // floor: with best of two out of four upstreams of which two are slow, one
@@ -29,15 +29,15 @@ const (
 // in pools of 24 with three degraded two choices left the median some 10%
 // above a least-connections scan (simulated, lbpolicy's sim tests). Above
 // this size the O(1) two-choice mode keeps selection cheap.
-const AutoScanLimit = 32
+const autoScanLimit = 32
 
 // forPool returns how many candidates to compare in a pool of n, 0 meaning
 // all of them.
 func (c Choices) forPool(n int) int {
 	switch {
-	case c == ChoicesAll, c == ChoicesAuto && n <= AutoScanLimit:
+	case c == choicesAll, c == choicesAuto && n <= autoScanLimit:
 		return 0
-	case c == ChoicesAuto:
+	case c == choicesAuto:
 		return 2
 	default:
 		return int(c)
@@ -46,9 +46,9 @@ func (c Choices) forPool(n int) int {
 
 func (c Choices) String() string {
 	switch c {
-	case ChoicesAll:
+	case choicesAll:
 		return "all"
-	case ChoicesAuto:
+	case choicesAuto:
 		return "auto"
 	}
 	return strconv.Itoa(int(c))
@@ -63,9 +63,9 @@ const choicesWant = `must be a number of 2 or more, "all" or "auto"`
 func parseChoices(s string) (Choices, error) {
 	switch s {
 	case "all":
-		return ChoicesAll, nil
+		return choicesAll, nil
 	case "auto":
-		return ChoicesAuto, nil
+		return choicesAuto, nil
 	}
 	n, err := strconv.Atoi(s)
 	if err != nil || n < 2 {
@@ -75,17 +75,17 @@ func parseChoices(s string) (Choices, error) {
 }
 
 func (c Choices) validate() error {
-	if c == ChoicesAll || c == ChoicesAuto || c >= 2 {
+	if c == choicesAll || c == choicesAuto || c >= 2 {
 		return nil
 	}
 	return fmt.Errorf("choices %s; got %d", choicesWant, int(c))
 }
 
-// MarshalJSON encodes ChoicesAll and ChoicesAuto as "all" and "auto", and
+// MarshalJSON encodes choicesAll and choicesAuto as "all" and "auto", and
 // counts as numbers.
 func (c Choices) MarshalJSON() ([]byte, error) {
 	switch c {
-	case ChoicesAll, ChoicesAuto:
+	case choicesAll, choicesAuto:
 		return json.Marshal(c.String())
 	}
 	return json.Marshal(int(c))

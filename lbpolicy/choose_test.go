@@ -191,10 +191,10 @@ func TestChoicesForPool(t *testing.T) {
 		n    int
 		want int
 	}{
-		{ChoicesAuto, 4, 0},
-		{ChoicesAuto, AutoScanLimit, 0},
-		{ChoicesAuto, AutoScanLimit + 1, 2},
-		{ChoicesAll, 1000, 0},
+		{choicesAuto, 4, 0},
+		{choicesAuto, autoScanLimit, 0},
+		{choicesAuto, autoScanLimit + 1, 2},
+		{choicesAll, 1000, 0},
 		{2, 4, 2},
 		{5, 3, 5},
 	}
@@ -272,7 +272,7 @@ func TestCostBeats(t *testing.T) {
 	}
 }
 
-// TestSamplingFloorOfTwoChoices is why ChoicesAuto scans small pools: with
+// TestSamplingFloorOfTwoChoices is why choicesAuto scans small pools: with
 // 2 of 4 upstreams slow, best of two draws both slow ones one time in six,
 // however clear the costs; a scan never picks them.
 func TestSamplingFloorOfTwoChoices(t *testing.T) {
@@ -293,7 +293,7 @@ func TestSamplingFloorOfTwoChoices(t *testing.T) {
 			t.Fatal("a scan picked a slow upstream")
 		}
 	}
-	if ChoicesAuto.forPool(4) != 0 {
+	if choicesAuto.forPool(4) != 0 {
 		t.Fatal("auto must scan a pool of 4")
 	}
 }

@@ -11,7 +11,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -77,22 +76,22 @@ type EWMASelection struct {
 	// Outlier ejection from live traffic; off when absent. An ejected
 	// upstream is not chosen (unless the pool is in panic mode) and counts
 	// as unavailable for the panic threshold.
-	Outlier *healthx.Outlier `json:"outlier,omitempty"`
+	Outlier *Outlier `json:"outlier,omitempty"`
 
 	// Slow start: an upstream that joins the pool, or returns to it after
 	// an ejection or after failing Caddy's health checks, gets a share
 	// that ramps up over a window instead of a full share at once. Off
 	// when absent.
-	SlowStart *healthx.SlowStart `json:"slow_start,omitempty"`
+	SlowStart *SlowStart `json:"slow_start,omitempty"`
 
 	// A budget for reverse_proxy's retries: a retry (a second selection
 	// for the same request) is refused while too many retries are in
 	// flight, so a brown-out does not turn into a retry storm. Off when
 	// absent.
-	RetryBudget *healthx.RetryBudget `json:"retry_budget,omitempty"`
+	RetryBudget *RetryBudget `json:"retry_budget,omitempty"`
 
 	table    *hoststate.Table
-	observer *healthx.ObservingTransport
+	observer *observingTransport
 	views    views
 	panic    panicMode
 	logger   *zap.Logger
@@ -120,46 +119,46 @@ func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
 // transport so latency is observed.
 func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
-	events := healthx.NewEmitter(ctx)
+	events := newEmitter(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
 	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
 	s.trackTried = TracksTried(ctx)
 
 	if s.Outlier != nil {
-		s.Outlier.Provision(s.logger, events)
+		s.Outlier.provision(s.logger, events)
 	}
 	if s.SlowStart != nil {
-		s.SlowStart.Provision()
+		s.SlowStart.provision()
 	}
 	if s.RetryBudget != nil {
-		s.RetryBudget.Provision(s.logger)
+		s.RetryBudget.provision(s.logger)
 	}
-	// Caddy validates after provisioning, but Install starts the outlier
+	// Caddy validates after provisioning, but install starts the outlier
 	// sweep loop: a bad value must be refused before it (a negative
 	// interval panicked in NewTicker and took the process down).
 	if err := s.Validate(); err != nil {
 		return err
 	}
-	h, err := healthx.Install(ctx, s.table, s.Outlier)
+	h, err := install(ctx, s.table, s.Outlier)
 	switch {
-	case errors.Is(err, healthx.ErrNoProxyHandler):
+	case errors.Is(err, errNoProxyHandler):
 		s.logger.Warn("ewma policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
 	case err != nil:
 		return err
 	default:
-		s.observer, _ = h.Transport.(*healthx.ObservingTransport)
+		s.observer, _ = h.Transport.(*observingTransport)
 		s.views.pruner = newPruner(s.table, h)
 		if s.observer != nil && s.RetryBudget != nil {
-			s.observer.CountRetries(s.RetryBudget)
+			s.observer.budget = s.RetryBudget
 		}
 		if len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
 			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
 		}
 	}
-	if err := healthx.RegisterMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
-	hoststate.RegisterPool(s)
+	registerPool(s)
 	return nil
 }
 
@@ -184,17 +183,17 @@ func (s *EWMASelection) Validate() error {
 		}
 	}
 	if s.Outlier != nil {
-		if err := s.Outlier.Validate(); err != nil {
+		if err := s.Outlier.validate(); err != nil {
 			return err
 		}
 	}
 	if s.SlowStart != nil {
-		if err := s.SlowStart.Validate(); err != nil {
+		if err := s.SlowStart.validate(); err != nil {
 			return err
 		}
 	}
 	if s.RetryBudget != nil {
-		return s.RetryBudget.Validate()
+		return s.RetryBudget.validate()
 	}
 	return nil
 }
@@ -217,7 +216,7 @@ func checkWeight(w int) error { return bounds.Int("weight", w, 1, maxWeight) }
 
 // Cleanup releases the policy's references to shared upstream state.
 func (s *EWMASelection) Cleanup() error {
-	hoststate.UnregisterPool(s)
+	unregisterPool(s)
 	if s.table != nil {
 		s.table.Release()
 	}
@@ -233,7 +232,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	if len(pool) == 0 {
 		return nil
 	}
-	if s.RetryBudget != nil && !s.RetryBudget.Admit(pool, r) {
+	if s.RetryBudget != nil && !s.RetryBudget.admit(pool, r) {
 		return nil
 	}
 	var (
@@ -298,6 +297,12 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	}
 	return pool[i]
 }
+
+// SkipsEjected reports true: Select leaves out the upstreams its outlier
+// detection ejected (unless the pool is in panic mode), so a handler that
+// builds the pool (partition) must hand it every upstream, ejected ones
+// included, for the panic threshold to count them.
+func (*EWMASelection) SkipsEjected() bool { return true }
 
 // choose runs the configured algorithm: a scan, or the best of k draws.
 func (c ewmaCandidates) choose(k int) int {
@@ -399,7 +404,7 @@ type ewmaCandidates struct {
 	// only when admit, drawn once per selection, is below its weight
 	// factor, so its share follows the factor even when loads are
 	// equal (a cost-weighted factor would starve it at light load).
-	ramp  *healthx.SlowStart
+	ramp  *SlowStart
 	admit float64
 	// tried is what this request already tried, nil on a first attempt:
 	// a retry leaves those out while another upstream is usable.
@@ -426,7 +431,7 @@ func (c ewmaCandidates) Usable(i int) bool {
 		return true
 	}
 	start := c.view.members[i].stats.RampStart(c.now)
-	return !c.ramp.Ramping(start, c.now) || c.admit < c.ramp.Factor(start, c.now)
+	return !c.ramp.ramping(start, c.now) || c.admit < c.ramp.factor(start, c.now)
 }
 
 func (c ewmaCandidates) Cost(i int) cost {
@@ -452,9 +457,9 @@ func (c ewmaCandidates) bestOfTwo() (int, cost, bool) {
 	return i, ci, true // i is the cheaper or a tie; it was drawn at random
 }
 
-// ReportPools implements hoststate.PoolReporter.
-func (s *EWMASelection) ReportPools() []hoststate.PoolReport {
-	var reps []hoststate.PoolReport
+// reportPools implements poolReporter.
+func (s *EWMASelection) reportPools() []poolReport {
+	var reps []poolReport
 	last := s.views.last.Load()
 	for _, v := range s.views.all() {
 		reps = append(reps, s.report(v, v == last))
@@ -464,10 +469,10 @@ func (s *EWMASelection) ReportPools() []hoststate.PoolReport {
 
 // report describes the pool of v; withBudget adds the retry budget, which
 // is the policy's, to one of its pools' reports.
-func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolReport {
+func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 	now := hoststate.Now()
 	base := s.table.Baseline()
-	rep := hoststate.PoolReport{
+	rep := poolReport{
 		Policy:         "ewma",
 		Available:      v.availableNow(),
 		PanicThreshold: s.panic.percent(),
@@ -475,14 +480,14 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolRepor
 		PanicEntered:   v.panic.entered.Load(),
 	}
 	if b := s.RetryBudget; b != nil && withBudget {
-		rep.RetryBudget = &hoststate.RetryBudgetReport{
-			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.InFlight(), Refused: b.Refused(),
+		rep.RetryBudget = &retryBudgetReport{
+			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.inFlight.Load(), Refused: b.refused.Load(),
 		}
 	}
 	for i, u := range v.ups {
 		st := v.members[i].stats
 		est := s.table.Expected(st, now, base) / 1e6
-		m := hoststate.PoolMember{
+		m := poolMember{
 			Dial:       u.Dial,
 			Weight:     1 / v.members[i].invWeight,
 			Healthy:    u.Healthy(),
@@ -490,7 +495,7 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolRepor
 			EstimateMs: &est,
 		}
 		if s.SlowStart != nil {
-			if f := s.SlowStart.Factor(st.RampStart(now), now); f < 1 {
+			if f := s.SlowStart.factor(st.RampStart(now), now); f < 1 {
 				pct := f * 100
 				m.SlowStartPercent = &pct
 			}
@@ -502,9 +507,9 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) hoststate.PoolRepor
 
 // Interface guards
 var (
-	_ reverseproxy.Selector  = (*EWMASelection)(nil)
-	_ caddy.Provisioner      = (*EWMASelection)(nil)
-	_ caddy.Validator        = (*EWMASelection)(nil)
-	_ caddy.CleanerUpper     = (*EWMASelection)(nil)
-	_ hoststate.PoolReporter = (*EWMASelection)(nil)
+	_ reverseproxy.Selector = (*EWMASelection)(nil)
+	_ caddy.Provisioner     = (*EWMASelection)(nil)
+	_ caddy.Validator       = (*EWMASelection)(nil)
+	_ caddy.CleanerUpper    = (*EWMASelection)(nil)
+	_ poolReporter          = (*EWMASelection)(nil)
 )

@@ -52,7 +52,7 @@ func shares(s *EWMASelection, pool reverseproxy.UpstreamPool, picks int) map[*re
 }
 
 func TestEWMAAvoidsSlowUpstream(t *testing.T) {
-	for _, choices := range []Choices{ChoicesAuto, ChoicesAll, 2} {
+	for _, choices := range []Choices{choicesAuto, choicesAll, 2} {
 		t.Run(choices.String(), func(t *testing.T) {
 			s := provisionEWMA(t, &EWMASelection{Choices: choices})
 			pool := newPool(t, 4)
@@ -132,7 +132,7 @@ func TestEWMAPanicIgnoresHealthButNotFull(t *testing.T) {
 	if s.Select(nil, nil, nil) != nil {
 		t.Fatal("empty pool must yield nil")
 	}
-	for _, choices := range []Choices{ChoicesAuto, ChoicesAll, 2, 3} {
+	for _, choices := range []Choices{choicesAuto, choicesAll, 2, 3} {
 		s := provisionEWMA(t, &EWMASelection{Choices: choices})
 		for n := 1; n <= 3; n++ {
 			pool := newPool(t, n)
@@ -188,7 +188,7 @@ func TestEWMAConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 	// one report per pool served, each with its own members
-	reps := s.ReportPools()
+	reps := s.reportPools()
 	if len(reps) != 2 || len(reps[0].Upstreams)+len(reps[1].Upstreams) != 25 {
 		t.Fatalf("want reports of the two pools (20 and 5 upstreams), got %d reports", len(reps))
 	}

@@ -9,7 +9,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -39,14 +38,14 @@ type PanicSelection struct {
 	// the pool is in panic mode) and count as unavailable for the
 	// threshold. Not allowed around ewma, which takes its own outlier
 	// block.
-	Outlier *healthx.Outlier `json:"outlier,omitempty"`
+	Outlier *Outlier `json:"outlier,omitempty"`
 
 	inner     reverseproxy.Selector
 	innerName string
 	views     views
 	panic     panicMode
 	table     *hoststate.Table // nil without outlier ejection
-	observer  *healthx.ObservingTransport
+	observer  *observingTransport
 	// trackTried: the handler can retry, and the wrapped policy does not
 	// avoid the upstreams a request tried by itself, so the wrapper
 	// does (see tried.go)
@@ -89,33 +88,33 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		// per subset
 		p.trackTried = TracksTried(ctx)
 	}
-	events := healthx.NewEmitter(ctx)
+	events := newEmitter(ctx)
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
 	if p.Outlier != nil {
 		if _, ok := p.inner.(*EWMASelection); ok {
 			return errOutlierAroundEWMA
 		}
-		p.Outlier.Provision(ctx.Logger(), events)
-		// Validated before Install starts the sweep loop (see ewma).
+		p.Outlier.provision(ctx.Logger(), events)
+		// Validated before install starts the sweep loop (see ewma).
 		if err := p.Validate(); err != nil {
 			return err
 		}
 		p.table = hoststate.NewTable(hoststate.Config{})
-		h, err := healthx.Install(ctx, p.table, p.Outlier)
+		h, err := install(ctx, p.table, p.Outlier)
 		switch {
-		case errors.Is(err, healthx.ErrNoProxyHandler):
+		case errors.Is(err, errNoProxyHandler):
 			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection has no traffic to judge")
 		case err != nil:
 			return err
 		default:
-			p.observer, _ = h.Transport.(*healthx.ObservingTransport)
+			p.observer, _ = h.Transport.(*observingTransport)
 			p.views.pruner = newPruner(p.table, h)
 		}
 	}
-	if err := healthx.RegisterMetrics(ctx); err != nil {
+	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
-	hoststate.RegisterPool(p)
+	registerPool(p)
 	return nil
 }
 
@@ -131,7 +130,7 @@ func (p *PanicSelection) Validate() error {
 		}
 	}
 	if p.Outlier != nil {
-		return p.Outlier.Validate()
+		return p.Outlier.validate()
 	}
 	return nil
 }
@@ -139,7 +138,7 @@ func (p *PanicSelection) Validate() error {
 // Cleanup unregisters the pool from the admin API and releases shared
 // upstream state.
 func (p *PanicSelection) Cleanup() error {
-	hoststate.UnregisterPool(p)
+	unregisterPool(p)
 	if p.table != nil {
 		p.table.Release()
 	}
@@ -164,6 +163,12 @@ func (p *PanicSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request,
 	RecordTried(attempt, tried, picked)
 	return picked
 }
+
+// SkipsEjected reports true: with an outlier block, Select hides the
+// ejected upstreams from the wrapped policy itself (unless the pool is in
+// panic mode), so a handler that builds the pool (partition) must hand it
+// every upstream for the panic threshold to count them.
+func (*PanicSelection) SkipsEjected() bool { return true }
 
 // choose is Select, given what the request already tried (nil on a
 // first attempt).
@@ -199,7 +204,7 @@ func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request,
 // of those (none is left, or none is usable).
 func (p *PanicSelection) selectUntried(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	if tried != nil {
-		if rest := tried.Without(ups); rest != nil {
+		if rest := tried.without(ups); rest != nil {
 			if picked := p.inner.Select(rest, r, w); picked != nil {
 				return picked
 			}
@@ -236,9 +241,9 @@ func (p *PanicSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 	return v
 }
 
-// ReportPools implements hoststate.PoolReporter.
-func (p *PanicSelection) ReportPools() []hoststate.PoolReport {
-	var reps []hoststate.PoolReport
+// reportPools implements poolReporter.
+func (p *PanicSelection) reportPools() []poolReport {
+	var reps []poolReport
 	for _, v := range p.views.all() {
 		reps = append(reps, p.report(v))
 	}
@@ -246,8 +251,8 @@ func (p *PanicSelection) ReportPools() []hoststate.PoolReport {
 }
 
 // report describes the pool of v.
-func (p *PanicSelection) report(v *poolView) hoststate.PoolReport {
-	rep := hoststate.PoolReport{
+func (p *PanicSelection) report(v *poolView) poolReport {
+	rep := poolReport{
 		Policy:         "panic(" + p.innerName + ")",
 		Available:      v.availableNow(),
 		PanicThreshold: p.panic.percent(),
@@ -257,16 +262,16 @@ func (p *PanicSelection) report(v *poolView) hoststate.PoolReport {
 	now := hoststate.Now()
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
-		rep.Upstreams = append(rep.Upstreams, hoststate.PoolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
+		rep.Upstreams = append(rep.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
 	}
 	return rep
 }
 
 // Interface guards
 var (
-	_ reverseproxy.Selector  = (*PanicSelection)(nil)
-	_ caddy.Provisioner      = (*PanicSelection)(nil)
-	_ caddy.Validator        = (*PanicSelection)(nil)
-	_ caddy.CleanerUpper     = (*PanicSelection)(nil)
-	_ hoststate.PoolReporter = (*PanicSelection)(nil)
+	_ reverseproxy.Selector = (*PanicSelection)(nil)
+	_ caddy.Provisioner     = (*PanicSelection)(nil)
+	_ caddy.Validator       = (*PanicSelection)(nil)
+	_ caddy.CleanerUpper    = (*PanicSelection)(nil)
+	_ poolReporter          = (*PanicSelection)(nil)
 )

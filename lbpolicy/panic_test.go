@@ -11,7 +11,6 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
@@ -34,7 +33,7 @@ func provisionPanic(t testing.TB, p *PanicSelection) *PanicSelection {
 func TestPanicWrapperHidesEjected(t *testing.T) {
 	p := provisionPanic(t, &PanicSelection{
 		PolicyRaw: json.RawMessage(`{"policy": "round_robin"}`),
-		Outlier:   &healthx.Outlier{MaxEjectionPercent: percent(100)},
+		Outlier:   &Outlier{MaxEjectionPercent: percent(100)},
 	})
 	pool := newPool(t, 4)
 	p.Select(pool, nil, nil) // builds the view and takes the references
@@ -65,7 +64,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 	if got[1] != 0 || got[0]+got[2]+got[3] != 400 {
 		t.Fatalf("with pool[1] ejected (not in panic): picks %v", got)
 	}
-	if rep := p.ReportPools()[0]; rep.Available != 3 || rep.Upstreams[1].Available {
+	if rep := p.reportPools()[0]; rep.Available != 3 || rep.Upstreams[1].Available {
 		t.Fatalf("report: available %d, pool[1] available %v", rep.Available, rep.Upstreams[1].Available)
 	}
 
@@ -81,7 +80,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 }
 
 func TestPanicOutlierAroundEWMAIsAnError(t *testing.T) {
-	p := &PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "ewma"}`), Outlier: &healthx.Outlier{}}
+	p := &PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "ewma"}`), Outlier: &Outlier{}}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	wantErr(t, p.Provision(ctx), "configure outlier ejection inside the ewma policy")
@@ -95,7 +94,7 @@ func TestPanicOutlierAroundEWMAIsAnError(t *testing.T) {
 // healthy one never, instead of one shared mode flipping on every request.
 func TestPanicModeIsPerPool(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
-	s := &EWMASelection{Outlier: &healthx.Outlier{MaxEjectionPercent: percent(100)}}
+	s := &EWMASelection{Outlier: &Outlier{MaxEjectionPercent: percent(100)}}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)
 	if err := s.Provision(ctx); err != nil {
@@ -133,7 +132,7 @@ func TestPanicModeIsPerPool(t *testing.T) {
 	if entered != 1 || left != 0 {
 		t.Fatalf("panic mode entered %d and left %d times; want the sick pool to enter once", entered, left)
 	}
-	for _, rep := range s.ReportPools() {
+	for _, rep := range s.reportPools() {
 		if want := rep.Upstreams[0].Dial == sick[0].Dial; rep.Panic != want {
 			t.Fatalf("pool of %s: panic %v, want %v", rep.Upstreams[0].Dial, rep.Panic, want)
 		}

@@ -3,15 +3,14 @@ package lbpolicy
 import (
 	"sync/atomic"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
 
-// DefaultPanicThreshold is the availability, in percent, below which a pool
+// defaultPanicThreshold is the availability, in percent, below which a pool
 // is in panic mode unless configured otherwise (Envoy's default).
-const DefaultPanicThreshold = 50.0
+const defaultPanicThreshold = 50.0
 
 // panicMode decides, per request, whether a pool has so few available
 // upstreams that health should be ignored, and logs and counts the
@@ -21,7 +20,7 @@ type panicMode struct {
 	threshold float64 // fraction of the pool, 0 disables
 	policy    string
 	logger    *zap.Logger
-	events    healthx.Emitter
+	events    emitter
 }
 
 // panicState is one pool's panic mode: whether it is on, and how often it
@@ -31,8 +30,8 @@ type panicState struct {
 	entered atomic.Uint64
 }
 
-func newPanicMode(percent *float64, policy string, logger *zap.Logger, events healthx.Emitter) panicMode {
-	p := DefaultPanicThreshold
+func newPanicMode(percent *float64, policy string, logger *zap.Logger, events emitter) panicMode {
+	p := defaultPanicThreshold
 	if percent != nil {
 		p = *percent
 	}
@@ -60,12 +59,12 @@ func (m *panicMode) decide(st *panicState, avail, total int) bool {
 }
 
 func (m *panicMode) transition(st *panicState, on bool, avail, total int) {
-	msg, lvl, event := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel, healthx.EventPanicLeft
+	msg, lvl, event := "pool left panic mode; selecting among healthy upstreams again", zapcore.InfoLevel, eventPanicLeft
 	if on {
 		st.entered.Add(1)
-		msg, lvl, event = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel, healthx.EventPanicEntered
+		msg, lvl, event = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel, eventPanicEntered
 	}
-	m.events.Emit(event, map[string]any{
+	m.events.emit(event, map[string]any{
 		"policy": m.policy, "available": avail, "upstreams": total, "threshold_percent": m.threshold * 100,
 	})
 	if ce := m.logger.Check(lvl, msg); ce != nil {

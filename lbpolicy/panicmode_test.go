@@ -1,12 +1,8 @@
 package lbpolicy
 
 import (
-	"context"
 	"testing"
 
-	"github.com/caddy-lbx/lbx/healthx"
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 )
@@ -14,7 +10,7 @@ import (
 func TestPanicDecisionAroundThreshold(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
 	fifty := 50.0
-	m := newPanicMode(&fifty, "test", zap.New(core), healthx.Emitter{})
+	m := newPanicMode(&fifty, "test", zap.New(core), emitter{})
 	var st panicState
 	steps := []struct {
 		avail, total int
@@ -48,44 +44,24 @@ func TestPanicDecisionAroundThreshold(t *testing.T) {
 
 func TestPanicDisabledAndHundredPercent(t *testing.T) {
 	zero, hundred := 0.0, 100.0
-	off := newPanicMode(&zero, "t", zap.NewNop(), healthx.Emitter{})
+	off := newPanicMode(&zero, "t", zap.NewNop(), emitter{})
 	if off.threshold != 0 {
 		t.Fatal("0% must disable panic mode")
 	}
-	all := newPanicMode(&hundred, "t", zap.NewNop(), healthx.Emitter{})
+	all := newPanicMode(&hundred, "t", zap.NewNop(), emitter{})
 	var st panicState
 	if !all.decide(&st, 3, 4) || all.decide(&st, 4, 4) {
 		t.Fatal("at 100%, any unavailable upstream means panic, none means not")
 	}
-	def := newPanicMode(nil, "t", zap.NewNop(), healthx.Emitter{})
-	if def.percent() != DefaultPanicThreshold {
-		t.Fatalf("default threshold %v, want %v", def.percent(), DefaultPanicThreshold)
+	def := newPanicMode(nil, "t", zap.NewNop(), emitter{})
+	if def.percent() != defaultPanicThreshold {
+		t.Fatalf("default threshold %v, want %v", def.percent(), defaultPanicThreshold)
 	}
-}
-
-type eventRecorder chan caddy.Event
-
-func (r eventRecorder) Handle(_ context.Context, e caddy.Event) error {
-	r <- e
-	return nil
 }
 
 func TestPanicTransitionsEmitEvents(t *testing.T) {
-	ctx, err := caddy.ProvisionContext(&caddy.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	app, err := ctx.App("events")
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec := make(eventRecorder, 8)
-	for _, name := range []string{healthx.EventPanicEntered, healthx.EventPanicLeft} {
-		if err := app.(*caddyevents.App).On(name, rec); err != nil {
-			t.Fatal(err)
-		}
-	}
-	m := newPanicMode(nil, "ewma", zap.NewNop(), healthx.NewEmitter(ctx))
+	ctx, rec := subscribe(t, eventPanicEntered, eventPanicLeft)
+	m := newPanicMode(nil, "ewma", zap.NewNop(), newEmitter(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)
 	m.decide(&st, 0, 4) // still in panic: no event
@@ -94,10 +70,10 @@ func TestPanicTransitionsEmitEvents(t *testing.T) {
 		t.Fatalf("want 2 events (entered, left), got %d", len(rec))
 	}
 	in, out := <-rec, <-rec
-	if in.Name() != healthx.EventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
+	if in.Name() != eventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
 		t.Fatalf("entered event: %s %v", in.Name(), in.Data)
 	}
-	if out.Name() != healthx.EventPanicLeft || out.Data["available"] != 4 {
+	if out.Name() != eventPanicLeft || out.Data["available"] != 4 {
 		t.Fatalf("left event: %s %v", out.Name(), out.Data)
 	}
 }

@@ -57,12 +57,12 @@ func BenchmarkSelect(b *testing.B) {
 		{"ewma_choices_2", `{"policy":"ewma","choices":2}`, ""},
 		{"ewma_choices_all", `{"policy":"ewma","choices":"all"}`, ""},
 		{"ewma_choices_2_outlier", `{"policy":"ewma","choices":2,"outlier":{}}`, ""},
-		// everything healthx adds to a selection: outlier ejection, a slow
+		// every option an ewma pool adds to a selection: outlier ejection, a slow
 		// start (nobody ramping, the common case) and a retry budget
 		// (marking each request as it arrives)
 		{"ewma_choices_2_ss", `{"policy":"ewma","choices":2,"slow_start":{"window":"30s"}}`, ""},
 		{"ewma_choices_2_rb", `{"policy":"ewma","choices":2,"retry_budget":{}}`, ""},
-		{"ewma_choices_2_healthx", `{"policy":"ewma","choices":2,"outlier":{},"slow_start":{"window":"30s"},"retry_budget":{}}`, ""},
+		{"ewma_choices_2_outlier_ss_rb", `{"policy":"ewma","choices":2,"outlier":{},"slow_start":{"window":"30s"},"retry_budget":{}}`, ""},
 		{"stock_random_choose_2", `{"policy":"random_choose","choose":2}`, ""},
 		{"stock_least_conn", `{"policy":"least_conn"}`, ""},
 		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`, ""},

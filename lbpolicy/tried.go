@@ -92,17 +92,9 @@ func RecordTried(a Attempt, t *Tried, u *reverseproxy.Upstream) {
 // Has reports whether dial was tried; never on a first attempt (nil).
 func (t *Tried) Has(dial string) bool { return t != nil && slices.Contains(t.dials, dial) }
 
-// Dials returns the dial addresses tried, in order.
-func (t *Tried) Dials() []string {
-	if t == nil {
-		return nil
-	}
-	return slices.Clone(t.dials)
-}
-
-// Without returns the members of ups that were not tried, in a new slice
+// without returns the members of ups that were not tried, in a new slice
 // (nil when none is left). It is only called on retries.
-func (t *Tried) Without(ups []*reverseproxy.Upstream) []*reverseproxy.Upstream {
+func (t *Tried) without(ups []*reverseproxy.Upstream) []*reverseproxy.Upstream {
 	var out []*reverseproxy.Upstream
 	for i, u := range ups {
 		if t.Has(u.Dial) {
@@ -123,12 +115,10 @@ func (t *Tried) Without(ups []*reverseproxy.Upstream) []*reverseproxy.Upstream {
 // pays nothing. Outside a reverse_proxy handler it cannot tell, and
 // records.
 func TracksTried(ctx caddy.Context) bool {
-	mods := ctx.Modules()
-	for i := len(mods) - 1; i >= 0; i-- {
-		if h, ok := mods[i].(*reverseproxy.Handler); ok {
-			lb := h.LoadBalancing
-			return lb != nil && (lb.Retries > 0 || lb.TryDuration > 0)
-		}
+	h := parentProxy(ctx)
+	if h == nil {
+		return true
 	}
-	return true
+	lb := h.LoadBalancing
+	return lb != nil && (lb.Retries > 0 || lb.TryDuration > 0)
 }

@@ -14,7 +14,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
@@ -23,6 +22,14 @@ import (
 // the same one to Select for every attempt.
 func clientRequest() *http.Request {
 	return requestWith(map[string]any{}, caddy.NewReplacer())
+}
+
+// dialsOf returns the dial addresses t records, nil on a first attempt.
+func dialsOf(t *Tried) []string {
+	if t == nil {
+		return nil
+	}
+	return t.dials
 }
 
 func requestWith(vars map[string]any, repl *caddy.Replacer) *http.Request {
@@ -84,7 +91,7 @@ func assertRetriesAvoidTried(t *testing.T, sel reverseproxy.Selector, pool rever
 // still the cheaper. A retry must go elsewhere, with static and dynamic
 // upstreams alike.
 func TestEWMARetryAvoidsTried(t *testing.T) {
-	for _, choices := range []Choices{ChoicesAll, 2} {
+	for _, choices := range []Choices{choicesAll, 2} {
 		for _, dynamic := range []bool{false, true} {
 			name := choices.String()
 			if dynamic {
@@ -107,7 +114,7 @@ func TestEWMARetryAvoidsTried(t *testing.T) {
 // changes nothing for it, only for its retries: a full scan still sends
 // every first attempt to the fastest upstream.
 func TestEWMARetryFirstAttemptUnchanged(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{Choices: ChoicesAll})
+	s := provisionEWMA(t, &EWMASelection{Choices: choicesAll})
 	pool := newPool(t, 3)
 	observe(s, pool[0], time.Millisecond, hoststate.Success)
 	for _, u := range pool[1:] {
@@ -141,7 +148,7 @@ func TestRetrySingleUpstream(t *testing.T) {
 // upstreams are unusable, a retry goes back to one that was tried rather
 // than fail.
 func TestEWMARetryAmongTriedWhenOnlyTheyAreUsable(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{Choices: ChoicesAll, PanicThreshold: percent(0)})
+	s := provisionEWMA(t, &EWMASelection{Choices: choicesAll, PanicThreshold: percent(0)})
 	pool := newPool(t, 3)
 	if _, _, ok := s.table.Stats(pool[2].Dial).Eject(hoststate.Now(), time.Hour,
 		func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
@@ -189,7 +196,7 @@ func TestPanicRetryAvoidsTried(t *testing.T) {
 func TestPanicRetryAvoidsTriedInPanicMode(t *testing.T) {
 	p := provisionPanic(t, &PanicSelection{
 		PolicyRaw: json.RawMessage(`{"policy":"first"}`),
-		Outlier:   &healthx.Outlier{MaxEjectionPercent: percent(100)},
+		Outlier:   &Outlier{MaxEjectionPercent: percent(100)},
 	})
 	pool := newPool(t, 4)
 	p.Select(pool, nil, nil) // builds the view
@@ -289,16 +296,16 @@ func TestRecordTriedNeverWritesShared(t *testing.T) {
 	c := requestWith(map[string]any{triedVar: pool[0]}, copyRepl)
 	a, tried = LoadTried(c)
 	RecordTried(a, tried, pool[2])
-	if _, got := LoadTried(c); !slices.Equal(got.Dials(), []string{pool[0].Dial, pool[1].Dial, pool[2].Dial}) {
-		t.Fatalf("copy: %q", got.Dials())
+	if _, got := LoadTried(c); !slices.Equal(dialsOf(got), []string{pool[0].Dial, pool[1].Dial, pool[2].Dial}) {
+		t.Fatalf("copy: %q", dialsOf(got))
 	}
-	if _, got := LoadTried(r); !slices.Equal(got.Dials(), []string{pool[0].Dial, pool[1].Dial}) {
-		t.Fatalf("original after the copy recorded: %q", got.Dials())
+	if _, got := LoadTried(r); !slices.Equal(dialsOf(got), []string{pool[0].Dial, pool[1].Dial}) {
+		t.Fatalf("original after the copy recorded: %q", dialsOf(got))
 	}
 	a, tried = LoadTried(r)
 	RecordTried(a, tried, pool[0]) // already tried: no change
-	if _, got := LoadTried(r); !slices.Equal(got.Dials(), []string{pool[0].Dial, pool[1].Dial}) {
-		t.Fatalf("recording a tried one again: %q", got.Dials())
+	if _, got := LoadTried(r); !slices.Equal(dialsOf(got), []string{pool[0].Dial, pool[1].Dial}) {
+		t.Fatalf("recording a tried one again: %q", dialsOf(got))
 	}
 }
 

@@ -224,7 +224,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return od.ArgErr()
 			}
 			mname := od.Val()
-			unm, err := caddyfile.UnmarshalModule(od, "http.handlers.partition.merge."+mname)
+			unm, err := caddyfile.UnmarshalModule(od, "http.partition.mergers."+mname)
 			if err != nil {
 				return err
 			}

@@ -36,8 +36,8 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 
-	// lbpolicy is the default replica selection policy, ewma.
-	"github.com/caddy-lbx/lbx/lbpolicy"
+	// lbpolicy registers ewma, the default replica selection policy.
+	_ "github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 func init() {
@@ -177,9 +177,9 @@ type Handler struct {
 	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
 
 	// How sub-responses are merged: a module in the namespace
-	// http.handlers.partition.merge (json, concat, ndjson, first).
+	// http.partition.mergers (json, concat, ndjson, first).
 	// Default: json.
-	MergeRaw json.RawMessage `json:"merge,omitempty" caddy:"namespace=http.handlers.partition.merge inline_key=merger"`
+	MergeRaw json.RawMessage `json:"merge,omitempty" caddy:"namespace=http.partition.mergers inline_key=merger"`
 
 	// Matcher sets evaluated once per partition against that partition's
 	// sub-request, whose placeholders include {partition.index},
@@ -233,6 +233,15 @@ type Handler struct {
 	fileEntries []Entry
 	serfEntries []Entry
 	logger      *zap.Logger
+}
+
+// ejectionAware is a selection policy that leaves upstreams ejected by
+// lbx's outlier detection out by itself, as lbx's ewma and panic do: they
+// must be handed every replica, or their panic mode would not count the
+// ejected ones as unavailable. Any other policy is handed the replicas
+// that are not ejected.
+type ejectionAware interface {
+	SkipsEjected() bool
 }
 
 // RejectRule rejects a request that matches it (see Handler.Reject).
@@ -349,12 +358,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionProxy(ctx); err != nil {
 		return err
 	}
-	switch h.proxy.LoadBalancing.SelectionPolicy.(type) {
-	case *lbpolicy.EWMASelection, *lbpolicy.PanicSelection:
-		// They skip ejected upstreams themselves, with their panic mode.
-	default:
-		h.skipEjected = true
-	}
+	aware, ok := h.proxy.LoadBalancing.SelectionPolicy.(ejectionAware)
+	h.skipEjected = !ok || !aware.SkipsEjected()
 	h.hosts = hoststate.NewTable(hoststate.Config{})
 
 	// The initial upstream list; a naming file must be usable now.

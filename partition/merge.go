@@ -42,7 +42,7 @@ type Merged struct {
 
 // Merger combines the sub-responses of one fan-out into one response
 // (brpc's ResponseMerger). Mergers are modules in the namespace
-// http.handlers.partition.merge, so other plugins can add their own.
+// http.partition.mergers, so other plugins can add their own.
 type Merger interface {
 	// Prepare checks one successful sub-response as soon as it arrives
 	// and may store a parsed form in p.Value. An error makes the
@@ -81,7 +81,7 @@ type JSONMerger struct{}
 // CaddyModule returns the Caddy module information.
 func (JSONMerger) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "http.handlers.partition.merge.json",
+		ID:  "http.partition.mergers.json",
 		New: func() caddy.Module { return new(JSONMerger) },
 	}
 }
@@ -306,7 +306,7 @@ type ConcatMerger struct{}
 // CaddyModule returns the Caddy module information.
 func (ConcatMerger) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "http.handlers.partition.merge.concat",
+		ID:  "http.partition.mergers.concat",
 		New: func() caddy.Module { return new(ConcatMerger) },
 	}
 }
@@ -342,7 +342,7 @@ type NDJSONMerger struct{}
 // CaddyModule returns the Caddy module information.
 func (NDJSONMerger) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "http.handlers.partition.merge.ndjson",
+		ID:  "http.partition.mergers.ndjson",
 		New: func() caddy.Module { return new(NDJSONMerger) },
 	}
 }
@@ -381,7 +381,7 @@ type FirstMerger struct{}
 // CaddyModule returns the Caddy module information.
 func (FirstMerger) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "http.handlers.partition.merge.first",
+		ID:  "http.partition.mergers.first",
 		New: func() caddy.Module { return new(FirstMerger) },
 	}
 }

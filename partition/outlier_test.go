@@ -11,7 +11,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
-	"github.com/caddy-lbx/lbx/healthx"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
@@ -128,15 +127,60 @@ func TestSourceLeavesEjectedOut(t *testing.T) {
 	}
 }
 
+// TestSkipEjectedFollowsThePolicy: a provisioned handler leaves ejected
+// replicas out of the pool for a selection policy that does not skip them
+// itself, and hands lbx's ewma (the default) and panic every replica.
+func TestSkipEjectedFollowsThePolicy(t *testing.T) {
+	// reverse_proxy's Provision needs a config to load the events app into.
+	parent, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := caddy.NewContext(parent)
+	defer cancel()
+	for _, tc := range []struct {
+		proxy string
+		want  bool
+	}{
+		{``, false},
+		{`,"proxy":{"load_balancing":{"selection_policy":{"policy":"ewma"}}}`, false},
+		{`,"proxy":{"load_balancing":{"selection_policy":{"policy":"panic","selection_policy":{"policy":"least_conn"}}}}`, false},
+		{`,"proxy":{"load_balancing":{"selection_policy":{"policy":"least_conn"}}}`, true},
+		{`,"proxy":{"load_balancing":{"selection_policy":{"policy":"first"}}}`, true},
+	} {
+		mod, err := ctx.LoadModuleByID("http.handlers.partition", json.RawMessage(
+			`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}]`+tc.proxy+`}`))
+		if err != nil {
+			t.Fatalf("%s: %v", tc.proxy, err)
+		}
+		h := mod.(*Handler)
+		if h.skipEjected != tc.want {
+			t.Errorf("%s: skipEjected %v, want %v", tc.proxy, h.skipEjected, tc.want)
+		}
+		if err := h.Cleanup(); err != nil {
+			t.Errorf("%s: cleanup: %v", tc.proxy, err)
+		}
+	}
+}
+
+// upstreamsReport is the part of GET /lbx/upstreams these tests read.
+type upstreamsReport struct {
+	Upstreams []struct {
+		Dial           string  `json:"dial"`
+		EjectedForMs   float64 `json:"ejected_for_ms"`
+		EjectionReason string  `json:"ejection_reason"`
+	} `json:"upstreams"`
+}
+
 // lbxUpstreams reads GET /lbx/upstreams from the test Caddy's admin API.
-func lbxUpstreams(t *testing.T) healthx.Report {
+func lbxUpstreams(t *testing.T) upstreamsReport {
 	t.Helper()
 	res, err := adminClient.Get(fmt.Sprintf("http://localhost:%d/lbx/upstreams", adminPort))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer res.Body.Close()
-	var rep healthx.Report
+	var rep upstreamsReport
 	if err := json.NewDecoder(res.Body).Decode(&rep); err != nil {
 		t.Fatalf("decoding /lbx/upstreams: %v", err)
 	}

@@ -33,11 +33,11 @@ func EjectionEpoch() uint64 { return ejectionEpoch.Load() }
 
 // Clock returns the latest time any caller read with Now. Reading the clock
 // costs more than the rest of a selection on some virtual machines, while
-// every proxied attempt reads it twice anyway (see ObservingTransport), so
-// selection uses this value: it lags real time by at most the gap between
-// two round trips anywhere in the process, which is negligible next to the
-// decay time constant. Callers that may run without traffic refresh it
-// with Now now and then.
+// every proxied attempt reads it twice anyway (see lbpolicy's
+// observingTransport), so selection uses this value: it lags real time by
+// at most the gap between two round trips anywhere in the process, which
+// is negligible next to the decay time constant. Callers that may run
+// without traffic refresh it with Now now and then.
 func Clock() int64 { return clock.Load() }
 
 // Stats is the state of one upstream dial address. It is shared by all
@@ -222,7 +222,7 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	return snap
 }
 
-// Outlier state: written by healthx's outlier detection under no lock of
+// Outlier state: written by lbpolicy's outlier detection under no lock of
 // ours (each field is a single atomic), read by selection.
 
 // RecordOutcome counts one attempt for outlier detection and returns the

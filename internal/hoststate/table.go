@@ -18,8 +18,8 @@ var registry = caddy.NewUsagePool()
 
 // Default estimator settings.
 const (
-	DefaultHorizon = time.Second
-	DefaultPrior   = 5 * time.Millisecond
+	defaultHorizon = time.Second
+	defaultPrior   = 5 * time.Millisecond
 )
 
 // Config tunes how a Table's observations become estimates.
@@ -35,10 +35,10 @@ type Config struct {
 
 func (c *Config) setDefaults() {
 	if c.Horizon <= 0 {
-		c.Horizon = DefaultHorizon
+		c.Horizon = defaultHorizon
 	}
 	if c.Prior <= 0 {
-		c.Prior = DefaultPrior
+		c.Prior = defaultPrior
 	}
 }
 

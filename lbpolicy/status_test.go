@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -42,8 +42,8 @@ func TestFailureStatusChargesEstimate(t *testing.T) {
 			table := hoststate.NewTable(hoststate.Config{})
 			t.Cleanup(table.Release)
 			u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
-			ok := &ObservingTransport{inner: fakeTransport{delay: 2 * time.Millisecond}, table: table, outlier: outlier}
-			instant := &ObservingTransport{inner: answer{tc.status, ""}, table: table, outlier: outlier}
+			ok := &observingTransport{inner: fakeTransport{delay: 2 * time.Millisecond}, table: table, outlier: outlier}
+			instant := &observingTransport{inner: answer{tc.status, ""}, table: table, outlier: outlier}
 			if _, err := ok.RoundTrip(request(context.Background(), u, false)); err != nil {
 				t.Fatal(err)
 			}

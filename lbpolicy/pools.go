@@ -1,16 +1,16 @@
-package hoststate
+package lbpolicy
 
 import (
 	"sort"
 	"sync"
 )
 
-// PoolReport describes one handler's pool as its selection policy sees it.
-type PoolReport struct {
+// poolReport describes one handler's pool as its selection policy sees it.
+type poolReport struct {
 	// Policy is the selection policy's name, e.g. "ewma" or "panic(least_conn)".
 	Policy string `json:"policy"`
 	// Upstreams are the pool's members in upstream order.
-	Upstreams []PoolMember `json:"upstreams"`
+	Upstreams []poolMember `json:"upstreams"`
 	// Available is how many members are available now (counted when the
 	// report is made, whether or not panic mode is enabled).
 	Available int `json:"available"`
@@ -23,19 +23,19 @@ type PoolReport struct {
 	PanicEntered uint64 `json:"panic_entered_total"`
 	// RetryBudget is the state of the pool's retry budget; absent when
 	// it has none.
-	RetryBudget *RetryBudgetReport `json:"retry_budget,omitempty"`
+	RetryBudget *retryBudgetReport `json:"retry_budget,omitempty"`
 }
 
-// RetryBudgetReport is the state of a retry budget.
-type RetryBudgetReport struct {
+// retryBudgetReport is the state of a retry budget.
+type retryBudgetReport struct {
 	Percent       float64 `json:"percent"`
 	MinConcurrent int     `json:"min_concurrent"`
 	InFlight      int64   `json:"retries_in_flight"`
 	Refused       uint64  `json:"retries_refused_total"`
 }
 
-// PoolMember is one upstream of a pool.
-type PoolMember struct {
+// poolMember is one upstream of a pool.
+type poolMember struct {
 	Dial   string  `json:"dial"`
 	Weight float64 `json:"weight"`
 	// Healthy is the member's health as Caddy sees it: active health
@@ -54,44 +54,44 @@ type PoolMember struct {
 	SlowStartPercent *float64 `json:"slow_start_weight_percent,omitempty"`
 }
 
-// PoolReporter is implemented by selection policies that can describe
+// poolReporter is implemented by selection policies that can describe
 // the pools they serve for the admin API: usually one, several when one
 // policy serves several pools (the partitions of a partition handler).
-type PoolReporter interface {
-	ReportPools() []PoolReport
+type poolReporter interface {
+	reportPools() []poolReport
 }
 
 var (
-	poolsMu sync.Mutex
-	pools   = map[PoolReporter]struct{}{}
+	reportersMu sync.Mutex
+	reporters   = map[poolReporter]struct{}{}
 )
 
-// RegisterPool adds r to the pools listed by the admin API.
-func RegisterPool(r PoolReporter) {
-	poolsMu.Lock()
-	pools[r] = struct{}{}
-	poolsMu.Unlock()
+// registerPool adds r to the pools listed by the admin API.
+func registerPool(r poolReporter) {
+	reportersMu.Lock()
+	reporters[r] = struct{}{}
+	reportersMu.Unlock()
 }
 
-// UnregisterPool removes r.
-func UnregisterPool(r PoolReporter) {
-	poolsMu.Lock()
-	delete(pools, r)
-	poolsMu.Unlock()
+// unregisterPool removes r.
+func unregisterPool(r poolReporter) {
+	reportersMu.Lock()
+	delete(reporters, r)
+	reportersMu.Unlock()
 }
 
-// Pools returns reports of all registered pools that have served a request,
-// ordered by policy and first member.
-func Pools() []PoolReport {
-	poolsMu.Lock()
-	rs := make([]PoolReporter, 0, len(pools))
-	for r := range pools {
+// poolReports returns reports of all registered pools that have served a
+// request, ordered by policy and first member.
+func poolReports() []poolReport {
+	reportersMu.Lock()
+	rs := make([]poolReporter, 0, len(reporters))
+	for r := range reporters {
 		rs = append(rs, r)
 	}
-	poolsMu.Unlock()
-	out := make([]PoolReport, 0, len(rs))
+	reportersMu.Unlock()
+	out := make([]poolReport, 0, len(rs))
 	for _, r := range rs {
-		out = append(out, r.ReportPools()...)
+		out = append(out, r.reportPools()...)
 	}
 	sort.Slice(out, func(i, j int) bool {
 		a, b := out[i], out[j]
@@ -103,7 +103,7 @@ func Pools() []PoolReport {
 	return out
 }
 
-func firstDial(r PoolReport) string {
+func firstDial(r poolReport) string {
 	if len(r.Upstreams) == 0 {
 		return ""
 	}

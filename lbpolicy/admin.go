@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"encoding/json"
@@ -13,10 +13,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(AdminAPI{})
+	caddy.RegisterModule(adminAPI{})
 }
 
-// AdminAPI serves lbx's view of the upstreams on Caddy's admin endpoint:
+// adminAPI serves lbx's view of the upstreams on Caddy's admin endpoint:
 //
 //	GET /lbx/upstreams
 //
@@ -25,26 +25,26 @@ func init() {
 // selection policy of ours serves, with weights, availability and panic
 // mode. Numbers are machine-readable; fields ending in _human repeat them
 // for people.
-type AdminAPI struct{}
+type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
-func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID:  "admin.api.lbx",
-		New: func() caddy.Module { return new(AdminAPI) },
+		New: func() caddy.Module { return new(adminAPI) },
 	}
 }
 
 // Routes returns the admin routes.
-func (AdminAPI) Routes() []caddy.AdminRoute {
+func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/upstreams",
 		Handler: caddy.AdminHandlerFunc(handleUpstreams),
 	}}
 }
 
-// UpstreamView is one upstream in the admin API's output.
-type UpstreamView struct {
+// upstreamView is one upstream in the admin API's output.
+type upstreamView struct {
 	Dial string `json:"dial"`
 	// EstimateMs is the raw peak-EWMA latency estimate (not decayed), in
 	// milliseconds; 0 when never sampled.
@@ -75,18 +75,18 @@ type UpstreamView struct {
 	ConsecutiveFailures int64             `json:"consecutive_failures"`
 }
 
-// Report is the body of GET /lbx/upstreams.
-type Report struct {
-	Upstreams []UpstreamView         `json:"upstreams"`
-	Pools     []hoststate.PoolReport `json:"pools"`
+// upstreamsReport is the body of GET /lbx/upstreams.
+type upstreamsReport struct {
+	Upstreams []upstreamView `json:"upstreams"`
+	Pools     []poolReport   `json:"pools"`
 }
 
-// BuildReport assembles the admin API's view of the current state.
-func BuildReport() Report {
-	rep := Report{Upstreams: []UpstreamView{}, Pools: hoststate.Pools()}
+// buildReport assembles the admin API's view of the current state.
+func buildReport() upstreamsReport {
+	rep := upstreamsReport{Upstreams: []upstreamView{}, Pools: poolReports()}
 	now := time.Now()
 	for _, s := range hoststate.All() {
-		v := UpstreamView{
+		v := upstreamView{
 			Dial:          s.Dial,
 			EstimateMs:    float64(s.Estimate) / 1e6,
 			EstimateHuman: s.Estimate.Round(10 * time.Microsecond).String(),
@@ -128,8 +128,8 @@ func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	return enc.Encode(BuildReport())
+	return enc.Encode(buildReport())
 }
 
 // Interface guards
-var _ caddy.AdminRouter = AdminAPI{}
+var _ caddy.AdminRouter = adminAPI{}

@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -18,16 +18,17 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// probePolicy is a selection policy that installs the observer, standing
-// in for lbx's policies so this package is tested on its own.
+// probePolicy is a selection policy that installs the observer, with
+// outlier ejection when given an outlier block, standing in for lbx's
+// policies so the observer is tested apart from their selection.
 type probePolicy struct {
+	Outlier *Outlier `json:"outlier,omitempty"`
 	table   *hoststate.Table
-	handler *reverseproxy.Handler
 }
 
 func (*probePolicy) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "http.reverse_proxy.selection_policies.healthx_probe",
+		ID:  "http.reverse_proxy.selection_policies.lbx_probe",
 		New: func() caddy.Module { return new(probePolicy) },
 	}
 }
@@ -36,10 +37,20 @@ var lastProbe *probePolicy
 
 func (p *probePolicy) Provision(ctx caddy.Context) error {
 	p.table = hoststate.NewTable(hoststate.Config{})
-	h, err := Install(ctx, p.table, nil)
-	p.handler = h
 	lastProbe = p
+	if p.Outlier != nil {
+		p.Outlier.provision(zap.NewNop(), emitter{})
+		if err := p.Outlier.validate(); err != nil {
+			return err
+		}
+	}
+	_, err := install(ctx, p.table, p.Outlier)
 	return err
+}
+
+func (p *probePolicy) Cleanup() error {
+	p.table.Release()
+	return nil
 }
 
 func (p *probePolicy) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
@@ -48,47 +59,51 @@ func (p *probePolicy) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ 
 
 func init() { caddy.RegisterModule(new(probePolicy)) }
 
-// provisionProxy provisions a real reverse_proxy handler from JSON and
-// returns it with the probe policy that ran inside it.
-func provisionProxy(t *testing.T, handlerJSON string) (*reverseproxy.Handler, *probePolicy) {
+// provisionProxy provisions a real reverse_proxy handler from JSON in a
+// context of its own, and returns it, the probe policy that ran inside it
+// and the function that cancels the context (as Caddy does when it
+// unloads the config; the test's cleanup does too).
+func provisionProxy(t *testing.T, handlerJSON string) (*reverseproxy.Handler, *probePolicy, context.CancelFunc) {
 	t.Helper()
-	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	parent, err := caddy.ProvisionContext(&caddy.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
+	ctx, cancel := caddy.NewContext(parent)
+	t.Cleanup(cancel)
 	lastProbe = nil
 	mod, err := ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(handlerJSON))
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := mod.(*reverseproxy.Handler)
-	t.Cleanup(func() { _ = h.Cleanup(); lastProbe.table.Release() })
-	return h, lastProbe
+	h, p := mod.(*reverseproxy.Handler), lastProbe
+	t.Cleanup(func() { _ = h.Cleanup(); _ = p.Cleanup() })
+	return h, p, cancel
 }
 
-const probe = `"load_balancing":{"selection_policy":{"policy":"healthx_probe"}}`
+const probe = `"load_balancing":{"selection_policy":{"policy":"lbx_probe"}}`
 
 func TestInstallWrapsDefaultTransport(t *testing.T) {
-	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`}`)
-	ot, ok := h.Transport.(*ObservingTransport)
+	h, _, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`}`)
+	ot, ok := h.Transport.(*observingTransport)
 	if !ok {
-		t.Fatalf("transport is %T, want *ObservingTransport", h.Transport)
+		t.Fatalf("transport is %T, want *observingTransport", h.Transport)
 	}
-	if _, ok := ot.Inner().(*reverseproxy.HTTPTransport); !ok {
-		t.Fatalf("inner transport is %T, want Caddy's default *HTTPTransport", ot.Inner())
+	if _, ok := ot.inner.(*reverseproxy.HTTPTransport); !ok {
+		t.Fatalf("inner transport is %T, want Caddy's default *HTTPTransport", ot.inner)
 	}
 	if ot.owned == nil {
-		t.Fatal("a default transport created by Install must be cleaned up with it")
+		t.Fatal("a default transport created by install must be cleaned up with it")
 	}
 }
 
 func TestInstallWrapsConfiguredTransport(t *testing.T) {
-	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`,
+	h, _, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"}],`+probe+`,
 		"transport":{"protocol":"http","tls":{"insecure_skip_verify":true},"versions":["1.1"]}}`)
-	ot := h.Transport.(*ObservingTransport)
-	inner, ok := ot.Inner().(*reverseproxy.HTTPTransport)
+	ot := h.Transport.(*observingTransport)
+	inner, ok := ot.inner.(*reverseproxy.HTTPTransport)
 	if !ok || !inner.TLSEnabled() {
-		t.Fatalf("inner transport %T should be the configured TLS HTTPTransport", ot.Inner())
+		t.Fatalf("inner transport %T should be the configured TLS HTTPTransport", ot.inner)
 	}
 	if !ot.TLSEnabled() {
 		t.Fatal("TLSEnabled not forwarded")
@@ -105,11 +120,11 @@ func TestInstallWrapsConfiguredTransport(t *testing.T) {
 }
 
 func TestForwardsFastCGIInterfaces(t *testing.T) {
-	h, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:9000"}],`+probe+`,
+	h, _, _ := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:9000"}],`+probe+`,
 		"transport":{"protocol":"fastcgi","root":"/srv"}}`)
-	ot := h.Transport.(*ObservingTransport)
-	if _, ok := ot.Inner().(*fastcgi.Transport); !ok {
-		t.Fatalf("inner is %T", ot.Inner())
+	ot := h.Transport.(*observingTransport)
+	if _, ok := ot.inner.(*fastcgi.Transport); !ok {
+		t.Fatalf("inner is %T", ot.inner)
 	}
 	if !ot.RequiresContentLength() {
 		t.Fatal("RequiresContentLength not forwarded from fastcgi")
@@ -170,7 +185,7 @@ func TestObservesAttemptsButNotHealthChecks(t *testing.T) {
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
-	ot := &ObservingTransport{inner: fakeTransport{delay: 5 * time.Millisecond}, table: table}
+	ot := &observingTransport{inner: fakeTransport{delay: 5 * time.Millisecond}, table: table}
 
 	for range 3 {
 		if _, err := ot.RoundTrip(request(context.Background(), u, true)); err != nil {
@@ -195,7 +210,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	t.Cleanup(table.Release)
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
 
-	refused := &ObservingTransport{inner: fakeTransport{err: errors.New("connection refused")}, table: table}
+	refused := &observingTransport{inner: fakeTransport{err: errors.New("connection refused")}, table: table}
 	if _, err := refused.RoundTrip(request(context.Background(), u, false)); err == nil {
 		t.Fatal("want error")
 	}
@@ -203,7 +218,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 		t.Fatalf("transport error must count as a failure, got %d", f)
 	}
 
-	slow := &ObservingTransport{inner: fakeTransport{delay: time.Minute}, table: table}
+	slow := &observingTransport{inner: fakeTransport{delay: time.Minute}, table: table}
 	ctx, cancel := context.WithCancel(context.Background())
 	st := table.Stats(u.Dial)
 	go func() {
@@ -232,21 +247,21 @@ func (instant) RoundTrip(*http.Request) (*http.Response, error) {
 // the same request through the bare inner transport and through the
 // observing one, with and without outlier detection.
 //
-//	go test ./healthx -run '^$' -bench Observe -benchmem
+//	go test ./lbpolicy -run '^$' -bench Observe -benchmem
 func BenchmarkObserve(b *testing.B) {
 	table := hoststate.NewTable(hoststate.Config{})
 	b.Cleanup(table.Release)
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: "bench:80"}
 	req := request(context.Background(), u, false)
 	o := Outlier{}
-	o.Provision(zap.NewNop(), Emitter{})
+	o.provision(zap.NewNop(), emitter{})
 	for _, c := range []struct {
 		name string
 		rt   http.RoundTripper
 	}{
 		{"bare", instant{}},
-		{"observed", &ObservingTransport{inner: instant{}, table: table}},
-		{"observed_outlier", &ObservingTransport{inner: instant{}, table: table, outlier: &o}},
+		{"observed", &observingTransport{inner: instant{}, table: table}},
+		{"observed_outlier", &observingTransport{inner: instant{}, table: table, outlier: &o}},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()

@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"bytes"
@@ -79,7 +79,7 @@ func (r *probeRule) passed(resp *http.Response, err error) bool {
 // ejected upstream of this table, counts it toward an early return: as many
 // passes in a row as the checker needs to deem a host healthy end the
 // ejection.
-func (t *ObservingTransport) roundTripProbe(req *http.Request, dial string) (*http.Response, error) {
+func (t *observingTransport) roundTripProbe(req *http.Request, dial string) (*http.Response, error) {
 	resp, err := t.inner.RoundTrip(req)
 	s, ok := t.table.Lookup(dial)
 	if !ok || !s.Ejected(hoststate.Now()) {
@@ -100,5 +100,5 @@ func (o *Outlier) announceRestored(dial, why string) {
 	if ce := o.logger.Check(zap.InfoLevel, "upstream restored after ejection"); ce != nil {
 		ce.Write(zap.String("upstream", dial), zap.String("by", why))
 	}
-	o.events.Emit(EventUpstreamRestored, map[string]any{"host": dial, "by": why})
+	o.events.emit(eventUpstreamRestored, map[string]any{"host": dial, "by": why})
 }

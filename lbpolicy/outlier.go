@@ -1,14 +1,12 @@
-package healthx
+package lbpolicy
 
 import (
 	"fmt"
 	"math"
 	"slices"
-	"strconv"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
@@ -96,8 +94,8 @@ type Outlier struct {
 	KeepEjectedOnHealthCheck bool `json:"keep_ejected_on_health_check,omitempty"`
 
 	logger *zap.Logger
-	events Emitter
-	// sweepDone is closed when the interval loop started by Install ends;
+	events emitter
+	// sweepDone is closed when the interval loop started by install ends;
 	// nil when none was started.
 	sweepDone chan struct{}
 }
@@ -111,17 +109,17 @@ func (x *Outlier) UnmarshalJSON(b []byte) error {
 
 // Outlier defaults, as in Envoy.
 const (
-	DefaultConsecutiveFailures = 5
-	DefaultBaseEjectionTime    = 30 * time.Second
-	DefaultMaxEjectionTime     = 300 * time.Second
-	DefaultMaxEjectionPercent  = 10.0
+	defaultConsecutiveFailures = 5
+	defaultBaseEjectionTime    = 30 * time.Second
+	defaultMaxEjectionTime     = 300 * time.Second
+	defaultMaxEjectionPercent  = 10.0
 
-	DefaultOutlierInterval              = 10 * time.Second
-	DefaultSuccessRateMinHosts          = 5
-	DefaultSuccessRateMinRequests       = 100
-	DefaultSuccessRateStdevFactor       = 1.9
-	DefaultFailurePercentageMinHosts    = 5
-	DefaultFailurePercentageMinRequests = 50
+	defaultOutlierInterval              = 10 * time.Second
+	defaultSuccessRateMinHosts          = 5
+	defaultSuccessRateMinRequests       = 100
+	defaultSuccessRateStdevFactor       = 1.9
+	defaultFailurePercentageMinHosts    = 5
+	defaultFailurePercentageMinRequests = 50
 )
 
 // defaultFailureStatus is the response statuses that count as a failed
@@ -130,43 +128,43 @@ const (
 // be modified.
 var defaultFailureStatus = []int{502, 503, 504}
 
-// Provision applies defaults and sets where ejections are logged and
+// provision applies defaults and sets where ejections are logged and
 // announced.
-func (o *Outlier) Provision(logger *zap.Logger, events Emitter) {
+func (o *Outlier) provision(logger *zap.Logger, events emitter) {
 	o.logger, o.events = logger, events
 	if o.Consecutive == 0 {
-		o.Consecutive = DefaultConsecutiveFailures
+		o.Consecutive = defaultConsecutiveFailures
 	}
 	if o.FailureStatus == nil {
 		o.FailureStatus = slices.Clone(defaultFailureStatus)
 	}
 	if o.BaseEjectionTime == 0 {
-		o.BaseEjectionTime = caddy.Duration(DefaultBaseEjectionTime)
+		o.BaseEjectionTime = caddy.Duration(defaultBaseEjectionTime)
 	}
 	if o.MaxEjectionTime == 0 {
-		o.MaxEjectionTime = caddy.Duration(max(DefaultMaxEjectionTime, time.Duration(o.BaseEjectionTime)))
+		o.MaxEjectionTime = caddy.Duration(max(defaultMaxEjectionTime, time.Duration(o.BaseEjectionTime)))
 	}
 	if o.MaxEjectionPercent == nil {
-		p := DefaultMaxEjectionPercent
+		p := defaultMaxEjectionPercent
 		o.MaxEjectionPercent = &p
 	}
 	if o.Interval == 0 {
-		o.Interval = caddy.Duration(DefaultOutlierInterval)
+		o.Interval = caddy.Duration(defaultOutlierInterval)
 	}
 	if o.SuccessRateMinHosts == 0 {
-		o.SuccessRateMinHosts = DefaultSuccessRateMinHosts
+		o.SuccessRateMinHosts = defaultSuccessRateMinHosts
 	}
 	if o.SuccessRateMinRequests == 0 {
-		o.SuccessRateMinRequests = DefaultSuccessRateMinRequests
+		o.SuccessRateMinRequests = defaultSuccessRateMinRequests
 	}
 	if o.SuccessRateStdevFactor == 0 {
-		o.SuccessRateStdevFactor = DefaultSuccessRateStdevFactor
+		o.SuccessRateStdevFactor = defaultSuccessRateStdevFactor
 	}
 	if o.FailurePercentageMinHosts == 0 {
-		o.FailurePercentageMinHosts = DefaultFailurePercentageMinHosts
+		o.FailurePercentageMinHosts = defaultFailurePercentageMinHosts
 	}
 	if o.FailurePercentageMinRequests == 0 {
-		o.FailurePercentageMinRequests = DefaultFailurePercentageMinRequests
+		o.FailurePercentageMinRequests = defaultFailurePercentageMinRequests
 	}
 }
 
@@ -183,7 +181,7 @@ const (
 	maxStdevFactor     = 100
 )
 
-// outlierOptions lists the options check knows, in the order Validate
+// outlierOptions lists the options check knows, in the order validate
 // reports them.
 var outlierOptions = []string{
 	"consecutive_failures", "failure_status", "base_ejection_time", "max_ejection_time",
@@ -192,8 +190,8 @@ var outlierOptions = []string{
 	"failure_percentage_min_requests",
 }
 
-// Validate checks the configuration.
-func (o *Outlier) Validate() error {
+// validate checks the configuration.
+func (o *Outlier) validate() error {
 	for _, opt := range outlierOptions {
 		if err := o.check(opt); err != nil {
 			return fmt.Errorf("outlier: %v", err)
@@ -202,10 +200,10 @@ func (o *Outlier) Validate() error {
 	return nil
 }
 
-// check is the rule for the value of one option: Validate applies every
+// check is the rule for the value of one option: validate applies every
 // rule, and the Caddyfile parser each option's as it reads it, so that the
 // error has its line. A duration or count of 0 is the default, set by
-// Provision before Validate; in a Caddyfile it is an error.
+// provision before validate; in a Caddyfile it is an error.
 func (o *Outlier) check(opt string) error {
 	switch opt {
 	case "consecutive_failures":
@@ -309,146 +307,8 @@ func (o *Outlier) eject(s *hoststate.Stats, now int64, reason hoststate.EjectRea
 		fields := append([]zap.Field{zap.String("upstream", s.Dial()), zap.String("reason", reason.String())}, detail...)
 		ce.Write(append(fields, zap.Int64("ejections_in_a_row", m), zap.Duration("for", d))...)
 	}
-	o.events.Emit(EventUpstreamEjected, map[string]any{
+	o.events.emit(eventUpstreamEjected, map[string]any{
 		"host": s.Dial(), "reason": reason.String(), "for_ms": d.Milliseconds(), "ejections_in_a_row": m,
 	})
 	return true
-}
-
-// UnmarshalCaddyfile reads an outlier block, the dispenser on its name:
-//
-//	outlier {
-//		consecutive_failures            <n>
-//		failure_status                  <code...>
-//		base_ejection_time              <duration>
-//		max_ejection_time               <duration>
-//		max_ejection_percent            <percent>
-//		interval                        <duration>
-//		success_rate                    on|off
-//		success_rate_min_hosts          <n>
-//		success_rate_min_requests       <n>
-//		success_rate_stdev_factor       <factor>
-//		failure_percentage_threshold    <percent>|off
-//		failure_percentage_min_hosts    <n>
-//		failure_percentage_min_requests <n>
-//		health_check_restore            on|off
-//	}
-func (o *Outlier) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	counts := map[string]*int{
-		"consecutive_failures":            &o.Consecutive,
-		"success_rate_min_hosts":          &o.SuccessRateMinHosts,
-		"success_rate_min_requests":       &o.SuccessRateMinRequests,
-		"failure_percentage_min_hosts":    &o.FailurePercentageMinHosts,
-		"failure_percentage_min_requests": &o.FailurePercentageMinRequests,
-	}
-	durations := map[string]*caddy.Duration{
-		"base_ejection_time": &o.BaseEjectionTime,
-		"max_ejection_time":  &o.MaxEjectionTime,
-		"interval":           &o.Interval,
-	}
-	seen := map[string]bool{}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("outlier: %s specified more than once", opt)
-		}
-		seen[opt] = true
-		switch opt {
-		case "consecutive_failures", "success_rate_min_hosts", "success_rate_min_requests",
-			"failure_percentage_min_hosts", "failure_percentage_min_requests":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			n, err := strconv.Atoi(d.Val())
-			if err != nil {
-				return d.Errf("outlier: invalid %s %q: want a whole number", opt, d.Val())
-			}
-			*counts[opt] = n
-		case "failure_status":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
-			}
-			o.FailureStatus = []int{}
-			for _, a := range args {
-				c, err := strconv.Atoi(a)
-				if err != nil {
-					return d.Errf("outlier: invalid failure_status %q: want HTTP status codes", a)
-				}
-				o.FailureStatus = append(o.FailureStatus, c)
-			}
-		case "base_ejection_time", "max_ejection_time", "interval":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(d.Val())
-			if err != nil {
-				return d.Errf("outlier: invalid %s %q: want a duration", opt, d.Val())
-			}
-			*durations[opt] = caddy.Duration(dur)
-		case "success_rate", "health_check_restore":
-			on, err := parseOnOff(d)
-			if err != nil {
-				return err
-			}
-			if opt == "success_rate" {
-				o.DisableSuccessRate = !on
-			} else {
-				o.KeepEjectedOnHealthCheck = !on
-			}
-		case "success_rate_stdev_factor":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			f, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil {
-				return d.Errf("outlier: invalid success_rate_stdev_factor %q: want a positive number", d.Val())
-			}
-			o.SuccessRateStdevFactor = f
-		case "failure_percentage_threshold":
-			p, err := ParsePercent(d, "outlier")
-			if err != nil {
-				return err
-			}
-			if d.Val() == "off" {
-				o.FailurePercentageThreshold = nil
-			} else {
-				o.FailurePercentageThreshold = &p
-			}
-		case "max_ejection_percent":
-			p, err := ParsePercent(d, "outlier")
-			if err != nil {
-				return err
-			}
-			o.MaxEjectionPercent = &p
-		default:
-			return d.Errf("outlier: unrecognized option %q", opt)
-		}
-		if err := o.check(opt); err != nil {
-			return d.Errf("outlier: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-	}
-	return nil
-}
-
-// parseOnOff reads the argument of an on/off option, the dispenser on the
-// option's name.
-func parseOnOff(d *caddyfile.Dispenser) (bool, error) {
-	opt := d.Val()
-	if !d.NextArg() {
-		return false, d.ArgErr()
-	}
-	switch d.Val() {
-	case "on":
-		return true, nil
-	case "off":
-		return false, nil
-	}
-	return false, d.Errf("outlier: invalid %s %q: want 'on' or 'off'", opt, d.Val())
 }

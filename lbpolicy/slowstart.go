@@ -1,13 +1,11 @@
-package healthx
+package lbpolicy
 
 import (
 	"fmt"
 	"math"
-	"strconv"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -50,14 +48,14 @@ func (x *SlowStart) UnmarshalJSON(b []byte) error {
 	return jsonfield.Decode(b, (*plain)(x))
 }
 
-// DefaultSlowStartMinWeight is the default floor of the ramp, in percent
+// defaultSlowStartMinWeight is the default floor of the ramp, in percent
 // (Envoy's default).
-const DefaultSlowStartMinWeight = 10.0
+const defaultSlowStartMinWeight = 10.0
 
-// Provision applies defaults.
-func (s *SlowStart) Provision() {
+// provision applies defaults.
+func (s *SlowStart) provision() {
 	if s.MinWeightPercent == nil {
-		p := DefaultSlowStartMinWeight
+		p := defaultSlowStartMinWeight
 		s.MinWeightPercent = &p
 	}
 	if s.Aggression == 0 {
@@ -79,8 +77,8 @@ const (
 	maxAggression      = 100
 )
 
-// Validate checks the configuration.
-func (s *SlowStart) Validate() error {
+// validate checks the configuration.
+func (s *SlowStart) validate() error {
 	for _, opt := range []string{"window", "min_weight", "aggression"} {
 		if opt == "aggression" && s.Aggression == 0 {
 			continue // the default
@@ -93,9 +91,9 @@ func (s *SlowStart) Validate() error {
 }
 
 // check is the rule for the value of one option (by its Caddyfile name):
-// Validate applies every rule, and the Caddyfile parser each option's as
+// validate applies every rule, and the Caddyfile parser each option's as
 // it reads it, so that the error has its line. An aggression of 0 is the
-// default, set by Provision before Validate.
+// default, set by provision before validate.
 func (s *SlowStart) check(opt string) error {
 	switch opt {
 	case "window":
@@ -114,16 +112,16 @@ func (s *SlowStart) check(opt string) error {
 	return nil
 }
 
-// Ramping reports whether an upstream whose ramp began at start is still
+// ramping reports whether an upstream whose ramp began at start is still
 // ramping at now; small enough to inline, for the common case.
-func (s *SlowStart) Ramping(start, now int64) bool {
+func (s *SlowStart) ramping(start, now int64) bool {
 	return start != 0 && now-start < s.windowNs && now >= start
 }
 
-// Factor returns the fraction of its weight an upstream whose ramp began
+// factor returns the fraction of its weight an upstream whose ramp began
 // at start (ns, hoststate clock; 0 if it never began) has at now: 1 when
 // it is not ramping, else in [floor, 1).
-func (s *SlowStart) Factor(start, now int64) float64 {
+func (s *SlowStart) factor(start, now int64) float64 {
 	elapsed := now - start
 	if start == 0 || elapsed >= s.windowNs || elapsed < 0 {
 		return 1
@@ -133,61 +131,4 @@ func (s *SlowStart) Factor(start, now int64) float64 {
 		f = math.Pow(f, s.exponent)
 	}
 	return max(f, s.floor)
-}
-
-// UnmarshalCaddyfile reads a slow_start option, the dispenser on its name:
-//
-//	slow_start <window> [{
-//		min_weight <percent>
-//		aggression <number>
-//	}]
-func (s *SlowStart) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	if !d.NextArg() {
-		return d.ArgErr()
-	}
-	w, err := caddy.ParseDuration(d.Val())
-	if err != nil {
-		return d.Errf("slow_start: invalid window %q: want a positive duration", d.Val())
-	}
-	s.Window = caddy.Duration(w)
-	if err := s.check("window"); err != nil {
-		return d.Errf("slow_start: %v", err)
-	}
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	seen := map[string]bool{}
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("slow_start: %s specified more than once", opt)
-		}
-		seen[opt] = true
-		switch opt {
-		case "min_weight":
-			p, err := ParsePercent(d, "slow_start")
-			if err != nil {
-				return err
-			}
-			s.MinWeightPercent = &p
-		case "aggression":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			a, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil {
-				return d.Errf("slow_start: invalid aggression %q: want a positive number", d.Val())
-			}
-			s.Aggression = a
-		default:
-			return d.Errf("slow_start: unrecognized option %q", opt)
-		}
-		if err := s.check(opt); err != nil {
-			return d.Errf("slow_start: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-	}
-	return nil
 }

@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"testing"

@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"errors"
@@ -10,11 +10,11 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// ErrNoProxyHandler is returned by Install when the module being provisioned
+// errNoProxyHandler is returned by install when the module being provisioned
 // is not inside a reverse_proxy handler.
-var ErrNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handler")
+var errNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handler")
 
-// Install puts an ObservingTransport around the transport of the
+// install puts an observingTransport around the transport of the
 // reverse_proxy handler that is provisioning the calling module, so that
 // every attempt that handler makes feeds table. It is how `lb_policy ewma`
 // works with no other configuration.
@@ -23,7 +23,7 @@ var ErrNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handl
 // reverseproxy.Handler.Provision (a selection policy): Caddy loads the
 // configured transport before the selection policy, so it can be wrapped in
 // place, and only installs its default transport after, when none is set —
-// so when no transport is configured Install provisions that same default
+// so when no transport is configured install provisions that same default
 // (an empty HTTPTransport, exactly as reverse_proxy would) and wraps it.
 // The handler then sees a transport that implements every optional
 // interface the inner one does, with neutral answers otherwise.
@@ -33,13 +33,13 @@ var ErrNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handl
 // to table until ctx is done. When the handler also has active health
 // checks, probes that pass end an ejection early.
 //
-// Install returns the handler it instrumented.
-func Install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reverseproxy.Handler, error) {
+// install returns the handler it instrumented.
+func install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reverseproxy.Handler, error) {
 	h := parentProxy(ctx)
 	if h == nil {
-		return nil, ErrNoProxyHandler
+		return nil, errNoProxyHandler
 	}
-	if ot, ok := h.Transport.(*ObservingTransport); ok {
+	if ot, ok := h.Transport.(*observingTransport); ok {
 		// Two of our modules in one handler (the panic wrapper around
 		// ewma): they must share one table, the first one installed.
 		if ot.table != table {
@@ -47,7 +47,7 @@ func Install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reve
 		}
 		return h, nil
 	}
-	wrapper := &ObservingTransport{inner: h.Transport, table: table, outlier: outlier}
+	wrapper := &observingTransport{inner: h.Transport, table: table, outlier: outlier}
 	if outlier != nil && !outlier.KeepEjectedOnHealthCheck && h.HealthChecks != nil {
 		probe, err := newProbeRule(h.HealthChecks.Active)
 		if err != nil {

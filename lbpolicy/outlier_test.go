@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"fmt"
@@ -16,8 +16,8 @@ import (
 )
 
 func newOutlier(t *testing.T, o Outlier) *Outlier {
-	o.Provision(zap.NewNop(), Emitter{})
-	if err := o.Validate(); err != nil {
+	o.provision(zap.NewNop(), emitter{})
+	if err := o.validate(); err != nil {
 		t.Fatal(err)
 	}
 	return &o
@@ -134,7 +134,7 @@ func TestOutlierCaddyfile(t *testing.T) {
 	var o Outlier
 	d := caddyfile.NewTestDispenser(good)
 	d.Next()
-	if err := o.UnmarshalCaddyfile(d); err != nil {
+	if err := o.unmarshalCaddyfile(d); err != nil {
 		t.Fatal(err)
 	}
 	if o.Consecutive != 3 || len(o.FailureStatus) != 2 || o.FailureStatus[0] != 500 ||
@@ -155,12 +155,12 @@ func TestOutlierCaddyfile(t *testing.T) {
 	} {
 		t.Run(bad.in, func(t *testing.T) {
 			var o Outlier
-			unmarshalOption(t, bad.in, bad.want, o.UnmarshalCaddyfile)
+			unmarshalOption(t, bad.in, bad.want, o.unmarshalCaddyfile)
 		})
 	}
 	inverted := Outlier{BaseEjectionTime: caddy.Duration(time.Minute), MaxEjectionTime: caddy.Duration(time.Second)}
-	inverted.Provision(zap.NewNop(), Emitter{})
-	if err := inverted.Validate(); err == nil {
+	inverted.provision(zap.NewNop(), emitter{})
+	if err := inverted.validate(); err == nil {
 		t.Error("max_ejection_time shorter than base_ejection_time must be rejected")
 	}
 }
@@ -179,7 +179,7 @@ func TestOutlierIntervalRulesCaddyfile(t *testing.T) {
 	var o Outlier
 	d := caddyfile.NewTestDispenser(good)
 	d.Next()
-	if err := o.UnmarshalCaddyfile(d); err != nil {
+	if err := o.unmarshalCaddyfile(d); err != nil {
 		t.Fatal(err)
 	}
 	if time.Duration(o.Interval) != 5*time.Second || !o.DisableSuccessRate || o.SuccessRateMinHosts != 3 ||
@@ -200,7 +200,7 @@ func TestOutlierIntervalRulesCaddyfile(t *testing.T) {
 		var o Outlier
 		d := caddyfile.NewTestDispenser(in)
 		d.Next()
-		if err := o.UnmarshalCaddyfile(d); err != nil || !check(o) {
+		if err := o.unmarshalCaddyfile(d); err != nil || !check(o) {
 			t.Errorf("%q: parsed %+v, error %v", in, o, err)
 		}
 	}
@@ -237,7 +237,7 @@ func TestOutlierIntervalRulesCaddyfile(t *testing.T) {
 	} {
 		t.Run(bad.in, func(t *testing.T) {
 			var o Outlier
-			unmarshalOption(t, bad.in, bad.want, o.UnmarshalCaddyfile)
+			unmarshalOption(t, bad.in, bad.want, o.unmarshalCaddyfile)
 		})
 	}
 }
@@ -255,7 +255,7 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 	if o := newOutlier(t, Outlier{DisableSuccessRate: true}); o.sweeps() {
 		t.Fatal("with success_rate off and no failure_percentage_threshold nothing is swept")
 	}
-	if o := newOutlier(t, Outlier{DisableSuccessRate: true, FailurePercentageThreshold: pct(50)}); !o.sweeps() {
+	if o := newOutlier(t, Outlier{DisableSuccessRate: true, FailurePercentageThreshold: percent(50)}); !o.sweeps() {
 		t.Fatal("failure_percentage_threshold turns sweeping on")
 	}
 	nan := math.NaN()
@@ -269,14 +269,14 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 		{Outlier{SuccessRateStdevFactor: -1}, "success_rate_stdev_factor -1 is below the minimum 0"},
 		{Outlier{SuccessRateStdevFactor: nan}, "success_rate_stdev_factor NaN is not a finite number"},
 		{Outlier{SuccessRateStdevFactor: math.Inf(1)}, "success_rate_stdev_factor +Inf is not a finite number"},
-		{Outlier{FailurePercentageThreshold: pct(120)}, "failure_percentage_threshold 120% is not a percentage"},
+		{Outlier{FailurePercentageThreshold: percent(120)}, "failure_percentage_threshold 120% is not a percentage"},
 		{Outlier{FailurePercentageThreshold: &nan}, "failure_percentage_threshold NaN% is not a percentage"},
 		{Outlier{FailurePercentageMinHosts: -2}, "failure_percentage_min_hosts -2 is below the minimum 1"},
 		{Outlier{FailurePercentageMinRequests: -3}, "failure_percentage_min_requests -3 is below the minimum 1"},
 	} {
 		o := bad.o
-		o.Provision(zap.NewNop(), Emitter{})
-		if err := o.Validate(); err == nil || !strings.Contains(err.Error(), bad.want) {
+		o.provision(zap.NewNop(), emitter{})
+		if err := o.validate(); err == nil || !strings.Contains(err.Error(), bad.want) {
 			t.Errorf("%+v: error %v, want it to mention %q", bad.o, err, bad.want)
 		}
 	}
@@ -287,7 +287,7 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 // ejected ones and ejecting.
 func TestCapHoldsUnderConcurrentFailures(t *testing.T) {
 	for round := range 200 {
-		o := newOutlier(t, Outlier{Consecutive: 1, MaxEjectionPercent: percentOf(20), BaseEjectionTime: caddy.Duration(time.Hour)})
+		o := newOutlier(t, Outlier{Consecutive: 1, MaxEjectionPercent: percent(20), BaseEjectionTime: caddy.Duration(time.Hour)})
 		table := hoststate.NewTable(hoststate.Config{})
 		stats := make([]*hoststate.Stats, 10)
 		for i := range stats {
@@ -311,5 +311,3 @@ func TestCapHoldsUnderConcurrentFailures(t *testing.T) {
 		table.Release()
 	}
 }
-
-func percentOf(v float64) *float64 { return &v }

@@ -1,12 +1,10 @@
-package healthx
+package lbpolicy
 
 import (
-	"context"
 	"net/http"
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -16,36 +14,27 @@ import (
 
 func newBudget(t *testing.T, b *RetryBudget) *RetryBudget {
 	t.Helper()
-	if err := b.Validate(); err != nil {
+	if err := b.validate(); err != nil {
 		t.Fatal(err)
 	}
-	b.Provision(zap.NewNop())
+	b.provision(zap.NewNop())
 	return b
-}
-
-// clientRequest is a request as Caddy's server hands it to handlers: with
-// request variables and a replacer.
-func clientRequest() *http.Request {
-	ctx := context.WithValue(context.Background(), caddyhttp.VarsCtxKey, map[string]any{})
-	ctx = context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer())
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://example/", nil)
-	return req
 }
 
 func TestRetryBudgetAdmit(t *testing.T) {
 	b := newBudget(t, &RetryBudget{})
 	pool := reverseproxy.UpstreamPool{{Host: new(reverseproxy.Host), Dial: "a:80"}}
 
-	if !b.Admit(pool, nil) {
+	if !b.admit(pool, nil) {
 		t.Fatal("a selection without a request (not from reverse_proxy) must be admitted")
 	}
 	bare, _ := http.NewRequest(http.MethodGet, "http://example/", nil)
-	if !b.Admit(pool, bare) || !b.Admit(pool, bare) {
+	if !b.admit(pool, bare) || !b.admit(pool, bare) {
 		t.Fatal("a request without variables cannot be told apart from its retry: admit")
 	}
 
 	r := clientRequest()
-	if !b.Admit(pool, r) {
+	if !b.admit(pool, r) {
 		t.Fatal("first attempt refused")
 	}
 	if b.isRetry(r.Context()) {
@@ -54,7 +43,7 @@ func TestRetryBudgetAdmit(t *testing.T) {
 	// Fewer retries in flight than the floor (3): admitted, however few
 	// requests are in flight.
 	b.inFlight.Store(2)
-	if !b.Admit(pool, r) {
+	if !b.admit(pool, r) {
 		t.Fatal("retry under the floor refused")
 	}
 	if !b.isRetry(r.Context()) {
@@ -67,21 +56,21 @@ func TestRetryBudgetAdmit(t *testing.T) {
 	}
 	// At the floor, with nothing else in flight (20% of 0 is 0): refused.
 	b.inFlight.Store(3)
-	if b.Admit(pool, r) {
+	if b.admit(pool, r) {
 		t.Fatal("retry at the floor with no requests in flight admitted")
 	}
-	if b.Refused() != 1 {
-		t.Fatalf("refused = %d, want 1", b.Refused())
+	if b.refused.Load() != 1 {
+		t.Fatalf("refused = %d, want 1", b.refused.Load())
 	}
 	// Another request's first attempt is not a retry, whatever the budget.
-	if !b.Admit(pool, clientRequest()) {
+	if !b.admit(pool, clientRequest()) {
 		t.Fatal("first attempt of another request refused")
 	}
 
 	zero := newBudget(t, &RetryBudget{MinConcurrent: new(int)})
 	r = clientRequest()
-	zero.Admit(pool, r)
-	if zero.Admit(pool, r) {
+	zero.admit(pool, r)
+	if zero.admit(pool, r) {
 		t.Fatal("min_concurrent 0 and no requests in flight: a retry must be refused")
 	}
 }
@@ -94,8 +83,8 @@ func TestRetryBudgetCountsRetriesInFlight(t *testing.T) {
 	t.Cleanup(table.Release)
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
 	release := make(chan struct{})
-	ot := &ObservingTransport{inner: held(release), table: table}
-	ot.CountRetries(b)
+	ot := &observingTransport{inner: held(release), table: table}
+	ot.budget = b
 
 	r := clientRequest()
 	attempt := func() <-chan error {
@@ -106,30 +95,30 @@ func TestRetryBudgetCountsRetriesInFlight(t *testing.T) {
 		}()
 		return done
 	}
-	b.Admit(reverseproxy.UpstreamPool{u}, r) // first attempt
+	b.admit(reverseproxy.UpstreamPool{u}, r) // first attempt
 	done := attempt()
 	release <- struct{}{}
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	if n := b.InFlight(); n != 0 {
+	if n := b.inFlight.Load(); n != 0 {
 		t.Fatalf("a first attempt counted as a retry: %d in flight", n)
 	}
 
-	b.Admit(reverseproxy.UpstreamPool{u}, r) // the retry
+	b.admit(reverseproxy.UpstreamPool{u}, r) // the retry
 	done = attempt()
 	deadline := time.Now().Add(5 * time.Second)
-	for b.InFlight() != 1 && time.Now().Before(deadline) {
+	for b.inFlight.Load() != 1 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
-	if n := b.InFlight(); n != 1 {
+	if n := b.inFlight.Load(); n != 1 {
 		t.Fatalf("retry under way: %d in flight, want 1", n)
 	}
 	release <- struct{}{}
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	if n := b.InFlight(); n != 0 {
+	if n := b.inFlight.Load(); n != 0 {
 		t.Fatalf("finished retry still counted: %d in flight", n)
 	}
 }
@@ -162,10 +151,10 @@ func TestRetryBudgetUnmarshalCaddyfile(t *testing.T) {
 	} {
 		t.Run(tc.input, func(t *testing.T) {
 			var b RetryBudget
-			if !unmarshalOption(t, tc.input, tc.wantErr, b.UnmarshalCaddyfile) {
+			if !unmarshalOption(t, tc.input, tc.wantErr, b.unmarshalCaddyfile) {
 				return
 			}
-			b.Provision(zap.NewNop())
+			b.provision(zap.NewNop())
 			if *b.Percent != tc.percent || *b.MinConcurrent != tc.min {
 				t.Fatalf("got percent %v, min_concurrent %d; want %v, %d", *b.Percent, *b.MinConcurrent, tc.percent, tc.min)
 			}

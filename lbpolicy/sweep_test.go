@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -19,17 +18,17 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// attempts is one upstream's traffic in an interval: judged attempts, of
+// hostTraffic is one upstream's traffic in an interval: judged attempts, of
 // which failed.
-type attempts struct{ judged, failed int }
+type hostTraffic struct{ judged, failed int }
 
 // full is an upstream with n attempts and no failure.
-func full(n int) attempts { return attempts{n, 0} }
+func full(n int) hostTraffic { return hostTraffic{n, 0} }
 
 // sweepPool makes a table of one upstream per entry of traffic, starts a
 // sweeper on it (its interval begins now), records the traffic as judge
 // would and returns the sweeper and the upstreams in order.
-func sweepPool(t *testing.T, o *Outlier, traffic []attempts) (*sweeper, []*hoststate.Stats) {
+func sweepPool(t *testing.T, o *Outlier, traffic []hostTraffic) (*sweeper, []*hoststate.Stats) {
 	t.Helper()
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
@@ -46,7 +45,7 @@ func sweepPool(t *testing.T, o *Outlier, traffic []attempts) (*sweeper, []*hosts
 }
 
 // record counts a's attempts on s the way judge does (without judging).
-func record(s *hoststate.Stats, a attempts) {
+func record(s *hoststate.Stats, a hostTraffic) {
 	for i := range a.judged {
 		s.RecordOutcome(i < a.failed)
 	}
@@ -63,39 +62,37 @@ func ejectedIndexes(hosts []*hoststate.Stats, ejected []string) []int {
 	return out
 }
 
-func pct(v float64) *float64 { return &v }
-
 func TestSuccessRateSweep(t *testing.T) {
 	// Four upstreams at 100% and one at 50%, 100 attempts each: the mean
 	// is 90%, σ = 20 points. With the default factor 1.9 the threshold
 	// is 52%.
-	four := []attempts{full(100), full(100), full(100), full(100)}
-	outlier := append(slices.Clone(four), attempts{100, 50})
+	four := []hostTraffic{full(100), full(100), full(100), full(100)}
+	outlier := append(slices.Clone(four), hostTraffic{100, 50})
 	cases := []struct {
 		name    string
 		cfg     Outlier
-		traffic []attempts
+		traffic []hostTraffic
 		want    []int // ejected upstreams
 	}{
 		{"exactly min hosts and min requests", Outlier{}, outlier, []int{4}},
 		{"one host below min hosts", Outlier{SuccessRateMinHosts: 6}, outlier, nil},
 		{"min hosts counts only hosts with min requests",
-			Outlier{}, append([]attempts{full(100), full(100), full(100), full(99)}, attempts{100, 50}), nil},
+			Outlier{}, append([]hostTraffic{full(100), full(100), full(100), full(99)}, hostTraffic{100, 50}), nil},
 		{"outlier one attempt below min requests: not judged",
-			Outlier{}, append(slices.Clone(four), full(100), attempts{99, 60}), nil},
+			Outlier{}, append(slices.Clone(four), full(100), hostTraffic{99, 60}), nil},
 		{"rate exactly at mean − k·σ is not ejected", Outlier{SuccessRateStdevFactor: 2}, outlier, nil},
 		{"rate just below mean − k·σ is ejected", Outlier{SuccessRateStdevFactor: 1.99}, outlier, []int{4}},
 		{"σ = 0 ejects nothing", Outlier{SuccessRateStdevFactor: 0.001},
-			[]attempts{{100, 10}, {100, 10}, {100, 10}, {100, 10}, {100, 10}}, nil},
+			[]hostTraffic{{100, 10}, {100, 10}, {100, 10}, {100, 10}, {100, 10}}, nil},
 		// 100×60/101 summed five times and divided by five is not quite
 		// the rate itself: σ comes out as 7e-15, not 0.
 		{"σ = 0 up to rounding ejects nothing", Outlier{SuccessRateStdevFactor: 0.001},
-			[]attempts{{101, 40}, {101, 40}, {101, 40}, {101, 40}, {101, 40}}, nil},
+			[]hostTraffic{{101, 40}, {101, 40}, {101, 40}, {101, 40}, {101, 40}}, nil},
 		{"success_rate off", Outlier{DisableSuccessRate: true}, outlier, nil},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			c.cfg.MaxEjectionPercent = pct(100)
+			c.cfg.MaxEjectionPercent = percent(100)
 			o := newOutlier(t, c.cfg)
 			sw, hosts := sweepPool(t, o, c.traffic)
 			now := hoststate.Now()
@@ -119,30 +116,30 @@ func TestSuccessRateSweep(t *testing.T) {
 }
 
 func TestFailurePercentageSweep(t *testing.T) {
-	five := []attempts{full(50), full(50), full(50), full(50), full(50)}
+	five := []hostTraffic{full(50), full(50), full(50), full(50), full(50)}
 	cases := []struct {
 		name    string
 		cfg     Outlier
-		traffic []attempts
+		traffic []hostTraffic
 		want    []int
 	}{
-		{"off by default", Outlier{}, append(slices.Clone(five), attempts{50, 50}), nil},
-		{"above the threshold", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five), attempts{50, 26}), []int{5}},
-		{"exactly at the threshold is not ejected", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five), attempts{50, 25}), nil},
-		{"exactly min hosts and min requests", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five[:4]), attempts{50, 50}), []int{4}},
-		{"one host below min hosts", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five[:3]), full(49), attempts{50, 50}), nil},
-		{"one attempt below min requests", Outlier{FailurePercentageThreshold: pct(50)},
-			append(slices.Clone(five), attempts{49, 49}), nil},
-		{"threshold 0 ejects any failure", Outlier{FailurePercentageThreshold: pct(0)},
-			append(slices.Clone(five), attempts{50, 1}), []int{5}},
+		{"off by default", Outlier{}, append(slices.Clone(five), hostTraffic{50, 50}), nil},
+		{"above the threshold", Outlier{FailurePercentageThreshold: percent(50)},
+			append(slices.Clone(five), hostTraffic{50, 26}), []int{5}},
+		{"exactly at the threshold is not ejected", Outlier{FailurePercentageThreshold: percent(50)},
+			append(slices.Clone(five), hostTraffic{50, 25}), nil},
+		{"exactly min hosts and min requests", Outlier{FailurePercentageThreshold: percent(50)},
+			append(slices.Clone(five[:4]), hostTraffic{50, 50}), []int{4}},
+		{"one host below min hosts", Outlier{FailurePercentageThreshold: percent(50)},
+			append(slices.Clone(five[:3]), full(49), hostTraffic{50, 50}), nil},
+		{"one attempt below min requests", Outlier{FailurePercentageThreshold: percent(50)},
+			append(slices.Clone(five), hostTraffic{49, 49}), nil},
+		{"threshold 0 ejects any failure", Outlier{FailurePercentageThreshold: percent(0)},
+			append(slices.Clone(five), hostTraffic{50, 1}), []int{5}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			c.cfg.MaxEjectionPercent = pct(100)
+			c.cfg.MaxEjectionPercent = percent(100)
 			c.cfg.DisableSuccessRate = true
 			o := newOutlier(t, c.cfg)
 			sw, hosts := sweepPool(t, o, c.traffic)
@@ -162,13 +159,13 @@ func TestFailurePercentageSweep(t *testing.T) {
 
 func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
-	o := Outlier{FailurePercentageThreshold: pct(10), DisableSuccessRate: true, MaxEjectionPercent: pct(20)}
-	o.Provision(zap.New(core), Emitter{})
-	if err := o.Validate(); err != nil {
+	o := Outlier{FailurePercentageThreshold: percent(10), DisableSuccessRate: true, MaxEjectionPercent: percent(20)}
+	o.provision(zap.New(core), emitter{})
+	if err := o.validate(); err != nil {
 		t.Fatal(err)
 	}
 	// Ten upstreams, the cap is two. Three fail too often: 20%, 60%, 40%.
-	traffic := []attempts{full(50), full(50), full(50), full(50), full(50), full(50), full(50),
+	traffic := []hostTraffic{full(50), full(50), full(50), full(50), full(50), full(50), full(50),
 		{50, 10}, {50, 30}, {50, 20}}
 	sw, hosts := sweepPool(t, &o, traffic)
 	now := hoststate.Now()
@@ -201,8 +198,8 @@ func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 }
 
 func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
-	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(50), DisableSuccessRate: true})
-	traffic := []attempts{full(100), full(100), full(100), full(100), full(100), {100, 90}}
+	o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(50), DisableSuccessRate: true})
+	traffic := []hostTraffic{full(100), full(100), full(100), full(100), full(100), {100, 90}}
 	sw, hosts := sweepPool(t, o, traffic)
 	// Upstream 5 is already ejected (say for consecutive failures), which
 	// puts the pool at the cap (10% of 6: one): it is neither ejected
@@ -223,7 +220,7 @@ func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 	// The next interval: upstream 4 fails 51 of 100. Counted from the
 	// start it failed 51 of 200 (25.5%); only this interval's attempts
 	// count: 51%.
-	for i, a := range []attempts{full(100), full(100), full(100), full(100), {100, 51}} {
+	for i, a := range []hostTraffic{full(100), full(100), full(100), full(100), {100, 51}} {
 		record(hosts[i], a)
 	}
 	ejected, _ := sw.sweep(hoststate.Now())
@@ -236,12 +233,12 @@ func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 }
 
 func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
-	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10), MaxEjectionPercent: pct(100), DisableSuccessRate: true})
-	traffic := []attempts{full(50), full(50), full(50), full(50), full(50)}
+	o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10), MaxEjectionPercent: percent(100), DisableSuccessRate: true})
+	traffic := []hostTraffic{full(50), full(50), full(50), full(50), full(50)}
 	sw, hosts := sweepPool(t, o, traffic)
 	// A new upstream with history from elsewhere: all failures.
 	late := sw.table.Stats(t.Name() + "-late:80")
-	record(late, attempts{1000, 1000})
+	record(late, hostTraffic{1000, 1000})
 	if ejected, _ := sw.sweep(hoststate.Now()); len(ejected) != 0 {
 		t.Fatalf("an upstream the sweeper never saw before was judged on its whole history: %v", ejected)
 	}
@@ -249,7 +246,7 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 	for _, s := range append(hosts, late) {
 		record(s, full(50))
 	}
-	record(late, attempts{50, 50})
+	record(late, hostTraffic{50, 50})
 	ejected, _ := sw.sweep(hoststate.Now())
 	if !slices.Equal(ejected, []string{late.Dial()}) {
 		t.Fatalf("ejected %v, want the late upstream", ejected)
@@ -257,8 +254,8 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 }
 
 func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
-	o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10), MaxEjectionPercent: pct(100)})
-	sw, hosts := sweepPool(t, o, []attempts{full(100), full(100), full(100), full(100), {100, 50}})
+	o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10), MaxEjectionPercent: percent(100)})
+	sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	now := hoststate.Now()
 	if ejected, _ := sw.sweep(now); !slices.Equal(ejected, []string{hosts[4].Dial()}) {
 		t.Fatalf("ejected %v", ejected)
@@ -270,8 +267,8 @@ func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 	// At the cap (one of five, taken by upstream 0) it is left in, and
 	// reported once.
 	t.Run("at the cap", func(t *testing.T) {
-		o := newOutlier(t, Outlier{FailurePercentageThreshold: pct(10)})
-		sw, hosts := sweepPool(t, o, []attempts{full(100), full(100), full(100), full(100), {100, 50}})
+		o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10)})
+		sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 		now := hoststate.Now()
 		o.eject(hosts[0], now, hoststate.ReasonConsecutiveFailures)
 		if ejected, skipped := sw.sweep(now); len(ejected) != 0 || !slices.Equal(skipped, []string{hosts[4].Dial()}) {
@@ -283,7 +280,7 @@ func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 func TestTallySince(t *testing.T) {
 	var s hoststate.Stats
 	prev := s.Tally()
-	record(&s, attempts{7, 3})
+	record(&s, hostTraffic{7, 3})
 	if j, f := s.Tally().Since(prev); j != 7 || f != 3 {
 		t.Fatalf("Since = %d judged, %d failed; want 7, 3", j, f)
 	}
@@ -315,17 +312,17 @@ func TestJudgedAttemptsAreCounted(t *testing.T) {
 		statusTransport(200), statusTransport(503), statusTransport(404),
 		fakeTransport{err: errors.New("connection refused")},
 	} {
-		ot := &ObservingTransport{inner: inner, table: table, outlier: o}
+		ot := &observingTransport{inner: inner, table: table, outlier: o}
 		_, _ = ot.RoundTrip(request(context.Background(), u, false))
 	}
 	// A client that went away is not judged; nor is a health check.
 	gone, cancel := context.WithCancel(context.Background())
 	cancel()
-	ot := &ObservingTransport{inner: fakeTransport{delay: time.Minute}, table: table, outlier: o}
+	ot := &observingTransport{inner: fakeTransport{delay: time.Minute}, table: table, outlier: o}
 	if _, err := ot.RoundTrip(request(gone, u, false)); err == nil {
 		t.Fatal("want cancellation error")
 	}
-	ot = &ObservingTransport{inner: statusTransport(503), table: table, outlier: o}
+	ot = &observingTransport{inner: statusTransport(503), table: table, outlier: o}
 	_, _ = ot.RoundTrip(request(context.Background(), u, true))
 
 	if j, f := s.Tally().Since(start); j != 4 || f != 2 {
@@ -333,64 +330,13 @@ func TestJudgedAttemptsAreCounted(t *testing.T) {
 	}
 }
 
-// outlierProbe is a selection policy that installs the observer with an
-// outlier configuration, to test the sweep loop Install starts.
-type outlierProbe struct {
-	Outlier Outlier `json:"outlier"`
-	table   *hoststate.Table
-}
-
-func (*outlierProbe) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{
-		ID:  "http.reverse_proxy.selection_policies.healthx_outlier_probe",
-		New: func() caddy.Module { return new(outlierProbe) },
-	}
-}
-
-var lastOutlierProbe *outlierProbe
-
-func (p *outlierProbe) Provision(ctx caddy.Context) error {
-	p.table = hoststate.NewTable(hoststate.Config{})
-	p.Outlier.Provision(zap.NewNop(), Emitter{})
-	if err := p.Outlier.Validate(); err != nil {
-		return err
-	}
-	lastOutlierProbe = p
-	_, err := Install(ctx, p.table, &p.Outlier)
-	return err
-}
-
-func (p *outlierProbe) Cleanup() error {
-	p.table.Release()
-	return nil
-}
-
-func (p *outlierProbe) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
-	return pool[0]
-}
-
-func init() { caddy.RegisterModule(new(outlierProbe)) }
-
-// provisionOutlierProxy provisions a reverse_proxy handler with the outlier
-// probe in a context of its own, and returns the probe and the function
-// that cancels the context (as Caddy does when it unloads the config).
-func provisionOutlierProxy(t *testing.T, outlierJSON string) (*outlierProbe, context.CancelFunc) {
+// provisionOutlierProxy provisions a reverse_proxy handler of two
+// upstreams whose probe policy has the outlier block outlierJSON, and
+// returns the probe and the function that cancels its context.
+func provisionOutlierProxy(t *testing.T, outlierJSON string) (*probePolicy, context.CancelFunc) {
 	t.Helper()
-	parent, err := caddy.ProvisionContext(&caddy.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := caddy.NewContext(parent)
-	t.Cleanup(cancel)
-	lastOutlierProbe = nil
-	_, err = ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(
-		`{"upstreams":[{"dial":"127.0.0.1:1"},{"dial":"127.0.0.1:2"}],
-		"load_balancing":{"selection_policy":{"policy":"healthx_outlier_probe","outlier":`+outlierJSON+`}}}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := lastOutlierProbe
-	t.Cleanup(func() { p.table.Release() })
+	_, p, cancel := provisionProxy(t, `{"upstreams":[{"dial":"127.0.0.1:1"},{"dial":"127.0.0.1:2"}],
+		"load_balancing":{"selection_policy":{"policy":"lbx_probe","outlier":`+outlierJSON+`}}}`)
 	return p, cancel
 }
 
@@ -402,7 +348,7 @@ func TestInstallSweepLoopEndsWithContext(t *testing.T) {
 		"consecutive_failures":1000,"max_ejection_percent":100}`)
 	done := p.Outlier.sweepDone
 	if done == nil {
-		t.Fatal("Install started no sweep loop")
+		t.Fatal("install started no sweep loop")
 	}
 	s := p.table.Stats("127.0.0.1:1")
 	p.Outlier.judge(p.table, s, "127.0.0.1:1", true)
@@ -438,8 +384,8 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 	never, ejected := table.Stats(t.Name()+"-never:80"), table.Stats(t.Name()+"-ejected:80")
 	o.eject(ejected, hoststate.Now(), hoststate.ReasonFailurePercentage)
 
-	views := map[string]UpstreamView{}
-	for _, v := range BuildReport().Upstreams {
+	views := map[string]upstreamView{}
+	for _, v := range buildReport().Upstreams {
 		views[v.Dial] = v
 	}
 	if v := views[never.Dial()]; v.EjectionReason != "" || len(v.EjectionsByReason) != 3 || v.EjectionsByReason["success_rate"] != 0 {
@@ -464,10 +410,10 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 }
 
 func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
-	ctx, rec := subscribe(t, EventUpstreamEjected)
-	o := Outlier{MaxEjectionPercent: pct(100)}
-	o.Provision(zap.NewNop(), NewEmitter(ctx))
-	sw, hosts := sweepPool(t, &o, []attempts{full(100), full(100), full(100), full(100), {100, 50}})
+	ctx, rec := subscribe(t, eventUpstreamEjected)
+	o := Outlier{MaxEjectionPercent: percent(100)}
+	o.provision(zap.NewNop(), newEmitter(ctx))
+	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	sw.sweep(hoststate.Now())
 	select {
 	case e := <-rec:

@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -75,9 +75,9 @@ func TestPassingProbesEndEjection(t *testing.T) {
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: t.Name() + ":80"}
 	s := table.Stats(u.Dial)
 	probe, _ := newProbeRule(&reverseproxy.ActiveHealthChecks{URI: "/health", Passes: 2})
-	pass := &ObservingTransport{inner: answer{200, "ok"}, table: table, outlier: o, probe: probe}
-	fail := &ObservingTransport{inner: answer{503, ""}, table: table, outlier: o, probe: probe}
-	roundTrip := func(ot *ObservingTransport) {
+	pass := &observingTransport{inner: answer{200, "ok"}, table: table, outlier: o, probe: probe}
+	fail := &observingTransport{inner: answer{503, ""}, table: table, outlier: o, probe: probe}
+	roundTrip := func(ot *observingTransport) {
 		t.Helper()
 		if _, err := ot.RoundTrip(request(context.Background(), u, true)); err != nil {
 			t.Fatal(err)

@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -42,9 +42,9 @@ func subscribe(t *testing.T, names ...string) (caddy.Context, recorder) {
 }
 
 func TestEjectionEmitsEvent(t *testing.T) {
-	ctx, rec := subscribe(t, EventUpstreamEjected)
+	ctx, rec := subscribe(t, eventUpstreamEjected)
 	o := Outlier{Consecutive: 2}
-	o.Provision(zap.NewNop(), NewEmitter(ctx))
+	o.provision(zap.NewNop(), newEmitter(ctx))
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
 	dial := t.Name() + ":80"
@@ -56,7 +56,7 @@ func TestEjectionEmitsEvent(t *testing.T) {
 	o.judge(table, s, dial, true)
 	select {
 	case e := <-rec:
-		if e.Name() != EventUpstreamEjected || e.Data["host"] != dial || e.Data["reason"] != "consecutive_failures" || e.Data["for_ms"] != int64(30000) {
+		if e.Name() != eventUpstreamEjected || e.Data["host"] != dial || e.Data["reason"] != "consecutive_failures" || e.Data["for_ms"] != int64(30000) {
 			t.Fatalf("event %s %v", e.Name(), e.Data)
 		}
 	default:
@@ -67,15 +67,15 @@ func TestEjectionEmitsEvent(t *testing.T) {
 func TestEmitterWithoutEventsAppIsSilent(t *testing.T) {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
-	e := NewEmitter(ctx)
-	e.Emit(EventPanicEntered, map[string]any{"x": 1}) // must not panic
-	Emitter{}.Emit(EventPanicLeft, nil)
+	e := newEmitter(ctx)
+	e.emit(eventPanicEntered, map[string]any{"x": 1}) // must not panic
+	emitter{}.emit(eventPanicLeft, nil)
 }
 
 func TestRestorationEmitsEventOnce(t *testing.T) {
-	ctx, rec := subscribe(t, EventUpstreamRestored)
+	ctx, rec := subscribe(t, eventUpstreamRestored)
 	o := Outlier{Consecutive: 1, BaseEjectionTime: caddy.Duration(time.Millisecond)}
-	o.Provision(zap.NewNop(), NewEmitter(ctx))
+	o.provision(zap.NewNop(), newEmitter(ctx))
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
 	dial := t.Name() + ":80"

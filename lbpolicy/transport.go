@@ -1,8 +1,4 @@
-// Package healthx observes every attempt reverse_proxy makes to an upstream
-// and turns it into shared per-upstream state (latency estimate, outcome
-// counters) that lbx's selection policies read, and shows that state through
-// Caddy's admin API.
-package healthx
+package lbpolicy
 
 import (
 	"context"
@@ -20,7 +16,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// ObservingTransport wraps the transport of a reverse_proxy handler and
+// observingTransport wraps the transport of a reverse_proxy handler and
 // records, for every proxied attempt, the time to response headers and
 // whether the upstream answered. It changes nothing about the round trip
 // itself: every optional interface reverse_proxy looks for is forwarded to
@@ -30,7 +26,7 @@ import (
 // Active health-check requests also go through the transport; they carry no
 // request vars (only real client requests do), which is how they are kept
 // out of the statistics.
-type ObservingTransport struct {
+type observingTransport struct {
 	inner   http.RoundTripper
 	table   *hoststate.Table
 	outlier *Outlier // nil: no outlier ejection
@@ -45,11 +41,8 @@ type ObservingTransport struct {
 	owned caddy.CleanerUpper
 }
 
-// Inner returns the wrapped transport.
-func (t *ObservingTransport) Inner() http.RoundTripper { return t.inner }
-
 // RoundTrip implements http.RoundTripper.
-func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+func (t *observingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
 	di, ok := reverseproxy.GetDialInfo(ctx)
 	if !ok || di.Upstream == nil {
@@ -88,16 +81,12 @@ func (t *ObservingTransport) RoundTrip(req *http.Request) (*http.Response, error
 // failedStatus is the one rule for which response statuses are failed
 // attempts: the outlier block's failure_status when there is one, else
 // defaultFailureStatus.
-func (t *ObservingTransport) failedStatus(code int) bool {
+func (t *observingTransport) failedStatus(code int) bool {
 	if t.outlier != nil {
 		return t.outlier.failedStatus(code)
 	}
 	return slices.Contains(defaultFailureStatus, code)
 }
-
-// CountRetries makes the transport count the retries in flight that b
-// granted.
-func (t *ObservingTransport) CountRetries(b *RetryBudget) { t.budget = b }
 
 // classify tells a dead or slow upstream from a client that went away.
 func classify(ctx context.Context, err error) hoststate.Outcome {
@@ -112,7 +101,7 @@ func classify(ctx context.Context, err error) hoststate.Outcome {
 }
 
 // TLSEnabled implements reverseproxy.TLSTransport.
-func (t *ObservingTransport) TLSEnabled() bool {
+func (t *observingTransport) TLSEnabled() bool {
 	if tt, ok := t.inner.(reverseproxy.TLSTransport); ok {
 		return tt.TLSEnabled()
 	}
@@ -120,7 +109,7 @@ func (t *ObservingTransport) TLSEnabled() bool {
 }
 
 // EnableTLS implements reverseproxy.TLSTransport.
-func (t *ObservingTransport) EnableTLS(base *reverseproxy.TLSConfig) error {
+func (t *observingTransport) EnableTLS(base *reverseproxy.TLSConfig) error {
 	if tt, ok := t.inner.(reverseproxy.TLSTransport); ok {
 		return tt.EnableTLS(base)
 	}
@@ -128,7 +117,7 @@ func (t *ObservingTransport) EnableTLS(base *reverseproxy.TLSConfig) error {
 }
 
 // EnableH2C implements reverseproxy.H2CTransport.
-func (t *ObservingTransport) EnableH2C() error {
+func (t *observingTransport) EnableH2C() error {
 	if ht, ok := t.inner.(reverseproxy.H2CTransport); ok {
 		return ht.EnableH2C()
 	}
@@ -136,7 +125,7 @@ func (t *ObservingTransport) EnableH2C() error {
 }
 
 // ProxyProtocolEnabled implements reverseproxy.ProxyProtocolTransport.
-func (t *ObservingTransport) ProxyProtocolEnabled() bool {
+func (t *observingTransport) ProxyProtocolEnabled() bool {
 	if pt, ok := t.inner.(reverseproxy.ProxyProtocolTransport); ok {
 		return pt.ProxyProtocolEnabled()
 	}
@@ -145,14 +134,14 @@ func (t *ObservingTransport) ProxyProtocolEnabled() bool {
 
 // OverrideHealthCheckScheme implements
 // reverseproxy.HealthCheckSchemeOverriderTransport.
-func (t *ObservingTransport) OverrideHealthCheckScheme(base *url.URL, port string) {
+func (t *observingTransport) OverrideHealthCheckScheme(base *url.URL, port string) {
 	if ht, ok := t.inner.(reverseproxy.HealthCheckSchemeOverriderTransport); ok {
 		ht.OverrideHealthCheckScheme(base, port)
 	}
 }
 
 // DefaultBufferSizes implements reverseproxy.BufferedTransport.
-func (t *ObservingTransport) DefaultBufferSizes() (int64, int64) {
+func (t *observingTransport) DefaultBufferSizes() (int64, int64) {
 	if bt, ok := t.inner.(reverseproxy.BufferedTransport); ok {
 		return bt.DefaultBufferSizes()
 	}
@@ -160,7 +149,7 @@ func (t *ObservingTransport) DefaultBufferSizes() (int64, int64) {
 }
 
 // RequiresContentLength implements reverseproxy.ContentLengthRequiredTransport.
-func (t *ObservingTransport) RequiresContentLength() bool {
+func (t *observingTransport) RequiresContentLength() bool {
 	if ct, ok := t.inner.(reverseproxy.ContentLengthRequiredTransport); ok {
 		return ct.RequiresContentLength()
 	}
@@ -168,7 +157,7 @@ func (t *ObservingTransport) RequiresContentLength() bool {
 }
 
 // RequestHeaderOps implements reverseproxy.RequestHeaderOpsTransport.
-func (t *ObservingTransport) RequestHeaderOps() *headers.HeaderOps {
+func (t *observingTransport) RequestHeaderOps() *headers.HeaderOps {
 	if ht, ok := t.inner.(reverseproxy.RequestHeaderOpsTransport); ok {
 		return ht.RequestHeaderOps()
 	}
@@ -178,7 +167,7 @@ func (t *ObservingTransport) RequestHeaderOps() *headers.HeaderOps {
 // Cleanup implements caddy.CleanerUpper. It cleans up only a transport the
 // wrapper created itself; a configured transport module is cleaned up by
 // Caddy like any other module.
-func (t *ObservingTransport) Cleanup() error {
+func (t *observingTransport) Cleanup() error {
 	if t.owned != nil {
 		return t.owned.Cleanup()
 	}
@@ -187,13 +176,13 @@ func (t *ObservingTransport) Cleanup() error {
 
 // Interface guards
 var (
-	_ http.RoundTripper                                = (*ObservingTransport)(nil)
-	_ caddy.CleanerUpper                               = (*ObservingTransport)(nil)
-	_ reverseproxy.TLSTransport                        = (*ObservingTransport)(nil)
-	_ reverseproxy.H2CTransport                        = (*ObservingTransport)(nil)
-	_ reverseproxy.ProxyProtocolTransport              = (*ObservingTransport)(nil)
-	_ reverseproxy.HealthCheckSchemeOverriderTransport = (*ObservingTransport)(nil)
-	_ reverseproxy.BufferedTransport                   = (*ObservingTransport)(nil)
-	_ reverseproxy.ContentLengthRequiredTransport      = (*ObservingTransport)(nil)
-	_ reverseproxy.RequestHeaderOpsTransport           = (*ObservingTransport)(nil)
+	_ http.RoundTripper                                = (*observingTransport)(nil)
+	_ caddy.CleanerUpper                               = (*observingTransport)(nil)
+	_ reverseproxy.TLSTransport                        = (*observingTransport)(nil)
+	_ reverseproxy.H2CTransport                        = (*observingTransport)(nil)
+	_ reverseproxy.ProxyProtocolTransport              = (*observingTransport)(nil)
+	_ reverseproxy.HealthCheckSchemeOverriderTransport = (*observingTransport)(nil)
+	_ reverseproxy.BufferedTransport                   = (*observingTransport)(nil)
+	_ reverseproxy.ContentLengthRequiredTransport      = (*observingTransport)(nil)
+	_ reverseproxy.RequestHeaderOpsTransport           = (*observingTransport)(nil)
 )

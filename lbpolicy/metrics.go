@@ -1,4 +1,4 @@
-package healthx
+package lbpolicy
 
 import (
 	"errors"
@@ -72,7 +72,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	pools := map[key]*agg{}
 	var order []key
-	for _, p := range hoststate.Pools() {
+	for _, p := range poolReports() {
 		dials := make([]string, len(p.Upstreams))
 		for i, u := range p.Upstreams {
 			dials[i] = u.Dial
@@ -107,10 +107,10 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 
 var collector stateCollector
 
-// RegisterMetrics adds lbx's metrics to the config's metrics registry (the
+// registerMetrics adds lbx's metrics to the config's metrics registry (the
 // one Caddy's /metrics endpoints serve). It is called from every lbx
 // policy's Provision; registering again is harmless.
-func RegisterMetrics(ctx caddy.Context) error {
+func registerMetrics(ctx caddy.Context) error {
 	err := ctx.GetMetricsRegistry().Register(collector)
 	var are prometheus.AlreadyRegisteredError
 	if err != nil && !errors.As(err, &are) {

@@ -1,16 +1,14 @@
-package healthx
+package lbpolicy
 
 import (
 	"context"
 	"fmt"
 	"math"
 	"net/http"
-	"strconv"
 	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -64,8 +62,8 @@ func (x *RetryBudget) UnmarshalJSON(b []byte) error {
 
 // Retry budget defaults, as in Envoy.
 const (
-	DefaultRetryBudgetPercent       = 20.0
-	DefaultRetryBudgetMinConcurrent = 3
+	defaultRetryBudgetPercent       = 20.0
+	defaultRetryBudgetMinConcurrent = 3
 )
 
 // retryBudgetVar is the request variable a policy with a retry budget
@@ -76,15 +74,15 @@ const (
 // the replacer is locked.
 const retryBudgetVar = "lbx.retry_budget"
 
-// Provision applies defaults.
-func (b *RetryBudget) Provision(logger *zap.Logger) {
+// provision applies defaults.
+func (b *RetryBudget) provision(logger *zap.Logger) {
 	b.logger = logger
 	if b.Percent == nil {
-		p := DefaultRetryBudgetPercent
+		p := defaultRetryBudgetPercent
 		b.Percent = &p
 	}
 	if b.MinConcurrent == nil {
-		n := DefaultRetryBudgetMinConcurrent
+		n := defaultRetryBudgetMinConcurrent
 		b.MinConcurrent = &n
 	}
 	b.fraction = *b.Percent / 100
@@ -95,8 +93,8 @@ func (b *RetryBudget) Provision(logger *zap.Logger) {
 // retries in flight is no budget at all.
 const maxRetryBudgetFloor = 1_000_000
 
-// Validate checks the configuration.
-func (b *RetryBudget) Validate() error {
+// validate checks the configuration.
+func (b *RetryBudget) validate() error {
 	if b.Percent != nil {
 		if err := bounds.Percent("percent", *b.Percent); err != nil {
 			return fmt.Errorf("retry_budget: %v", err)
@@ -117,11 +115,11 @@ func (b *RetryBudget) checkFloor() error {
 	return bounds.Int("min_concurrent", *b.MinConcurrent, 0, maxRetryBudgetFloor)
 }
 
-// Admit is called by a selection policy before it chooses an upstream for
+// admit is called by a selection policy before it chooses an upstream for
 // r. It reports false when r is a retry the budget cannot afford; the
 // policy then chooses nothing. pool is what the requests in flight are
 // counted over.
-func (b *RetryBudget) Admit(pool reverseproxy.UpstreamPool, r *http.Request) bool {
+func (b *RetryBudget) admit(pool reverseproxy.UpstreamPool, r *http.Request) bool {
 	if r == nil {
 		return true
 	}
@@ -178,12 +176,6 @@ func (b *RetryBudget) refuse(pool reverseproxy.UpstreamPool) {
 // refused retries.
 const retryBudgetLogEvery = 10 * time.Second
 
-// Refused returns how many retries the budget refused.
-func (b *RetryBudget) Refused() uint64 { return b.refused.Load() }
-
-// InFlight returns how many retries are in flight.
-func (b *RetryBudget) InFlight() int64 { return b.inFlight.Load() }
-
 // isRetry reports whether the attempt of the request with ctx is a retry
 // the budget granted.
 func (b *RetryBudget) isRetry(ctx context.Context) bool {
@@ -193,49 +185,4 @@ func (b *RetryBudget) isRetry(ctx context.Context) bool {
 	}
 	v, _ := repl.Get(retryBudgetVar)
 	return v == &b.retry
-}
-
-// UnmarshalCaddyfile reads a retry_budget option, the dispenser on its
-// name:
-//
-//	retry_budget [<percent>] [{
-//		min_concurrent <n>
-//	}]
-func (b *RetryBudget) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	if d.NextArg() {
-		d.Prev()
-		p, err := ParsePercent(d, "retry_budget")
-		if err != nil {
-			return err
-		}
-		b.Percent = &p
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-	}
-	seen := false
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if d.Val() != "min_concurrent" {
-			return d.Errf("retry_budget: unrecognized option %q", d.Val())
-		}
-		if seen {
-			return d.Err("retry_budget: min_concurrent specified more than once")
-		}
-		seen = true
-		if !d.NextArg() {
-			return d.ArgErr()
-		}
-		n, err := strconv.Atoi(d.Val())
-		if err != nil {
-			return d.Errf("retry_budget: invalid min_concurrent %q: want a whole number, 0 or more", d.Val())
-		}
-		b.MinConcurrent = &n
-		if err := b.checkFloor(); err != nil {
-			return d.Errf("retry_budget: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
-		}
-	}
-	return nil
 }
