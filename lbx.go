@@ -6,7 +6,6 @@
 package lbx
 
 import (
-	_ "github.com/caddy-lbx/lbx/caddyfile"
 	_ "github.com/caddy-lbx/lbx/cluster"
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
 	_ "github.com/caddy-lbx/lbx/partition"

@@ -447,7 +447,7 @@ func checkDrainLog(t *testing.T, log string) {
 			continue
 		}
 		ours := false
-		for _, name := range []string{"selection_policies.ewma", "selection_policies.panic", "lbx", "healthx"} {
+		for _, name := range []string{"selection_policies.ewma", "selection_policies.panic", "lbx"} {
 			ours = ours || strings.Contains(entry.Logger, name) || strings.Contains(entry.Msg, name)
 		}
 		level := entry.Level

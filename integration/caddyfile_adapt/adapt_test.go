@@ -1,4 +1,7 @@
-package caddyfile
+// Package caddyfileadapt holds lbx's golden Caddyfile adapt tests, where
+// Caddy keeps its own (caddytest/integration/caddyfile_adapt): each
+// testdata/*.caddyfiletest file is a Caddyfile and what it adapts to.
+package caddyfileadapt
 
 import (
 	"bytes"
@@ -13,10 +16,12 @@ import (
 
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
+
+	_ "github.com/caddy-lbx/lbx"
 )
 
 // update rewrites the JSON expectations of the golden files with what the
-// adapter makes of them now: `go test ./caddyfile -run TestAdapt -update`,
+// adapter makes of them now: `go -C integration test ./caddyfile_adapt -run TestAdapt -update`,
 // then read the diff before committing it.
 var update = flag.Bool("update", false, "rewrite the JSON expectations of the golden files")
 

@@ -1,4 +1,4 @@
-package caddyfile
+package caddyfileadapt
 
 import (
 	"encoding/json"
@@ -153,11 +153,12 @@ func TestValidateJSON(t *testing.T) {
 			wantErr:   "ewma: 2 weights given for 3 upstreams",
 		},
 		{
-			// cluster_load reads its loads from the rebalance app.
-			name:      "cluster_load without the rebalance app",
+			// cluster_load reads its loads through the cluster app (and
+			// refuses to start without a rebalance app publishing them).
+			name:      "cluster_load without the cluster app",
 			upstreams: 2,
 			policy:    `{"policy": "cluster_load", "port_tag": "http_port"}`,
-			wantErr:   "lb_policy cluster_load: no rebalance app in this config",
+			wantErr:   "lb_policy cluster_load: no cluster app in this config",
 		},
 		{
 			name:      "cluster_load port out of range",
@@ -221,8 +222,10 @@ func TestValidateRebalanceThroughput(t *testing.T) {
 			tls
 		}
 	}
-	rebalance {
+	cluster {
 		bind 127.0.0.1:0
+	}
+	rebalance {
 		metric throughput
 	}
 }
