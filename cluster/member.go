@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"errors"
 	"fmt"
 	"log"
 	"maps"
@@ -58,9 +59,10 @@ type member struct {
 	conflictWith atomic.Pointer[string]
 	resolving    atomic.Int64
 
-	kick chan struct{} // wakes publishLoop; capacity 1
-	stop chan struct{}
-	done sync.WaitGroup
+	pubMu sync.Mutex    // serializes setTags
+	kick  chan struct{} // wakes publishLoop; capacity 1
+	stop  chan struct{}
+	done  sync.WaitGroup
 }
 
 // broadcastTimeout bounds how long serf waits for a tag update's (and the
@@ -185,9 +187,8 @@ func (m *member) wake() {
 	}
 }
 
-// publishLoop sets the member's tags whenever they change. It runs apart
-// from the modules that publish: serf's SetTags waits for the broadcast
-// (up to broadcastTimeout), and a shedding decision must not.
+// publishLoop publishes the tags when a config is attached or detached
+// (its configured tags change).
 func (m *member) publishLoop() {
 	defer m.done.Done()
 	retry := time.NewTimer(time.Hour)
@@ -199,44 +200,58 @@ func (m *member) publishLoop() {
 		case <-m.kick:
 		case <-retry.C:
 		}
-		if m.resolvingConflict(time.Now()) {
-			// serf reads this member's node unlocked while it resolves a
-			// name conflict, and SetTags writes it: publish after.
+		if err := m.setTags(); errors.Is(err, errResolving) {
 			retry.Reset(time.Second)
-			continue
-		}
-		m.mu.Lock()
-		var tags map[string]string
-		if len(m.owners) > 0 {
-			tags = m.tagsFor(m.owners[len(m.owners)-1])
-		}
-		conflict := m.conflict
-		m.mu.Unlock()
-		if tags == nil || conflict != "" || m.serf.State() != serf.SerfAlive {
-			continue
-		}
-		if err := m.serf.SetTags(tags); err != nil {
-			if c := m.logger.Check(zap.DebugLevel, "publishing tags"); c != nil {
-				c.Write(zap.Error(err))
-			}
 		}
 	}
 }
 
-// publish sets (or, with value "", removes) a tag other modules publish.
+// errResolving is setTags's answer while serf votes on the node's name.
+var errResolving = errors.New("not publishing while serf resolves a name conflict")
+
+// setTags sets the member's tags to the driving config's and the
+// published ones, and waits for serf's broadcast of them (up to
+// broadcastTimeout). A module that publishes a tag every interval is
+// thereby paced by the gossip: it does not decide again on reports its
+// own last one has not reached.
+func (m *member) setTags() error {
+	m.pubMu.Lock()
+	defer m.pubMu.Unlock()
+	if m.resolvingConflict(time.Now()) {
+		// serf reads this member's node unlocked while it resolves a
+		// name conflict, and SetTags writes it: publish after.
+		return errResolving
+	}
+	m.mu.Lock()
+	var tags map[string]string
+	if len(m.owners) > 0 {
+		tags = m.tagsFor(m.owners[len(m.owners)-1])
+	}
+	conflict := m.conflict
+	m.mu.Unlock()
+	if tags == nil || conflict != "" || m.serf.State() != serf.SerfAlive {
+		return nil
+	}
+	err := m.serf.SetTags(tags)
+	if err != nil {
+		if c := m.logger.Check(zap.DebugLevel, "publishing tags"); c != nil {
+			c.Write(zap.Error(err))
+		}
+	}
+	return err
+}
+
+// publish sets (or, with value "", removes) a tag other modules publish,
+// and publishes the tags.
 func (m *member) publish(key, value string) {
 	m.mu.Lock()
-	old, had := m.published[key]
 	if value == "" {
 		delete(m.published, key)
 	} else {
 		m.published[key] = value
 	}
-	changed := had != (value != "") || old != value
 	m.mu.Unlock()
-	if changed {
-		m.wake()
-	}
+	_ = m.setTags() // logged; a tag serf refused is published again next time
 }
 
 // watchShutdown notices serf shutting the member down on its own.

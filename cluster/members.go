@@ -98,9 +98,11 @@ func (a *App) Members() ([]Member, error) {
 }
 
 // Publish sets this node's member tag key (which must start with
-// ReservedTagPrefix) to value, or removes it when value is empty. The tag
-// is gossiped shortly after, without blocking the caller; it stays across
-// reloads until removed.
+// ReservedTagPrefix) to value, or removes it when value is empty, and
+// gossips the member's tags: it waits for serf's broadcast, up to 2s when
+// no peer acknowledges (serf's errors are logged at debug level). The tag
+// stays across reloads until removed. It returns ErrNotRunning, or the
+// name conflict, when the member does not run.
 func (a *App) Publish(key, value string) error {
 	m := a.runningMember()
 	if m == nil {
