@@ -114,7 +114,11 @@ func (e *env) cleanup() {
 	}
 }
 
-func globalOptions() string {
+func globalOptions() string { return globalOptionsWith("") }
+
+// globalOptionsWith is globalOptions with more options (tab-indented
+// lines) at the end of the block.
+func globalOptionsWith(extra string) string {
 	return fmt.Sprintf(`{
 	skip_install_trust
 	admin %s
@@ -128,8 +132,8 @@ func globalOptions() string {
 		# length without chunked framing (HTTP/2).
 		protocols h1 h2c
 	}
-}
-`, adminAddr, httpPort, httpsPort)
+%s}
+`, adminAddr, httpPort, httpsPort, extra)
 }
 
 // load reloads Caddy with a single site on the test port whose body is
@@ -142,9 +146,16 @@ func (e *env) load(site string) {
 // loadFull reloads Caddy with the global options followed by sites.
 func (e *env) loadFull(sites string) {
 	e.t.Helper()
+	e.loadWith("", sites)
+}
+
+// loadWith reloads Caddy with the global options, more of them (extra),
+// and sites.
+func (e *env) loadWith(extra, sites string) {
+	e.t.Helper()
 	e.loaded = true
 	e.tb.failed.Store(false)
-	e.tester.InitServer(globalOptions()+sites, "caddyfile")
+	e.tester.InitServer(globalOptionsWith(extra)+sites, "caddyfile")
 	if e.tb.failed.Load() {
 		e.t.FailNow()
 	}
