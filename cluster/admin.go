@@ -10,10 +10,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(AdminAPI{})
+	caddy.RegisterModule(adminAPI{})
 }
 
-// AdminAPI serves the cluster membership as this node sees it on Caddy's
+// adminAPI serves the cluster membership as this node sees it on Caddy's
 // admin endpoint:
 //
 //	GET /lbx/cluster
@@ -22,26 +22,26 @@ func init() {
 // address, whether gossip is encrypted, the last join error, a name
 // conflict if serf shut it down over one, and every member serf knows
 // with its status and tags.
-type AdminAPI struct{}
+type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
-func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID:  "admin.api.lbx_cluster",
-		New: func() caddy.Module { return new(AdminAPI) },
+		New: func() caddy.Module { return new(adminAPI) },
 	}
 }
 
 // Routes returns the admin routes.
-func (AdminAPI) Routes() []caddy.AdminRoute {
+func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/cluster",
 		Handler: caddy.AdminHandlerFunc(handleCluster),
 	}}
 }
 
-// NodeView is one serf member of this process in the admin view.
-type NodeView struct {
+// nodeView is one serf member of this process in the admin view.
+type nodeView struct {
 	Name      string `json:"node_name"`
 	Bind      string `json:"bind"`
 	Addr      string `json:"advertised"`
@@ -52,11 +52,11 @@ type NodeView struct {
 	// member uses its node_name: the node no longer gossips or sees the
 	// cluster, and Members is empty.
 	NameConflict string       `json:"name_conflict,omitempty"`
-	Members      []MemberView `json:"members"`
+	Members      []memberView `json:"members"`
 }
 
-// MemberView is one cluster member in the admin view.
-type MemberView struct {
+// memberView is one cluster member in the admin view.
+type memberView struct {
 	Name   string            `json:"name"`
 	Addr   string            `json:"addr"`
 	Status string            `json:"status"`
@@ -64,15 +64,15 @@ type MemberView struct {
 	Tags   map[string]string `json:"tags,omitempty"`
 }
 
-// Report is the body of GET /lbx/cluster.
-type Report struct {
-	Nodes []NodeView `json:"nodes"`
+// report is the body of GET /lbx/cluster.
+type report struct {
+	Nodes []nodeView `json:"nodes"`
 }
 
-// BuildReport assembles the admin view of every serf member in the
+// buildReport assembles the admin view of every serf member in the
 // process.
-func BuildReport() Report {
-	rep := Report{Nodes: []NodeView{}}
+func buildReport() report {
+	rep := report{Nodes: []nodeView{}}
 	members.Range(func(_, v any) bool {
 		rep.Nodes = append(rep.Nodes, v.(*member).view())
 		return true
@@ -82,18 +82,18 @@ func BuildReport() Report {
 }
 
 // view returns the member's admin view.
-func (m *member) view() NodeView {
+func (m *member) view() nodeView {
 	st := m.status()
-	v := NodeView{
+	v := nodeView{
 		Name: st.Name, Bind: m.key, Addr: st.Addr, Encrypted: st.Encrypted, Joined: st.Joined,
-		JoinError: st.JoinError, NameConflict: st.Conflict, Members: []MemberView{},
+		JoinError: st.JoinError, NameConflict: st.Conflict, Members: []memberView{},
 	}
 	if st.Conflict != "" {
 		// serf's member list is frozen at the shutdown: not the cluster.
 		return v
 	}
 	for _, mem := range m.list() {
-		v.Members = append(v.Members, MemberView{
+		v.Members = append(v.Members, memberView{
 			Name: mem.Name, Addr: fmt.Sprintf("%s:%d", mem.Addr, mem.Port), Status: mem.Status.String(),
 			Self: mem.Self, Tags: mem.Tags,
 		})
@@ -108,8 +108,8 @@ func handleCluster(w http.ResponseWriter, r *http.Request) error {
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	return enc.Encode(BuildReport())
+	return enc.Encode(buildReport())
 }
 
 // Interface guard
-var _ caddy.AdminRouter = (*AdminAPI)(nil)
+var _ caddy.AdminRouter = (*adminAPI)(nil)

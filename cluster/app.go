@@ -32,12 +32,12 @@ func init() {
 	caddy.RegisterModule(App{})
 }
 
-// DefaultBind is the address serf listens on by default.
-const DefaultBind = "0.0.0.0:7946"
+// defaultBind is the address serf listens on by default.
+const defaultBind = "0.0.0.0:7946"
 
-// ReservedTagPrefix starts the member tags lbx publishes itself (the
+// reservedTagPrefix starts the member tags lbx publishes itself (the
 // load tag of package rebalance); configured tags may not use it.
-const ReservedTagPrefix = "lbx_"
+const reservedTagPrefix = "lbx_"
 
 // App is this node's membership in a serf cluster of Caddy nodes. Other
 // lbx modules read the members (discovery) and publish tags through it.
@@ -117,7 +117,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.NodeName = host
 	}
 	if a.Bind == "" {
-		a.Bind = DefaultBind
+		a.Bind = defaultBind
 	}
 	if err := a.Validate(); err != nil {
 		return err
@@ -131,7 +131,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		sum := sha256.Sum256(key)
 		a.keyID = hex.EncodeToString(sum[:4])
 	}
-	a.bindHost, a.bindPort, _ = SplitHostPort(a.Bind, "bind")
+	a.bindHost, a.bindPort, _ = splitHostPort(a.Bind, "bind")
 	a.poolKey = net.JoinHostPort(a.bindHost, strconv.Itoa(a.bindPort))
 	if a.bindPort == 0 {
 		// A port chosen by the kernel (tests): every node name its own.
@@ -195,12 +195,12 @@ func (a *App) checkOption(opt string) error {
 			addr = a.Advertise
 		}
 		if addr != "" {
-			_, _, err := SplitHostPort(addr, opt)
+			_, _, err := splitHostPort(addr, opt)
 			return err
 		}
 	case "join":
 		for _, j := range a.Join {
-			_, port, err := SplitHostPort(j, "join")
+			_, port, err := splitHostPort(j, "join")
 			if err != nil {
 				return err
 			}
@@ -210,8 +210,8 @@ func (a *App) checkOption(opt string) error {
 		}
 	case "tags":
 		for k, v := range a.Tags {
-			if strings.HasPrefix(k, ReservedTagPrefix) {
-				return fmt.Errorf("tag %q: keys starting with %s are reserved", k, ReservedTagPrefix)
+			if strings.HasPrefix(k, reservedTagPrefix) {
+				return fmt.Errorf("tag %q: keys starting with %s are reserved", k, reservedTagPrefix)
 			}
 			if k == "" || v == "" {
 				return fmt.Errorf("tag %q=%q: key and value must not be empty", k, v)
@@ -351,9 +351,9 @@ func Lookup(ctx caddy.Context, what string) (*App, error) {
 // every config that shares the member.
 func (a *App) Key() string { return a.poolKey }
 
-// SplitHostPort parses "host:port" for option opt; an empty host is
+// splitHostPort parses "host:port" for option opt; an empty host is
 // 0.0.0.0.
-func SplitHostPort(addr, opt string) (string, int, error) {
+func splitHostPort(addr, opt string) (string, int, error) {
 	host, portStr, err := net.SplitHostPort(addr)
 	if err != nil {
 		return "", 0, fmt.Errorf("%s %q: want host:port: %v", opt, addr, err)

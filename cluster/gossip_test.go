@@ -51,8 +51,8 @@ func TestNameConflictIsLoud(t *testing.T) {
 	if err := second.Publish("lbx_x", "1"); err == nil || err.Error() != msg {
 		t.Errorf("Publish: %v; want the conflict", err)
 	}
-	var view *NodeView
-	for _, v := range BuildReport().Nodes {
+	var view *nodeView
+	for _, v := range buildReport().Nodes {
 		if v.Bind == second.Key() {
 			view = &v
 		}

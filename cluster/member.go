@@ -96,7 +96,7 @@ func newMember(key string, s *settings, key32 []byte, bindHost string, bindPort 
 	ml.LogOutput = nil
 	ml.Logger = stdlog
 	if s.advertise != "" {
-		host, port, err := SplitHostPort(s.advertise, "advertise")
+		host, port, err := splitHostPort(s.advertise, "advertise")
 		if err != nil {
 			return nil, err
 		}

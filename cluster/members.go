@@ -98,7 +98,7 @@ func (a *App) Members() ([]Member, error) {
 }
 
 // Publish sets this node's member tag key (which must start with
-// ReservedTagPrefix) to value, or removes it when value is empty, and
+// reservedTagPrefix) to value, or removes it when value is empty, and
 // gossips the member's tags: it waits for serf's broadcast, up to 2s when
 // no peer acknowledges (serf's errors are logged at debug level). The tag
 // stays across reloads until removed. It returns ErrNotRunning, or the

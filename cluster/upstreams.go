@@ -31,22 +31,22 @@ func init() {
 // serf's member list, so not on every request, and a list an hour old is
 // no longer the cluster.
 const (
-	MinRefresh = 10 * time.Millisecond
-	MaxRefresh = time.Hour
+	minRefresh = 10 * time.Millisecond
+	maxRefresh = time.Hour
 )
 
 // CheckRefresh checks a refresh option: 0 (the default) or from
-// MinRefresh to MaxRefresh.
+// minRefresh to maxRefresh.
 func CheckRefresh(refresh caddy.Duration) error {
 	if refresh == 0 {
 		return nil
 	}
-	return bounds.Duration("refresh", time.Duration(refresh), MinRefresh, MaxRefresh)
+	return bounds.Duration("refresh", time.Duration(refresh), minRefresh, maxRefresh)
 }
 
-// DefaultUpstreamsRefresh is how often SerfUpstreams re-reads the member
+// defaultUpstreamsRefresh is how often SerfUpstreams re-reads the member
 // list by default.
-const DefaultUpstreamsRefresh = time.Second
+const defaultUpstreamsRefresh = time.Second
 
 // SerfUpstreams is a dynamic upstream source for reverse_proxy: the alive
 // members of this node's cluster whose serf tags match Tags.
@@ -110,7 +110,7 @@ func (su *SerfUpstreams) Provision(ctx caddy.Context) error {
 	su.upstreamsState = new(upstreamsState)
 	su.refresh = time.Duration(su.Refresh)
 	if su.refresh == 0 {
-		su.refresh = DefaultUpstreamsRefresh
+		su.refresh = defaultUpstreamsRefresh
 	}
 	if err := su.Validate(); err != nil {
 		return err

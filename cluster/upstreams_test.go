@@ -28,7 +28,7 @@ func newTestSource(app *App, su SerfUpstreams) *SerfUpstreams {
 	su.upstreamsState = new(upstreamsState)
 	su.refresh = time.Duration(su.Refresh)
 	if su.refresh == 0 {
-		su.refresh = DefaultUpstreamsRefresh
+		su.refresh = defaultUpstreamsRefresh
 	}
 	return &su
 }
