@@ -1,12 +1,12 @@
 package cluster
 
 import (
-	"encoding/json"
 	"fmt"
-	"net/http"
 	"sort"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-lbx/lbx/internal/adminjson"
 )
 
 func init() {
@@ -36,7 +36,7 @@ func (adminAPI) CaddyModule() caddy.ModuleInfo {
 func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/cluster",
-		Handler: caddy.AdminHandlerFunc(handleCluster),
+		Handler: adminjson.Handler(buildReport),
 	}}
 }
 
@@ -99,16 +99,6 @@ func (m *member) view() nodeView {
 		})
 	}
 	return v
-}
-
-func handleCluster(w http.ResponseWriter, r *http.Request) error {
-	if r.Method != http.MethodGet {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method not allowed")}
-	}
-	w.Header().Set("Content-Type", "application/json")
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(buildReport())
 }
 
 // Interface guard

@@ -1,10 +1,10 @@
 package cluster
 
 import (
-	"errors"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/caddy-lbx/lbx/internal/metricsreg"
 )
 
 // collector exposes the membership as Prometheus metrics, read at scrape
@@ -58,11 +58,4 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 // registerMetrics adds the cluster metrics to the config's metrics
 // registry (the one Caddy's /metrics endpoints serve). Registering again
 // (a reload) is harmless.
-func registerMetrics(ctx caddy.Context) error {
-	err := ctx.GetMetricsRegistry().Register(collector{})
-	var are prometheus.AlreadyRegisteredError
-	if err != nil && !errors.As(err, &are) {
-		return err
-	}
-	return nil
-}
+func registerMetrics(ctx caddy.Context) error { return metricsreg.Register(ctx, collector{}) }

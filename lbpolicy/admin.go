@@ -1,14 +1,12 @@
 package lbpolicy
 
 import (
-	"encoding/json"
-	"fmt"
-	"net/http"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/dustin/go-humanize"
 
+	"github.com/caddy-lbx/lbx/internal/adminjson"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
@@ -39,7 +37,7 @@ func (adminAPI) CaddyModule() caddy.ModuleInfo {
 func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/upstreams",
-		Handler: caddy.AdminHandlerFunc(handleUpstreams),
+		Handler: adminjson.Handler(buildReport),
 	}}
 }
 
@@ -119,16 +117,6 @@ func buildReport() upstreamsReport {
 		rep.Upstreams = append(rep.Upstreams, v)
 	}
 	return rep
-}
-
-func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
-	if r.Method != http.MethodGet {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
-	}
-	w.Header().Set("Content-Type", "application/json")
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(buildReport())
 }
 
 // Interface guards

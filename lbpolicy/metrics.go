@@ -1,13 +1,13 @@
 package lbpolicy
 
 import (
-	"errors"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/metricsreg"
 )
 
 // stateCollector exposes lbx's per-upstream and per-pool state as
@@ -110,11 +110,4 @@ var collector stateCollector
 // registerMetrics adds lbx's metrics to the config's metrics registry (the
 // one Caddy's /metrics endpoints serve). It is called from every lbx
 // policy's Provision; registering again is harmless.
-func registerMetrics(ctx caddy.Context) error {
-	err := ctx.GetMetricsRegistry().Register(collector)
-	var are prometheus.AlreadyRegisteredError
-	if err != nil && !errors.As(err, &are) {
-		return err
-	}
-	return nil
-}
+func registerMetrics(ctx caddy.Context) error { return metricsreg.Register(ctx, collector) }

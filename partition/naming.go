@@ -13,6 +13,8 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/metricsreg"
 )
 
 // LineError is a line of a naming file that was skipped.
@@ -163,14 +165,7 @@ var namingRejected = prometheus.NewCounterVec(prometheus.CounterOpts{
 // registerNamingMetrics adds the naming file metrics to the config's
 // metrics registry (the one Caddy's /metrics endpoints serve); registering
 // again (another handler, a reload) is harmless.
-func registerNamingMetrics(ctx caddy.Context) error {
-	err := ctx.GetMetricsRegistry().Register(namingRejected)
-	var are prometheus.AlreadyRegisteredError
-	if err != nil && !errors.As(err, &are) {
-		return err
-	}
-	return nil
-}
+func registerNamingMetrics(ctx caddy.Context) error { return metricsreg.Register(ctx, namingRejected) }
 
 // checkNaming checks the naming file options.
 func (h *Handler) checkNaming() error {
