@@ -68,10 +68,7 @@ func TestProvisionValidateErrors(t *testing.T) {
 			a.source = &fakeSource{}
 		}
 		a.cluster = &cluster.App{NodeName: "n"}
-		err := a.Provision(testContext(t))
-		if err == nil {
-			err = a.Validate()
-		}
+		err := provisionApp(t, &a)
 
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: error %v; want one containing %q", tc.app, err, tc.want)

@@ -12,6 +12,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
 
 func init() {
@@ -127,7 +128,7 @@ type NodeView struct {
 	Members      []MemberView `json:"members"`
 	Decision     DecisionView `json:"last_decision"`
 	// Connections are this process's HTTP connections by state.
-	Connections ConnCounts `json:"connections"`
+	Connections conntrack.Counts `json:"connections"`
 	// Bytes are this process's byte totals, as the rebalance listener
 	// wrapper counts them (metric throughput's source).
 	Bytes BytesView `json:"bytes"`
@@ -140,12 +141,12 @@ type NodeView struct {
 	ShedTotalHuman string `json:"shed_total_human"`
 	// WebSocketCloses says how the WebSocket streams this process shed
 	// through rebalance_close ended: with a close frame, or without.
-	WebSocketCloses WebSocketCloses `json:"websocket_closes"`
+	WebSocketCloses conntrack.WebSocketCloses `json:"websocket_closes"`
 }
 
 // BytesView is the process's byte totals in the admin API's output.
 type BytesView struct {
-	ByteTotals
+	conntrack.ByteTotals
 	InHuman  string `json:"in_human"`
 	OutHuman string `json:"out_human"`
 	// Counting says whether a server of a loaded config has the rebalance
@@ -153,13 +154,13 @@ type BytesView struct {
 	Counting bool `json:"counting"`
 }
 
-// bytesView returns the admin view of b.
-func bytesView(b ByteTotals) BytesView {
+// bytesView returns the admin view of cs's bytes.
+func bytesView(cs connStats) BytesView {
 	return BytesView{
-		ByteTotals: b,
-		InHuman:    humanize.Bytes(b.In),
-		OutHuman:   humanize.Bytes(b.Out),
-		Counting:   countedServers.any(),
+		ByteTotals: cs.bytes,
+		InHuman:    humanize.Bytes(cs.bytes.In),
+		OutHuman:   humanize.Bytes(cs.bytes.Out),
+		Counting:   cs.counting,
 	}
 }
 
@@ -172,16 +173,17 @@ type ClusterReport struct {
 // process.
 func BuildClusterReport() ClusterReport {
 	rep := ClusterReport{Nodes: []NodeView{}}
+	cs := loadedConns().stats()
 	nodes.Range(func(_, v any) bool {
-		rep.Nodes = append(rep.Nodes, v.(*node).view(time.Now()))
+		rep.Nodes = append(rep.Nodes, v.(*node).view(time.Now(), cs))
 		return true
 	})
 	sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Bind < rep.Nodes[j].Bind })
 	return rep
 }
 
-// view returns the node's admin view.
-func (n *node) view(now time.Time) NodeView {
+// view returns the node's admin view, with cs, the process's connections.
+func (n *node) view(now time.Time, cs connStats) NodeView {
 	s := n.driver()
 	var (
 		members []cluster.Member
@@ -207,11 +209,11 @@ func (n *node) view(now time.Time) NodeView {
 			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: finite(n.last.Lowest), LowestName: n.last.LowestName,
 			Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
 		},
-		Connections:     tracker.Counts(),
-		Bytes:           bytesView(traffic.totals()),
+		Connections:     cs.conns,
+		Bytes:           bytesView(cs),
 		ShedTotal:       n.shed,
 		ForcedCloses:    n.forced,
-		WebSocketCloses: tracker.WebSocketCloses(),
+		WebSocketCloses: cs.ws,
 	}
 	if s != nil {
 		v.Metric = s.metric

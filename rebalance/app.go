@@ -15,6 +15,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
@@ -38,11 +39,6 @@ const (
 	DefaultShedRate       = 0.5  // percent
 	DefaultMinConnections = 50
 )
-
-// tracker counts the connections of every Caddy HTTP server in the
-// process: one process is one cluster node. Connections of servers from an
-// earlier config stay counted until they close.
-var tracker = new(ConnTracker)
 
 // App gossips this Caddy node's load through the cluster app (by default
 // the connections its HTTP servers hold, smoothed over `history`, in the
@@ -142,6 +138,11 @@ type App struct {
 	events   emitter
 	node     *node // set by Start, cleared by Stop (Caddy calls them in turn)
 
+	// conns are the process's connections (one process is one cluster
+	// node: connections of servers from an earlier config stay counted
+	// until they close), from Provision to Cleanup.
+	conns *processConns
+
 	// httpApp is the config's HTTP app, when it has one and the process is
 	// measured (no test source).
 	httpApp *caddyhttp.App
@@ -159,12 +160,13 @@ func (App) CaddyModule() caddy.ModuleInfo {
 }
 
 // Provision sets defaults, finds the cluster app and registers the
-// connection tracker with every HTTP server of the config. It does not touch the
-// network (it also runs for `caddy validate`).
+// process's connection tracker with every HTTP server of the config. It
+// does not touch the network (it also runs for `caddy validate`).
 func (a *App) Provision(ctx caddy.Context) error {
 	a.logger = ctx.Logger()
 	a.events = newEmitter(ctx)
-	if err := registerMetrics(ctx); err != nil {
+	a.conns = acquireConns()
+	if err := registerMetrics(ctx, a.conns); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
 	if a.Metric == "" {
@@ -189,8 +191,8 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 
 	if a.source == nil {
-		src := &processSource{tracker: tracker, counters: traffic}
-		src.bytes.prime(traffic.totals().Total(), time.Now())
+		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters}
+		src.bytes.prime(src.counters.Totals().Total(), time.Now())
 		a.source = src
 		a.registerServers(ctx)
 		a.checkWrapper = a.Metric == MetricThroughput
@@ -273,7 +275,7 @@ func (a *App) checkThroughputWrapper() error {
 		if name == autoHTTPSRedirectServer {
 			continue // the operator cannot give it listener wrappers
 		}
-		if countedServers.has(srv) {
+		if a.conns.servers.has(srv) {
 			counted = append(counted, name)
 		} else {
 			uncounted = append(uncounted, name)
@@ -304,8 +306,8 @@ func (a *App) registerServers(ctx caddy.Context) {
 	httpApp := appIface.(*caddyhttp.App)
 	a.httpApp = httpApp
 	for _, srv := range httpApp.Servers {
-		srv.RegisterConnState(tracker.ConnState)
-		srv.RegisterConnContext(tracker.ConnContext)
+		srv.RegisterConnState(a.conns.tracker.ConnState)
+		srv.RegisterConnContext(a.conns.tracker.ConnContext)
 	}
 }
 
@@ -484,16 +486,27 @@ func (a *App) Stop() error {
 	return err
 }
 
-// Cleanup releases the member if Stop did not (it is idempotent).
+// Cleanup releases the member if Stop did not, and the process's
+// connections. It is idempotent.
 func (a *App) Cleanup() error {
-	return a.Stop()
+	err := a.Stop()
+	if a.conns != nil {
+		a.conns = nil
+		releaseConns()
+	}
+	return err
 }
+
+// ShedResult says how a shed was carried out, by kind of connection: what
+// the node totals, the admin view's shed_total and the rebalance_shed
+// event report.
+type ShedResult = conntrack.ShedResult
 
 // processSource measures this process: its tracked connections, the
 // bytes its listener wrappers count, and its CPU.
 type processSource struct {
-	tracker  *ConnTracker
-	counters *byteCounters
+	tracker  *conntrack.Tracker
+	counters *conntrack.ByteCounters
 
 	mu      sync.Mutex
 	lastCPU time.Duration
@@ -502,7 +515,7 @@ type processSource struct {
 }
 
 // Sweep runs the tracker's once-per-interval pass.
-func (p *processSource) Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult {
+func (p *processSource) Sweep(recountAfter, boundaryTimeout time.Duration) conntrack.SweepResult {
 	return p.tracker.Sweep(recountAfter, boundaryTimeout)
 }
 
@@ -513,17 +526,17 @@ func (p *processSource) Sample(metric string) (float64, int) {
 	case MetricCPU:
 		return p.cpuPercent(), held
 	case MetricThroughput:
-		return p.bytesPerSecond(time.Now()), held
+		return p.bytesPerSecond(p.counters.Totals().Total(), time.Now()), held
 	}
 	return float64(held), held
 }
 
 // bytesPerSecond returns the bytes read and written per second since the
-// previous sample.
-func (p *processSource) bytesPerSecond(now time.Time) float64 {
+// previous sample, total being the bytes counted so far.
+func (p *processSource) bytesPerSecond(total uint64, now time.Time) float64 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.bytes.sample(p.counters.totals().Total(), now)
+	return p.bytes.sample(total, now)
 }
 
 // Shed sheds n connections through the tracker.

@@ -55,7 +55,10 @@ func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource, m
 			t.Fatal(err)
 		}
 	}
-	t.Cleanup(func() { a.stopAll() })
+	t.Cleanup(func() {
+		a.stopAll()
+		a.Cleanup()
+	})
 	return a
 }
 
@@ -122,7 +125,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 	}
 
 	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(metricsCollector{tracker: new(ConnTracker)})
+	reg.MustRegister(metricsCollector{})
 	val := func(name string, labels map[string]string) float64 {
 		t.Helper()
 		v, ok := metricValue(t, reg, name, labels)

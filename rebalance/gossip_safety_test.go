@@ -227,7 +227,7 @@ func TestNameConflictIsLoud(t *testing.T) {
 		t.Errorf("conflict %q; want it to name the other member %s", msg, first.gossipAddr())
 	}
 
-	v := n.view(time.Now())
+	v := n.view(time.Now(), connStats{})
 	if v.NameConflict != msg || len(v.Members) != 0 {
 		t.Errorf("admin view: name_conflict %q, %d members; want the conflict and no members", v.NameConflict, len(v.Members))
 	}

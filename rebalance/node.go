@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
 
 // LoadTag is the serf member tag in which a node gossips its load:
@@ -55,7 +56,7 @@ type loadSource interface {
 	// upgraded connections, counts shed connections open recountAfter
 	// after the shed toward the load again, and closes those still
 	// without a response boundary after boundaryTimeout (0: never).
-	Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult
+	Sweep(recountAfter, boundaryTimeout time.Duration) conntrack.SweepResult
 	// Sample returns the load in the metric's unit and the connections
 	// held (those shed and still closing excluded; overdue ones count).
 	Sample(metric string) (load float64, held int)
@@ -324,7 +325,7 @@ func (n *node) step(s *settings, now time.Time) {
 
 // logDecision writes one line per decision that sheds, changes state or
 // forces shed connections closed, and a debug line otherwise.
-func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw SweepResult) {
+func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw conntrack.SweepResult) {
 	lvl := zapcore.DebugLevel
 	msg := "rebalance decision"
 	switch {
