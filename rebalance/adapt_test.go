@@ -64,7 +64,7 @@ func TestProvisionValidateErrors(t *testing.T) {
 		{App{BoundaryTimeout: -1e9}, "boundary_timeout -1s is below the minimum 0s"},
 	} {
 		a := tc.app
-		if tc.app.Metric != MetricThroughput {
+		if tc.app.Metric != metricThroughput {
 			a.source = &fakeSource{}
 		}
 		a.cluster = &cluster.App{NodeName: "n"}

@@ -25,19 +25,18 @@ func init() {
 
 // Metrics a node can balance on.
 const (
-	MetricConnections = "connections"
-	MetricThroughput  = "throughput"
-	MetricCPU         = "cpu"
+	metricConnections = "connections"
+	metricThroughput  = "throughput"
+	metricCPU         = "cpu"
 )
 
-// Defaults.
+// Defaults. DefaultInterval is also lb_policy cluster_load's refresh.
 const (
-	DefaultBind           = "0.0.0.0:7946"
 	DefaultInterval       = time.Second
-	DefaultHistory        = 10 * time.Second
-	DefaultThreshold      = 20.0 // percent
-	DefaultShedRate       = 0.5  // percent
-	DefaultMinConnections = 50
+	defaultHistory        = 10 * time.Second
+	defaultThreshold      = 20.0 // percent
+	defaultShedRate       = 0.5  // percent
+	defaultMinConnections = 50
 )
 
 // App gossips this Caddy node's load through the cluster app (by default
@@ -170,7 +169,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
 	if a.Metric == "" {
-		a.Metric = MetricConnections
+		a.Metric = metricConnections
 	}
 	a.resolve()
 	// Before anything sized or timed by the options exists.
@@ -186,7 +185,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.cluster = clusterApp
 	}
 	a.cluster.Provide(requireRebalance)
-	if err := a.cluster.CheckTagsFit(map[string]string{LoadTag: longestLoadTag(a.Metric)}); err != nil {
+	if err := a.cluster.CheckTagsFit(map[string]string{loadTag: longestLoadTag(a.Metric)}); err != nil {
 		return fmt.Errorf("rebalance: cluster %v", err)
 	}
 
@@ -195,7 +194,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		src.bytes.prime(src.counters.Totals().Total(), time.Now())
 		a.source = src
 		a.registerServers(ctx)
-		a.checkWrapper = a.Metric == MetricThroughput
+		a.checkWrapper = a.Metric == metricThroughput
 	}
 	return nil
 }
@@ -213,7 +212,7 @@ func (a *App) resolve() {
 	}
 	a.history = time.Duration(a.History)
 	if a.history == 0 {
-		a.history = DefaultHistory
+		a.history = defaultHistory
 	}
 	a.boundary = time.Duration(a.BoundaryTimeout)
 	freshness := time.Duration(a.Freshness)
@@ -222,13 +221,13 @@ func (a *App) resolve() {
 	}
 	threshold := a.Threshold
 	if threshold == 0 {
-		threshold = DefaultThreshold
+		threshold = defaultThreshold
 	}
 	shedRate := a.ShedRate
 	if shedRate == 0 {
-		shedRate = DefaultShedRate
+		shedRate = defaultShedRate
 	}
-	minConns := DefaultMinConnections
+	minConns := defaultMinConnections
 	if a.MinConnections != nil {
 		minConns = *a.MinConnections
 	}
@@ -298,7 +297,7 @@ func (a *App) checkThroughputWrapper() error {
 func (a *App) registerServers(ctx caddy.Context) {
 	appIface, err := ctx.AppIfConfigured("http")
 	if err != nil {
-		if a.Metric == MetricConnections {
+		if a.Metric == metricConnections {
 			a.logger.Warn("no HTTP app in this config: there are no connections to count or shed", zap.Error(err))
 		}
 		return
@@ -364,9 +363,9 @@ func (a *App) checkOption(opt string) error {
 	switch opt {
 	case "metric":
 		switch a.Metric {
-		case "", MetricConnections, MetricThroughput, MetricCPU:
+		case "", metricConnections, metricThroughput, metricCPU:
 		default:
-			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
+			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, metricConnections, metricThroughput, metricCPU)
 		}
 	case "interval":
 		return checkDuration(opt, a.Interval, minInterval, maxInterval)
@@ -523,9 +522,9 @@ func (p *processSource) Sweep(recountAfter, boundaryTimeout time.Duration) connt
 func (p *processSource) Sample(metric string) (float64, int) {
 	held := p.tracker.Counts().Held()
 	switch metric {
-	case MetricCPU:
+	case metricCPU:
 		return p.cpuPercent(), held
-	case MetricThroughput:
+	case metricThroughput:
 		return p.bytesPerSecond(p.counters.Totals().Total(), time.Now()), held
 	}
 	return float64(held), held

@@ -237,11 +237,11 @@ func TestClusterGossipAndShed(t *testing.T) {
 	if err := handleCluster(rec, httptest.NewRequest("GET", "/lbx/rebalance", nil)); err != nil {
 		t.Fatal(err)
 	}
-	var rep ClusterReport
+	var rep clusterReport
 	if err := json.Unmarshal(rec.Body.Bytes(), &rep); err != nil {
 		t.Fatalf("admin body: %v\n%s", err, rec.Body.String())
 	}
-	var nv *NodeView
+	var nv *nodeView
 	for i := range rep.Nodes {
 		if rep.Nodes[i].Name == "node-b" {
 			nv = &rep.Nodes[i]
@@ -321,7 +321,7 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 	// The new settings drive: the peer sees the new tag and the new load.
 	testutil.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
 		if m, found := memberOf(peer, "reload-x"); found {
-			_, load, _ := parseLoadTag(m.Tags[LoadTag])
+			_, load, _ := parseLoadTag(m.Tags[loadTag])
 			return m.Status == cluster.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
 		}
 		return false, "not listed"

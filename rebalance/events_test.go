@@ -108,7 +108,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 	total := 0
 	for _, e := range events {
 		d := e.Data
-		if e.Name() != EventShed || d["node"] != "ev-a" || d["metric"] != MetricConnections || d["members_counted"] != 2 {
+		if e.Name() != EventShed || d["node"] != "ev-a" || d["metric"] != metricConnections || d["members_counted"] != 2 {
 			t.Errorf("event %s %v", e.Name(), d)
 		}
 		count, _ := d["count"].(int)
@@ -173,7 +173,7 @@ func TestEventNoEventsApp(t *testing.T) {
 	if e.app != nil {
 		t.Fatal("emitter has an events app without one configured")
 	}
-	e.emitShed("n", MetricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
+	e.emitShed("n", metricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
 	if _, err := ctx.AppIfConfigured("events"); err == nil {
 		t.Fatal("the events app was created")
 	}

@@ -21,12 +21,12 @@ import (
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
 
-// LoadTag is the serf member tag in which a node gossips its load:
+// loadTag is the serf member tag in which a node gossips its load:
 // "<metric> <smoothed load> <sequence>". The sequence grows with every
 // report, so a receiver sees a live node's tag change every interval and
 // judges freshness with its own clock (clock skew between nodes does not
 // matter).
-const LoadTag = "lbx_load"
+const loadTag = "lbx_load"
 
 // nodes holds the shedding state of this process, keyed by the cluster
 // member it publishes through (cluster.App.Key): a config reload starts
@@ -148,7 +148,7 @@ func (n *node) Destruct() error {
 	last := n.owners
 	n.mu.Unlock()
 	for _, s := range last {
-		_ = s.cluster.Publish(LoadTag, "")
+		_ = s.cluster.Publish(loadTag, "")
 	}
 	return nil
 }
@@ -251,7 +251,7 @@ func (n *node) step(s *settings, now time.Time) {
 	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
-	if err := s.cluster.Publish(LoadTag, tag); err != nil {
+	if err := s.cluster.Publish(loadTag, tag); err != nil {
 		n.noMembers(s, err, now)
 		return
 	}
@@ -267,7 +267,7 @@ func (n *node) step(s *settings, now time.Time) {
 	for _, m := range members {
 		present[m.Name] = true
 		r := Report{Name: m.Name, Status: m.Status}
-		raw := m.Tags[LoadTag]
+		raw := m.Tags[loadTag]
 		prev, ok := n.seen[m.Name]
 		switch {
 		case !ok:
@@ -366,7 +366,7 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 // quoted), otherwise the number ("1,234" connections, "45.1" percent of a
 // core).
 func formatLoad(metric string, v float64) string {
-	if metric == MetricThroughput {
+	if metric == metricThroughput {
 		if !(v > 0) {
 			return "0 B/s"
 		}

@@ -364,10 +364,10 @@ func TestThroughputCaddy(t *testing.T) {
 		// gossiped returns the node's load tag: the throughput and the
 		// report's sequence number.
 		gossiped := func() (float64, int) {
-			raw := selfTags(n)[LoadTag]
+			raw := selfTags(n)[loadTag]
 			metric, load, ok := parseLoadTag(raw)
 			f := strings.Fields(raw)
-			if !ok || metric != MetricThroughput {
+			if !ok || metric != metricThroughput {
 				return -1, -1
 			}
 			seq, _ := strconv.Atoi(f[2])
@@ -395,7 +395,7 @@ func TestThroughputCaddy(t *testing.T) {
 		if seen == 0 {
 			t.Error("the node never gossiped a throughput above 0 during the stream")
 		}
-		t.Logf("gossiped %s after %d bytes of the stream", formatLoad(MetricThroughput, seen), sent)
+		t.Logf("gossiped %s after %d bytes of the stream", formatLoad(metricThroughput, seen), sent)
 		if _, err := c.Write(make([]byte, upgradeUp-sent)); err != nil {
 			t.Fatal(err)
 		}
@@ -435,12 +435,12 @@ func TestThroughputCaddy(t *testing.T) {
 	t.Run("admin view and metrics", func(t *testing.T) {
 		testutil.WaitFor(t, 5*time.Second, "the admin view shows the totals and a throughput decision", func() (bool, string) {
 			want := traffic.Totals()
-			for _, nv := range BuildClusterReport().Nodes {
+			for _, nv := range buildClusterReport().Nodes {
 				if nv.Name != "bytes-node" {
 					continue
 				}
 				b := nv.Bytes
-				ok := nv.Metric == MetricThroughput && b.Counting && b.In == want.In && b.Out == want.Out &&
+				ok := nv.Metric == metricThroughput && b.Counting && b.In == want.In && b.Out == want.Out &&
 					b.InHuman != "" && strings.HasSuffix(nv.Decision.LocalHuman, "B/s")
 				return ok, fmt.Sprintf("%+v, decision %+v", b, nv.Decision)
 			}

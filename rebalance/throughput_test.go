@@ -92,16 +92,16 @@ func TestProcessSourceThroughput(t *testing.T) {
 	if r := src.bytesPerSecond(bc.Totals().Total(), t0.Add(2*time.Second)); r != 6_000_000 {
 		t.Fatalf("12 MB in 2 s = %v B/s; want 6e6", r)
 	}
-	if got := formatLoad(MetricThroughput, 6_000_000); got != "6.0 MB/s" {
+	if got := formatLoad(metricThroughput, 6_000_000); got != "6.0 MB/s" {
 		t.Errorf("formatLoad = %q; want 6.0 MB/s", got)
 	}
-	if got := formatLoad(MetricThroughput, -1); got != "0 B/s" {
+	if got := formatLoad(metricThroughput, -1); got != "0 B/s" {
 		t.Errorf("formatLoad(-1) = %q", got)
 	}
-	if got := formatLoad(MetricConnections, 1234); got != "1,234.0" {
+	if got := formatLoad(metricConnections, 1234); got != "1,234.0" {
 		t.Errorf("formatLoad(connections) = %q", got)
 	}
-	load, held := src.Sample(MetricThroughput)
+	load, held := src.Sample(metricThroughput)
 	if held != 1 || load < 0 {
 		t.Fatalf("Sample = %v, %d; want a rate and 1 connection held", load, held)
 	}
@@ -229,7 +229,7 @@ func newSimTraffic(conns int, perConn float64) *simTraffic {
 // Sample returns, for metric throughput, the rate processSource measures
 // from the simulated byte total, and the connections held.
 func (s *simTraffic) Sample(metric string) (float64, int) {
-	if metric != MetricThroughput {
+	if metric != metricThroughput {
 		return s.processSource.Sample(metric)
 	}
 	s.mu.Lock()
@@ -272,7 +272,7 @@ func (s *simTraffic) shedTotal() ShedResult {
 func TestThroughputClusterSheds(t *testing.T) {
 	const perConn = 10_000
 	simA, simB := newSimTraffic(300, perConn), newSimTraffic(100, perConn)
-	throughput := func(c *cluster.App, x *App) { x.Metric = MetricThroughput }
+	throughput := func(c *cluster.App, x *App) { x.Metric = metricThroughput }
 	a := testApp(t, "bytes-a", simA, throughput)
 	b := testApp(t, "bytes-b", simB, func(c *cluster.App, x *App) { throughput(c, x); c.Join = []string{a.gossipAddr()} })
 	testutil.WaitFor(t, 15*time.Second, "both nodes count two fresh members", func() (bool, string) {
@@ -298,10 +298,10 @@ func TestThroughputClusterSheds(t *testing.T) {
 	if shed := simB.shedTotal(); shed.Total() != 0 || simB.tracker.Counts().Held() != 100 {
 		t.Errorf("bytes-b shed %+v", shed)
 	}
-	t.Logf("bytes-a: 300 → %d connections (%s)", heldA, formatLoad(MetricThroughput, float64(heldA*perConn)))
+	t.Logf("bytes-a: 300 → %d connections (%s)", heldA, formatLoad(metricThroughput, float64(heldA*perConn)))
 
-	var nv *NodeView
-	for _, v := range BuildClusterReport().Nodes {
+	var nv *nodeView
+	for _, v := range buildClusterReport().Nodes {
 		if v.Name == "bytes-b" {
 			nv = &v
 		}
@@ -310,7 +310,7 @@ func TestThroughputClusterSheds(t *testing.T) {
 		t.Fatal("no bytes-b in the admin view")
 	}
 	for _, m := range nv.Members {
-		if m.Metric != MetricThroughput || !strings.HasSuffix(m.LoadHuman, "B/s") || !m.Counted {
+		if m.Metric != metricThroughput || !strings.HasSuffix(m.LoadHuman, "B/s") || !m.Counted {
 			t.Errorf("admin view of bytes-b: member %+v", m)
 		}
 	}
