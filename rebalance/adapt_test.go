@@ -64,14 +64,11 @@ func TestProvisionValidateErrors(t *testing.T) {
 		{App{BoundaryTimeout: -1e9}, "boundary_timeout -1s is below the minimum 0s"},
 	} {
 		a := tc.app
-		if tc.app.Metric != MetricThroughput {
+		if tc.app.Metric != metricThroughput {
 			a.source = &fakeSource{}
 		}
 		a.cluster = &cluster.App{NodeName: "n"}
-		err := a.Provision(testContext(t))
-		if err == nil {
-			err = a.Validate()
-		}
+		err := provisionApp(t, &a)
 
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: error %v; want one containing %q", tc.app, err, tc.want)

@@ -12,6 +12,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
 
 func init() {
@@ -48,8 +49,8 @@ func (AdminAPI) Routes() []caddy.AdminRoute {
 	}}
 }
 
-// MemberView is one cluster member in the admin API's output.
-type MemberView struct {
+// memberView is one cluster member in the admin API's output.
+type memberView struct {
 	Name   string `json:"name"`
 	Addr   string `json:"addr"`
 	Status string `json:"status"`
@@ -70,8 +71,8 @@ type MemberView struct {
 	Tags    map[string]string `json:"tags,omitempty"`
 }
 
-// DecisionView is a node's last shedding decision.
-type DecisionView struct {
+// decisionView is a node's last shedding decision.
+type decisionView struct {
 	At           time.Time `json:"at"`
 	Local        float64   `json:"local"`
 	LocalHuman   string    `json:"local_human"`
@@ -105,8 +106,8 @@ type DecisionView struct {
 	Reason string `json:"reason"`
 }
 
-// NodeView is one rebalance node in the admin API's output.
-type NodeView struct {
+// nodeView is one rebalance node in the admin API's output.
+type nodeView struct {
 	Name      string `json:"node_name"`
 	Bind      string `json:"bind"`
 	Encrypted bool   `json:"encrypted"`
@@ -124,13 +125,13 @@ type NodeView struct {
 	// node then neither gossips, sees the cluster nor sheds, and Members
 	// is empty.
 	NameConflict string       `json:"name_conflict,omitempty"`
-	Members      []MemberView `json:"members"`
-	Decision     DecisionView `json:"last_decision"`
+	Members      []memberView `json:"members"`
+	Decision     decisionView `json:"last_decision"`
 	// Connections are this process's HTTP connections by state.
-	Connections ConnCounts `json:"connections"`
+	Connections conntrack.Counts `json:"connections"`
 	// Bytes are this process's byte totals, as the rebalance listener
 	// wrapper counts them (metric throughput's source).
-	Bytes BytesView `json:"bytes"`
+	Bytes bytesView `json:"bytes"`
 	// ShedTotal counts the connections this node shed, by how.
 	ShedTotal ShedResult `json:"shed_total"`
 	// ForcedCloses counts the shed active connections this node closed
@@ -140,12 +141,12 @@ type NodeView struct {
 	ShedTotalHuman string `json:"shed_total_human"`
 	// WebSocketCloses says how the WebSocket streams this process shed
 	// through rebalance_close ended: with a close frame, or without.
-	WebSocketCloses WebSocketCloses `json:"websocket_closes"`
+	WebSocketCloses conntrack.WebSocketCloses `json:"websocket_closes"`
 }
 
-// BytesView is the process's byte totals in the admin API's output.
-type BytesView struct {
-	ByteTotals
+// bytesView is the process's byte totals in the admin API's output.
+type bytesView struct {
+	conntrack.ByteTotals
 	InHuman  string `json:"in_human"`
 	OutHuman string `json:"out_human"`
 	// Counting says whether a server of a loaded config has the rebalance
@@ -153,35 +154,36 @@ type BytesView struct {
 	Counting bool `json:"counting"`
 }
 
-// bytesView returns the admin view of b.
-func bytesView(b ByteTotals) BytesView {
-	return BytesView{
-		ByteTotals: b,
-		InHuman:    humanize.Bytes(b.In),
-		OutHuman:   humanize.Bytes(b.Out),
-		Counting:   countedServers.any(),
+// viewBytes returns the admin view of cs's bytes.
+func viewBytes(cs connStats) bytesView {
+	return bytesView{
+		ByteTotals: cs.bytes,
+		InHuman:    humanize.Bytes(cs.bytes.In),
+		OutHuman:   humanize.Bytes(cs.bytes.Out),
+		Counting:   cs.counting,
 	}
 }
 
-// ClusterReport is the body of GET /lbx/rebalance.
-type ClusterReport struct {
-	Nodes []NodeView `json:"nodes"`
+// clusterReport is the body of GET /lbx/rebalance.
+type clusterReport struct {
+	Nodes []nodeView `json:"nodes"`
 }
 
-// BuildClusterReport assembles the admin view of every node in the
+// buildClusterReport assembles the admin view of every node in the
 // process.
-func BuildClusterReport() ClusterReport {
-	rep := ClusterReport{Nodes: []NodeView{}}
+func buildClusterReport() clusterReport {
+	rep := clusterReport{Nodes: []nodeView{}}
+	cs := loadedConns().stats()
 	nodes.Range(func(_, v any) bool {
-		rep.Nodes = append(rep.Nodes, v.(*node).view(time.Now()))
+		rep.Nodes = append(rep.Nodes, v.(*node).view(time.Now(), cs))
 		return true
 	})
 	sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Bind < rep.Nodes[j].Bind })
 	return rep
 }
 
-// view returns the node's admin view.
-func (n *node) view(now time.Time) NodeView {
+// view returns the node's admin view, with cs, the process's connections.
+func (n *node) view(now time.Time, cs connStats) nodeView {
 	s := n.driver()
 	var (
 		members []cluster.Member
@@ -193,25 +195,25 @@ func (n *node) view(now time.Time) NodeView {
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	v := NodeView{
+	v := nodeView{
 		Name:         n.name,
 		Bind:         n.key,
 		Encrypted:    st.Encrypted,
 		JoinError:    st.JoinError,
-		Members:      []MemberView{},
+		Members:      []memberView{},
 		NameConflict: st.Conflict,
-		Decision: DecisionView{
+		Decision: decisionView{
 			At: n.lastAt, Local: finite(n.local), Current: finite(n.current), Held: n.held,
 			Average: finite(n.last.Average), Balance: finite(n.last.Balance), Counted: n.last.Counted,
 			Stale: n.last.Stale, NotAlive: n.last.NotAlive, Invalid: n.last.Invalid, OtherMetric: n.last.OtherMetric, Ignored: n.last.Ignored,
 			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: finite(n.last.Lowest), LowestName: n.last.LowestName,
 			Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
 		},
-		Connections:     tracker.Counts(),
-		Bytes:           bytesView(traffic.totals()),
+		Connections:     cs.conns,
+		Bytes:           viewBytes(cs),
 		ShedTotal:       n.shed,
 		ForcedCloses:    n.forced,
-		WebSocketCloses: tracker.WebSocketCloses(),
+		WebSocketCloses: cs.ws,
 	}
 	if s != nil {
 		v.Metric = s.metric
@@ -233,14 +235,14 @@ func (n *node) view(now time.Time) NodeView {
 		params = s.params
 	}
 	for _, m := range members {
-		mv := MemberView{
+		mv := memberView{
 			Name:   m.Name,
 			Addr:   fmt.Sprintf("%s:%d", m.Addr, m.Port),
 			Status: m.Status.String(),
 			Self:   m.Self,
 			Tags:   m.Tags,
 		}
-		raw := m.Tags[LoadTag]
+		raw := m.Tags[loadTag]
 		metric, load, ok := parseLoadTag(raw)
 		if ok {
 			mv.Metric, mv.Load, mv.LoadHuman = metric, load, formatLoad(metric, load)
@@ -302,7 +304,7 @@ func handleCluster(w http.ResponseWriter, r *http.Request) error {
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	return enc.Encode(BuildClusterReport())
+	return enc.Encode(buildClusterReport())
 }
 
 // Interface guards

@@ -15,6 +15,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
@@ -24,25 +25,19 @@ func init() {
 
 // Metrics a node can balance on.
 const (
-	MetricConnections = "connections"
-	MetricThroughput  = "throughput"
-	MetricCPU         = "cpu"
+	metricConnections = "connections"
+	metricThroughput  = "throughput"
+	metricCPU         = "cpu"
 )
 
-// Defaults.
+// Defaults. DefaultInterval is also lb_policy cluster_load's refresh.
 const (
-	DefaultBind           = "0.0.0.0:7946"
 	DefaultInterval       = time.Second
-	DefaultHistory        = 10 * time.Second
-	DefaultThreshold      = 20.0 // percent
-	DefaultShedRate       = 0.5  // percent
-	DefaultMinConnections = 50
+	defaultHistory        = 10 * time.Second
+	defaultThreshold      = 20.0 // percent
+	defaultShedRate       = 0.5  // percent
+	defaultMinConnections = 50
 )
-
-// tracker counts the connections of every Caddy HTTP server in the
-// process: one process is one cluster node. Connections of servers from an
-// earlier config stay counted until they close.
-var tracker = new(ConnTracker)
 
 // App gossips this Caddy node's load through the cluster app (by default
 // the connections its HTTP servers hold, smoothed over `history`, in the
@@ -142,6 +137,11 @@ type App struct {
 	events   emitter
 	node     *node // set by Start, cleared by Stop (Caddy calls them in turn)
 
+	// conns are the process's connections (one process is one cluster
+	// node: connections of servers from an earlier config stay counted
+	// until they close), from Provision to Cleanup.
+	conns *processConns
+
 	// httpApp is the config's HTTP app, when it has one and the process is
 	// measured (no test source).
 	httpApp *caddyhttp.App
@@ -159,16 +159,17 @@ func (App) CaddyModule() caddy.ModuleInfo {
 }
 
 // Provision sets defaults, finds the cluster app and registers the
-// connection tracker with every HTTP server of the config. It does not touch the
-// network (it also runs for `caddy validate`).
+// process's connection tracker with every HTTP server of the config. It
+// does not touch the network (it also runs for `caddy validate`).
 func (a *App) Provision(ctx caddy.Context) error {
 	a.logger = ctx.Logger()
 	a.events = newEmitter(ctx)
-	if err := registerMetrics(ctx); err != nil {
+	a.conns = acquireConns()
+	if err := registerMetrics(ctx, a.conns); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
 	if a.Metric == "" {
-		a.Metric = MetricConnections
+		a.Metric = metricConnections
 	}
 	a.resolve()
 	// Before anything sized or timed by the options exists.
@@ -184,16 +185,16 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.cluster = clusterApp
 	}
 	a.cluster.Provide(requireRebalance)
-	if err := a.cluster.CheckTagsFit(map[string]string{LoadTag: longestLoadTag(a.Metric)}); err != nil {
+	if err := a.cluster.CheckTagsFit(map[string]string{loadTag: longestLoadTag(a.Metric)}); err != nil {
 		return fmt.Errorf("rebalance: cluster %v", err)
 	}
 
 	if a.source == nil {
-		src := &processSource{tracker: tracker, counters: traffic}
-		src.bytes.prime(traffic.totals().Total(), time.Now())
+		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters}
+		src.bytes.prime(src.counters.Totals().Total(), time.Now())
 		a.source = src
 		a.registerServers(ctx)
-		a.checkWrapper = a.Metric == MetricThroughput
+		a.checkWrapper = a.Metric == metricThroughput
 	}
 	return nil
 }
@@ -211,7 +212,7 @@ func (a *App) resolve() {
 	}
 	a.history = time.Duration(a.History)
 	if a.history == 0 {
-		a.history = DefaultHistory
+		a.history = defaultHistory
 	}
 	a.boundary = time.Duration(a.BoundaryTimeout)
 	freshness := time.Duration(a.Freshness)
@@ -220,13 +221,13 @@ func (a *App) resolve() {
 	}
 	threshold := a.Threshold
 	if threshold == 0 {
-		threshold = DefaultThreshold
+		threshold = defaultThreshold
 	}
 	shedRate := a.ShedRate
 	if shedRate == 0 {
-		shedRate = DefaultShedRate
+		shedRate = defaultShedRate
 	}
-	minConns := DefaultMinConnections
+	minConns := defaultMinConnections
 	if a.MinConnections != nil {
 		minConns = *a.MinConnections
 	}
@@ -273,7 +274,7 @@ func (a *App) checkThroughputWrapper() error {
 		if name == autoHTTPSRedirectServer {
 			continue // the operator cannot give it listener wrappers
 		}
-		if countedServers.has(srv) {
+		if a.conns.servers.has(srv) {
 			counted = append(counted, name)
 		} else {
 			uncounted = append(uncounted, name)
@@ -296,7 +297,7 @@ func (a *App) checkThroughputWrapper() error {
 func (a *App) registerServers(ctx caddy.Context) {
 	appIface, err := ctx.AppIfConfigured("http")
 	if err != nil {
-		if a.Metric == MetricConnections {
+		if a.Metric == metricConnections {
 			a.logger.Warn("no HTTP app in this config: there are no connections to count or shed", zap.Error(err))
 		}
 		return
@@ -304,8 +305,8 @@ func (a *App) registerServers(ctx caddy.Context) {
 	httpApp := appIface.(*caddyhttp.App)
 	a.httpApp = httpApp
 	for _, srv := range httpApp.Servers {
-		srv.RegisterConnState(tracker.ConnState)
-		srv.RegisterConnContext(tracker.ConnContext)
+		srv.RegisterConnState(a.conns.tracker.ConnState)
+		srv.RegisterConnContext(a.conns.tracker.ConnContext)
 	}
 }
 
@@ -362,9 +363,9 @@ func (a *App) checkOption(opt string) error {
 	switch opt {
 	case "metric":
 		switch a.Metric {
-		case "", MetricConnections, MetricThroughput, MetricCPU:
+		case "", metricConnections, metricThroughput, metricCPU:
 		default:
-			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, MetricConnections, MetricThroughput, MetricCPU)
+			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, metricConnections, metricThroughput, metricCPU)
 		}
 	case "interval":
 		return checkDuration(opt, a.Interval, minInterval, maxInterval)
@@ -484,16 +485,27 @@ func (a *App) Stop() error {
 	return err
 }
 
-// Cleanup releases the member if Stop did not (it is idempotent).
+// Cleanup releases the member if Stop did not, and the process's
+// connections. It is idempotent.
 func (a *App) Cleanup() error {
-	return a.Stop()
+	err := a.Stop()
+	if a.conns != nil {
+		a.conns = nil
+		releaseConns()
+	}
+	return err
 }
+
+// ShedResult says how a shed was carried out, by kind of connection: what
+// the node totals, the admin view's shed_total and the rebalance_shed
+// event report.
+type ShedResult = conntrack.ShedResult
 
 // processSource measures this process: its tracked connections, the
 // bytes its listener wrappers count, and its CPU.
 type processSource struct {
-	tracker  *ConnTracker
-	counters *byteCounters
+	tracker  *conntrack.Tracker
+	counters *conntrack.ByteCounters
 
 	mu      sync.Mutex
 	lastCPU time.Duration
@@ -502,7 +514,7 @@ type processSource struct {
 }
 
 // Sweep runs the tracker's once-per-interval pass.
-func (p *processSource) Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult {
+func (p *processSource) Sweep(recountAfter, boundaryTimeout time.Duration) conntrack.SweepResult {
 	return p.tracker.Sweep(recountAfter, boundaryTimeout)
 }
 
@@ -510,20 +522,20 @@ func (p *processSource) Sweep(recountAfter, boundaryTimeout time.Duration) Sweep
 func (p *processSource) Sample(metric string) (float64, int) {
 	held := p.tracker.Counts().Held()
 	switch metric {
-	case MetricCPU:
+	case metricCPU:
 		return p.cpuPercent(), held
-	case MetricThroughput:
-		return p.bytesPerSecond(time.Now()), held
+	case metricThroughput:
+		return p.bytesPerSecond(p.counters.Totals().Total(), time.Now()), held
 	}
 	return float64(held), held
 }
 
 // bytesPerSecond returns the bytes read and written per second since the
-// previous sample.
-func (p *processSource) bytesPerSecond(now time.Time) float64 {
+// previous sample, total being the bytes counted so far.
+func (p *processSource) bytesPerSecond(total uint64, now time.Time) float64 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.bytes.sample(p.counters.totals().Total(), now)
+	return p.bytes.sample(total, now)
 }
 
 // Shed sheds n connections through the tracker.

@@ -77,9 +77,7 @@ func TestAppBoundsJSON(t *testing.T) {
 			if err == nil {
 				a.source = &fakeSource{}
 				a.cluster = &cluster.App{NodeName: "bounds"}
-				if err = a.Provision(testContext(t)); err == nil {
-					err = a.Validate()
-				}
+				err = provisionApp(t, a)
 			}
 			runtime.ReadMemStats(&after)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -99,9 +97,7 @@ func TestAppBoundsJSON(t *testing.T) {
 	if err == nil {
 		a.source = &fakeSource{}
 		a.cluster = &cluster.App{NodeName: "bounds"}
-		if err = a.Provision(testContext(t)); err == nil {
-			err = a.Validate()
-		}
+		err = provisionApp(t, a)
 	}
 	if err != nil {
 		t.Errorf("the bounds: %v", err)
@@ -121,7 +117,7 @@ func TestLoadTagMustFit(t *testing.T) {
 		t.Fatalf("the tags alone: %v", err)
 	}
 	a := &App{source: &fakeSource{}, cluster: c}
-	err := a.Provision(testContext(t))
+	err := provisionApp(t, a)
 	if err == nil || !strings.Contains(err.Error(), "with the ones lbx publishes, take 570 bytes encoded, above serf's limit of 512") {
 		t.Fatalf("error %v; want the load tag's room refused", err)
 	}
@@ -206,13 +202,12 @@ func TestDuplicateGlobalBlock(t *testing.T) {
 // Caddy's automatic HTTPS adds for its redirects.
 func TestThroughputWarningSkipsCaddysOwnServer(t *testing.T) {
 	counted, plain, redirects := new(caddyhttp.Server), new(caddyhttp.Server), new(caddyhttp.Server)
-	w := new(ListenerWrapper)
-	if err := countedServers.add(counted, w); err != nil {
+	conns := newProcessConns()
+	if err := conns.servers.add(counted, new(ListenerWrapper)); err != nil {
 		t.Fatal(err)
 	}
-	defer countedServers.remove(counted, w)
 	core, logs := observer.New(zapcore.WarnLevel)
-	a := &App{logger: zap.New(core), checkWrapper: true, httpApp: &caddyhttp.App{Servers: map[string]*caddyhttp.Server{
+	a := &App{logger: zap.New(core), conns: conns, checkWrapper: true, httpApp: &caddyhttp.App{Servers: map[string]*caddyhttp.Server{
 		"srv0": counted, autoHTTPSRedirectServer: redirects,
 	}}}
 	if err := a.checkThroughputWrapper(); err != nil {
@@ -265,7 +260,7 @@ func TestReloadTagsTooLarge(t *testing.T) {
 	}
 	gossips := func() (bool, string) {
 		tags := selfTags(n)
-		_, _, ok := parseLoadTag(tags[LoadTag])
+		_, _, ok := parseLoadTag(tags[loadTag])
 		return ok && tags["zone"] == "a", fmt.Sprintf("tags %v", tags)
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips its load", gossips)
@@ -289,10 +284,10 @@ func TestReloadTagsTooLarge(t *testing.T) {
 		t.Fatalf("the old config does not serve: %v", err)
 	}
 	got.Body.Close()
-	seq := selfTags(n)[LoadTag]
+	seq := selfTags(n)[loadTag]
 	testutil.WaitFor(t, 5*time.Second, "the node still publishes new load reports", func() (bool, string) {
 		ok, why := gossips()
-		return ok && selfTags(n)[LoadTag] != seq, why
+		return ok && selfTags(n)[loadTag] != seq, why
 	})
 }
 
@@ -338,10 +333,7 @@ func FuzzAppJSON(f *testing.F) {
 		a.source = &fakeSource{}
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
-		err := a.Provision(testContext(t))
-		if err == nil {
-			err = a.Validate()
-		}
+		err := provisionApp(t, a)
 		runtime.ReadMemStats(&after)
 		if grown := after.TotalAlloc - before.TotalAlloc; grown > 4<<20 {
 			t.Fatalf("%s: provisioning allocated %d bytes", raw, grown)

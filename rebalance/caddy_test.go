@@ -13,6 +13,17 @@ import (
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
+// runningConns returns the process's connections, which the running
+// config uses.
+func runningConns(t *testing.T) *processConns {
+	t.Helper()
+	c := loadedConns()
+	if c == nil {
+		t.Fatal("no config uses the process's connections")
+	}
+	return c
+}
+
 // TestCaddyWiring loads a real Caddy config (an HTTP server on loopback
 // and the rebalance app), holds keep-alive connections to it, and checks
 // that the tracker registered through Server.RegisterConnState counts
@@ -37,7 +48,8 @@ func TestCaddyWiring(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { caddy.Stop() })
-	base := tracker.Counts().Total()
+	tracker := runningConns(t).tracker
+	base := tracker.Counts().Idle
 
 	var conns []net.Conn
 	t.Cleanup(func() {
@@ -75,7 +87,7 @@ func TestCaddyWiring(t *testing.T) {
 		t.Fatal("no node in the pool")
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips 3 connections", func() (bool, string) {
-		tag := selfTags(n)[LoadTag]
+		tag := selfTags(n)[loadTag]
 		_, load, _ := parseLoadTag(tag)
 		return load >= 3, fmt.Sprintf("tag %q", tag)
 	})
@@ -93,6 +105,9 @@ func TestCaddyWiring(t *testing.T) {
 	})
 	if n2 != n {
 		t.Fatal("the reload replaced the serf member")
+	}
+	if runningConns(t).tracker != tracker {
+		t.Fatal("the reload replaced the process's connection tracker")
 	}
 	if d := n.driver(); d == nil || d.params.Threshold != 0.4 {
 		t.Fatalf("after the reload the node runs with %+v; want threshold 0.4", d)

@@ -18,6 +18,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -67,7 +68,9 @@ func (f *fakeSource) Sample(string) (float64, int) {
 	return f.load, int(f.load)
 }
 
-func (f *fakeSource) Sweep(time.Duration, time.Duration) SweepResult { return SweepResult{} }
+func (f *fakeSource) Sweep(time.Duration, time.Duration) conntrack.SweepResult {
+	return conntrack.SweepResult{}
+}
 
 func (f *fakeSource) Shed(n int) ShedResult {
 	f.mu.Lock()
@@ -124,6 +127,7 @@ func testApp(t *testing.T, name string, src loadSource, mut func(*cluster.App, *
 	t.Cleanup(func() {
 		a.Stop()
 		c.Stop()
+		a.Cleanup()
 		cancel() // runs Cleanup: idempotent
 	})
 	return a
@@ -233,11 +237,11 @@ func TestClusterGossipAndShed(t *testing.T) {
 	if err := handleCluster(rec, httptest.NewRequest("GET", "/lbx/rebalance", nil)); err != nil {
 		t.Fatal(err)
 	}
-	var rep ClusterReport
+	var rep clusterReport
 	if err := json.Unmarshal(rec.Body.Bytes(), &rep); err != nil {
 		t.Fatalf("admin body: %v\n%s", err, rec.Body.String())
 	}
-	var nv *NodeView
+	var nv *nodeView
 	for i := range rep.Nodes {
 		if rep.Nodes[i].Name == "node-b" {
 			nv = &rep.Nodes[i]
@@ -317,7 +321,7 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 	// The new settings drive: the peer sees the new tag and the new load.
 	testutil.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
 		if m, found := memberOf(peer, "reload-x"); found {
-			_, load, _ := parseLoadTag(m.Tags[LoadTag])
+			_, load, _ := parseLoadTag(m.Tags[loadTag])
 			return m.Status == cluster.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
 		}
 		return false, "not listed"
@@ -395,6 +399,17 @@ func TestAdminMethod(t *testing.T) {
 
 // testContext returns a bare Caddy context cancelled at the end of the
 // test.
+// provisionApp provisions and validates a as Caddy does, and cleans it
+// up (releasing the process's connections) when the test ends.
+func provisionApp(t *testing.T, a *App) error {
+	t.Cleanup(func() { a.Cleanup() })
+	err := a.Provision(testContext(t))
+	if err == nil {
+		err = a.Validate()
+	}
+	return err
+}
+
 func testContext(t *testing.T) caddy.Context {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)

@@ -55,7 +55,10 @@ func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource, m
 			t.Fatal(err)
 		}
 	}
-	t.Cleanup(func() { a.stopAll() })
+	t.Cleanup(func() {
+		a.stopAll()
+		a.Cleanup()
+	})
 	return a
 }
 
@@ -105,7 +108,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 	total := 0
 	for _, e := range events {
 		d := e.Data
-		if e.Name() != EventShed || d["node"] != "ev-a" || d["metric"] != MetricConnections || d["members_counted"] != 2 {
+		if e.Name() != EventShed || d["node"] != "ev-a" || d["metric"] != metricConnections || d["members_counted"] != 2 {
 			t.Errorf("event %s %v", e.Name(), d)
 		}
 		count, _ := d["count"].(int)
@@ -122,7 +125,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 	}
 
 	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(metricsCollector{tracker: new(ConnTracker)})
+	reg.MustRegister(metricsCollector{})
 	val := func(name string, labels map[string]string) float64 {
 		t.Helper()
 		v, ok := metricValue(t, reg, name, labels)
@@ -170,7 +173,7 @@ func TestEventNoEventsApp(t *testing.T) {
 	if e.app != nil {
 		t.Fatal("emitter has an events app without one configured")
 	}
-	e.emitShed("n", MetricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
+	e.emitShed("n", metricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
 	if _, err := ctx.AppIfConfigured("events"); err == nil {
 		t.Fatal("the events app was created")
 	}

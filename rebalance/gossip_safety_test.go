@@ -23,7 +23,7 @@ import (
 // quicker), at the end of the test.
 func badPeer(t *testing.T, name, join string, tag func(seq int) string) {
 	t.Helper()
-	s := testutil.SerfMember(t, name, map[string]string{LoadTag: tag(0)}, join)
+	s := testutil.SerfMember(t, name, map[string]string{loadTag: tag(0)}, join)
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -37,7 +37,7 @@ func badPeer(t *testing.T, name, join string, tag func(seq int) string) {
 				return
 			case <-tick.C:
 			}
-			s.SetTags(map[string]string{LoadTag: tag(seq)})
+			s.SetTags(map[string]string{loadTag: tag(seq)})
 		}
 	}()
 	// Runs before SerfMember's cleanup (last registered, first run),
@@ -128,7 +128,7 @@ func TestBadPeerLoadsShedNothing(t *testing.T) {
 	if rec.Code != http.StatusOK || !json.Valid(rec.Body.Bytes()) {
 		t.Fatalf("admin view: status %d, valid JSON %v:\n%s", rec.Code, json.Valid(rec.Body.Bytes()), rec.Body.String())
 	}
-	var rep ClusterReport
+	var rep clusterReport
 	if err := json.Unmarshal(rec.Body.Bytes(), &rep); err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +181,7 @@ func TestAdminViewEncodesNonFinite(t *testing.T) {
 		defer a.node.mu.Unlock()
 		return math.IsInf(a.node.local, 1), fmt.Sprintf("local %v", a.node.local)
 	})
-	body, err := json.Marshal(BuildClusterReport())
+	body, err := json.Marshal(buildClusterReport())
 	if err != nil {
 		t.Fatalf("the admin view does not encode: %v", err)
 	}
@@ -227,7 +227,7 @@ func TestNameConflictIsLoud(t *testing.T) {
 		t.Errorf("conflict %q; want it to name the other member %s", msg, first.gossipAddr())
 	}
 
-	v := n.view(time.Now())
+	v := n.view(time.Now(), connStats{})
 	if v.NameConflict != msg || len(v.Members) != 0 {
 		t.Errorf("admin view: name_conflict %q, %d members; want the conflict and no members", v.NameConflict, len(v.Members))
 	}
@@ -256,7 +256,7 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 	}
 	fits := -1
 	for n := 300; n < 600; n++ {
-		if fitsWithLoadTag(tagsOf(n), MetricConnections) != nil {
+		if fitsWithLoadTag(tagsOf(n), metricConnections) != nil {
 			fits = n - 1
 			break
 		}
@@ -266,7 +266,7 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 	}
 	withLoad := func(n int) map[string]string {
 		tags := tagsOf(n)
-		tags[LoadTag] = longestLoadTag(MetricConnections)
+		tags[loadTag] = longestLoadTag(metricConnections)
 		return tags
 	}
 	if err := s.SetTags(withLoad(fits)); err != nil {
@@ -275,7 +275,7 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 	if err := s.SetTags(withLoad(fits + 1)); err == nil {
 		t.Errorf("checkTagSize refuses a %d-byte tag that serf accepts", fits+1)
 	}
-	err := fitsWithLoadTag(tagsOf(fits+1), MetricConnections)
+	err := fitsWithLoadTag(tagsOf(fits+1), metricConnections)
 	if err == nil || !strings.Contains(err.Error(), "above serf's limit of 512") {
 		t.Errorf("error %v; want one naming serf's limit", err)
 	}
@@ -284,5 +284,5 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 // fitsWithLoadTag is the check the app makes at Provision: the cluster's
 // tags with the longest load tag of metric.
 func fitsWithLoadTag(tags map[string]string, metric string) error {
-	return (&cluster.App{Tags: tags}).CheckTagsFit(map[string]string{LoadTag: longestLoadTag(metric)})
+	return (&cluster.App{Tags: tags}).CheckTagsFit(map[string]string{loadTag: longestLoadTag(metric)})
 }

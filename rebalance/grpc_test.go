@@ -25,6 +25,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
 )
@@ -209,13 +210,8 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 		}
 		target = n
 	}
-	testutil.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
-		tracker.Sweep(0, 0)
-		c := tracker.Counts()
-		return c.Total() == 0, fmt.Sprintf("%+v", c)
-	})
 	backend := grpcBackend(t)
-	certPEM, keyPEM, _ := testCert(t)
+	certPEM, keyPEM, _ := testutil.Cert(t)
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(certPEM)
 	jsonString := func(b []byte) string { s, _ := json.Marshal(string(b)); return string(s) }
@@ -259,6 +255,12 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { caddy.Stop() })
+	tracker := runningConns(t).tracker
+	testutil.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
+		tracker.Sweep(0, 0)
+		c := tracker.Counts()
+		return c == (conntrack.Counts{}), fmt.Sprintf("%+v", c)
+	})
 
 	kinds := []struct {
 		name  string
@@ -299,7 +301,6 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 	// Shed one or two connections every 40 ms, and now and then more
 	// than are idle, until the target is reached, a tenth of it active,
 	// and each kind of connection has reconnected for a fair share.
-	shed0, _ := tracker.ShedTotals()
 	goAways0 := tracker.GoAwayTotal()
 	dials0 := make([]int64, len(kinds))
 	testutil.WaitFor(t, 20*time.Second, "every client connected", func() (bool, string) {
@@ -312,11 +313,9 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 		return true, ""
 	})
 	rng := rand.New(rand.NewPCG(3, 5))
-	var shed ShedResult
+	var shed ShedResult // what the sheds below returned, added up
 	deadline := time.Now().Add(time.Duration(target) * 150 * time.Millisecond)
 	for {
-		now, _ := tracker.ShedTotals()
-		shed = ShedResult{Idle: now.Idle - shed0.Idle, Active: now.Active - shed0.Active, Hijacked: now.Hijacked - shed0.Hijacked}
 		fair := true
 		for k, s := range stats {
 			fair = fair && s.dials.Load()-dials0[k] >= int64(target/4)
@@ -332,7 +331,10 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 		if rng.IntN(8) == 0 {
 			n = 2 * len(loads) // more than are idle: active ones too
 		}
-		tracker.Shed(n)
+		r := tracker.Shed(n)
+		shed.Idle += r.Idle
+		shed.Active += r.Active
+		shed.Hijacked += r.Hijacked
 		time.Sleep(40 * time.Millisecond) // the pace of the sheds, not a wait for a condition
 	}
 	// The clients go on calling until every connection shed is closed.
@@ -363,7 +365,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 	}
 	testutil.WaitFor(t, 10*time.Second, "every connection closed", func() (bool, string) {
 		c := tracker.Counts()
-		return c.Total() == 0, fmt.Sprintf("%+v", c)
+		return c == (conntrack.Counts{}), fmt.Sprintf("%+v", c)
 	})
 	if logged, err := os.ReadFile(errLog); err != nil || len(strings.TrimSpace(string(logged))) > 0 {
 		t.Errorf("Caddy's error log (%v):\n%s", err, logged)

@@ -1,15 +1,14 @@
 package rebalance
 
 import (
-	"bufio"
-	"io"
-	"net"
 	"net/http"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
 
 func init() {
@@ -61,98 +60,13 @@ func (CloseHandler) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// ServeHTTP wraps the response writer so that the final response header
-// says "Connection: close" when the connection was shed.
+// ServeHTTP hands next a writer that adds "Connection: close" to the
+// final response header when the connection was shed, and follows the
+// frames of a WebSocket upgrade (conntrack.WrapResponseWriter). A request
+// on a connection the tracker does not know (no rebalance app, or a
+// server it is not registered with) passes through untouched.
 func (CloseHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
-	if !ok {
-		// Not a connection the tracker knows (no rebalance app, or a
-		// server it is not registered with).
-		return next.ServeHTTP(w, r)
-	}
-	if r.ProtoMajor >= 2 && !tc.h2.Load() {
-		// The tracker then gives the server time to flush a shed
-		// connection's last frames before closing it.
-		tc.h2.Store(true)
-	}
-	return next.ServeHTTP(&closeWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, tc: tc, req: r}, r)
-}
-
-// closeWriter adds "Connection: close" to the final response header when
-// its connection is marked for closing at that moment, and follows the
-// frames of a WebSocket it hands over to a hijacking handler.
-type closeWriter struct {
-	*caddyhttp.ResponseWriterWrapper
-	tc          *trackedConn
-	req         *http.Request
-	wroteHeader bool
-	switched    bool // a 101 Switching Protocols response went through
-}
-
-// WriteHeader adds the header to a final (non-1xx) response on a shed
-// connection. A 101 Switching Protocols response is left alone: the
-// connection is being upgraded and is shed as a hijacked one.
-func (cw *closeWriter) WriteHeader(status int) {
-	if status == http.StatusSwitchingProtocols {
-		cw.switched = true
-	}
-	if !cw.wroteHeader && status >= 200 {
-		cw.wroteHeader = true
-		if cw.tc.closeAtBoundary() {
-			cw.Header().Set("Connection", "close")
-			if cw.req.ProtoMajor >= 2 {
-				cw.tc.noteServerGoAway()
-			}
-		}
-	}
-	cw.ResponseWriterWrapper.WriteHeader(status)
-}
-
-// Hijack hands the connection to the handler (reverse_proxy does, after
-// a 101 response). For a WebSocket upgrade answered 101 through this
-// writer, the connection (and the buffered writer returned with it)
-// follows the frames written to the client, and is registered with the
-// tracker so that a shed closes it with a close frame. Anything else
-// gets the connection as it is: the tracker closes it when shed.
-func (cw *closeWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
-	conn, brw, err := http.NewResponseController(cw.ResponseWriterWrapper).Hijack()
-	// net/http flushes a 101 written before Hijack and hands back an
-	// empty buffered writer; bytes already in it would have bypassed
-	// the frame count, so such a stream is left alone.
-	if err != nil || !cw.switched || !isWebSocketUpgrade(cw.req) || brw == nil || brw.Writer.Buffered() > 0 {
-		return conn, brw, err
-	}
-	ws := newWSConn(conn)
-	brw.Writer.Reset(ws)
-	// A shed in the instant between net/http's StateHijacked and this
-	// store closes the socket, as without this handler.
-	cw.tc.ws.Store(ws)
-	return ws, brw, nil
-}
-
-// Write writes the header first, as net/http does implicitly.
-func (cw *closeWriter) Write(p []byte) (int, error) {
-	if !cw.wroteHeader {
-		cw.WriteHeader(http.StatusOK)
-	}
-	return cw.ResponseWriterWrapper.Write(p)
-}
-
-// ReadFrom writes the header first; the wrapper's ReadFrom would pass
-// the body to the underlying writer without it.
-func (cw *closeWriter) ReadFrom(r io.Reader) (int64, error) {
-	if !cw.wroteHeader {
-		cw.WriteHeader(http.StatusOK)
-	}
-	return cw.ResponseWriterWrapper.ReadFrom(r)
-}
-
-// Flush writes the header first, then flushes.
-func (cw *closeWriter) Flush() {
-	if !cw.wroteHeader {
-		cw.WriteHeader(http.StatusOK)
-	}
-	_ = http.NewResponseController(cw.ResponseWriterWrapper).Flush()
+	return next.ServeHTTP(conntrack.WrapResponseWriter(w, r), r)
 }
 
 // parseCloseHandler parses the `rebalance_close` directive.
@@ -177,7 +91,4 @@ func (*CloseHandler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 var (
 	_ caddyhttp.MiddlewareHandler = (*CloseHandler)(nil)
 	_ caddyfile.Unmarshaler       = (*CloseHandler)(nil)
-	_ http.Flusher                = (*closeWriter)(nil)
-	_ http.Hijacker               = (*closeWriter)(nil)
-	_ io.ReaderFrom               = (*closeWriter)(nil)
 )

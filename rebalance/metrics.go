@@ -8,12 +8,11 @@ import (
 )
 
 // metricsCollector exposes the rebalance state as Prometheus metrics. It
-// reads the connection tracker, the byte counters and the nodes' last
+// reads the process's connections (connStats) and the nodes' last
 // decisions at scrape time, so neither requests nor the decision loop pay
 // for metrics.
 type metricsCollector struct {
-	tracker *ConnTracker  // the process's tracker; tests use their own
-	traffic *byteCounters // the process's byte counters; nil reads zeros
+	conns *processConns // nil reads zeros
 }
 
 var (
@@ -52,22 +51,29 @@ func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
-	c := m.tracker.Counts()
-	for _, s := range []struct {
+	m.conns.stats().collect(ch)
+	collectNodes(ch)
+}
+
+// collect sends the connection metrics of s.
+func (s connStats) collect(ch chan<- prometheus.Metric) {
+	c := s.conns
+	for _, st := range []struct {
 		state string
 		n     int
 	}{{"new", c.New}, {"idle", c.Idle}, {"active", c.Active}, {"hijacked", c.Hijacked}} {
-		ch <- prometheus.MustNewConstMetric(descConnections, prometheus.GaugeValue, float64(s.n), s.state)
+		ch <- prometheus.MustNewConstMetric(descConnections, prometheus.GaugeValue, float64(st.n), st.state)
 	}
-	b := m.traffic.totals()
-	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(b.In), "in")
-	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(b.Out), "out")
-	ch <- prometheus.MustNewConstMetric(descTLSUncounted, prometheus.CounterValue, float64(b.TLSUncounted))
-	ws := m.tracker.WebSocketCloses()
-	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.CloseFrame), "close_frame")
-	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(ws.WithoutFrame), "without_frame")
-	ch <- prometheus.MustNewConstMetric(descHTTP2GoAways, prometheus.CounterValue, float64(m.tracker.GoAwayTotal()))
+	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(s.bytes.In), "in")
+	ch <- prometheus.MustNewConstMetric(descBytes, prometheus.CounterValue, float64(s.bytes.Out), "out")
+	ch <- prometheus.MustNewConstMetric(descTLSUncounted, prometheus.CounterValue, float64(s.bytes.TLSUncounted))
+	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(s.ws.CloseFrame), "close_frame")
+	ch <- prometheus.MustNewConstMetric(descWebSocketCloses, prometheus.CounterValue, float64(s.ws.WithoutFrame), "without_frame")
+	ch <- prometheus.MustNewConstMetric(descHTTP2GoAways, prometheus.CounterValue, float64(s.goAways))
+}
 
+// collectNodes sends the metrics of every node in the process.
+func collectNodes(ch chan<- prometheus.Metric) {
 	// One node per process, except briefly when a reload changes the bind
 	// address (and in tests): the node label keeps their series apart.
 	nodes.Range(func(_, v any) bool {
@@ -88,11 +94,11 @@ func (m metricsCollector) Collect(ch chan<- prometheus.Metric) {
 	})
 }
 
-// registerMetrics adds the rebalance metrics to the config's metrics
-// registry (the one Caddy's /metrics endpoints serve). Registering again
-// (a reload) is harmless.
-func registerMetrics(ctx caddy.Context) error {
-	err := ctx.GetMetricsRegistry().Register(metricsCollector{tracker: tracker, traffic: traffic})
+// registerMetrics adds the rebalance metrics of conns to the config's
+// metrics registry (the one Caddy's /metrics endpoints serve).
+// Registering again in the same config is harmless.
+func registerMetrics(ctx caddy.Context, conns *processConns) error {
+	err := ctx.GetMetricsRegistry().Register(metricsCollector{conns: conns})
 	var are prometheus.AlreadyRegisteredError
 	if err != nil && !errors.As(err, &are) {
 		return err

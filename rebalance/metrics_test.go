@@ -2,6 +2,7 @@ package rebalance
 
 import (
 	"fmt"
+	"net"
 	"net/http"
 	"testing"
 	"time"
@@ -10,6 +11,7 @@ import (
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	dto "github.com/prometheus/client_model/go"
 
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -46,9 +48,23 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map
 	return 0, false
 }
 
-// TestMetricsPedantic gathers the collector, with a running node, from a
-// pedantic registry (which checks every metric against its description)
-// and lints the result; registering twice in a config is harmless.
+// fixedStats is the metrics collector with chosen connection figures in
+// place of the process's.
+type fixedStats struct {
+	metricsCollector
+	stats connStats
+}
+
+// Collect implements prometheus.Collector.
+func (f fixedStats) Collect(ch chan<- prometheus.Metric) {
+	f.stats.collect(ch)
+	collectNodes(ch)
+}
+
+// TestMetricsPedantic gathers the collector, with a running node and
+// chosen connection figures, from a pedantic registry (which checks
+// every metric against its description) and lints the result;
+// registering twice in a config is harmless.
 func TestMetricsPedantic(t *testing.T) {
 	a := testApp(t, "metrics-node", &fakeSource{load: 10}, nil)
 	testutil.WaitFor(t, 5*time.Second, "a first decision", func() (bool, string) {
@@ -57,13 +73,12 @@ func TestMetricsPedantic(t *testing.T) {
 		return !a.node.lastAt.IsZero(), "no decision yet"
 	})
 	reg := prometheus.NewPedanticRegistry()
-	bc := new(byteCounters)
-	bc.in.Add(1234)
-	bc.out.Add(56789)
-	bc.tlsUncounted.Add(2)
-	tr := new(ConnTracker)
-	tr.goAways.Add(3)
-	if err := reg.Register(metricsCollector{tracker: tr, traffic: bc}); err != nil {
+	stats := connStats{
+		bytes:   conntrack.ByteTotals{In: 1234, Out: 56789, TLSUncounted: 2},
+		ws:      conntrack.WebSocketCloses{CloseFrame: 4, AfterFrameEnd: 1, WithoutFrame: 5},
+		goAways: 3,
+	}
+	if err := reg.Register(fixedStats{stats: stats}); err != nil {
 		t.Fatal(err)
 	}
 	mfs, err := reg.Gather()
@@ -99,6 +114,11 @@ func TestMetricsPedantic(t *testing.T) {
 	if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_tls_connections_not_counted_total", map[string]string{}); !ok || v != 2 {
 		t.Errorf("tls_connections_not_counted_total = %v (%v); want 2", v, ok)
 	}
+	for result, want := range map[string]float64{"close_frame": 4, "without_frame": 5} {
+		if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_websocket_closes_total", map[string]string{"result": result}); !ok || v != want {
+			t.Errorf("websocket_closes_total{result=%q} = %v (%v); want %v", result, v, ok, want)
+		}
+	}
 	problems, err := promtest.GatherAndLint(reg)
 	if err != nil {
 		t.Fatal(err)
@@ -109,46 +129,47 @@ func TestMetricsPedantic(t *testing.T) {
 
 	ctx := testContext(t)
 	for i := range 2 {
-		if err := registerMetrics(ctx); err != nil {
+		if err := registerMetrics(ctx, newProcessConns()); err != nil {
 			t.Fatalf("registerMetrics #%d: %v", i+1, err)
 		}
 	}
 }
 
-// TestMetricsConnections drives a tracked server through idle, active and
-// hijacked connections and reads the connections gauge at each step.
+// TestMetricsConnections drives the process's tracker through new, idle,
+// active and hijacked connections, as net/http reports them, and reads
+// the connections gauge at each step.
 func TestMetricsConnections(t *testing.T) {
-	ts := newTrackedServer(t)
+	conns := newProcessConns()
 	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(metricsCollector{tracker: ts.tracker})
+	reg.MustRegister(metricsCollector{conns: conns})
 	want := func(what string, counts map[string]float64) {
 		t.Helper()
-		testutil.WaitFor(t, 5*time.Second, what, func() (bool, string) {
-			got := map[string]float64{}
-			for state := range counts {
-				got[state], _ = metricValue(t, reg, "caddy_lbx_rebalance_connections", map[string]string{"state": state})
-			}
-			return fmt.Sprint(got) == fmt.Sprint(counts), fmt.Sprint(got)
-		})
+		got := map[string]float64{}
+		for state := range counts {
+			got[state], _ = metricValue(t, reg, "caddy_lbx_rebalance_connections", map[string]string{"state": state})
+		}
+		if fmt.Sprint(got) != fmt.Sprint(counts) {
+			t.Errorf("%s: gauges %v; want %v", what, got, counts)
+		}
 	}
-	a, b := ts.dial(), ts.dial()
-	a.get(t, "/fast")
-	b.get(t, "/fast")
-	want("2 idle", map[string]float64{"new": 0, "idle": 2, "active": 0, "hijacked": 0})
-	if err := a.send("/block"); err != nil {
-		t.Fatal(err)
+	var a, b, u [2]net.Conn
+	for _, p := range []*[2]net.Conn{&a, &b, &u} {
+		p[0], p[1] = net.Pipe()
+		defer p[0].Close()
+		defer p[1].Close()
+		conns.tracker.ConnState(p[0], http.StateNew)
 	}
-	<-ts.entered
-	want("1 idle, 1 active", map[string]float64{"idle": 1, "active": 1, "hijacked": 0})
-	u := ts.dial()
-	if resp, _ := u.get(t, "/upgrade"); resp.StatusCode != http.StatusSwitchingProtocols {
-		t.Fatalf("upgrade: status %d", resp.StatusCode)
+	want("3 new", map[string]float64{"new": 3, "idle": 0, "active": 0, "hijacked": 0})
+	for _, c := range []net.Conn{a[0], b[0], u[0]} {
+		conns.tracker.ConnState(c, http.StateActive)
+		conns.tracker.ConnState(c, http.StateIdle)
 	}
+	want("3 idle", map[string]float64{"new": 0, "idle": 3, "active": 0, "hijacked": 0})
+	conns.tracker.ConnState(a[0], http.StateActive)
+	want("2 idle, 1 active", map[string]float64{"idle": 2, "active": 1, "hijacked": 0})
+	conns.tracker.ConnState(u[0], http.StateActive)
+	conns.tracker.ConnState(u[0], http.StateHijacked)
 	want("1 hijacked", map[string]float64{"idle": 1, "active": 1, "hijacked": 1})
-	u.conn.Close()
-	b.conn.Close()
-	ts.release <- struct{}{}
-	if _, body, err := a.read(); err != nil || body != "done" {
-		t.Fatalf("/block: %q, %v", body, err)
-	}
+	conns.tracker.ConnState(b[0], http.StateClosed)
+	want("b closed", map[string]float64{"idle": 0, "active": 1, "hijacked": 1})
 }

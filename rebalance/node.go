@@ -18,14 +18,15 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
 
-// LoadTag is the serf member tag in which a node gossips its load:
+// loadTag is the serf member tag in which a node gossips its load:
 // "<metric> <smoothed load> <sequence>". The sequence grows with every
 // report, so a receiver sees a live node's tag change every interval and
 // judges freshness with its own clock (clock skew between nodes does not
 // matter).
-const LoadTag = "lbx_load"
+const loadTag = "lbx_load"
 
 // nodes holds the shedding state of this process, keyed by the cluster
 // member it publishes through (cluster.App.Key): a config reload starts
@@ -55,7 +56,7 @@ type loadSource interface {
 	// upgraded connections, counts shed connections open recountAfter
 	// after the shed toward the load again, and closes those still
 	// without a response boundary after boundaryTimeout (0: never).
-	Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult
+	Sweep(recountAfter, boundaryTimeout time.Duration) conntrack.SweepResult
 	// Sample returns the load in the metric's unit and the connections
 	// held (those shed and still closing excluded; overdue ones count).
 	Sample(metric string) (load float64, held int)
@@ -147,7 +148,7 @@ func (n *node) Destruct() error {
 	last := n.owners
 	n.mu.Unlock()
 	for _, s := range last {
-		_ = s.cluster.Publish(LoadTag, "")
+		_ = s.cluster.Publish(loadTag, "")
 	}
 	return nil
 }
@@ -250,7 +251,7 @@ func (n *node) step(s *settings, now time.Time) {
 	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
-	if err := s.cluster.Publish(LoadTag, tag); err != nil {
+	if err := s.cluster.Publish(loadTag, tag); err != nil {
 		n.noMembers(s, err, now)
 		return
 	}
@@ -266,7 +267,7 @@ func (n *node) step(s *settings, now time.Time) {
 	for _, m := range members {
 		present[m.Name] = true
 		r := Report{Name: m.Name, Status: m.Status}
-		raw := m.Tags[LoadTag]
+		raw := m.Tags[loadTag]
 		prev, ok := n.seen[m.Name]
 		switch {
 		case !ok:
@@ -324,7 +325,7 @@ func (n *node) step(s *settings, now time.Time) {
 
 // logDecision writes one line per decision that sheds, changes state or
 // forces shed connections closed, and a debug line otherwise.
-func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw SweepResult) {
+func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw conntrack.SweepResult) {
 	lvl := zapcore.DebugLevel
 	msg := "rebalance decision"
 	switch {
@@ -365,7 +366,7 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 // quoted), otherwise the number ("1,234" connections, "45.1" percent of a
 // core).
 func formatLoad(metric string, v float64) string {
-	if metric == MetricThroughput {
+	if metric == metricThroughput {
 		if !(v > 0) {
 			return "0 B/s"
 		}

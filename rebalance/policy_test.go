@@ -690,7 +690,7 @@ func TestClusterLoadCaddy(t *testing.T) {
 		if join == "" {
 			join = testutil.SerfAddr(members[m.name])
 		}
-		stops[m.name] = reportLoad(t, members[m.name], tags, MetricConnections, m.load)
+		stops[m.name] = reportLoad(t, members[m.name], tags, metricConnections, m.load)
 	}
 
 	httpPort, gossipPort := freePort(t), freePort(t)

@@ -3,6 +3,7 @@ package rebalance
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -66,30 +68,40 @@ func TestRateMeter(t *testing.T) {
 // and written per second since the previous sample, from the counters,
 // with the held connections from the tracker.
 func TestProcessSourceThroughput(t *testing.T) {
-	bc := new(byteCounters)
-	tr := new(ConnTracker)
+	bc := new(conntrack.ByteCounters)
+	tr := conntrack.NewTracker()
 	a, b := net.Pipe()
 	defer a.Close()
 	defer b.Close()
 	tr.ConnState(a, http.StateNew)
 	src := &processSource{tracker: tr, counters: bc}
 	t0 := time.Now()
-	src.bytes.prime(bc.totals().Total(), t0)
-	bc.in.Add(3_000_000)
-	bc.out.Add(9_000_000)
-	if r := src.bytesPerSecond(t0.Add(2 * time.Second)); r != 6_000_000 {
+	src.bytes.prime(bc.Totals().Total(), t0)
+	// 3 MB in and 9 MB out through a counted connection.
+	server, client := testutil.TCPPair(t, func(l net.Listener) net.Listener { return bc.Listener(l, nil) })
+	go func() {
+		client.Write(make([]byte, 3_000_000))
+		io.Copy(io.Discard, client)
+	}()
+	if _, err := io.ReadFull(server, make([]byte, 3_000_000)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := server.Write(make([]byte, 9_000_000)); err != nil {
+		t.Fatal(err)
+	}
+	if r := src.bytesPerSecond(bc.Totals().Total(), t0.Add(2*time.Second)); r != 6_000_000 {
 		t.Fatalf("12 MB in 2 s = %v B/s; want 6e6", r)
 	}
-	if got := formatLoad(MetricThroughput, 6_000_000); got != "6.0 MB/s" {
+	if got := formatLoad(metricThroughput, 6_000_000); got != "6.0 MB/s" {
 		t.Errorf("formatLoad = %q; want 6.0 MB/s", got)
 	}
-	if got := formatLoad(MetricThroughput, -1); got != "0 B/s" {
+	if got := formatLoad(metricThroughput, -1); got != "0 B/s" {
 		t.Errorf("formatLoad(-1) = %q", got)
 	}
-	if got := formatLoad(MetricConnections, 1234); got != "1,234.0" {
+	if got := formatLoad(metricConnections, 1234); got != "1,234.0" {
 		t.Errorf("formatLoad(connections) = %q", got)
 	}
-	load, held := src.Sample(MetricThroughput)
+	load, held := src.Sample(metricThroughput)
 	if held != 1 || load < 0 {
 		t.Fatalf("Sample = %v, %d; want a rate and 1 connection held", load, held)
 	}
@@ -149,7 +161,7 @@ func TestThroughputNeedsListenerWrapper(t *testing.T) {
 			}
 		})
 	}
-	if countedServers.any() {
+	if c := loadedConns(); c != nil && c.servers.any() {
 		t.Error("the registry still holds servers of configs that were only validated")
 	}
 
@@ -174,7 +186,7 @@ func TestThroughputNeedsListenerWrapper(t *testing.T) {
 // StateClosed, as net/http does when a socket closes.
 type simConn struct {
 	net.Conn
-	tracker *ConnTracker
+	tracker *conntrack.Tracker
 	closed  atomic.Bool
 }
 
@@ -185,44 +197,69 @@ func (c *simConn) Close() error {
 	return nil
 }
 
-// simTraffic is a node's traffic on the real pieces: a ConnTracker with
-// idle connections, byte counters and processSource's sampling and
-// shedding. Before each sample every held connection adds perConn bytes
-// per second since the previous sample (half in, half out), so a
-// connection shed stops carrying bytes, and the rate the node measures is
-// exactly held × perConn, whatever the scheduling.
+// simTraffic is a node's traffic on the real pieces: a Tracker with idle
+// connections and processSource's sampling and shedding. Before each
+// sample every held connection adds perConn bytes per second since the
+// previous sample to the byte total, so a connection shed stops carrying
+// bytes, and the rate the node measures is exactly held × perConn,
+// whatever the scheduling.
 type simTraffic struct {
 	*processSource
 	perConn float64
 
-	mu   sync.Mutex
-	last time.Time
+	mu    sync.Mutex
+	last  time.Time
+	total uint64     // the bytes carried so far
+	shed  ShedResult // what the tracker's sheds returned, added up
 }
 
 func newSimTraffic(conns int, perConn float64) *simTraffic {
-	tr := new(ConnTracker)
+	tr := conntrack.NewTracker()
 	for range conns {
 		c := &simConn{tracker: tr}
 		tr.ConnState(c, http.StateNew)
 		tr.ConnState(c, http.StateActive)
 		tr.ConnState(c, http.StateIdle)
 	}
-	src := &processSource{tracker: tr, counters: new(byteCounters)}
+	src := &processSource{tracker: tr}
 	src.bytes.prime(0, time.Now())
 	return &simTraffic{processSource: src, perConn: perConn}
 }
 
+// Sample returns, for metric throughput, the rate processSource measures
+// from the simulated byte total, and the connections held.
 func (s *simTraffic) Sample(metric string) (float64, int) {
+	if metric != metricThroughput {
+		return s.processSource.Sample(metric)
+	}
 	s.mu.Lock()
 	now := time.Now()
+	held := s.tracker.Counts().Held()
 	if !s.last.IsZero() {
-		b := float64(s.tracker.Counts().Held()) * s.perConn * now.Sub(s.last).Seconds()
-		s.counters.in.Add(uint64(b / 2))
-		s.counters.out.Add(uint64(b - b/2))
+		s.total += uint64(float64(held) * s.perConn * now.Sub(s.last).Seconds())
 	}
 	s.last = now
+	total := s.total
 	s.mu.Unlock()
-	return s.processSource.Sample(metric)
+	return s.bytesPerSecond(total, now), held
+}
+
+// Shed sheds through the tracker and adds up what it shed.
+func (s *simTraffic) Shed(n int) ShedResult {
+	r := s.processSource.Shed(n)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.shed.Idle += r.Idle
+	s.shed.Active += r.Active
+	s.shed.Hijacked += r.Hijacked
+	return r
+}
+
+// shedTotal returns what the tracker's sheds returned so far.
+func (s *simTraffic) shedTotal() ShedResult {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.shed
 }
 
 // TestThroughputClusterSheds runs two real rebalance nodes on loopback
@@ -235,7 +272,7 @@ func (s *simTraffic) Sample(metric string) (float64, int) {
 func TestThroughputClusterSheds(t *testing.T) {
 	const perConn = 10_000
 	simA, simB := newSimTraffic(300, perConn), newSimTraffic(100, perConn)
-	throughput := func(c *cluster.App, x *App) { x.Metric = MetricThroughput }
+	throughput := func(c *cluster.App, x *App) { x.Metric = metricThroughput }
 	a := testApp(t, "bytes-a", simA, throughput)
 	b := testApp(t, "bytes-b", simB, func(c *cluster.App, x *App) { throughput(c, x); c.Join = []string{a.gossipAddr()} })
 	testutil.WaitFor(t, 15*time.Second, "both nodes count two fresh members", func() (bool, string) {
@@ -255,16 +292,16 @@ func TestThroughputClusterSheds(t *testing.T) {
 	if heldA < 110 {
 		t.Errorf("bytes-a shed down to %d connections; the stop band is at 122 (more than needed)", heldA)
 	}
-	if shed, _ := simA.tracker.ShedTotals(); shed.Total() != 300-heldA || shed.Idle != shed.Total() {
+	if shed := simA.shedTotal(); shed.Total() != 300-heldA || shed.Idle != shed.Total() {
 		t.Errorf("bytes-a's tracker shed %+v; want %d idle connections", shed, 300-heldA)
 	}
-	if shed, _ := simB.tracker.ShedTotals(); shed.Total() != 0 || simB.tracker.Counts().Held() != 100 {
+	if shed := simB.shedTotal(); shed.Total() != 0 || simB.tracker.Counts().Held() != 100 {
 		t.Errorf("bytes-b shed %+v", shed)
 	}
-	t.Logf("bytes-a: 300 → %d connections (%s)", heldA, formatLoad(MetricThroughput, float64(heldA*perConn)))
+	t.Logf("bytes-a: 300 → %d connections (%s)", heldA, formatLoad(metricThroughput, float64(heldA*perConn)))
 
-	var nv *NodeView
-	for _, v := range BuildClusterReport().Nodes {
+	var nv *nodeView
+	for _, v := range buildClusterReport().Nodes {
 		if v.Name == "bytes-b" {
 			nv = &v
 		}
@@ -273,7 +310,7 @@ func TestThroughputClusterSheds(t *testing.T) {
 		t.Fatal("no bytes-b in the admin view")
 	}
 	for _, m := range nv.Members {
-		if m.Metric != MetricThroughput || !strings.HasSuffix(m.LoadHuman, "B/s") || !m.Counted {
+		if m.Metric != metricThroughput || !strings.HasSuffix(m.LoadHuman, "B/s") || !m.Counted {
 			t.Errorf("admin view of bytes-b: member %+v", m)
 		}
 	}

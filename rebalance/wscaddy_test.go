@@ -17,6 +17,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/gorilla/websocket"
 
+	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -129,11 +130,6 @@ func dialStream(t *testing.T, url string) *wsClient {
 // and then a well-formed close frame with code 1001, never a protocol
 // error or a cut stream; Caddy logs no error.
 func TestWebSocketShedThroughCaddy(t *testing.T) {
-	testutil.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
-		tracker.Sweep(0, 0)
-		c := tracker.Counts()
-		return c.Total() == 0, fmt.Sprintf("%+v", c)
-	})
 	backend := streamingBackend(t)
 	plainPort, loggedPort, gossipPort := freePort(t), freePort(t), freePort(t)
 	errLog := filepath.Join(t.TempDir(), "errors.log")
@@ -157,6 +153,12 @@ func TestWebSocketShedThroughCaddy(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { caddy.Stop() })
+	tracker := runningConns(t).tracker
+	testutil.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
+		tracker.Sweep(0, 0)
+		c := tracker.Counts()
+		return c == (conntrack.Counts{}), fmt.Sprintf("%+v", c)
+	})
 	before := tracker.WebSocketCloses()
 
 	const batches, perBatch = 5, 10
@@ -205,10 +207,10 @@ func TestWebSocketShedThroughCaddy(t *testing.T) {
 		t.Error(f)
 	}
 
-	var got WebSocketCloses
+	var got conntrack.WebSocketCloses
 	testutil.WaitFor(t, 10*time.Second, "every shed stream counted", func() (bool, string) {
 		now := tracker.WebSocketCloses()
-		got = WebSocketCloses{CloseFrame: now.CloseFrame - before.CloseFrame, AfterFrameEnd: now.AfterFrameEnd - before.AfterFrameEnd,
+		got = conntrack.WebSocketCloses{CloseFrame: now.CloseFrame - before.CloseFrame, AfterFrameEnd: now.AfterFrameEnd - before.AfterFrameEnd,
 			WithoutFrame: now.WithoutFrame - before.WithoutFrame}
 		return got.CloseFrame+got.WithoutFrame == batches*perBatch, fmt.Sprintf("%+v", got)
 	})

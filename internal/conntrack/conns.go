@@ -1,4 +1,4 @@
-package rebalance
+package conntrack
 
 import (
 	"context"
@@ -32,14 +32,9 @@ const newConnGrace = 5 * time.Second
 const (
 	notShed     uint32 = iota
 	shedClosing        // shed, not closed yet: not counted toward Held
-	shedOverdue        // shed, still open `history` later: counted again
+	shedOverdue        // shed, still open Sweep's recountAfter later: counted again
 	shedGone           // forgotten by the tracker
 )
-
-// trackerEpoch is the origin of trackedConn.shedAt: durations since it
-// use the monotonic clock, so a wall-clock step cannot force or recount
-// a connection early.
-var trackerEpoch = time.Now()
 
 // trackedConn is one connection the tracker knows.
 type trackedConn struct {
@@ -48,24 +43,25 @@ type trackedConn struct {
 	since time.Time // when it was accepted
 	// shed is the connection's shed state (notShed, shedClosing, …). A
 	// shed active connection gets "Connection: close" on its next
-	// response (when the request passes through Middleware or
-	// CloseHandler) and is closed when it next becomes idle (an HTTP/2
-	// one gracefully: see shutDownH2).
+	// response (when the response goes through WrapResponseWriter) and
+	// is closed when it next becomes idle (an HTTP/2 one gracefully: see
+	// shutDownH2).
 	shed atomic.Uint32
-	// shedAt is when it was shed, as time since trackerEpoch; written by
-	// Shed and read by Sweep, both under the tracker's shedMu.
+	// shedAt is when it was shed, as the tracker's clock (Tracker.now);
+	// written by Shed and read by Sweep, both under the tracker's shedMu.
 	shedAt atomic.Int64
-	// ws is set by CloseHandler when the connection is upgraded to a
-	// WebSocket whose frames it follows: the tracker then closes the
-	// stream with a close frame instead of cutting it (see wsclose.go).
+	// ws is set by WrapResponseWriter's writer when the connection is
+	// upgraded to a WebSocket whose frames it follows: the tracker then
+	// closes the stream with a close frame instead of cutting it (see
+	// wsclose.go).
 	ws atomic.Pointer[wsConn]
 	// closed is set by the first close from the tracker.
 	closed atomic.Bool
 	// h2 is set once the connection is seen to speak HTTP/2: over TLS
 	// from its ALPN protocol; in clear text (h2c) from the client preface
-	// the rebalance listener wrapper saw, or when a request on it passes
-	// through CloseHandler or Middleware (Go's server reports h2c
-	// connections' states like HTTP/1 ones).
+	// a ByteCounters listener saw, or when a response on it goes through
+	// WrapResponseWriter (Go's server reports h2c connections' states
+	// like HTTP/1 ones).
 	h2 atomic.Bool
 	// gen counts the connection's state changes: a timer armed while it
 	// was idle acts only if it has not changed state since.
@@ -137,8 +133,8 @@ const h2IdleCloseDelay = time.Second
 // retry any that raced the frame on a new connection), while every stream
 // it already opened is still served: the server does not know of the
 // frame. So it needs no stream ID from the server, and a GOAWAY Go's
-// server sends later (a response through CloseHandler) can only lower
-// the ID, as the RFC requires.
+// server sends later (a response through WrapResponseWriter) can only
+// lower the ID, as the RFC requires.
 var goAwayFrame = append([]byte{
 	0, 0, 8 + byte(len(goAwayDebug)), // payload length
 	0x7,        // type GOAWAY
@@ -170,7 +166,7 @@ func baseConn(c net.Conn) (base net.Conn, h2 bool) {
 // once (a client that reuses it at that very moment sees the ordinary
 // keep-alive race every HTTP client handles); an HTTP/2 one gracefully
 // (shutDownH2).
-func (t *ConnTracker) closeIdle(tc *trackedConn) {
+func (t *Tracker) closeIdle(tc *trackedConn) {
 	if tc.isH2() {
 		t.shutDownH2(tc)
 		return
@@ -196,7 +192,7 @@ func (t *ConnTracker) closeIdle(tc *trackedConn) {
 // call (the TLS output lock, the socket's write lock); with no open stream
 // for h2IdleCloseDelay, the server has nothing buffered, and whatever it
 // writes next (a PING or SETTINGS acknowledgement) is one whole Write.
-func (t *ConnTracker) shutDownH2(tc *trackedConn) {
+func (t *Tracker) shutDownH2(tc *trackedConn) {
 	gen := tc.gen.Load()
 	if tc.shutDownGen.Swap(gen+1) == gen+1 {
 		return
@@ -226,7 +222,7 @@ func (t *ConnTracker) shutDownH2(tc *trackedConn) {
 
 // closeShed closes tc, a shed connection that is idle after its last
 // response, counting it in closedAtBoundary if it was shed while active.
-func (t *ConnTracker) closeShed(tc *trackedConn) {
+func (t *Tracker) closeShed(tc *trackedConn) {
 	if tc.closeConn() && tc.shedActive.Load() {
 		// net/http then reports StateClosed, which forgets it.
 		t.closedAtBoundary.Add(1)
@@ -236,9 +232,9 @@ func (t *ConnTracker) closeShed(tc *trackedConn) {
 // markClosing marks tc shed (counted in Closing, out of Held) and
 // reports whether this call did: a connection is shed at most once, and
 // never after the tracker forgot it. The caller holds shedMu.
-func (t *ConnTracker) markClosing(tc *trackedConn) bool {
+func (t *Tracker) markClosing(tc *trackedConn) bool {
 	if tc.shed.CompareAndSwap(notShed, shedClosing) {
-		tc.shedAt.Store(int64(time.Since(trackerEpoch)))
+		tc.shedAt.Store(int64(t.now()))
 		t.closing.Add(1)
 		return true
 	}
@@ -246,10 +242,10 @@ func (t *ConnTracker) markClosing(tc *trackedConn) bool {
 }
 
 // closeStream closes tc, a hijacked connection, and reports whether this
-// call did: a WebSocket whose frames CloseHandler follows gets a close
-// frame at its next frame boundary and is closed shortly after; any
-// other stream is closed at once.
-func (t *ConnTracker) closeStream(tc *trackedConn) bool {
+// call did: a WebSocket whose frames WrapResponseWriter's writer follows
+// gets a close frame at its next frame boundary and is closed shortly
+// after; any other stream is closed at once.
+func (t *Tracker) closeStream(tc *trackedConn) bool {
 	ws := tc.ws.Load()
 	if ws == nil {
 		return tc.closeConn()
@@ -271,8 +267,8 @@ func (tc *trackedConn) closeConn() bool {
 	return false
 }
 
-// ConnCounts are the connections a tracker holds, by state.
-type ConnCounts struct {
+// Counts are the connections a tracker holds, by state.
+type Counts struct {
 	// New connections have not sent a request yet.
 	New int `json:"new"`
 	// Active connections have a request in progress (HTTP/1) or at least
@@ -288,22 +284,22 @@ type ConnCounts struct {
 	// (HTTP/2 ones within about 2 s: see Shed).
 	// They are included in the other counts.
 	Closing int `json:"closing"`
-	// Overdue connections were shed and are still open `history` (the
-	// smoothing window) later: a response that does not end (server-sent
-	// events, a long poll, an endless download, a long HTTP/2 stream).
-	// They count toward Held again, are included in the other counts and
-	// not in Closing, and still close at their response boundary (or at
-	// boundary_timeout).
+	// Overdue connections were shed and are still open Sweep's
+	// recountAfter (the rebalance app's `history`) later: a response
+	// that does not end (server-sent events, a long poll, an endless
+	// download, a long HTTP/2 stream). They count toward Held again, are
+	// included in the other counts and not in Closing, and still close at
+	// their response boundary (or at Sweep's boundaryTimeout).
 	Overdue int `json:"overdue"`
 }
 
-// Total returns the number of connections held, in any state.
-func (c ConnCounts) Total() int { return c.New + c.Active + c.Idle + c.Hijacked }
+// total returns the number of connections held, in any state.
+func (c Counts) total() int { return c.New + c.Active + c.Idle + c.Hijacked }
 
-// Held returns the connections that count toward this node's load: all of
-// them except those already shed and waiting for a response boundary (for
-// at most `history`: overdue ones count again).
-func (c ConnCounts) Held() int { return c.Total() - c.Closing }
+// Held returns the connections that count toward the load they put on
+// this process: all of them except those already shed and waiting for a
+// response boundary (until Sweep counts them again as overdue).
+func (c Counts) Held() int { return c.total() - c.Closing }
 
 // ShedResult says how a shed was carried out.
 type ShedResult struct {
@@ -319,14 +315,14 @@ type ShedResult struct {
 // Total returns the number of connections shed.
 func (r ShedResult) Total() int { return r.Idle + r.Active + r.Hijacked }
 
-// ConnTracker counts the connections of the HTTP servers it is registered
+// Tracker counts the connections of the HTTP servers it is registered
 // with, by state, and sheds them gracefully. Register its ConnState and
-// ConnContext methods with each server (Caddy's
+// ConnContext methods with each server (http.Server's fields, or Caddy's
 // Server.RegisterConnState and RegisterConnContext); a tracker may serve
 // several servers, and connections of a server from a previous config stay
 // tracked until they close. It is safe for concurrent use; the per-request
-// cost is a sync.Map load and an atomic store.
-type ConnTracker struct {
+// cost is a sync.Map load and an atomic store. Create it with NewTracker.
+type Tracker struct {
 	conns  sync.Map // net.Conn -> *trackedConn
 	counts [numConnStates]atomic.Int64
 	// closing and overdue count tracked connections in the shed states
@@ -340,14 +336,27 @@ type ConnTracker struct {
 	wsCloses                           wsCloseCounters
 
 	shedMu sync.Mutex // one Shed or Sweep at a time
+
+	// epoch is the origin of the tracker's clock (now): durations since
+	// it use the monotonic clock, so a wall-clock step cannot force or
+	// recount a connection early.
+	epoch time.Time
 }
+
+// NewTracker returns a tracker with no connections.
+func NewTracker() *Tracker {
+	return &Tracker{epoch: time.Now()}
+}
+
+// now returns the tracker's clock: the monotonic time since its epoch.
+func (t *Tracker) now() time.Duration { return time.Since(t.epoch) }
 
 // connCtxKey is the context key under which ConnContext stores the
 // connection's *trackedConn.
 type connCtxKey struct{}
 
 // load returns the tracked connection for c, creating it in state New.
-func (t *ConnTracker) load(c net.Conn) *trackedConn {
+func (t *Tracker) load(c net.Conn) *trackedConn {
 	if v, ok := t.conns.Load(c); ok {
 		return v.(*trackedConn)
 	}
@@ -362,7 +371,7 @@ func (t *ConnTracker) load(c net.Conn) *trackedConn {
 
 // setState moves tc to state s, keeping the counts. Only net/http's
 // ConnState calls it, one call at a time for a connection.
-func (t *ConnTracker) setState(tc *trackedConn, s uint32) {
+func (t *Tracker) setState(tc *trackedConn, s uint32) {
 	if tc.state.Load() == s {
 		return
 	}
@@ -377,9 +386,9 @@ func (t *ConnTracker) setState(tc *trackedConn, s uint32) {
 }
 
 // ConnContext stores the connection's tracking entry in the connection's
-// context, for Middleware. Register it with http.Server.ConnContext or
-// Caddy's Server.RegisterConnContext.
-func (t *ConnTracker) ConnContext(ctx context.Context, c net.Conn) context.Context {
+// context, for WrapResponseWriter. Register it with
+// http.Server.ConnContext or Caddy's Server.RegisterConnContext.
+func (t *Tracker) ConnContext(ctx context.Context, c net.Conn) context.Context {
 	return context.WithValue(ctx, connCtxKey{}, t.load(c))
 }
 
@@ -388,7 +397,7 @@ func (t *ConnTracker) ConnContext(ctx context.Context, c net.Conn) context.Conte
 // connection that was shed is closed here when it becomes idle: its
 // response has been written and flushed, and no other request has been
 // read from it.
-func (t *ConnTracker) ConnState(c net.Conn, s http.ConnState) {
+func (t *Tracker) ConnState(c net.Conn, s http.ConnState) {
 	c, h2 := baseConn(c)
 	if h2 && s != http.StateClosed {
 		t.load(c).h2.Store(true)
@@ -414,7 +423,7 @@ func (t *ConnTracker) ConnState(c net.Conn, s http.ConnState) {
 }
 
 // forget removes c from the tracker.
-func (t *ConnTracker) forget(c net.Conn) {
+func (t *Tracker) forget(c net.Conn) {
 	v, ok := t.conns.LoadAndDelete(c)
 	if !ok {
 		return
@@ -430,8 +439,8 @@ func (t *ConnTracker) forget(c net.Conn) {
 }
 
 // Counts returns the connections held now, by state.
-func (t *ConnTracker) Counts() ConnCounts {
-	return ConnCounts{
+func (t *Tracker) Counts() Counts {
+	return Counts{
 		New:      int(t.counts[connNew].Load()),
 		Active:   int(t.counts[connActive].Load()),
 		Idle:     int(t.counts[connIdle].Load()),
@@ -441,25 +450,9 @@ func (t *ConnTracker) Counts() ConnCounts {
 	}
 }
 
-// ShedTotals returns how many connections were shed since the tracker was
-// created, by how, and how many of the active ones have been closed at a
-// response boundary so far.
-func (t *ConnTracker) ShedTotals() (shed ShedResult, closedAtBoundary uint64) {
-	return ShedResult{
-		Idle:     int(t.shedIdle.Load()),
-		Active:   int(t.shedActive.Load()),
-		Hijacked: int(t.shedHijacked.Load()),
-	}, t.closedAtBoundary.Load()
-}
-
 // GoAwayTotal returns how many GOAWAY frames the tracker wrote to shed
 // idle HTTP/2 connections since it was created (shutDownH2).
-func (t *ConnTracker) GoAwayTotal() uint64 { return t.goAways.Load() }
-
-// ForcedTotal returns how many shed connections Sweep closed since the
-// tracker was created because they did not reach a response boundary
-// within the boundary timeout.
-func (t *ConnTracker) ForcedTotal() uint64 { return t.forced.Load() }
+func (t *Tracker) GoAwayTotal() uint64 { return t.goAways.Load() }
 
 // Shed sheds up to n connections, gracefully: idle connections first
 // (HTTP/1 ones closed at once; a client that reuses one at that very
@@ -470,8 +463,9 @@ func (t *ConnTracker) ForcedTotal() uint64 { return t.forced.Load() }
 // closed. New connections younger than 5 s are left alone: their first
 // request may be on its way. Connections already shed are not counted
 // again, even once they count toward Held again (Sweep). A WebSocket
-// behind CloseHandler gets a close frame (going away) first.
-func (t *ConnTracker) Shed(n int) ShedResult {
+// whose upgrade went through WrapResponseWriter gets a close frame (going
+// away) first.
+func (t *Tracker) Shed(n int) ShedResult {
 	var res ShedResult
 	if n <= 0 {
 		return res
@@ -556,22 +550,21 @@ type SweepResult struct {
 //     reports nothing about a connection after handing it to a handler);
 //     one whose file descriptor cannot be reached (a listener wrapper
 //     that hides it) stays counted until it is shed;
-//   - a shed connection still open recountAfter (the app's `history`)
-//     after it was shed counts toward Held again: it is evidently not
-//     closing soon, and the node may shed others instead. It is not shed
-//     a second time;
+//   - a shed connection still open recountAfter after it was shed counts
+//     toward Held again: it is evidently not closing soon, and the caller
+//     may shed others instead. It is not shed a second time;
 //   - with boundaryTimeout > 0, a shed connection still active (or
 //     upgraded since) boundaryTimeout after it was shed is closed anyway,
-//     cutting its response; an upgraded WebSocket behind CloseHandler gets
-//     a close frame first.
+//     cutting its response; an upgraded WebSocket whose frames
+//     WrapResponseWriter's writer follows gets a close frame first.
 //
 // Zero recountAfter or boundaryTimeout turns that part off.
-func (t *ConnTracker) Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult {
-	return t.sweep(time.Since(trackerEpoch), recountAfter, boundaryTimeout)
+func (t *Tracker) Sweep(recountAfter, boundaryTimeout time.Duration) SweepResult {
+	return t.sweep(t.now(), recountAfter, boundaryTimeout)
 }
 
-// sweep is Sweep at now (time since trackerEpoch).
-func (t *ConnTracker) sweep(now, recountAfter, boundaryTimeout time.Duration) SweepResult {
+// sweep is Sweep at now, on the tracker's clock.
+func (t *Tracker) sweep(now, recountAfter, boundaryTimeout time.Duration) SweepResult {
 	t.shedMu.Lock()
 	defer t.shedMu.Unlock()
 	var res SweepResult
@@ -626,33 +619,4 @@ func connClosed(c net.Conn) bool {
 		return true
 	}
 	return raw.Control(func(uintptr) {}) != nil
-}
-
-// ClosingConn reports whether the connection that carries r was shed and
-// should close after this response.
-func ClosingConn(r *http.Request) bool {
-	tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
-	return ok && tc.closeAtBoundary()
-}
-
-// Middleware wraps next so that a response on a connection that was shed
-// carries "Connection: close": HTTP/1.1 clients then open a new connection
-// (through the outer load balancer) for their next request instead of
-// racing the close, and Go's HTTP/2 server turns the header into a
-// graceful GOAWAY. A request on a connection that is shed while its
-// handler runs closes at the next idle transition instead.
-func Middleware(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
-		if ok && r.ProtoMajor >= 2 {
-			tc.h2.Store(true)
-		}
-		if ok && tc.closeAtBoundary() {
-			w.Header().Set("Connection", "close")
-			if r.ProtoMajor >= 2 {
-				tc.noteServerGoAway()
-			}
-		}
-		next.ServeHTTP(w, r)
-	})
 }

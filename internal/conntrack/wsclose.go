@@ -1,4 +1,4 @@
-package rebalance
+package conntrack
 
 import (
 	"encoding/binary"
@@ -14,8 +14,8 @@ import (
 // This file makes shedding an upgraded WebSocket graceful. reverse_proxy
 // hijacks the client connection for a protocol switch and copies bytes
 // both ways; closing the socket under it ends the stream with an error
-// as far as the client can tell (a close code 1006, "abnormal"). Behind
-// rebalance_close the hijacked connection is wrapped in a wsConn, which
+// as far as the client can tell (a close code 1006, "abnormal"). Through
+// WrapResponseWriter the hijacked connection is wrapped in a wsConn, which
 // follows the server-to-client frame stream, so that a shed sends a
 // Close frame (1001, going away) between two frames: RFC 6455 §5.4 lets
 // a control frame go between any two frames, even between the fragments
@@ -130,14 +130,15 @@ const (
 	wsClosed                // the connection is closed
 )
 
-// wsCloseCounters count how shed WebSocket streams behind rebalance_close
-// ended (one ConnTracker's).
+// wsCloseCounters count how shed WebSocket streams whose frames a wsConn
+// follows ended (one Tracker's).
 type wsCloseCounters struct {
 	frame, afterFrameEnd, noFrame atomic.Uint64
 }
 
-// WebSocketCloses says how the WebSocket streams shed through
-// rebalance_close ended, since the tracker was created.
+// WebSocketCloses says how the WebSocket streams shed whose upgrade went
+// through WrapResponseWriter (Caddy's rebalance_close) ended, since the
+// tracker was created.
 type WebSocketCloses struct {
 	// CloseFrame streams got a close frame with code 1001 (going away)
 	// before their connection closed.
@@ -152,10 +153,10 @@ type WebSocketCloses struct {
 }
 
 // WebSocketCloses returns how the WebSocket streams shed through
-// rebalance_close ended so far. A stream shed less than about a second
+// WrapResponseWriter ended so far. A stream shed less than about a second
 // ago may not be counted yet (a close frame is counted just after it is
 // written).
-func (t *ConnTracker) WebSocketCloses() WebSocketCloses {
+func (t *Tracker) WebSocketCloses() WebSocketCloses {
 	return WebSocketCloses{
 		CloseFrame:    t.wsCloses.frame.Load(),
 		AfterFrameEnd: t.wsCloses.afterFrameEnd.Load(),
@@ -164,9 +165,9 @@ func (t *ConnTracker) WebSocketCloses() WebSocketCloses {
 }
 
 // wsConn is the client connection of an upgraded WebSocket stream, as
-// handed to the handler that hijacked it through CloseHandler (Caddy's
-// reverse_proxy copies the backend's frames into it). It follows the
-// frames written to the client and serializes writes, so that
+// handed to the handler that hijacked it through WrapResponseWriter
+// (Caddy's reverse_proxy copies the backend's frames into it). It follows
+// the frames written to the client and serializes writes, so that
 // closeGracefully can put a Close frame between two frames and nothing
 // after it.
 type wsConn struct {

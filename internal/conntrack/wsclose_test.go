@@ -1,4 +1,4 @@
-package rebalance
+package conntrack
 
 import (
 	"bufio"
@@ -12,9 +12,6 @@ import (
 	"slices"
 	"testing"
 	"time"
-
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
@@ -233,35 +230,10 @@ func FuzzFrameTracker(f *testing.F) {
 // a wsConn with a short linger, and the client end.
 func wsPair(t *testing.T, linger time.Duration) (*wsConn, net.Conn) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			close(accepted)
-			return
-		}
-		accepted <- c
-	}()
-	client, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	server, ok := <-accepted
-	if !ok {
-		t.Fatal("accept failed")
-	}
+	server, client := testutil.TCPPair(t, nil)
 	ws := newWSConn(server)
 	ws.linger = linger
-	t.Cleanup(func() {
-		client.Close()
-		ws.Close()
-	})
-	client.SetDeadline(time.Now().Add(20 * time.Second))
+	t.Cleanup(func() { ws.Close() })
 	return ws, client
 }
 
@@ -500,16 +472,17 @@ func TestWSConnProxyClosesFirst(t *testing.T) {
 	}
 }
 
-// TestCloseHandlerHijack runs upgrades through CloseHandler on a real
-// server and sheds them: a WebSocket answered 101 through the writer gets
+// TestWrapResponseWriterHijack runs upgrades through WrapResponseWriter
+// on a real server and sheds them: a WebSocket answered 101 through the
+// writer gets
 // a frame-following connection (the buffered writer too) and a 1001
 // close frame when shed; a WebSocket hijacked without a 101 through the
 // writer, and a non-WebSocket upgrade, get the plain connection, closed.
-func TestCloseHandlerHijack(t *testing.T) {
-	tr := new(ConnTracker)
+func TestWrapResponseWriterHijack(t *testing.T) {
+	tr := NewTracker()
 	wrapped := make(chan bool, 1)
 	midFrame := make(chan bool, 1)
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+	next := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/raw" {
 			w.Header().Set("Upgrade", r.Header.Get("Upgrade"))
 			w.Header().Set("Connection", "Upgrade")
@@ -517,7 +490,8 @@ func TestCloseHandlerHijack(t *testing.T) {
 		}
 		conn, brw, err := http.NewResponseController(w).Hijack()
 		if err != nil {
-			return err
+			t.Error(err)
+			return
 		}
 		defer conn.Close()
 		_, isWS := conn.(*wsConn)
@@ -538,15 +512,9 @@ func TestCloseHandlerHijack(t *testing.T) {
 		}
 		conn.Write(second[100:])
 		io.Copy(io.Discard, conn)
-		return nil
 	})
-	var h CloseHandler
 	srv := &http.Server{
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if err := h.ServeHTTP(w, r, next); err != nil {
-				t.Error(err)
-			}
-		}),
+		Handler:     closeMiddleware(next),
 		ConnState:   tr.ConnState,
 		ConnContext: tr.ConnContext,
 	}
@@ -615,11 +583,4 @@ func TestCloseHandlerHijack(t *testing.T) {
 		c := tr.WebSocketCloses()
 		return c.CloseFrame == 1 && c.WithoutFrame == 0, fmt.Sprintf("%+v", c)
 	})
-	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(metricsCollector{tracker: tr})
-	for result, want := range map[string]float64{"close_frame": 1, "without_frame": 0} {
-		if v, ok := metricValue(t, reg, "caddy_lbx_rebalance_websocket_closes_total", map[string]string{"result": result}); !ok || v != want {
-			t.Errorf("websocket_closes_total{result=%q} = %v (%v); want %v", result, v, ok, want)
-		}
-	}
 }

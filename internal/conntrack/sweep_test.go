@@ -1,4 +1,4 @@
-package rebalance
+package conntrack
 
 import (
 	"bufio"
@@ -12,10 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
-	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -140,7 +136,7 @@ func TestSweepAccounting(t *testing.T) {
 		sweeps: []sweep{{after: 100 * time.Hour, closing: 1}},
 	}} {
 		t.Run(tc.name, func(t *testing.T) {
-			tr := new(ConnTracker)
+			tr := NewTracker()
 			c1, c2 := net.Pipe()
 			defer c2.Close()
 			defer c1.Close()
@@ -157,7 +153,7 @@ func TestSweepAccounting(t *testing.T) {
 			}
 			shedAt := time.Duration(tconn.shedAt.Load())
 			if !tc.shed {
-				shedAt = time.Since(trackerEpoch)
+				shedAt = tr.now()
 			}
 			forced := 0
 			for i, sw := range tc.sweeps {
@@ -176,18 +172,18 @@ func TestSweepAccounting(t *testing.T) {
 				}
 			}
 			if tc.forgotten {
-				if c := tr.Counts(); c.Total() != 0 {
+				if c := tr.Counts(); c.total() != 0 {
 					t.Errorf("counts %+v; want the upgraded connection forgotten", c)
 				}
 				return
 			}
 			// net/http reports the close: nothing is left, whatever state.
 			tr.ConnState(c1, http.StateClosed)
-			if c := tr.Counts(); c != (ConnCounts{}) {
+			if c := tr.Counts(); c != (Counts{}) {
 				t.Errorf("after StateClosed: %+v; want all zero", c)
 			}
-			if got := tr.ForcedTotal(); got != uint64(forced) {
-				t.Errorf("ForcedTotal = %d; the sweeps forced %d", got, forced)
+			if got := tr.forced.Load(); got != uint64(forced) {
+				t.Errorf("forced total %d; the sweeps forced %d", got, forced)
 			}
 		})
 	}
@@ -196,7 +192,7 @@ func TestSweepAccounting(t *testing.T) {
 // TestSweepForgetRace: a connection forgotten (closed by its client)
 // while sweeps and sheds run leaves the counts exact.
 func TestSweepForgetRace(t *testing.T) {
-	tr := new(ConnTracker)
+	tr := NewTracker()
 	var conns []net.Conn
 	for range 200 {
 		c1, c2 := net.Pipe()
@@ -212,7 +208,7 @@ func TestSweepForgetRace(t *testing.T) {
 		defer wg.Done()
 		for range 50 {
 			tr.Shed(5)
-			tr.sweep(time.Since(trackerEpoch)+time.Hour, time.Second, 0)
+			tr.sweep(tr.now()+time.Hour, time.Second, 0)
 		}
 	}()
 	go func() {
@@ -222,7 +218,7 @@ func TestSweepForgetRace(t *testing.T) {
 		}
 	}()
 	wg.Wait()
-	if c := tr.Counts(); c != (ConnCounts{}) {
+	if c := tr.Counts(); c != (Counts{}) {
 		t.Fatalf("counts %+v; want all zero", c)
 	}
 }
@@ -239,7 +235,7 @@ func TestShedStreamNotForced(t *testing.T) {
 	if _, err := events.next(); err != nil {
 		t.Fatal(err)
 	}
-	ts.waitCounts("the stream active", func(c ConnCounts) bool { return c.Active == 1 })
+	ts.waitCounts("the stream active", func(c Counts) bool { return c.Active == 1 })
 	if r := ts.tracker.Shed(1); r != (ShedResult{Active: 1}) {
 		t.Fatalf("Shed(1) = %+v; want the active stream", r)
 	}
@@ -274,7 +270,7 @@ func TestShedStreamNotForced(t *testing.T) {
 		t.Errorf("Shed(1) = %+v: the stream was shed twice", r)
 	}
 	c.conn.Close()
-	ts.waitCounts("the stream forgotten", func(c ConnCounts) bool { return c.Total() == 0 && c.Overdue == 0 && c.Closing == 0 })
+	ts.waitCounts("the stream forgotten", func(c Counts) bool { return c.total() == 0 && c.Overdue == 0 && c.Closing == 0 })
 }
 
 // TestShedStreamForced: with a boundary timeout, a shed stream that never
@@ -295,7 +291,7 @@ func TestShedStreamForced(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-ts.entered
-	ts.waitCounts("the stream and the request active", func(c ConnCounts) bool { return c.Active == 2 })
+	ts.waitCounts("the stream and the request active", func(c Counts) bool { return c.Active == 2 })
 
 	const timeout = 30 * time.Second
 	if r := ts.tracker.Shed(2); r != (ShedResult{Active: 2}) {
@@ -312,7 +308,7 @@ func TestShedStreamForced(t *testing.T) {
 	go func() {
 		defer close(done)
 		for {
-			r := ts.tracker.sweep(time.Since(trackerEpoch)+time.Duration(skew.Load()), time.Hour, timeout)
+			r := ts.tracker.sweep(ts.tracker.now()+time.Duration(skew.Load()), time.Hour, timeout)
 			mu.Lock()
 			swept.Forced += r.Forced
 			swept.Overdue += r.Overdue
@@ -345,7 +341,7 @@ func TestShedStreamForced(t *testing.T) {
 	if !rc.closedByServer() {
 		t.Error("the shed request's connection was not closed after its response")
 	}
-	ts.waitCounts("the request's connection forgotten", func(c ConnCounts) bool { return c.Total() == 1 && c.Closing == 1 })
+	ts.waitCounts("the request's connection forgotten", func(c Counts) bool { return c.total() == 1 && c.Closing == 1 })
 	if got, _ := sweptSoFar(); got != (SweepResult{}) {
 		t.Fatalf("sweeps within the timeout did %+v; want nothing", got)
 	}
@@ -364,7 +360,7 @@ func TestShedStreamForced(t *testing.T) {
 	if readErr == io.EOF {
 		t.Errorf("the stream ended cleanly; want it cut (an unexpected EOF)")
 	}
-	ts.waitCounts("both forgotten", func(c ConnCounts) bool { return c.Total() == 0 && c.Closing == 0 })
+	ts.waitCounts("both forgotten", func(c Counts) bool { return c.total() == 0 && c.Closing == 0 })
 	_, n := sweptSoFar()
 	testutil.WaitFor(t, 5*time.Second, "more sweeps", func() (bool, string) {
 		_, m := sweptSoFar()
@@ -373,74 +369,13 @@ func TestShedStreamForced(t *testing.T) {
 	if got, _ := sweptSoFar(); got != (SweepResult{Forced: 1}) {
 		t.Errorf("sweeps added up to %+v; want exactly one forced (the stream)", got)
 	}
-	if _, atBoundary := ts.tracker.ShedTotals(); atBoundary != 1 || ts.tracker.ForcedTotal() != 1 {
-		t.Errorf("%d closed at a boundary, %d forced; want 1 and 1", atBoundary, ts.tracker.ForcedTotal())
+	if _, atBoundary := ts.tracker.shedTotals(); atBoundary != 1 || ts.tracker.forced.Load() != 1 {
+		t.Errorf("%d closed at a boundary, %d forced; want 1 and 1", atBoundary, ts.tracker.forced.Load())
 	}
-}
-
-// TestNodeForcedCloses runs a node whose load source is a real server's
-// tracker, with boundary_timeout set: a stream shed through the source
-// (as the node sheds) is force-closed by the node's own per-interval
-// sweep, and the forced close shows in the rebalance_shed event, the
-// admin view and the forced_closes_total metric.
-func TestNodeForcedCloses(t *testing.T) {
-	ts := newTrackedServer(t)
-	ctx, rec := eventsContext(t)
-	src := &processSource{tracker: ts.tracker}
-	a := startAppCtx(t, ctx, "forcing", src, func(_ *cluster.App, a *App) {
-		a.ShedRate = 0
-		a.Interval = caddy.Duration(100 * time.Millisecond) // the minimum
-		a.BoundaryTimeout = caddy.Duration(300 * time.Millisecond)
-	})
-
-	events := openStream(t, ts.dial())
-	if _, err := events.next(); err != nil {
-		t.Fatal(err)
-	}
-	ts.waitCounts("the stream active", func(c ConnCounts) bool { return c.Active == 1 })
-	if r := src.Shed(1); r != (ShedResult{Active: 1}) {
-		t.Fatalf("Shed(1) = %+v", r)
-	}
-	testutil.WaitFor(t, 10*time.Second, "the node forces the stream closed", func() (bool, string) {
-		a.node.mu.Lock()
-		defer a.node.mu.Unlock()
-		return a.node.forced == 1, fmt.Sprintf("forced %d", a.node.forced)
-	})
-	var readErr error
-	for readErr == nil {
-		_, readErr = events.next()
-	}
-
-	// The event is emitted after the node's lock is released: wait for it.
-	testutil.WaitFor(t, 10*time.Second, "one forced close in the events", func() (bool, string) {
-		var forced int
-		for _, e := range rec.get() {
-			if e.Data["node"] != "forcing" {
-				continue
-			}
-			if f, _ := e.Data["forced"].(int); f > 0 {
-				forced += f
-				if e.Data["count"] != 0 {
-					t.Errorf("event %v: a lone node sheds nothing itself", e.Data)
-				}
-			}
-		}
-		return forced == 1, fmt.Sprintf("events report %d forced", forced)
-	})
-	v := a.node.view(time.Now())
-	if v.ForcedCloses != 1 || v.BoundaryTimeout != 300 || !strings.Contains(v.ShedTotalHuman, "1 forced") {
-		t.Errorf("admin view: forced_closes_total %d, boundary_timeout_ms %d, %q", v.ForcedCloses, v.BoundaryTimeout, v.ShedTotalHuman)
-	}
-	reg := prometheus.NewPedanticRegistry()
-	reg.MustRegister(metricsCollector{tracker: ts.tracker})
-	if got, ok := metricValue(t, reg, "caddy_lbx_rebalance_forced_closes_total", map[string]string{"node": "forcing"}); !ok || got != 1 {
-		t.Errorf("forced_closes_total = %v (%v); want 1", got, ok)
-	}
-	ts.waitCounts("the stream forgotten", func(c ConnCounts) bool { return c.Total() == 0 })
 }
 
 // TestShedStreamForcedHTTP2: a long HTTP/2 stream (server-sent events over
-// h2c, behind CloseHandler) on a shed connection writes no new response
+// h2c, through WrapResponseWriter) on a shed connection writes no new response
 // header, so no GOAWAY goes out and the connection stays active; the
 // boundary timeout closes it.
 func TestShedStreamForcedHTTP2(t *testing.T) {
@@ -462,7 +397,7 @@ func TestShedStreamForcedHTTP2(t *testing.T) {
 		t.Fatal(err)
 	}
 	ts := &trackedServer{t: t, tracker: cs.tracker, addr: cs.addr}
-	ts.waitCounts("the connection active", func(c ConnCounts) bool { return c.Active == 1 })
+	ts.waitCounts("the connection active", func(c Counts) bool { return c.Active == 1 })
 	if r := cs.tracker.Shed(1); r != (ShedResult{Active: 1}) {
 		t.Fatalf("Shed(1) = %+v; want the HTTP/2 connection", r)
 	}
@@ -475,7 +410,7 @@ func TestShedStreamForcedHTTP2(t *testing.T) {
 	for readErr == nil {
 		_, readErr = events.next()
 	}
-	ts.waitCounts("the connection forgotten", func(c ConnCounts) bool { return c.Total() == 0 })
+	ts.waitCounts("the connection forgotten", func(c Counts) bool { return c.total() == 0 })
 	if forced != 1 {
 		t.Errorf("forced %d; want 1", forced)
 	}

@@ -1,4 +1,4 @@
-package rebalance
+package conntrack
 
 import (
 	"bytes"
@@ -12,43 +12,37 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
-// h2Server is a real HTTP/2 server on 127.0.0.1, h2c or TLS, behind the
-// rebalance listener wrapper (below TLS, as in Caddy), with its own
-// tracker; handlers run behind CloseHandler when closeHandler is set.
+// h2Server is a real HTTP/2 server on 127.0.0.1, h2c or TLS, behind a
+// counting listener (below TLS, as the rebalance listener wrapper is in
+// Caddy), with its own tracker; handlers write through WrapResponseWriter
+// when wrap is set.
 type h2Server struct {
-	tracker *ConnTracker
+	tracker *Tracker
 	addr    string
 	tls     *tls.Config // the client's, for TLS
 }
 
-func newH2Server(t *testing.T, secure, closeHandler bool) *h2Server {
+func newH2Server(t *testing.T, secure, wrap bool) *h2Server {
 	t.Helper()
-	hs := &h2Server{tracker: new(ConnTracker)}
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		_, err := io.WriteString(w, "ok")
-		return err
-	})
-	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { next(w, r) }))
-	if closeHandler {
-		var h CloseHandler
-		handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { h.ServeHTTP(w, r, next) })
+	hs := &h2Server{tracker: NewTracker()}
+	handler := http.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))
+	if wrap {
+		handler = closeMiddleware(handler)
 	}
 	srv := &http.Server{Handler: handler, ConnState: hs.tracker.ConnState, ConnContext: hs.tracker.ConnContext}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	w, _, _ := testWrapper()
-	ln = w.WrapListener(ln)
+	ln = new(ByteCounters).Listener(ln, nil)
 	if secure {
-		certPEM, _, cert := testCert(t)
+		certPEM, _, cert := testutil.Cert(t)
 		pool := x509.NewCertPool()
 		pool.AppendCertsFromPEM(certPEM)
 		hs.tls = &tls.Config{RootCAs: pool, ServerName: "localhost", NextProtos: []string{"h2"}}
@@ -205,8 +199,9 @@ func describe(gs []goAway) string {
 // else happens to it. A request the client had sent as the GOAWAY left
 // (sent here just after it) is still served whole, and the connection is
 // then closed by the tracker, since this client keeps it open. The server
-// has no CloseHandler: the tracker knows the connection is HTTP/2 from
-// ALPN or from the preface the listener wrapper read, not from a request.
+// has no WrapResponseWriter: the tracker knows the connection is HTTP/2
+// from ALPN or from the preface the counting listener read, not from a
+// request.
 func TestShedIdleHTTP2GoAway(t *testing.T) {
 	for _, secure := range []bool{false, true} {
 		t.Run(map[bool]string{false: "h2c", true: "TLS"}[secure], func(t *testing.T) {
@@ -246,14 +241,14 @@ func TestShedIdleHTTP2GoAway(t *testing.T) {
 			}
 			testutil.WaitFor(t, 5*time.Second, "the connection forgotten", func() (bool, string) {
 				c := hs.tracker.Counts()
-				return c.Total() == 0 && c.Closing == 0, fmt.Sprintf("%+v", c)
+				return c.total() == 0 && c.Closing == 0, fmt.Sprintf("%+v", c)
 			})
 		})
 	}
 }
 
 // TestShedIdleHTTP2Request: a request on a shed idle HTTP/2 connection
-// before the tracker's GOAWAY goes out, through CloseHandler, makes Go's
+// before the tracker's GOAWAY goes out, through WrapResponseWriter, makes Go's
 // server send its own GOAWAY (last stream: that request's), and the
 // tracker then sends none: a second one with a higher stream ID would be
 // a protocol error (grpc-go closes the connection on it). The connection
@@ -285,10 +280,10 @@ func TestShedIdleHTTP2Request(t *testing.T) {
 }
 
 // waitIdle waits until tr's only connection is idle.
-func waitIdle(t *testing.T, tr *ConnTracker) {
+func waitIdle(t *testing.T, tr *Tracker) {
 	t.Helper()
 	testutil.WaitFor(t, 5*time.Second, "the connection idle", func() (bool, string) {
 		c := tr.Counts()
-		return c.Idle == 1 && c.Total() == 1, fmt.Sprintf("%+v", c)
+		return c.Idle == 1 && c.total() == 1, fmt.Sprintf("%+v", c)
 	})
 }

@@ -1,4 +1,4 @@
-package rebalance
+package conntrack
 
 import (
 	"bufio"
@@ -16,10 +16,12 @@ import (
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
-// trackedServer is a real http.Server on 127.0.0.1 with a ConnTracker.
+// trackedServer is a real http.Server on 127.0.0.1 with a Tracker, and
+// no WrapResponseWriter: a shed active connection closes when it next
+// becomes idle.
 type trackedServer struct {
 	t       *testing.T
-	tracker *ConnTracker
+	tracker *Tracker
 	addr    string
 	entered chan struct{} // one value per /block request that started
 	release chan struct{} // closed to let /block requests finish
@@ -27,7 +29,7 @@ type trackedServer struct {
 
 func newTrackedServer(t *testing.T) *trackedServer {
 	t.Helper()
-	ts := &trackedServer{t: t, tracker: new(ConnTracker), entered: make(chan struct{}, 16), release: make(chan struct{})}
+	ts := &trackedServer{t: t, tracker: NewTracker(), entered: make(chan struct{}, 16), release: make(chan struct{})}
 	mux := http.NewServeMux()
 	mux.HandleFunc("/fast", func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") })
 	mux.HandleFunc("/block", func(w http.ResponseWriter, r *http.Request) {
@@ -56,7 +58,7 @@ func newTrackedServer(t *testing.T) *trackedServer {
 		t.Fatal(err)
 	}
 	srv := &http.Server{
-		Handler:     Middleware(mux),
+		Handler:     mux,
 		ConnState:   ts.tracker.ConnState,
 		ConnContext: ts.tracker.ConnContext,
 	}
@@ -129,7 +131,7 @@ func (c *client) closedByServer() bool {
 	return errors.Is(err, io.EOF)
 }
 
-func (ts *trackedServer) waitCounts(what string, ok func(ConnCounts) bool) {
+func (ts *trackedServer) waitCounts(what string, ok func(Counts) bool) {
 	ts.t.Helper()
 	testutil.WaitFor(ts.t, 5*time.Second, what, func() (bool, string) {
 		c := ts.tracker.Counts()
@@ -137,30 +139,41 @@ func (ts *trackedServer) waitCounts(what string, ok func(ConnCounts) bool) {
 	})
 }
 
-func spew(c ConnCounts) string { return fmt.Sprintf("%+v", c) }
+func spew(c Counts) string { return fmt.Sprintf("%+v", c) }
 
-// TestConnTrackerCounts follows connections through new, idle, active,
+// shedTotals returns how many connections t shed since it was created, by
+// how, and how many of the active ones have been closed at a response
+// boundary so far.
+func (t *Tracker) shedTotals() (shed ShedResult, closedAtBoundary uint64) {
+	return ShedResult{
+		Idle:     int(t.shedIdle.Load()),
+		Active:   int(t.shedActive.Load()),
+		Hijacked: int(t.shedHijacked.Load()),
+	}, t.closedAtBoundary.Load()
+}
+
+// TestTrackerCounts follows connections through new, idle, active,
 // hijacked and closed on a real server.
-func TestConnTrackerCounts(t *testing.T) {
+func TestTrackerCounts(t *testing.T) {
 	ts := newTrackedServer(t)
 	a, b := ts.dial(), ts.dial()
-	ts.waitCounts("2 new", func(c ConnCounts) bool { return c.New == 2 && c.Total() == 2 })
+	ts.waitCounts("2 new", func(c Counts) bool { return c.New == 2 && c.total() == 2 })
 	a.get(t, "/fast")
 	b.get(t, "/fast")
-	ts.waitCounts("2 idle", func(c ConnCounts) bool { return c.Idle == 2 && c.Total() == 2 })
+	ts.waitCounts("2 idle", func(c Counts) bool { return c.Idle == 2 && c.total() == 2 })
 
 	if err := a.send("/block"); err != nil {
 		t.Fatal(err)
 	}
 	<-ts.entered
-	ts.waitCounts("1 active, 1 idle", func(c ConnCounts) bool { return c.Active == 1 && c.Idle == 1 })
+	ts.waitCounts("1 active, 1 idle", func(c Counts) bool { return c.Active == 1 && c.Idle == 1 })
 
 	u := ts.dial()
 	resp, _ := u.get(t, "/upgrade")
 	if resp.StatusCode != http.StatusSwitchingProtocols {
 		t.Fatalf("upgrade: status %d", resp.StatusCode)
 	}
-	ts.waitCounts("1 hijacked", func(c ConnCounts) bool { return c.Hijacked == 1 && c.Total() == 3 })
+	ts.waitCounts("1 hijacked", func(c Counts) bool { return c.Hijacked == 1 && c.total() == 3 })
 
 	// The client closes the upgraded stream: net/http says nothing, the
 	// sweep notices the closed socket.
@@ -172,18 +185,18 @@ func TestConnTrackerCounts(t *testing.T) {
 	})
 
 	b.conn.Close()
-	ts.waitCounts("b forgotten", func(c ConnCounts) bool { return c.Total() == 1 && c.Active == 1 })
+	ts.waitCounts("b forgotten", func(c Counts) bool { return c.total() == 1 && c.Active == 1 })
 	ts.release <- struct{}{} // the /block handler takes it and finishes
 	if _, body, err := a.read(); err != nil || body != "done" {
 		t.Fatalf("/block: %q, %v", body, err)
 	}
 }
 
-// TestConnTrackerShedOrder sheds from a server holding 2 idle, 1 active
+// TestTrackerShedOrder sheds from a server holding 2 idle, 1 active
 // and 1 hijacked connection: idle ones go first, then the active one is
 // marked (not closed: its request completes, its response arrives whole,
 // then the connection closes), and the hijacked one last.
-func TestConnTrackerShedOrder(t *testing.T) {
+func TestTrackerShedOrder(t *testing.T) {
 	ts := newTrackedServer(t)
 	i1, i2, act, up := ts.dial(), ts.dial(), ts.dial(), ts.dial()
 	i1.get(t, "/fast")
@@ -195,7 +208,7 @@ func TestConnTrackerShedOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	<-ts.entered
-	ts.waitCounts("2 idle, 1 active, 1 hijacked", func(c ConnCounts) bool {
+	ts.waitCounts("2 idle, 1 active, 1 hijacked", func(c Counts) bool {
 		return c.Idle == 2 && c.Active == 1 && c.Hijacked == 1
 	})
 
@@ -208,7 +221,7 @@ func TestConnTrackerShedOrder(t *testing.T) {
 	if !i1.closedByServer() || !i2.closedByServer() {
 		t.Fatal("idle connections not closed")
 	}
-	ts.waitCounts("idle ones forgotten, the active one closing", func(c ConnCounts) bool {
+	ts.waitCounts("idle ones forgotten, the active one closing", func(c Counts) bool {
 		return c.Idle == 0 && c.Active == 1 && c.Closing == 1 && c.Held() == 1
 	})
 
@@ -229,8 +242,8 @@ func TestConnTrackerShedOrder(t *testing.T) {
 	if !act.closedByServer() {
 		t.Fatal("shed active connection not closed after its response")
 	}
-	ts.waitCounts("nothing left", func(c ConnCounts) bool { return c.Total() == 0 && c.Closing == 0 })
-	shed, atBoundary := ts.tracker.ShedTotals()
+	ts.waitCounts("nothing left", func(c Counts) bool { return c.total() == 0 && c.Closing == 0 })
+	shed, atBoundary := ts.tracker.shedTotals()
 	if shed != (ShedResult{Idle: 2, Active: 1, Hijacked: 1}) || atBoundary != 1 {
 		t.Errorf("totals %+v, %d at a boundary; want 2/1/1 and 1", shed, atBoundary)
 	}
@@ -239,27 +252,33 @@ func TestConnTrackerShedOrder(t *testing.T) {
 	}
 }
 
-// TestConnTrackerNewGrace: a connection that has not sent its first
+// TestTrackerNewGrace: a connection that has not sent its first
 // request is not shed (its request may be on its way).
-func TestConnTrackerNewGrace(t *testing.T) {
+func TestTrackerNewGrace(t *testing.T) {
 	ts := newTrackedServer(t)
 	ts.dial()
-	ts.waitCounts("1 new", func(c ConnCounts) bool { return c.New == 1 })
+	ts.waitCounts("1 new", func(c Counts) bool { return c.New == 1 })
 	if r := ts.tracker.Shed(1); r.Total() != 0 {
 		t.Fatalf("Shed(1) took a fresh new connection: %+v", r)
 	}
 }
 
-// TestMiddlewareConnectionClose: a request on a connection that was shed
-// before the request started gets "Connection: close".
-func TestMiddlewareConnectionClose(t *testing.T) {
-	tr := new(ConnTracker)
+// TestWrapResponseWriterConnectionClose: a response on a connection that
+// was shed before the request started gets "Connection: close"; one on a
+// connection no tracker knows gets the server's own writer.
+func TestWrapResponseWriterConnectionClose(t *testing.T) {
+	tr := NewTracker()
 	c1, c2 := net.Pipe()
 	defer c1.Close()
 	defer c2.Close()
 	ctx := tr.ConnContext(context.Background(), c1)
-	h := Middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	h := closeMiddleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))
 	req := httptest.NewRequest("GET", "/", nil).WithContext(ctx)
+
+	untracked := httptest.NewRecorder()
+	if w := WrapResponseWriter(untracked, httptest.NewRequest("GET", "/", nil)); w != http.ResponseWriter(untracked) {
+		t.Fatalf("untracked request: writer %T; want the server's own", w)
+	}
 
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, req)
@@ -277,9 +296,9 @@ func TestMiddlewareConnectionClose(t *testing.T) {
 	}
 }
 
-// TestConnTrackerConcurrent drives many connections through the tracker
+// TestTrackerConcurrent drives many connections through the tracker
 // at once and checks that the counts return to zero.
-func TestConnTrackerConcurrent(t *testing.T) {
+func TestTrackerConcurrent(t *testing.T) {
 	ts := newTrackedServer(t)
 	var wg sync.WaitGroup
 	for range 8 {
@@ -302,5 +321,5 @@ func TestConnTrackerConcurrent(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	ts.waitCounts("all connections closed and forgotten", func(c ConnCounts) bool { return c.Total() == 0 && c.Closing == 0 })
+	ts.waitCounts("all connections closed and forgotten", func(c Counts) bool { return c.total() == 0 && c.Closing == 0 })
 }
