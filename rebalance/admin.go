@@ -1,10 +1,8 @@
 package rebalance
 
 import (
-	"encoding/json"
 	"fmt"
 	"math"
-	"net/http"
 	"sort"
 	"time"
 
@@ -12,6 +10,7 @@ import (
 	"github.com/dustin/go-humanize"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/adminjson"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
 
@@ -45,7 +44,7 @@ func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 func (AdminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/rebalance",
-		Handler: caddy.AdminHandlerFunc(handleCluster),
+		Handler: handleCluster,
 	}}
 }
 
@@ -297,15 +296,8 @@ func finite(v float64) float64 {
 	return v
 }
 
-func handleCluster(w http.ResponseWriter, r *http.Request) error {
-	if r.Method != http.MethodGet {
-		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method not allowed")}
-	}
-	w.Header().Set("Content-Type", "application/json")
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(buildClusterReport())
-}
+// handleCluster serves GET /lbx/rebalance.
+var handleCluster = adminjson.Handler(buildClusterReport)
 
 // Interface guards
 var _ caddy.AdminRouter = (*AdminAPI)(nil)

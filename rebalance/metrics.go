@@ -1,10 +1,10 @@
 package rebalance
 
 import (
-	"errors"
-
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/caddy-lbx/lbx/internal/metricsreg"
 )
 
 // metricsCollector exposes the rebalance state as Prometheus metrics. It
@@ -98,10 +98,5 @@ func collectNodes(ch chan<- prometheus.Metric) {
 // metrics registry (the one Caddy's /metrics endpoints serve).
 // Registering again in the same config is harmless.
 func registerMetrics(ctx caddy.Context, conns *processConns) error {
-	err := ctx.GetMetricsRegistry().Register(metricsCollector{conns: conns})
-	var are prometheus.AlreadyRegisteredError
-	if err != nil && !errors.As(err, &are) {
-		return err
-	}
-	return nil
+	return metricsreg.Register(ctx, metricsCollector{conns: conns})
 }
