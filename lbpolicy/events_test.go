@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // recorder is an event handler that keeps what it is given.
@@ -81,14 +82,14 @@ func TestRestorationEmitsEventOnce(t *testing.T) {
 	dial := t.Name() + ":80"
 	s := table.Stats(dial)
 	o.judge(table, s, dial, true) // ejected for 1ms
-	if !s.Ejected(hoststate.Now()) {
+	if !s.Ejected(monoclock.Now()) {
 		t.Fatal("not ejected")
 	}
-	if s.TakeRestored(hoststate.Now()) {
+	if s.TakeRestored(monoclock.Now()) {
 		t.Fatal("restored while still ejected")
 	}
 	deadline := time.Now().Add(5 * time.Second)
-	for s.Ejected(hoststate.Now()) {
+	for s.Ejected(monoclock.Now()) {
 		if time.Now().After(deadline) {
 			t.Fatal("ejection of 1ms did not end")
 		}

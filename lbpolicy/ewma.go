@@ -14,6 +14,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 	"github.com/caddy-lbx/lbx/internal/randpick"
 )
 
@@ -243,9 +244,9 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		attempt, tried = LoadTried(r)
 	}
 	v := s.viewFor(pool)
-	now := hoststate.Clock()
+	now := monoclock.Latest()
 	if s.observer == nil && rand.Uint32()%clockRefresh == 0 {
-		now = hoststate.Now()
+		now = monoclock.Now()
 	}
 	c := ewmaCandidates{
 		pool:  pool,
@@ -284,7 +285,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		// not in panic. The shared clock only moves with round trips, and
 		// none happens while nothing is chosen, so read the real clock
 		// and decide again rather than trust a stale count.
-		if c.panic = s.panic.check(v, pool, hoststate.Now()); c.panic {
+		if c.panic = s.panic.check(v, pool, monoclock.Now()); c.panic {
 			c.admit = 0
 			i = chooseScan(c)
 		}
@@ -364,7 +365,7 @@ func (s *EWMASelection) rampNewMembers(v *poolView) {
 	if !serving {
 		return
 	}
-	now := hoststate.Now()
+	now := monoclock.Now()
 	for i := range v.members {
 		if v.members[i].stats.StartRampIfNew(now) {
 			s.logRamp(v.ups[i].Dial, "new")
@@ -470,7 +471,7 @@ func (s *EWMASelection) reportPools() []poolReport {
 // report describes the pool of v; withBudget adds the retry budget, which
 // is the policy's, to one of its pools' reports.
 func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
-	now := hoststate.Now()
+	now := monoclock.Now()
 	base := s.table.Baseline()
 	rep := poolReport{
 		Policy:         "ewma",

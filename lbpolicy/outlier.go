@@ -12,6 +12,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // Outlier configures outlier ejection from live traffic, like Envoy's
@@ -272,7 +273,7 @@ func (o *Outlier) mayEject(ejected, total int) bool {
 // too often in a row and the pool's cap allows.
 func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, failed bool) {
 	n := s.RecordOutcome(failed)
-	now := hoststate.Now()
+	now := monoclock.Now()
 	if s.TakeRestored(now) {
 		o.announceRestored(dial, "ejection_time_elapsed")
 	}

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func newOutlier(t *testing.T, o Outlier) *Outlier {
@@ -72,21 +73,21 @@ func TestJudgeEjectsAfterConsecutiveFailures(t *testing.T) {
 	o.judge(table, a, names[0], false) // a success resets the count
 	o.judge(table, a, names[0], true)
 	o.judge(table, a, names[0], true)
-	if a.Ejected(hoststate.Now()) {
+	if a.Ejected(monoclock.Now()) {
 		t.Fatal("ejected without 3 failures in a row")
 	}
 	o.judge(table, a, names[0], true)
-	if !a.Ejected(hoststate.Now()) {
+	if !a.Ejected(monoclock.Now()) {
 		t.Fatal("3 failures in a row must eject")
 	}
 	// 10% of 10 upstreams: a second ejection is refused at the cap.
 	for range 5 {
 		o.judge(table, b, names[1], true)
 	}
-	if b.Ejected(hoststate.Now()) {
+	if b.Ejected(monoclock.Now()) {
 		t.Fatal("ejected beyond max_ejection_percent")
 	}
-	if snap := a.Snapshot(hoststate.Now()); snap.Ejections != 1 || snap.EjectedFor < 59*time.Minute {
+	if snap := a.Snapshot(monoclock.Now()); snap.Ejections != 1 || snap.EjectedFor < 59*time.Minute {
 		t.Fatalf("snapshot after one ejection: %+v", snap)
 	}
 }
@@ -97,7 +98,7 @@ func TestEjectionMultiplierGrowsAndDecays(t *testing.T) {
 	s := table.Stats(t.Name())
 	base := 10 * time.Second
 	dur := func(m int64) time.Duration { return base * time.Duration(m) }
-	now := hoststate.Now()
+	now := monoclock.Now()
 	until, m, ok := s.Eject(now, base, dur, hoststate.ReasonConsecutiveFailures)
 	if !ok || m != 1 || until != now+int64(base) {
 		t.Fatalf("first ejection: multiplier %d, for %v", m, time.Duration(until-now))
@@ -305,7 +306,7 @@ func TestCapHoldsUnderConcurrentFailures(t *testing.T) {
 		}
 		close(start)
 		wg.Wait()
-		if n, _ := table.CountEjected(hoststate.Now()); n != 2 {
+		if n, _ := table.CountEjected(monoclock.Now()); n != 2 {
 			t.Fatalf("round %d: %d of 10 ejected with a cap of 20%%", round, n)
 		}
 		table.Release()

@@ -12,6 +12,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func init() {
@@ -174,7 +175,7 @@ func (*PanicSelection) SkipsEjected() bool { return true }
 // first attempt).
 func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	v := p.viewFor(pool)
-	now := hoststate.Now()
+	now := monoclock.Now()
 	if !p.panic.check(v, pool, now) {
 		if v.keepUnejected {
 			v.availability(pool, now) // fresh even when panic mode is off
@@ -259,7 +260,7 @@ func (p *PanicSelection) report(v *poolView) poolReport {
 		Panic:          v.panic.on.Load(),
 		PanicEntered:   v.panic.entered.Load(),
 	}
-	now := hoststate.Now()
+	now := monoclock.Now()
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
 		rep.Upstreams = append(rep.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})

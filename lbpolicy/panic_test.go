@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func provisionPanic(t testing.TB, p *PanicSelection) *PanicSelection {
@@ -38,7 +39,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 	pool := newPool(t, 4)
 	p.Select(pool, nil, nil) // builds the view and takes the references
 	eject := func(i int) {
-		_, _, ok := p.table.Stats(pool[i].Dial).Eject(hoststate.Now(), time.Hour,
+		_, _, ok := p.table.Stats(pool[i].Dial).Eject(monoclock.Now(), time.Hour,
 			func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures)
 		if !ok {
 			t.Fatalf("ejecting %d", i)
@@ -114,7 +115,7 @@ func TestPanicModeIsPerPool(t *testing.T) {
 		return out
 	}
 	for _, u := range sick[1:] {
-		if _, _, ok := s.table.Stats(u.Dial).Eject(hoststate.Now(), time.Hour,
+		if _, _, ok := s.table.Stats(u.Dial).Eject(monoclock.Now(), time.Hour,
 			func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
 			t.Fatal("eject")
 		}

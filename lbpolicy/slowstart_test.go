@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // TestSlowStartShareFollowsRamp puts one of four equally fast upstreams at
@@ -26,7 +27,7 @@ func TestSlowStartShareFollowsRamp(t *testing.T) {
 	const picks = 4000
 	prev := -1.0
 	for _, at := range []float64{0, 0.25, 0.5, 0.75, 1} {
-		ramping.StartRamp(hoststate.Now() - int64(at*float64(window)))
+		ramping.StartRamp(monoclock.Now() - int64(at*float64(window)))
 		share := float64(shares(s, pool, picks)[pool[3]]) / picks
 		want := max(at, 0.1) / 4
 		t.Logf("ramp at %3.0f%%: share %.3f, want %.3f", at*100, share, want)
@@ -46,7 +47,7 @@ func TestSlowStartNeverRefuses(t *testing.T) {
 	for _, choices := range []Choices{choicesAll, 2} {
 		s := provisionEWMA(t, &EWMASelection{Choices: choices, SlowStart: &SlowStart{Window: caddy.Duration(time.Minute)}})
 		pool := newPool(t, 3)
-		now := hoststate.Now()
+		now := monoclock.Now()
 		for _, u := range pool {
 			observe(s, u, time.Millisecond, hoststate.Success)
 			s.table.Stats(u.Dial).StartRamp(now)
@@ -66,7 +67,7 @@ func TestSlowStartNewMember(t *testing.T) {
 	fresh := newPool(t, 3)
 	s.Select(fresh, nil, nil)
 	for _, u := range fresh {
-		if r := s.table.Stats(u.Dial).RampStart(hoststate.Now()); r != 0 {
+		if r := s.table.Stats(u.Dial).RampStart(monoclock.Now()); r != 0 {
 			t.Fatalf("%s ramps in a pool where nobody served yet", u.Dial)
 		}
 	}
@@ -74,13 +75,13 @@ func TestSlowStartNewMember(t *testing.T) {
 		observe(s, u, time.Millisecond, hoststate.Success)
 	}
 	grown := append(fresh[:3:3], newPool(t, 4)[3])
-	before := hoststate.Now()
+	before := monoclock.Now()
 	s.Select(grown, nil, nil)
-	if r := s.table.Stats(grown[3].Dial).RampStart(hoststate.Now()); r < before {
+	if r := s.table.Stats(grown[3].Dial).RampStart(monoclock.Now()); r < before {
 		t.Fatalf("new member's ramp start = %d, want at least %d", r, before)
 	}
 	for _, u := range fresh {
-		if r := s.table.Stats(u.Dial).RampStart(hoststate.Now()); r != 0 {
+		if r := s.table.Stats(u.Dial).RampStart(monoclock.Now()); r != 0 {
 			t.Fatalf("old member %s ramps", u.Dial)
 		}
 	}

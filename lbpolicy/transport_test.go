@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // probePolicy is a selection policy that installs the observer, with
@@ -192,14 +193,14 @@ func TestObservesAttemptsButNotHealthChecks(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	snap := table.Stats(u.Dial).Snapshot(hoststate.Now())
+	snap := table.Stats(u.Dial).Snapshot(monoclock.Now())
 	if snap.Samples != 0 {
 		t.Fatalf("health checks counted: %d samples", snap.Samples)
 	}
 	if _, err := ot.RoundTrip(request(context.Background(), u, false)); err != nil {
 		t.Fatal(err)
 	}
-	snap = table.Stats(u.Dial).Snapshot(hoststate.Now())
+	snap = table.Stats(u.Dial).Snapshot(monoclock.Now())
 	if snap.Samples != 1 || snap.Estimate < 5*time.Millisecond || snap.Pending != 0 {
 		t.Fatalf("want one ≥5ms sample and nothing pending, got %+v", snap)
 	}
@@ -214,7 +215,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	if _, err := refused.RoundTrip(request(context.Background(), u, false)); err == nil {
 		t.Fatal("want error")
 	}
-	if f := table.Stats(u.Dial).Snapshot(hoststate.Now()).Failures; f != 1 {
+	if f := table.Stats(u.Dial).Snapshot(monoclock.Now()).Failures; f != 1 {
 		t.Fatalf("transport error must count as a failure, got %d", f)
 	}
 
@@ -223,7 +224,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	st := table.Stats(u.Dial)
 	go func() {
 		// cancel once the attempt is under way
-		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && st.Snapshot(hoststate.Now()).Pending == 0; {
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && st.Snapshot(monoclock.Now()).Pending == 0; {
 			time.Sleep(time.Millisecond)
 		}
 		cancel()
@@ -231,7 +232,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	if _, err := slow.RoundTrip(request(ctx, u, false)); err == nil {
 		t.Fatal("want cancellation error")
 	}
-	if f := table.Stats(u.Dial).Snapshot(hoststate.Now()).Failures; f != 1 {
+	if f := table.Stats(u.Dial).Snapshot(monoclock.Now()).Failures; f != 1 {
 		t.Fatalf("a client that went away is not the upstream's failure: failures=%d", f)
 	}
 }
