@@ -9,6 +9,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
@@ -45,7 +46,7 @@ func subscribe(t *testing.T, names ...string) (caddy.Context, recorder) {
 func TestEjectionEmitsEvent(t *testing.T) {
 	ctx, rec := subscribe(t, eventUpstreamEjected)
 	o := Outlier{Consecutive: 2}
-	o.provision(zap.NewNop(), newEmitter(ctx))
+	o.provision(zap.NewNop(), events.New(ctx))
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
 	dial := t.Name() + ":80"
@@ -65,18 +66,10 @@ func TestEjectionEmitsEvent(t *testing.T) {
 	}
 }
 
-func TestEmitterWithoutEventsAppIsSilent(t *testing.T) {
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	e := newEmitter(ctx)
-	e.emit(eventPanicEntered, map[string]any{"x": 1}) // must not panic
-	emitter{}.emit(eventPanicLeft, nil)
-}
-
 func TestRestorationEmitsEventOnce(t *testing.T) {
 	ctx, rec := subscribe(t, eventUpstreamRestored)
 	o := Outlier{Consecutive: 1, BaseEjectionTime: caddy.Duration(time.Millisecond)}
-	o.provision(zap.NewNop(), newEmitter(ctx))
+	o.provision(zap.NewNop(), events.New(ctx))
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
 	dial := t.Name() + ":80"

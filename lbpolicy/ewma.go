@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
@@ -120,13 +121,13 @@ func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
 // transport so latency is observed.
 func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
-	events := newEmitter(ctx)
-	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
+	emitter := events.New(ctx)
+	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, emitter)
 	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
 	s.trackTried = TracksTried(ctx)
 
 	if s.Outlier != nil {
-		s.Outlier.provision(s.logger, events)
+		s.Outlier.provision(s.logger, emitter)
 	}
 	if s.SlowStart != nil {
 		s.SlowStart.provision()

@@ -12,12 +12,13 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func newOutlier(t *testing.T, o Outlier) *Outlier {
-	o.provision(zap.NewNop(), emitter{})
+	o.provision(zap.NewNop(), events.Emitter{})
 	if err := o.validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -160,7 +161,7 @@ func TestOutlierCaddyfile(t *testing.T) {
 		})
 	}
 	inverted := Outlier{BaseEjectionTime: caddy.Duration(time.Minute), MaxEjectionTime: caddy.Duration(time.Second)}
-	inverted.provision(zap.NewNop(), emitter{})
+	inverted.provision(zap.NewNop(), events.Emitter{})
 	if err := inverted.validate(); err == nil {
 		t.Error("max_ejection_time shorter than base_ejection_time must be rejected")
 	}
@@ -276,7 +277,7 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 		{Outlier{FailurePercentageMinRequests: -3}, "failure_percentage_min_requests -3 is below the minimum 1"},
 	} {
 		o := bad.o
-		o.provision(zap.NewNop(), emitter{})
+		o.provision(zap.NewNop(), events.Emitter{})
 		if err := o.validate(); err == nil || !strings.Contains(err.Error(), bad.want) {
 			t.Errorf("%+v: error %v, want it to mention %q", bad.o, err, bad.want)
 		}

@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
@@ -89,13 +90,13 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		// per subset
 		p.trackTried = TracksTried(ctx)
 	}
-	events := newEmitter(ctx)
-	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
+	emitter := events.New(ctx)
+	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), emitter)
 	if p.Outlier != nil {
 		if _, ok := p.inner.(*EWMASelection); ok {
 			return errOutlierAroundEWMA
 		}
-		p.Outlier.provision(ctx.Logger(), events)
+		p.Outlier.provision(ctx.Logger(), emitter)
 		// Validated before install starts the sweep loop (see ewma).
 		if err := p.Validate(); err != nil {
 			return err

@@ -5,12 +5,14 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/caddy-lbx/lbx/internal/events"
 )
 
 func TestPanicDecisionAroundThreshold(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
 	fifty := 50.0
-	m := newPanicMode(&fifty, "test", zap.New(core), emitter{})
+	m := newPanicMode(&fifty, "test", zap.New(core), events.Emitter{})
 	var st panicState
 	steps := []struct {
 		avail, total int
@@ -44,16 +46,16 @@ func TestPanicDecisionAroundThreshold(t *testing.T) {
 
 func TestPanicDisabledAndHundredPercent(t *testing.T) {
 	zero, hundred := 0.0, 100.0
-	off := newPanicMode(&zero, "t", zap.NewNop(), emitter{})
+	off := newPanicMode(&zero, "t", zap.NewNop(), events.Emitter{})
 	if off.threshold != 0 {
 		t.Fatal("0% must disable panic mode")
 	}
-	all := newPanicMode(&hundred, "t", zap.NewNop(), emitter{})
+	all := newPanicMode(&hundred, "t", zap.NewNop(), events.Emitter{})
 	var st panicState
 	if !all.decide(&st, 3, 4) || all.decide(&st, 4, 4) {
 		t.Fatal("at 100%, any unavailable upstream means panic, none means not")
 	}
-	def := newPanicMode(nil, "t", zap.NewNop(), emitter{})
+	def := newPanicMode(nil, "t", zap.NewNop(), events.Emitter{})
 	if def.percent() != defaultPanicThreshold {
 		t.Fatalf("default threshold %v, want %v", def.percent(), defaultPanicThreshold)
 	}
@@ -61,7 +63,7 @@ func TestPanicDisabledAndHundredPercent(t *testing.T) {
 
 func TestPanicTransitionsEmitEvents(t *testing.T) {
 	ctx, rec := subscribe(t, eventPanicEntered, eventPanicLeft)
-	m := newPanicMode(nil, "ewma", zap.NewNop(), newEmitter(ctx))
+	m := newPanicMode(nil, "ewma", zap.NewNop(), events.New(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)
 	m.decide(&st, 0, 4) // still in panic: no event

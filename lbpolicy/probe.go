@@ -100,5 +100,5 @@ func (o *Outlier) announceRestored(dial, why string) {
 	if ce := o.logger.Check(zap.InfoLevel, "upstream restored after ejection"); ce != nil {
 		ce.Write(zap.String("upstream", dial), zap.String("by", why))
 	}
-	o.events.emit(eventUpstreamRestored, map[string]any{"host": dial, "by": why})
+	o.events.Emit(eventUpstreamRestored, map[string]any{"host": dial, "by": why})
 }

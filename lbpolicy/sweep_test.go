@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
@@ -161,7 +162,7 @@ func TestFailurePercentageSweep(t *testing.T) {
 func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	o := Outlier{FailurePercentageThreshold: percent(10), DisableSuccessRate: true, MaxEjectionPercent: percent(20)}
-	o.provision(zap.New(core), emitter{})
+	o.provision(zap.New(core), events.Emitter{})
 	if err := o.validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -413,7 +414,7 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
 	ctx, rec := subscribe(t, eventUpstreamEjected)
 	o := Outlier{MaxEjectionPercent: percent(100)}
-	o.provision(zap.NewNop(), newEmitter(ctx))
+	o.provision(zap.NewNop(), events.New(ctx))
 	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	sw.sweep(monoclock.Now())
 	select {

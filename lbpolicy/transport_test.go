@@ -15,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy/fastcgi"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
@@ -40,7 +41,7 @@ func (p *probePolicy) Provision(ctx caddy.Context) error {
 	p.table = hoststate.NewTable(hoststate.Config{})
 	lastProbe = p
 	if p.Outlier != nil {
-		p.Outlier.provision(zap.NewNop(), emitter{})
+		p.Outlier.provision(zap.NewNop(), events.Emitter{})
 		if err := p.Outlier.validate(); err != nil {
 			return err
 		}
@@ -255,7 +256,7 @@ func BenchmarkObserve(b *testing.B) {
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: "bench:80"}
 	req := request(context.Background(), u, false)
 	o := Outlier{}
-	o.provision(zap.NewNop(), emitter{})
+	o.provision(zap.NewNop(), events.Emitter{})
 	for _, c := range []struct {
 		name string
 		rt   http.RoundTripper

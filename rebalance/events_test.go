@@ -163,13 +163,11 @@ func TestShedEventAndMetrics(t *testing.T) {
 }
 
 // TestEventNoEventsApp: without an events app in the config the emitter
-// sends nothing and does not create one.
+// sends nothing and does not create one (internal/events tests that it
+// holds none).
 func TestEventNoEventsApp(t *testing.T) {
 	ctx := testContext(t)
 	e := newEmitter(ctx)
-	if e.app != nil {
-		t.Fatal("emitter has an events app without one configured")
-	}
 	e.emitShed("n", MetricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
 	if _, err := ctx.AppIfConfigured("events"); err == nil {
 		t.Fatal("the events app was created")

@@ -1,0 +1,60 @@
+package events
+
+import (
+	"context"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+)
+
+// recorder is an event handler that keeps what it is given.
+type recorder chan caddy.Event
+
+func (r recorder) Handle(_ context.Context, e caddy.Event) error {
+	r <- e
+	return nil
+}
+
+// TestEmitReachesSubscribers: with an events app, an event reaches its
+// subscribers with its name and data, and one nobody subscribed to is
+// not sent.
+func TestEmitReachesSubscribers(t *testing.T) {
+	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	app, err := ctx.App("events") // reverse_proxy loads it the same way
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := make(recorder, 4)
+	if err := app.(*caddyevents.App).On("lbx_test", rec); err != nil {
+		t.Fatal(err)
+	}
+	e := New(ctx)
+	e.Emit("lbx_test_other", map[string]any{"host": "b:80"})
+	e.Emit("lbx_test", map[string]any{"host": "a:80"})
+	if len(rec) != 1 {
+		t.Fatalf("%d events delivered; want the one subscribed to", len(rec))
+	}
+	if got := <-rec; got.Name() != "lbx_test" || got.Data["host"] != "a:80" {
+		t.Fatalf("event %s %v; want lbx_test with host a:80", got.Name(), got.Data)
+	}
+}
+
+// TestNoEventsApp: without an events app in the config an Emitter sends
+// nothing and does not create one; the zero Emitter sends nothing either.
+func TestNoEventsApp(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	e := New(ctx)
+	if e.app != nil {
+		t.Fatal("the Emitter has an events app without one configured")
+	}
+	e.Emit("lbx_test", map[string]any{"x": 1}) // must not panic
+	Emitter{}.Emit("lbx_test", nil)
+	if _, err := ctx.AppIfConfigured("events"); err == nil {
+		t.Fatal("the events app was created")
+	}
+}
