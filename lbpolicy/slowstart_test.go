@@ -171,22 +171,22 @@ func TestSlowStartUnmarshalCaddyfile(t *testing.T) {
 	}{
 		{input: `slow_start 30s`, want: SlowStart{Window: caddy.Duration(30 * time.Second)}},
 		{input: "slow_start 1m {\n min_weight 25%\n aggression 1.5\n}", want: SlowStart{Window: caddy.Duration(time.Minute), Aggression: 1.5}},
-		{input: `slow_start`, wantErr: "wrong argument count"},
+		{input: `slow_start`, wantErr: "lb_policy ewma: slow_start: missing value, at Testfile:1"},
 		{input: `slow_start 0s`, wantErr: `window 0s is below the minimum 1ms`},
-		{input: `slow_start soon`, wantErr: `invalid window "soon"`},
-		{input: `slow_start 30s 10%`, wantErr: "wrong argument count"},
+		{input: `slow_start soon`, wantErr: `lb_policy ewma: slow_start "soon": want a duration such as 1s, at Testfile:1`},
+		{input: `slow_start 30s 10%`, wantErr: `lb_policy ewma: slow_start: one value expected, got another: "10%", at Testfile:1`},
 		{input: "slow_start 30s {\n min_weight 0%\n}", wantErr: "min_weight_percent must be above 0%"},
-		{input: "slow_start 30s {\n min_weight 120%\n}", wantErr: `invalid min_weight "120%"`},
-		{input: "slow_start 30s {\n min_weight\n}", wantErr: "wrong argument count"},
+		{input: "slow_start 30s {\n min_weight 120%\n}", wantErr: `lb_policy ewma: slow_start: min_weight "120%": want a percentage from 0% to 100%, or 'off', at Testfile:2`},
+		{input: "slow_start 30s {\n min_weight\n}", wantErr: "lb_policy ewma: slow_start: min_weight: missing value, at Testfile:2"},
 		{input: "slow_start 30s {\n aggression 0\n}", wantErr: `aggression must be above 0`},
-		{input: "slow_start 30s {\n aggression fast\n}", wantErr: `invalid aggression "fast"`},
-		{input: "slow_start 30s {\n aggression 2 3\n}", wantErr: "wrong argument count"},
+		{input: "slow_start 30s {\n aggression fast\n}", wantErr: `lb_policy ewma: slow_start: aggression "fast": want a number, at Testfile:2`},
+		{input: "slow_start 30s {\n aggression 2 3\n}", wantErr: `lb_policy ewma: slow_start: aggression: one value expected, got another: "3", at Testfile:2`},
 		{input: "slow_start 30s {\n aggression 2\n aggression 3\n}", wantErr: "aggression specified more than once"},
-		{input: "slow_start 30s {\n ramp 3\n}", wantErr: `unrecognized option "ramp"`},
+		{input: "slow_start 30s {\n ramp 3\n}", wantErr: `lb_policy ewma: slow_start: unknown option "ramp" (want min_weight or aggression), at Testfile:2`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
 			var s SlowStart
-			if !unmarshalOption(t, tc.input, tc.wantErr, s.unmarshalCaddyfile) {
+			if !unmarshalOption(t, tc.input, tc.wantErr, func(d *caddyfile.Dispenser) error { return s.unmarshalCaddyfile(d, "lb_policy ewma") }) {
 				return
 			}
 			if s.Window != tc.want.Window || s.Aggression != tc.want.Aggression {
