@@ -75,15 +75,15 @@ type upstreamView struct {
 	ConsecutiveFailures int64             `json:"consecutive_failures"`
 }
 
-// upstreamsReport is the body of GET /lbx/upstreams.
-type upstreamsReport struct {
+// upstreamsStatus is the body of GET /lbx/upstreams.
+type upstreamsStatus struct {
 	Upstreams []upstreamView `json:"upstreams"`
-	Pools     []poolReport   `json:"pools"`
+	Pools     []poolStatus   `json:"pools"`
 }
 
-// buildReport assembles the admin API's view of the current state.
-func buildReport() upstreamsReport {
-	rep := upstreamsReport{Upstreams: []upstreamView{}, Pools: poolReports()}
+// buildUpstreamsStatus assembles the admin API's view of the current state.
+func buildUpstreamsStatus() upstreamsStatus {
+	status := upstreamsStatus{Upstreams: []upstreamView{}, Pools: allPoolStatuses()}
 	now := time.Now()
 	for _, s := range hoststate.All() {
 		v := upstreamView{
@@ -116,9 +116,9 @@ func buildReport() upstreamsReport {
 		if s.SinceFailure > 0 {
 			v.LastFailureHuman = humanize.Time(now.Add(-s.SinceFailure))
 		}
-		rep.Upstreams = append(rep.Upstreams, v)
+		status.Upstreams = append(status.Upstreams, v)
 	}
-	return rep
+	return status
 }
 
 func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
@@ -128,7 +128,7 @@ func handleUpstreams(w http.ResponseWriter, r *http.Request) error {
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
-	return enc.Encode(buildReport())
+	return enc.Encode(buildUpstreamsStatus())
 }
 
 // Interface guards

@@ -288,7 +288,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		// and decide again rather than trust a stale count.
 		if c.panic = s.panic.check(v, pool, monoclock.Now()); c.panic {
 			c.admit = 0
-			i = chooseScan(c)
+			i = chooseCheapest(c)
 		}
 	}
 	if i < 0 {
@@ -310,7 +310,7 @@ func (*EWMASelection) SkipsEjected() bool { return true }
 func (c ewmaCandidates) choose(k int) int {
 	switch {
 	case k == 0, k >= len(c.pool):
-		return chooseScan(c)
+		return chooseCheapest(c)
 	case k == 2:
 		i, ci, ok := c.bestOfTwo()
 		if !ok {
@@ -459,22 +459,22 @@ func (c ewmaCandidates) bestOfTwo() (int, cost, bool) {
 	return i, ci, true // i is the cheaper or a tie; it was drawn at random
 }
 
-// reportPools implements poolReporter.
-func (s *EWMASelection) reportPools() []poolReport {
-	var reps []poolReport
+// poolStatuses implements poolStatusSource.
+func (s *EWMASelection) poolStatuses() []poolStatus {
+	var pools []poolStatus
 	last := s.views.last.Load()
 	for _, v := range s.views.all() {
-		reps = append(reps, s.report(v, v == last))
+		pools = append(pools, s.statusOf(v, v == last))
 	}
-	return reps
+	return pools
 }
 
-// report describes the pool of v; withBudget adds the retry budget, which
-// is the policy's, to one of its pools' reports.
-func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
+// statusOf describes the pool of v; withBudget adds the retry budget, which
+// is the policy's, to one of its pools' statuses.
+func (s *EWMASelection) statusOf(v *poolView, withBudget bool) poolStatus {
 	now := monoclock.Now()
 	base := s.table.Baseline()
-	rep := poolReport{
+	status := poolStatus{
 		Policy:         "ewma",
 		Available:      v.availableNow(),
 		PanicThreshold: s.panic.percent(),
@@ -482,7 +482,7 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 		PanicEntered:   v.panic.entered.Load(),
 	}
 	if b := s.RetryBudget; b != nil && withBudget {
-		rep.RetryBudget = &retryBudgetReport{
+		status.RetryBudget = &retryBudgetStatus{
 			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.inFlight.Load(), Refused: b.refused.Load(),
 		}
 	}
@@ -502,9 +502,9 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 				m.SlowStartPercent = &pct
 			}
 		}
-		rep.Upstreams = append(rep.Upstreams, m)
+		status.Upstreams = append(status.Upstreams, m)
 	}
-	return rep
+	return status
 }
 
 // Interface guards
@@ -513,5 +513,5 @@ var (
 	_ caddy.Provisioner     = (*EWMASelection)(nil)
 	_ caddy.Validator       = (*EWMASelection)(nil)
 	_ caddy.CleanerUpper    = (*EWMASelection)(nil)
-	_ poolReporter          = (*EWMASelection)(nil)
+	_ poolStatusSource      = (*EWMASelection)(nil)
 )

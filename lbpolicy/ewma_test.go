@@ -189,7 +189,7 @@ func TestEWMAConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 	// one report per pool served, each with its own members
-	reps := s.reportPools()
+	reps := s.poolStatuses()
 	if len(reps) != 2 || len(reps[0].Upstreams)+len(reps[1].Upstreams) != 25 {
 		t.Fatalf("want reports of the two pools (20 and 5 upstreams), got %d reports", len(reps))
 	}

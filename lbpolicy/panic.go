@@ -243,18 +243,18 @@ func (p *PanicSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 	return v
 }
 
-// reportPools implements poolReporter.
-func (p *PanicSelection) reportPools() []poolReport {
-	var reps []poolReport
+// poolStatuses implements poolStatusSource.
+func (p *PanicSelection) poolStatuses() []poolStatus {
+	var pools []poolStatus
 	for _, v := range p.views.all() {
-		reps = append(reps, p.report(v))
+		pools = append(pools, p.statusOf(v))
 	}
-	return reps
+	return pools
 }
 
-// report describes the pool of v.
-func (p *PanicSelection) report(v *poolView) poolReport {
-	rep := poolReport{
+// statusOf describes the pool of v.
+func (p *PanicSelection) statusOf(v *poolView) poolStatus {
+	status := poolStatus{
 		Policy:         "panic(" + p.innerName + ")",
 		Available:      v.availableNow(),
 		PanicThreshold: p.panic.percent(),
@@ -264,9 +264,9 @@ func (p *PanicSelection) report(v *poolView) poolReport {
 	now := monoclock.Now()
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
-		rep.Upstreams = append(rep.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
+		status.Upstreams = append(status.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
 	}
-	return rep
+	return status
 }
 
 // Interface guards
@@ -275,5 +275,5 @@ var (
 	_ caddy.Provisioner     = (*PanicSelection)(nil)
 	_ caddy.Validator       = (*PanicSelection)(nil)
 	_ caddy.CleanerUpper    = (*PanicSelection)(nil)
-	_ poolReporter          = (*PanicSelection)(nil)
+	_ poolStatusSource      = (*PanicSelection)(nil)
 )

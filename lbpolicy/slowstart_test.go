@@ -85,8 +85,8 @@ func TestSlowStartNewMember(t *testing.T) {
 			t.Fatalf("old member %s ramps", u.Dial)
 		}
 	}
-	var rep poolReport
-	for _, r := range s.reportPools() {
+	var rep poolStatus
+	for _, r := range s.poolStatuses() {
 		if len(r.Upstreams) == len(grown) {
 			rep = r
 		}

@@ -164,8 +164,8 @@ func TestSkipEjectedFollowsThePolicy(t *testing.T) {
 	}
 }
 
-// upstreamsReport is the part of GET /lbx/upstreams these tests read.
-type upstreamsReport struct {
+// upstreamsStatus is the part of GET /lbx/upstreams these tests read.
+type upstreamsStatus struct {
 	Upstreams []struct {
 		Dial           string  `json:"dial"`
 		EjectedForMs   float64 `json:"ejected_for_ms"`
@@ -174,14 +174,14 @@ type upstreamsReport struct {
 }
 
 // lbxUpstreams reads GET /lbx/upstreams from the test Caddy's admin API.
-func lbxUpstreams(t *testing.T) upstreamsReport {
+func lbxUpstreams(t *testing.T) upstreamsStatus {
 	t.Helper()
 	res, err := adminClient.Get(fmt.Sprintf("http://localhost:%d/lbx/upstreams", adminPort))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer res.Body.Close()
-	var rep upstreamsReport
+	var rep upstreamsStatus
 	if err := json.NewDecoder(res.Body).Decode(&rep); err != nil {
 		t.Fatalf("decoding /lbx/upstreams: %v", err)
 	}

@@ -454,13 +454,13 @@ func chooseLessLoaded[C loadCandidates](c C) int {
 			return lessLoaded(c, i, j)
 		}
 	}
-	return chooseScan(c)
+	return chooseLessLoadedByScan(c)
 }
 
-// chooseScan samples two distinct usable members uniformly in one pass
-// (a reservoir of two) and returns the less loaded; the only usable one;
-// or -1.
-func chooseScan[C loadCandidates](c C) int {
+// chooseLessLoadedByScan is chooseLessLoaded by a scan: it samples two
+// distinct usable members uniformly in one pass (a reservoir of two) and
+// returns the less loaded; the only usable one; or -1.
+func chooseLessLoadedByScan[C loadCandidates](c C) int {
 	a, b, seen := -1, -1, 0
 	for i := range c.Len() {
 		if !c.Usable(i) {
