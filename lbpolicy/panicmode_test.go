@@ -7,6 +7,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-lbx/lbx/internal/events"
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
 func TestPanicDecisionAroundThreshold(t *testing.T) {
@@ -62,16 +63,17 @@ func TestPanicDisabledAndHundredPercent(t *testing.T) {
 }
 
 func TestPanicTransitionsEmitEvents(t *testing.T) {
-	ctx, rec := subscribe(t, eventPanicEntered, eventPanicLeft)
+	ctx, rec := testutil.SubscribeEvents(t, eventPanicEntered, eventPanicLeft)
 	m := newPanicMode(nil, "ewma", zap.NewNop(), events.New(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)
 	m.decide(&st, 0, 4) // still in panic: no event
 	m.decide(&st, 4, 4)
-	if len(rec) != 2 {
-		t.Fatalf("want 2 events (entered, left), got %d", len(rec))
+	evs := rec.Events()
+	if len(evs) != 2 {
+		t.Fatalf("want 2 events (entered, left), got %d", len(evs))
 	}
-	in, out := <-rec, <-rec
+	in, out := evs[0], evs[1]
 	if in.Name() != eventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
 		t.Fatalf("entered event: %s %v", in.Name(), in.Data)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
 // hostTraffic is one upstream's traffic in an interval: judged attempts, of
@@ -412,18 +413,17 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 }
 
 func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
-	ctx, rec := subscribe(t, eventUpstreamEjected)
+	ctx, rec := testutil.SubscribeEvents(t, eventUpstreamEjected)
 	o := Outlier{MaxEjectionPercent: percent(100)}
 	o.provision(zap.NewNop(), events.New(ctx))
 	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
 	sw.sweep(monoclock.Now())
-	select {
-	case e := <-rec:
-		if e.Data["host"] != hosts[4].Dial() || e.Data["reason"] != "success_rate" || e.Data["for_ms"] != int64(30000) ||
-			e.Data["ejections_in_a_row"] != int64(1) {
-			t.Fatalf("event %s %v", e.Name(), e.Data)
-		}
-	default:
-		t.Fatal("no upstream_ejected event")
+	evs := rec.Events()
+	if len(evs) != 1 {
+		t.Fatalf("%d upstream_ejected events; want 1", len(evs))
+	}
+	if e := evs[0]; e.Data["host"] != hosts[4].Dial() || e.Data["reason"] != "success_rate" || e.Data["for_ms"] != int64(30000) ||
+		e.Data["ejections_in_a_row"] != int64(1) {
+		t.Fatalf("event %s %v", e.Name(), e.Data)
 	}
 }

@@ -385,7 +385,7 @@ func TestShedStreamForced(t *testing.T) {
 // admin view and the forced_closes_total metric.
 func TestNodeForcedCloses(t *testing.T) {
 	ts := newTrackedServer(t)
-	ctx, rec := eventsContext(t)
+	ctx, rec := testutil.SubscribeEvents(t, EventShed)
 	src := &processSource{tracker: ts.tracker}
 	a := startAppCtx(t, ctx, "forcing", src, func(_ *cluster.App, a *App) {
 		a.ShedRate = 0
@@ -414,7 +414,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	// The event is emitted after the node's lock is released: wait for it.
 	testutil.WaitFor(t, 10*time.Second, "one forced close in the events", func() (bool, string) {
 		var forced int
-		for _, e := range rec.get() {
+		for _, e := range rec.Events() {
 			if e.Data["node"] != "forcing" {
 				continue
 			}

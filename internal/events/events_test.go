@@ -5,40 +5,23 @@ import (
 	"testing"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
-
-// recorder is an event handler that keeps what it is given.
-type recorder chan caddy.Event
-
-func (r recorder) Handle(_ context.Context, e caddy.Event) error {
-	r <- e
-	return nil
-}
 
 // TestEmitReachesSubscribers: with an events app, an event reaches its
 // subscribers with its name and data, and one nobody subscribed to is
 // not sent.
 func TestEmitReachesSubscribers(t *testing.T) {
-	ctx, err := caddy.ProvisionContext(&caddy.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	app, err := ctx.App("events") // reverse_proxy loads it the same way
-	if err != nil {
-		t.Fatal(err)
-	}
-	rec := make(recorder, 4)
-	if err := app.(*caddyevents.App).On("lbx_test", rec); err != nil {
-		t.Fatal(err)
-	}
+	ctx, rec := testutil.SubscribeEvents(t, "lbx_test")
 	e := New(ctx)
 	e.Emit("lbx_test_other", map[string]any{"host": "b:80"})
 	e.Emit("lbx_test", map[string]any{"host": "a:80"})
-	if len(rec) != 1 {
-		t.Fatalf("%d events delivered; want the one subscribed to", len(rec))
+	evs := rec.Events()
+	if len(evs) != 1 {
+		t.Fatalf("%d events delivered; want the one subscribed to", len(evs))
 	}
-	if got := <-rec; got.Name() != "lbx_test" || got.Data["host"] != "a:80" {
+	if got := evs[0]; got.Name() != "lbx_test" || got.Data["host"] != "a:80" {
 		t.Fatalf("event %s %v; want lbx_test with host a:80", got.Name(), got.Data)
 	}
 }
