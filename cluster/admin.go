@@ -36,7 +36,7 @@ func (adminAPI) CaddyModule() caddy.ModuleInfo {
 func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/cluster",
-		Handler: adminjson.Handler(buildReport),
+		Handler: adminjson.Handler(buildClusterView),
 	}}
 }
 
@@ -64,21 +64,21 @@ type memberView struct {
 	Tags   map[string]string `json:"tags,omitempty"`
 }
 
-// report is the body of GET /lbx/cluster.
-type report struct {
+// clusterView is the body of GET /lbx/cluster.
+type clusterView struct {
 	Nodes []nodeView `json:"nodes"`
 }
 
-// buildReport assembles the admin view of every serf member in the
+// buildClusterView assembles the admin view of every serf member in the
 // process.
-func buildReport() report {
-	rep := report{Nodes: []nodeView{}}
+func buildClusterView() clusterView {
+	view := clusterView{Nodes: []nodeView{}}
 	members.Range(func(_, v any) bool {
-		rep.Nodes = append(rep.Nodes, v.(*member).view())
+		view.Nodes = append(view.Nodes, v.(*member).view())
 		return true
 	})
-	sort.Slice(rep.Nodes, func(i, j int) bool { return rep.Nodes[i].Bind < rep.Nodes[j].Bind })
-	return rep
+	sort.Slice(view.Nodes, func(i, j int) bool { return view.Nodes[i].Bind < view.Nodes[j].Bind })
+	return view
 }
 
 // view returns the member's admin view.

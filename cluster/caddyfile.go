@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 
@@ -9,21 +8,7 @@ import (
 )
 
 func init() {
-	httpcaddyfile.RegisterGlobalOption("cluster", parseGlobalOption)
-}
-
-// parseGlobalOption turns the `cluster` global option into the cluster
-// app.
-func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
-	if existing != nil {
-		d.Next() // the option's name, so that the error has its line
-		return nil, d.Err("cluster: the global option is already set; use one cluster block")
-	}
-	app := new(App)
-	if err := app.UnmarshalCaddyfile(d); err != nil {
-		return nil, err
-	}
-	return httpcaddyfile.App{Name: "cluster", Value: caddyconfig.JSON(app, nil)}, nil
+	httpcaddyfile.RegisterGlobalOption("cluster", caddyopt.GlobalApp[App]("cluster"))
 }
 
 // UnmarshalCaddyfile sets up the app from the `cluster` global option.
@@ -45,6 +30,7 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 // their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "cluster"
+	d.Next() // the option's name
 	if err := caddyopt.BlockOnly(d, what); err != nil {
 		return err
 	}
@@ -71,23 +57,26 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.EncryptKey = val
 			}
 		case "join":
-			a.Join = d.RemainingArgs()
-			if len(a.Join) == 0 {
-				return d.Errf("%s: join: missing value", what)
+			join, err := caddyopt.Args(d, what)
+			if err != nil {
+				return err
 			}
+			a.Join = join
 		case "tags":
-			if d.NextArg() {
-				return d.Errf("%s: tags: unexpected argument %q; tags go in a block", what, d.Val())
+			const inTags = what + ": tags"
+			if err := caddyopt.BlockOnly(d, inTags); err != nil {
+				return err
 			}
 			a.Tags = make(map[string]string)
+			keys := caddyopt.NewOnce(inTags)
 			for nesting := d.Nesting(); d.NextBlock(nesting); {
 				key := d.Val()
-				val, err := caddyopt.OneArg(d, what)
-				if err != nil {
+				if err := keys.Check(d); err != nil {
 					return err
 				}
-				if _, dup := a.Tags[key]; dup {
-					return d.Errf("%s: tag %q specified more than once", what, key)
+				val, err := caddyopt.OneArg(d, inTags)
+				if err != nil {
+					return err
 				}
 				a.Tags[key] = val
 			}
@@ -95,7 +84,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return caddyopt.Unknown(d, what, "node_name", "bind", "advertise", "join", "encrypt_key", "tags")
 		}
 		if err := a.checkOption(opt); err != nil {
-			return d.Errf("%s: %v", what, err)
+			return caddyopt.Errf(d, what, "%v", err)
 		}
 	}
 	return nil

@@ -20,7 +20,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"cluster {\n join\n}", "join: missing value"},
 		{"cluster {\n tags x\n}", `tags: unexpected argument "x"`},
 		{"cluster {\n tags {\n  zone\n }\n}", "zone: missing value"},
-		{"cluster {\n tags {\n  zone a\n  zone b\n }\n}", `tag "zone" specified more than once`},
+		{"cluster {\n tags {\n  zone a\n  zone b\n }\n}", "cluster: tags: zone specified more than once, at Testfile:4"},
 		{"cluster {\n tags {\n  lbx_load 1\n }\n}", `tag "lbx_load": keys starting with lbx_ are reserved`},
 		{"cluster {\n bind 127.0.0.1:1\n bind 127.0.0.1:2\n}", "cluster: bind specified more than once"},
 		{"cluster {\n metric cpu\n}", `cluster: unknown option "metric" (want node_name, bind, advertise, join, encrypt_key or tags)`},

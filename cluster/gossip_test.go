@@ -52,7 +52,7 @@ func TestNameConflictIsLoud(t *testing.T) {
 		t.Errorf("Publish: %v; want the conflict", err)
 	}
 	var view *nodeView
-	for _, v := range buildReport().Nodes {
+	for _, v := range buildClusterView().Nodes {
 		if v.Bind == second.Key() {
 			view = &v
 		}

@@ -16,6 +16,8 @@ import (
 	"github.com/hashicorp/memberlist"
 	"github.com/hashicorp/serf/serf"
 	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // members holds the serf members of this process, keyed by bind address:
@@ -272,7 +274,7 @@ func (m *member) watchShutdown() {
 // node's name, at addr: serf starts its vote on the name.
 func (m *member) sawConflict(addr string) {
 	m.conflictWith.Store(&addr)
-	m.resolving.Store(max(monoSince(time.Now()), 1))
+	m.resolving.Store(max(monoclock.Now(), 1))
 }
 
 // conflictOver records that serf's vote on the name ended with this
@@ -288,7 +290,7 @@ const maxConflictVote = 30 * time.Second
 // at now.
 func (m *member) resolvingConflict(now time.Time) bool {
 	since := m.resolving.Load()
-	return since != 0 && monoSince(now)-since < int64(maxConflictVote)
+	return since != 0 && monoclock.At(now)-since < int64(maxConflictVote)
 }
 
 // lost handles serf shutting this member down on its own, which it does
@@ -398,10 +400,3 @@ func (m *member) status() Status {
 	}
 	return st
 }
-
-// monoEpoch is the origin of monoSince.
-var monoEpoch = time.Now()
-
-// monoSince returns t on a monotonic clock, in nanoseconds since the
-// package loaded (wall-clock changes do not move it).
-func monoSince(t time.Time) int64 { return int64(t.Sub(monoEpoch)) }

@@ -3,6 +3,7 @@ package cluster
 import (
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
@@ -84,43 +85,49 @@ var SelectorOptions = []string{"tag", "port", "port_tag", "exclude_self"}
 //	port_tag     <member tag>
 //	exclude_self
 //
-// `tag` may be repeated (a member must carry every one); the others are
-// checked for repetition by the caller's caddyopt.Once. It reports false,
-// consuming nothing, when the option is not one of these. Errors start
-// with what.
-func (s *Selector) UnmarshalOption(d *caddyfile.Dispenser, what string) (bool, error) {
+// `tag` may be repeated with different keys (a member must carry every
+// one); once, the caller's, rejects the others when repeated. It reports
+// false, consuming nothing, when the option is not one of these. Errors
+// start with what.
+func (s *Selector) UnmarshalOption(d *caddyfile.Dispenser, what string, once *caddyopt.Once) (bool, error) {
 	switch d.Val() {
 	case "tag":
 		kv := d.RemainingArgs()
 		if len(kv) != 2 {
-			return true, d.Errf("%s: tag: want <key> <value>, got %d argument(s)", what, len(kv))
+			return true, caddyopt.Errf(d, what, "tag: want <key> <value>, got %d argument(s)", len(kv))
+		}
+		if err := once.CheckName(d, "tag "+strconv.Quote(kv[0])); err != nil {
+			return true, err
 		}
 		if s.Tags == nil {
 			s.Tags = make(map[string]string)
 		}
-		if _, dup := s.Tags[kv[0]]; dup {
-			return true, d.Errf("%s: tag %q specified more than once", what, kv[0])
-		}
 		s.Tags[kv[0]] = kv[1]
 	case "port":
+		if err := once.Check(d); err != nil {
+			return true, err
+		}
 		val, err := caddyopt.OneArg(d, what)
 		if err != nil {
 			return true, err
 		}
-		if s.Port != "" {
-			return true, d.Errf("%s: port specified more than once", what)
-		}
 		if _, err := ParsePort(val); err != nil {
-			return true, d.Errf("%s: %v", what, err)
+			return true, caddyopt.Errf(d, what, "%v", err)
 		}
 		s.Port = val
 	case "port_tag":
+		if err := once.Check(d); err != nil {
+			return true, err
+		}
 		val, err := caddyopt.OneArg(d, what)
 		if err != nil {
 			return true, err
 		}
 		s.PortTag = val
 	case "exclude_self":
+		if err := once.Check(d); err != nil {
+			return true, err
+		}
 		if err := caddyopt.NoArgs(d, what); err != nil {
 			return true, err
 		}

@@ -275,24 +275,20 @@ func diffSorted(a, b []string) (added, removed []string) {
 // may appear once. The port may be given on the first line or in the
 // block, not both.
 func (su *SerfUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	const what = "dynamic serf"
+	once := caddyopt.NewOnce(what)
 	d.Next() // the source's name
 	args := d.RemainingArgs()
 	switch len(args) {
 	case 0:
 	case 1:
 		su.Port = args[0]
+		once.Mark("port")
 	default:
-		return d.Errf("dynamic serf: at most one argument (the port), got %d", len(args))
+		return caddyopt.Errf(d, what, "at most one argument (the port), got %d", len(args))
 	}
-	const what = "dynamic serf"
-	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
-		if d.Val() != "tag" {
-			if err := once.Check(d); err != nil {
-				return err
-			}
-		}
-		if ok, err := su.UnmarshalOption(d, what); ok {
+		if ok, err := su.UnmarshalOption(d, what, once); ok {
 			if err != nil {
 				return err
 			}
@@ -301,17 +297,16 @@ func (su *SerfUpstreams) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if d.Val() != "refresh" {
 			return caddyopt.Unknown(d, what, slices.Concat(SelectorOptions, []string{"refresh"})...)
 		}
-		val, err := caddyopt.OneArg(d, what)
+		if err := once.Check(d); err != nil {
+			return err
+		}
+		dur, err := caddyopt.PositiveDuration(d, what)
 		if err != nil {
 			return err
 		}
-		dur, err := caddy.ParseDuration(val)
-		if err != nil || dur <= 0 {
-			return d.Errf("%s: refresh %q: want a positive duration such as 1s", what, val)
-		}
 		su.Refresh = caddy.Duration(dur)
 		if err := CheckRefresh(su.Refresh); err != nil {
-			return d.Errf("%s: %v", what, err)
+			return caddyopt.Errf(d, what, "%v", err)
 		}
 	}
 	if err := su.Validate(); err != nil {

@@ -37,7 +37,7 @@ func (adminAPI) CaddyModule() caddy.ModuleInfo {
 func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/upstreams",
-		Handler: adminjson.Handler(buildReport),
+		Handler: adminjson.Handler(buildUpstreamsStatus),
 	}}
 }
 
@@ -73,15 +73,15 @@ type upstreamView struct {
 	ConsecutiveFailures int64             `json:"consecutive_failures"`
 }
 
-// upstreamsReport is the body of GET /lbx/upstreams.
-type upstreamsReport struct {
+// upstreamsStatus is the body of GET /lbx/upstreams.
+type upstreamsStatus struct {
 	Upstreams []upstreamView `json:"upstreams"`
-	Pools     []poolReport   `json:"pools"`
+	Pools     []poolStatus   `json:"pools"`
 }
 
-// buildReport assembles the admin API's view of the current state.
-func buildReport() upstreamsReport {
-	rep := upstreamsReport{Upstreams: []upstreamView{}, Pools: poolReports()}
+// buildUpstreamsStatus assembles the admin API's view of the current state.
+func buildUpstreamsStatus() upstreamsStatus {
+	status := upstreamsStatus{Upstreams: []upstreamView{}, Pools: allPoolStatuses()}
 	now := time.Now()
 	for _, s := range hoststate.All() {
 		v := upstreamView{
@@ -114,9 +114,9 @@ func buildReport() upstreamsReport {
 		if s.SinceFailure > 0 {
 			v.LastFailureHuman = humanize.Time(now.Add(-s.SinceFailure))
 		}
-		rep.Upstreams = append(rep.Upstreams, v)
+		status.Upstreams = append(status.Upstreams, v)
 	}
-	return rep
+	return status
 }
 
 // Interface guards

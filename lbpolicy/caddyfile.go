@@ -1,6 +1,7 @@
 package lbpolicy
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 
@@ -10,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/caddyopt"
 )
 
 // UnmarshalCaddyfile sets up the ewma policy from Caddyfile tokens. Syntax:
@@ -44,80 +46,75 @@ import (
 //		}
 //	}
 func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // consume policy name
-	if d.NextArg() {
-		return d.ArgErr()
+	const what = "lb_policy ewma"
+	d.Next() // the policy's name
+	if err := caddyopt.BlockOnly(d, what); err != nil {
+		return err
 	}
-	seen := map[string]bool{}
+	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
 		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("ewma: %s specified more than once", opt)
+		if err := once.Check(d); err != nil {
+			return err
 		}
-		seen[opt] = true
 		switch opt {
 		case "choices":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			c, err := parseChoices(d.Val())
+			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
-				return d.Errf("ewma: invalid choices %q: %v", d.Val(), err)
+				return err
+			}
+			c, err := parseChoices(val)
+			if err != nil {
+				return caddyopt.Errf(d, what, "choices %q: %v", val, err)
 			}
 			s.Choices = c
 		case "decay":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(d.Val())
+			dur, err := caddyopt.Duration(d, what)
 			if err != nil {
-				return d.Errf("ewma: invalid decay duration %q: %v", d.Val(), err)
+				return err
 			}
 			if err := checkDecay(dur); err != nil {
-				return d.Errf("ewma: %v", err)
+				return caddyopt.Errf(d, what, "%v", err)
 			}
 			s.Decay = caddy.Duration(dur)
 		case "weights":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
+			args, err := caddyopt.Args(d, what)
+			if err != nil {
+				return err
 			}
 			for _, a := range args {
 				w, err := strconv.Atoi(a)
 				if err != nil {
-					return d.Errf("ewma: invalid weight %q: weights are whole numbers of at least 1", a)
+					return caddyopt.Invalid(d, what, "weight", a, "a whole number of at least 1")
 				}
 				if err := checkWeight(w); err != nil {
-					return d.Errf("ewma: %v", err)
+					return caddyopt.Errf(d, what, "%v", err)
 				}
 				s.Weights = append(s.Weights, w)
 			}
 		case "panic_threshold":
-			p, err := parsePercent(d, "ewma")
+			p, err := parsePercent(d, what)
 			if err != nil {
 				return err
 			}
 			s.PanicThreshold = &p
 		case "outlier":
 			s.Outlier = new(Outlier)
-			if err := s.Outlier.unmarshalCaddyfile(d); err != nil {
+			if err := s.Outlier.unmarshalCaddyfile(d, what+": outlier"); err != nil {
 				return err
 			}
 		case "slow_start":
 			s.SlowStart = new(SlowStart)
-			if err := s.SlowStart.unmarshalCaddyfile(d); err != nil {
+			if err := s.SlowStart.unmarshalCaddyfile(d, what); err != nil {
 				return err
 			}
 		case "retry_budget":
 			s.RetryBudget = new(RetryBudget)
-			if err := s.RetryBudget.unmarshalCaddyfile(d); err != nil {
+			if err := s.RetryBudget.unmarshalCaddyfile(d, what); err != nil {
 				return err
 			}
 		default:
-			return d.Errf("ewma: unrecognized option %q", opt)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
+			return caddyopt.Unknown(d, what, "choices", "decay", "weights", "panic_threshold", "retry_budget", "slow_start", "outlier")
 		}
 	}
 	return nil
@@ -134,42 +131,36 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		}]
 //	}
 func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // consume policy name
-	if d.NextArg() {
-		return d.ArgErr()
+	const what = "lb_policy panic"
+	d.Next() // the policy's name
+	if err := caddyopt.BlockOnly(d, what); err != nil {
+		return err
 	}
+	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
+		if err := once.Check(d); err != nil {
+			return err
+		}
 		switch d.Val() {
 		case "threshold":
-			if p.Threshold != nil {
-				return d.Err("panic: threshold specified more than once")
-			}
-			v, err := parsePercent(d, "panic")
+			v, err := parsePercent(d, what)
 			if err != nil {
 				return err
 			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
 			p.Threshold = &v
 		case "outlier":
-			if p.Outlier != nil {
-				return d.Err("panic: outlier specified more than once")
-			}
 			p.Outlier = new(Outlier)
-			if err := p.Outlier.unmarshalCaddyfile(d); err != nil {
+			if err := p.Outlier.unmarshalCaddyfile(d, what+": outlier"); err != nil {
 				return err
 			}
 		case "policy":
-			if p.PolicyRaw != nil {
-				return d.Err("panic: policy specified more than once")
-			}
+			// The policy's own unmarshaler reads the rest of the line.
 			if !d.NextArg() {
-				return d.ArgErr()
+				return caddyopt.Missing(d, what)
 			}
 			name := d.Val()
 			if name == "panic" {
-				return d.Err("panic: cannot wrap the panic policy in itself")
+				return caddyopt.Errf(d, what, "cannot wrap the panic policy in itself")
 			}
 			modID := "http.reverse_proxy.selection_policies." + name
 			unm, err := caddyfile.UnmarshalModule(d, modID)
@@ -178,12 +169,12 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			sel, ok := unm.(reverseproxy.Selector)
 			if !ok {
-				return d.Errf("panic: module %s (%T) is not a selection policy", modID, unm)
+				return caddyopt.Errf(d, what, "module %s (%T) is not a selection policy", modID, unm)
 			}
 			p.PolicyRaw = caddyconfig.JSONModuleObject(sel, "policy", name, nil)
 			p.inner = sel // for the checks below; Provision loads it again
 		default:
-			return d.Errf("panic: unrecognized option %q", d.Val())
+			return caddyopt.Unknown(d, what, "threshold", "outlier", "policy")
 		}
 		if _, ewma := p.inner.(*EWMASelection); ewma && p.Outlier != nil {
 			return d.Err(errOutlierAroundEWMA.Error())
@@ -192,7 +183,8 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// unmarshalCaddyfile reads an outlier block, the dispenser on its name:
+// unmarshalCaddyfile reads an outlier block, the dispenser on its name;
+// errors start with what (the block's path, "lb_policy ewma: outlier"):
 //
 //	outlier {
 //		consecutive_failures            <n>
@@ -210,9 +202,9 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		failure_percentage_min_requests <n>
 //		health_check_restore            on|off
 //	}
-func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	if d.NextArg() {
-		return d.ArgErr()
+func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error {
+	if err := caddyopt.BlockOnly(d, what); err != nil {
+		return err
 	}
 	counts := map[string]*int{
 		"consecutive_failures":            &o.Consecutive,
@@ -226,48 +218,41 @@ func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		"max_ejection_time":  &o.MaxEjectionTime,
 		"interval":           &o.Interval,
 	}
-	seen := map[string]bool{}
+	once := caddyopt.NewOnce(what)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("outlier: %s specified more than once", opt)
+		if err := once.Check(d); err != nil {
+			return err
 		}
-		seen[opt] = true
 		switch opt {
 		case "consecutive_failures", "success_rate_min_hosts", "success_rate_min_requests",
 			"failure_percentage_min_hosts", "failure_percentage_min_requests":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			n, err := strconv.Atoi(d.Val())
+			n, err := caddyopt.Int(d, what)
 			if err != nil {
-				return d.Errf("outlier: invalid %s %q: want a whole number", opt, d.Val())
+				return err
 			}
 			*counts[opt] = n
 		case "failure_status":
-			args := d.RemainingArgs()
-			if len(args) == 0 {
-				return d.ArgErr()
+			args, err := caddyopt.Args(d, what)
+			if err != nil {
+				return err
 			}
 			o.FailureStatus = []int{}
 			for _, a := range args {
 				c, err := strconv.Atoi(a)
 				if err != nil {
-					return d.Errf("outlier: invalid failure_status %q: want HTTP status codes", a)
+					return caddyopt.Invalid(d, what, opt, a, "HTTP status codes")
 				}
 				o.FailureStatus = append(o.FailureStatus, c)
 			}
 		case "base_ejection_time", "max_ejection_time", "interval":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(d.Val())
+			dur, err := caddyopt.Duration(d, what)
 			if err != nil {
-				return d.Errf("outlier: invalid %s %q: want a duration", opt, d.Val())
+				return err
 			}
 			*durations[opt] = caddy.Duration(dur)
 		case "success_rate", "health_check_restore":
-			on, err := parseOnOff(d)
+			on, err := parseOnOff(d, what)
 			if err != nil {
 				return err
 			}
@@ -277,16 +262,13 @@ func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				o.KeepEjectedOnHealthCheck = !on
 			}
 		case "success_rate_stdev_factor":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			f, err := strconv.ParseFloat(d.Val(), 64)
+			f, err := parseFloat(d, what)
 			if err != nil {
-				return d.Errf("outlier: invalid success_rate_stdev_factor %q: want a positive number", d.Val())
+				return err
 			}
 			o.SuccessRateStdevFactor = f
 		case "failure_percentage_threshold":
-			p, err := parsePercent(d, "outlier")
+			p, err := parsePercent(d, what)
 			if err != nil {
 				return err
 			}
@@ -296,159 +278,165 @@ func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				o.FailurePercentageThreshold = &p
 			}
 		case "max_ejection_percent":
-			p, err := parsePercent(d, "outlier")
+			p, err := parsePercent(d, what)
 			if err != nil {
 				return err
 			}
 			o.MaxEjectionPercent = &p
 		default:
-			return d.Errf("outlier: unrecognized option %q", opt)
+			return caddyopt.Unknown(d, what, slices.Concat(outlierOptions, []string{"success_rate", "health_check_restore"})...)
 		}
 		if err := o.check(opt); err != nil {
-			return d.Errf("outlier: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
+			return caddyopt.Errf(d, what, "%v", err)
 		}
 	}
 	return nil
 }
 
-// parseOnOff reads the argument of an on/off option, the dispenser on the
-// option's name.
-func parseOnOff(d *caddyfile.Dispenser) (bool, error) {
-	opt := d.Val()
-	if !d.NextArg() {
-		return false, d.ArgErr()
-	}
-	switch d.Val() {
-	case "on":
-		return true, nil
-	case "off":
-		return false, nil
-	}
-	return false, d.Errf("outlier: invalid %s %q: want 'on' or 'off'", opt, d.Val())
-}
-
-// unmarshalCaddyfile reads a slow_start option, the dispenser on its name:
+// unmarshalCaddyfile reads a slow_start option, the dispenser on its name;
+// errors start with what (the policy's block, "lb_policy ewma"):
 //
 //	slow_start <window> [{
 //		min_weight <percent>
 //		aggression <number>
 //	}]
-func (s *SlowStart) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	if !d.NextArg() {
-		return d.ArgErr()
-	}
-	w, err := caddy.ParseDuration(d.Val())
+func (s *SlowStart) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error {
+	raw, err := caddyopt.Arg(d, what)
 	if err != nil {
-		return d.Errf("slow_start: invalid window %q: want a positive duration", d.Val())
+		return err
 	}
+	w, err := caddyopt.DurationValue(d, what, "slow_start", raw)
+	if err != nil {
+		return err
+	}
+	what += ": slow_start"
 	s.Window = caddy.Duration(w)
 	if err := s.check("window"); err != nil {
-		return d.Errf("slow_start: %v", err)
+		return caddyopt.Errf(d, what, "%v", err)
 	}
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	seen := map[string]bool{}
+	once := caddyopt.NewOnce(what)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("slow_start: %s specified more than once", opt)
+		if err := once.Check(d); err != nil {
+			return err
 		}
-		seen[opt] = true
 		switch opt {
 		case "min_weight":
-			p, err := parsePercent(d, "slow_start")
+			p, err := parsePercent(d, what)
 			if err != nil {
 				return err
 			}
 			s.MinWeightPercent = &p
 		case "aggression":
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			a, err := strconv.ParseFloat(d.Val(), 64)
+			a, err := parseFloat(d, what)
 			if err != nil {
-				return d.Errf("slow_start: invalid aggression %q: want a positive number", d.Val())
+				return err
 			}
 			s.Aggression = a
 		default:
-			return d.Errf("slow_start: unrecognized option %q", opt)
+			return caddyopt.Unknown(d, what, "min_weight", "aggression")
 		}
 		if err := s.check(opt); err != nil {
-			return d.Errf("slow_start: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
+			return caddyopt.Errf(d, what, "%v", err)
 		}
 	}
 	return nil
 }
 
 // unmarshalCaddyfile reads a retry_budget option, the dispenser on its
-// name:
+// name; errors start with what (the policy's block, "lb_policy ewma"):
 //
 //	retry_budget [<percent>] [{
 //		min_concurrent <n>
 //	}]
-func (b *RetryBudget) unmarshalCaddyfile(d *caddyfile.Dispenser) error {
+func (b *RetryBudget) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error {
 	if d.NextArg() {
 		d.Prev()
-		p, err := parsePercent(d, "retry_budget")
+		raw, err := caddyopt.Arg(d, what)
+		if err != nil {
+			return err
+		}
+		p, err := percentValue(d, what, "retry_budget", raw)
 		if err != nil {
 			return err
 		}
 		b.Percent = &p
-		if d.NextArg() {
-			return d.ArgErr()
-		}
 	}
-	seen := false
+	what += ": retry_budget"
+	once := caddyopt.NewOnce(what)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if err := once.Check(d); err != nil {
+			return err
+		}
 		if d.Val() != "min_concurrent" {
-			return d.Errf("retry_budget: unrecognized option %q", d.Val())
+			return caddyopt.Unknown(d, what, "min_concurrent")
 		}
-		if seen {
-			return d.Err("retry_budget: min_concurrent specified more than once")
-		}
-		seen = true
-		if !d.NextArg() {
-			return d.ArgErr()
-		}
-		n, err := strconv.Atoi(d.Val())
+		n, err := caddyopt.Int(d, what)
 		if err != nil {
-			return d.Errf("retry_budget: invalid min_concurrent %q: want a whole number, 0 or more", d.Val())
+			return err
 		}
 		b.MinConcurrent = &n
 		if err := b.checkFloor(); err != nil {
-			return d.Errf("retry_budget: %v", err)
-		}
-		if d.NextArg() {
-			return d.ArgErr()
+			return caddyopt.Errf(d, what, "%v", err)
 		}
 	}
 	return nil
 }
 
-// parsePercent reads the argument of a Caddyfile percentage option (the
-// current token): "50%", "50" or "off" (0). It must lie in [0, 100]. owner
-// names the policy or block in error messages.
-func parsePercent(d *caddyfile.Dispenser, owner string) (float64, error) {
+// parsePercent reads the one argument of a percentage option, the
+// dispenser on its name (see percentValue).
+func parsePercent(d *caddyfile.Dispenser, what string) (float64, error) {
 	opt := d.Val()
-	if !d.NextArg() {
-		return 0, d.ArgErr()
+	raw, err := caddyopt.OneArg(d, what)
+	if err != nil {
+		return 0, err
 	}
-	raw := d.Val()
+	return percentValue(d, what, opt, raw)
+}
+
+// percentValue parses raw, the value of percentage option opt: "50%",
+// "50" or "off" (0). It must lie in [0, 100].
+func percentValue(d *caddyfile.Dispenser, what, opt, raw string) (float64, error) {
 	if raw == "off" {
 		return 0, nil
 	}
 	v, err := strconv.ParseFloat(strings.TrimSuffix(raw, "%"), 64)
 	if err != nil || bounds.Percent(opt, v) != nil {
-		return 0, d.Errf("%s: invalid %s %q: want a percentage from 0%% to 100%%, or 'off'", owner, opt, raw)
+		return 0, caddyopt.Invalid(d, what, opt, raw, "a percentage from 0% to 100%, or 'off'")
 	}
 	return v, nil
+}
+
+// parseOnOff reads the one argument of an on/off option, the dispenser on
+// its name.
+func parseOnOff(d *caddyfile.Dispenser, what string) (bool, error) {
+	opt := d.Val()
+	raw, err := caddyopt.OneArg(d, what)
+	if err != nil {
+		return false, err
+	}
+	switch raw {
+	case "on":
+		return true, nil
+	case "off":
+		return false, nil
+	}
+	return false, caddyopt.Invalid(d, what, opt, raw, "'on' or 'off'")
+}
+
+// parseFloat reads the one argument of a number option, the dispenser on
+// its name; its range is the caller's to check.
+func parseFloat(d *caddyfile.Dispenser, what string) (float64, error) {
+	opt := d.Val()
+	raw, err := caddyopt.OneArg(d, what)
+	if err != nil {
+		return 0, err
+	}
+	f, err := strconv.ParseFloat(raw, 64)
+	if err != nil {
+		return 0, caddyopt.Invalid(d, what, opt, raw, "a number")
+	}
+	return f, nil
 }
 
 // Interface guards

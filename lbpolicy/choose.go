@@ -108,7 +108,7 @@ func bestOfK[C candidates](c C, k int) (int, cost) {
 		return -1, cost{}
 	}
 	if k >= n {
-		i := chooseScan(c)
+		i := chooseCheapest(c)
 		if i < 0 {
 			return -1, cost{}
 		}
@@ -119,7 +119,7 @@ func bestOfK[C candidates](c C, k int) (int, cost) {
 		i := drawUsable(c, n, best)
 		if i < 0 {
 			if best < 0 {
-				if i = chooseScan(c); i < 0 {
+				if i = chooseCheapest(c); i < 0 {
 					return -1, cost{}
 				}
 				return i, c.Cost(i)
@@ -173,12 +173,12 @@ func drawUsable[C candidates](c C, n, not int) int {
 	return -1
 }
 
-// chooseScan returns the index of a cheapest usable member, or -1 if none
-// is usable: a cheapest cost is found first, then one member is chosen
+// chooseCheapest returns the index of a cheapest usable member, or -1 if
+// none is usable: a cheapest cost is found first, then one member is chosen
 // uniformly at random among those it does not beat (see cost.beats), so an
 // idle or evenly loaded pool is spread, not served by its first or
 // marginally fastest member.
-func chooseScan[C candidates](c C) int {
+func chooseCheapest[C candidates](c C) int {
 	cheapest, minCost := -1, cost{}
 	for i := range c.Len() {
 		if !c.Usable(i) {

@@ -32,7 +32,7 @@ func (p *fakePool) Cost(i int) cost {
 type chooser func(*fakePool) int
 
 var modes = map[string]chooser{
-	"scan":     func(p *fakePool) int { return chooseScan(p) },
+	"cheapest": func(p *fakePool) int { return chooseCheapest(p) },
 	"choices2": func(p *fakePool) int { return chooseBestOfK(p, 2) },
 	"choices3": func(p *fakePool) int { return chooseBestOfK(p, 3) },
 }
@@ -94,7 +94,7 @@ func TestScanPicksCheapestAndBreaksTiesAtRandom(t *testing.T) {
 	p.latency = []float64{5, 1, 1, 9}
 	counts := make([]int, 4)
 	for range 4000 {
-		counts[chooseScan(p)]++
+		counts[chooseCheapest(p)]++
 	}
 	if counts[0] != 0 || counts[3] != 0 {
 		t.Fatalf("scan picked a costlier upstream: %v", counts)
@@ -139,7 +139,7 @@ func TestHerdAvoidance(t *testing.T) {
 		}
 	}
 	for range 100 {
-		if chooseScan(p) != 0 {
+		if chooseCheapest(p) != 0 {
 			t.Fatal("scan should pick the clearly cheapest")
 		}
 	}
@@ -226,7 +226,7 @@ func TestNearTiesAreSpread(t *testing.T) {
 	p := newFakePool(2)
 	p.latency = []float64{1, 1.51}
 	for range 200 {
-		if chooseScan(p) != 0 {
+		if chooseCheapest(p) != 0 {
 			t.Fatal("an upstream 1.51× faster must win a scan")
 		}
 	}
@@ -289,7 +289,7 @@ func TestSamplingFloorOfTwoChoices(t *testing.T) {
 		t.Fatalf("best of two sent %.3f to the slow pair, want ≈1/6", share)
 	}
 	for range picks {
-		if chooseScan(p) >= 2 {
+		if chooseCheapest(p) >= 2 {
 			t.Fatal("a scan picked a slow upstream")
 		}
 	}

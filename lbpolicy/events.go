@@ -1,10 +1,5 @@
 package lbpolicy
 
-import (
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
-)
-
 // Events lbx emits through Caddy's events app, for other modules to
 // subscribe to. Their data uses reverse_proxy's shape where it fits
 // ("host": the dial address).
@@ -21,28 +16,3 @@ const (
 	// eventPanicLeft: a pool left panic mode. Same data.
 	eventPanicLeft = "panic_left"
 )
-
-// emitter sends Caddy events on behalf of the module whose context it was
-// made from. The zero emitter sends nothing.
-type emitter struct {
-	app *caddyevents.App
-	ctx caddy.Context
-}
-
-// newEmitter returns an emitter for ctx's module. Without an events app in
-// the config (as in unit tests with a bare context) it sends nothing;
-// inside reverse_proxy there always is one, since the handler loads it.
-func newEmitter(ctx caddy.Context) emitter {
-	app, err := ctx.AppIfConfigured("events")
-	if err != nil {
-		return emitter{}
-	}
-	return emitter{app: app.(*caddyevents.App), ctx: ctx}
-}
-
-// emit sends the event if anything could observe it.
-func (e emitter) emit(name string, data map[string]any) {
-	if e.app != nil && e.app.ShouldEmit(name) {
-		e.app.Emit(e.ctx, name, data)
-	}
-}

@@ -12,8 +12,10 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 	"github.com/caddy-lbx/lbx/internal/randpick"
 )
 
@@ -119,13 +121,13 @@ func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
 // transport so latency is observed.
 func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
-	events := newEmitter(ctx)
-	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, events)
+	emitter := events.New(ctx)
+	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, emitter)
 	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
 	s.trackTried = TracksTried(ctx)
 
 	if s.Outlier != nil {
-		s.Outlier.provision(s.logger, events)
+		s.Outlier.provision(s.logger, emitter)
 	}
 	if s.SlowStart != nil {
 		s.SlowStart.provision()
@@ -243,9 +245,9 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		attempt, tried = LoadTried(r)
 	}
 	v := s.viewFor(pool)
-	now := hoststate.Clock()
+	now := monoclock.Latest()
 	if s.observer == nil && rand.Uint32()%clockRefresh == 0 {
-		now = hoststate.Now()
+		now = monoclock.Now()
 	}
 	c := ewmaCandidates{
 		pool:  pool,
@@ -284,9 +286,9 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		// not in panic. The shared clock only moves with round trips, and
 		// none happens while nothing is chosen, so read the real clock
 		// and decide again rather than trust a stale count.
-		if c.panic = s.panic.check(v, pool, hoststate.Now()); c.panic {
+		if c.panic = s.panic.check(v, pool, monoclock.Now()); c.panic {
 			c.admit = 0
-			i = chooseScan(c)
+			i = chooseCheapest(c)
 		}
 	}
 	if i < 0 {
@@ -308,7 +310,7 @@ func (*EWMASelection) SkipsEjected() bool { return true }
 func (c ewmaCandidates) choose(k int) int {
 	switch {
 	case k == 0, k >= len(c.pool):
-		return chooseScan(c)
+		return chooseCheapest(c)
 	case k == 2:
 		i, ci, ok := c.bestOfTwo()
 		if !ok {
@@ -364,7 +366,7 @@ func (s *EWMASelection) rampNewMembers(v *poolView) {
 	if !serving {
 		return
 	}
-	now := hoststate.Now()
+	now := monoclock.Now()
 	for i := range v.members {
 		if v.members[i].stats.StartRampIfNew(now) {
 			s.logRamp(v.ups[i].Dial, "new")
@@ -457,22 +459,22 @@ func (c ewmaCandidates) bestOfTwo() (int, cost, bool) {
 	return i, ci, true // i is the cheaper or a tie; it was drawn at random
 }
 
-// reportPools implements poolReporter.
-func (s *EWMASelection) reportPools() []poolReport {
-	var reps []poolReport
+// poolStatuses implements poolStatusSource.
+func (s *EWMASelection) poolStatuses() []poolStatus {
+	var pools []poolStatus
 	last := s.views.last.Load()
 	for _, v := range s.views.all() {
-		reps = append(reps, s.report(v, v == last))
+		pools = append(pools, s.statusOf(v, v == last))
 	}
-	return reps
+	return pools
 }
 
-// report describes the pool of v; withBudget adds the retry budget, which
-// is the policy's, to one of its pools' reports.
-func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
-	now := hoststate.Now()
+// statusOf describes the pool of v; withBudget adds the retry budget, which
+// is the policy's, to one of its pools' statuses.
+func (s *EWMASelection) statusOf(v *poolView, withBudget bool) poolStatus {
+	now := monoclock.Now()
 	base := s.table.Baseline()
-	rep := poolReport{
+	status := poolStatus{
 		Policy:         "ewma",
 		Available:      v.availableNow(),
 		PanicThreshold: s.panic.percent(),
@@ -480,7 +482,7 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 		PanicEntered:   v.panic.entered.Load(),
 	}
 	if b := s.RetryBudget; b != nil && withBudget {
-		rep.RetryBudget = &retryBudgetReport{
+		status.RetryBudget = &retryBudgetStatus{
 			Percent: *b.Percent, MinConcurrent: *b.MinConcurrent, InFlight: b.inFlight.Load(), Refused: b.refused.Load(),
 		}
 	}
@@ -500,9 +502,9 @@ func (s *EWMASelection) report(v *poolView, withBudget bool) poolReport {
 				m.SlowStartPercent = &pct
 			}
 		}
-		rep.Upstreams = append(rep.Upstreams, m)
+		status.Upstreams = append(status.Upstreams, m)
 	}
-	return rep
+	return status
 }
 
 // Interface guards
@@ -511,5 +513,5 @@ var (
 	_ caddy.Provisioner     = (*EWMASelection)(nil)
 	_ caddy.Validator       = (*EWMASelection)(nil)
 	_ caddy.CleanerUpper    = (*EWMASelection)(nil)
-	_ poolReporter          = (*EWMASelection)(nil)
+	_ poolStatusSource      = (*EWMASelection)(nil)
 )

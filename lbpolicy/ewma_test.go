@@ -11,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // newPool returns n upstreams with Caddy host records, as reverse_proxy
@@ -81,7 +82,7 @@ func TestEWMAFastFailingUpstreamIsNotCheap(t *testing.T) {
 	if n := shares(s, pool, 1000)[pool[0]]; n != 0 {
 		t.Fatalf("fast-failing upstream chosen %d times of 1000", n)
 	}
-	if got := s.table.Expected(s.table.Stats(pool[0].Dial), hoststate.Now(), s.table.Baseline()); got < float64(30*time.Millisecond) {
+	if got := s.table.Expected(s.table.Stats(pool[0].Dial), monoclock.Now(), s.table.Baseline()); got < float64(30*time.Millisecond) {
 		t.Fatalf("three fast failures from 5ms should cost ≥ 40ms, estimate is %v", time.Duration(got))
 	}
 }
@@ -94,7 +95,7 @@ func TestEWMANewUpstreamGetsPrior(t *testing.T) {
 			observe(s, u, time.Duration(2+3*i)*time.Millisecond, hoststate.Success)
 		}
 	}
-	now := hoststate.Now()
+	now := monoclock.Now()
 	fresh := s.table.Expected(s.table.Stats(pool[3].Dial), now, s.table.Baseline())
 	// The prior is the pool's typical latency: between its fastest and
 	// slowest member, so the newcomer is neither a magnet (zero) nor
@@ -188,7 +189,7 @@ func TestEWMAConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 	// one report per pool served, each with its own members
-	reps := s.reportPools()
+	reps := s.poolStatuses()
 	if len(reps) != 2 || len(reps[0].Upstreams)+len(reps[1].Upstreams) != 25 {
 		t.Fatalf("want reports of the two pools (20 and 5 upstreams), got %d reports", len(reps))
 	}

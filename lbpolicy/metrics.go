@@ -72,7 +72,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	pools := map[key]*agg{}
 	var order []key
-	for _, p := range poolReports() {
+	for _, p := range allPoolStatuses() {
 		dials := make([]string, len(p.Upstreams))
 		for i, u := range p.Upstreams {
 			dials[i] = u.Dial

@@ -9,6 +9,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func TestMetricsExposeUpstreamState(t *testing.T) {
@@ -21,7 +22,7 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 	dial := t.Name() + ":80"
 	s := table.Stats(dial)
 	// Ejected first: an ejection may reset the latency estimate.
-	s.Eject(hoststate.Now(), time.Minute, func(int64) time.Duration { return time.Minute }, hoststate.ReasonSuccessRate)
+	s.Eject(monoclock.Now(), time.Minute, func(int64) time.Duration { return time.Minute }, hoststate.ReasonSuccessRate)
 	start := s.Begin()
 	table.Observe(s, start-int64(4*time.Millisecond), hoststate.Success)
 

@@ -10,8 +10,10 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // Outlier configures outlier ejection from live traffic, like Envoy's
@@ -94,7 +96,7 @@ type Outlier struct {
 	KeepEjectedOnHealthCheck bool `json:"keep_ejected_on_health_check,omitempty"`
 
 	logger *zap.Logger
-	events emitter
+	events events.Emitter
 	// sweepDone is closed when the interval loop started by install ends;
 	// nil when none was started.
 	sweepDone chan struct{}
@@ -130,8 +132,8 @@ var defaultFailureStatus = []int{502, 503, 504}
 
 // provision applies defaults and sets where ejections are logged and
 // announced.
-func (o *Outlier) provision(logger *zap.Logger, events emitter) {
-	o.logger, o.events = logger, events
+func (o *Outlier) provision(logger *zap.Logger, emitter events.Emitter) {
+	o.logger, o.events = logger, emitter
 	if o.Consecutive == 0 {
 		o.Consecutive = defaultConsecutiveFailures
 	}
@@ -272,7 +274,7 @@ func (o *Outlier) mayEject(ejected, total int) bool {
 // too often in a row and the pool's cap allows.
 func (o *Outlier) judge(t *hoststate.Table, s *hoststate.Stats, dial string, failed bool) {
 	n := s.RecordOutcome(failed)
-	now := hoststate.Now()
+	now := monoclock.Now()
 	if s.TakeRestored(now) {
 		o.announceRestored(dial, "ejection_time_elapsed")
 	}
@@ -307,7 +309,7 @@ func (o *Outlier) eject(s *hoststate.Stats, now int64, reason hoststate.EjectRea
 		fields := append([]zap.Field{zap.String("upstream", s.Dial()), zap.String("reason", reason.String())}, detail...)
 		ce.Write(append(fields, zap.Int64("ejections_in_a_row", m), zap.Duration("for", d))...)
 	}
-	o.events.emit(eventUpstreamEjected, map[string]any{
+	o.events.Emit(eventUpstreamEjected, map[string]any{
 		"host": s.Dial(), "reason": reason.String(), "for_ms": d.Milliseconds(), "ejections_in_a_row": m,
 	})
 	return true

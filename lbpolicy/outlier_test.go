@@ -12,11 +12,13 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func newOutlier(t *testing.T, o Outlier) *Outlier {
-	o.provision(zap.NewNop(), emitter{})
+	o.provision(zap.NewNop(), events.Emitter{})
 	if err := o.validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -72,21 +74,21 @@ func TestJudgeEjectsAfterConsecutiveFailures(t *testing.T) {
 	o.judge(table, a, names[0], false) // a success resets the count
 	o.judge(table, a, names[0], true)
 	o.judge(table, a, names[0], true)
-	if a.Ejected(hoststate.Now()) {
+	if a.Ejected(monoclock.Now()) {
 		t.Fatal("ejected without 3 failures in a row")
 	}
 	o.judge(table, a, names[0], true)
-	if !a.Ejected(hoststate.Now()) {
+	if !a.Ejected(monoclock.Now()) {
 		t.Fatal("3 failures in a row must eject")
 	}
 	// 10% of 10 upstreams: a second ejection is refused at the cap.
 	for range 5 {
 		o.judge(table, b, names[1], true)
 	}
-	if b.Ejected(hoststate.Now()) {
+	if b.Ejected(monoclock.Now()) {
 		t.Fatal("ejected beyond max_ejection_percent")
 	}
-	if snap := a.Snapshot(hoststate.Now()); snap.Ejections != 1 || snap.EjectedFor < 59*time.Minute {
+	if snap := a.Snapshot(monoclock.Now()); snap.Ejections != 1 || snap.EjectedFor < 59*time.Minute {
 		t.Fatalf("snapshot after one ejection: %+v", snap)
 	}
 }
@@ -97,7 +99,7 @@ func TestEjectionMultiplierGrowsAndDecays(t *testing.T) {
 	s := table.Stats(t.Name())
 	base := 10 * time.Second
 	dur := func(m int64) time.Duration { return base * time.Duration(m) }
-	now := hoststate.Now()
+	now := monoclock.Now()
 	until, m, ok := s.Eject(now, base, dur, hoststate.ReasonConsecutiveFailures)
 	if !ok || m != 1 || until != now+int64(base) {
 		t.Fatalf("first ejection: multiplier %d, for %v", m, time.Duration(until-now))
@@ -134,7 +136,7 @@ func TestOutlierCaddyfile(t *testing.T) {
 	var o Outlier
 	d := caddyfile.NewTestDispenser(good)
 	d.Next()
-	if err := o.unmarshalCaddyfile(d); err != nil {
+	if err := o.unmarshalCaddyfile(d, "lb_policy ewma: outlier"); err != nil {
 		t.Fatal(err)
 	}
 	if o.Consecutive != 3 || len(o.FailureStatus) != 2 || o.FailureStatus[0] != 500 ||
@@ -142,24 +144,24 @@ func TestOutlierCaddyfile(t *testing.T) {
 		t.Fatalf("parsed %+v", o)
 	}
 	for _, bad := range []struct{ in, want string }{
-		{"outlier x", "wrong argument count"},
-		{"outlier {\n nope 1\n}", `unrecognized option "nope"`},
+		{"outlier x", `lb_policy ewma: outlier: unexpected argument "x"; options go in a block, at Testfile:1`},
+		{"outlier {\n nope 1\n}", `lb_policy ewma: outlier: unknown option "nope" (want consecutive_failures, failure_status, base_ejection_time, max_ejection_time, max_ejection_percent, interval, success_rate_min_hosts, success_rate_min_requests, success_rate_stdev_factor, failure_percentage_threshold, failure_percentage_min_hosts, failure_percentage_min_requests, success_rate or health_check_restore), at Testfile:2`},
 		{"outlier {\n consecutive_failures 0\n}", "consecutive_failures 0 is below the minimum 1"},
-		{"outlier {\n consecutive_failures\n}", "wrong argument count"},
+		{"outlier {\n consecutive_failures\n}", "lb_policy ewma: outlier: consecutive_failures: missing value, at Testfile:2"},
 		{"outlier {\n failure_status 700\n}", "is not an HTTP status code"},
 		{"outlier {\n base_ejection_time -1s\n}", "base_ejection_time -1s is below the minimum 1ms"},
-		{"outlier {\n max_ejection_time soon\n}", "invalid max_ejection_time"},
-		{"outlier {\n max_ejection_percent 120%\n}", "invalid max_ejection_percent"},
+		{"outlier {\n max_ejection_time soon\n}", `lb_policy ewma: outlier: max_ejection_time "soon": want a duration such as 1s, at Testfile:2`},
+		{"outlier {\n max_ejection_percent 120%\n}", `lb_policy ewma: outlier: max_ejection_percent "120%": want a percentage from 0% to 100%, or 'off', at Testfile:2`},
 		{"outlier {\n consecutive_failures 2\n consecutive_failures 3\n}", "specified more than once"},
-		{"outlier {\n consecutive_failures 2 3\n}", "wrong argument count"},
+		{"outlier {\n consecutive_failures 2 3\n}", `lb_policy ewma: outlier: consecutive_failures: one value expected, got another: "3", at Testfile:2`},
 	} {
 		t.Run(bad.in, func(t *testing.T) {
 			var o Outlier
-			unmarshalOption(t, bad.in, bad.want, o.unmarshalCaddyfile)
+			unmarshalOption(t, bad.in, bad.want, func(d *caddyfile.Dispenser) error { return o.unmarshalCaddyfile(d, "lb_policy ewma: outlier") })
 		})
 	}
 	inverted := Outlier{BaseEjectionTime: caddy.Duration(time.Minute), MaxEjectionTime: caddy.Duration(time.Second)}
-	inverted.provision(zap.NewNop(), emitter{})
+	inverted.provision(zap.NewNop(), events.Emitter{})
 	if err := inverted.validate(); err == nil {
 		t.Error("max_ejection_time shorter than base_ejection_time must be rejected")
 	}
@@ -179,7 +181,7 @@ func TestOutlierIntervalRulesCaddyfile(t *testing.T) {
 	var o Outlier
 	d := caddyfile.NewTestDispenser(good)
 	d.Next()
-	if err := o.unmarshalCaddyfile(d); err != nil {
+	if err := o.unmarshalCaddyfile(d, "lb_policy ewma: outlier"); err != nil {
 		t.Fatal(err)
 	}
 	if time.Duration(o.Interval) != 5*time.Second || !o.DisableSuccessRate || o.SuccessRateMinHosts != 3 ||
@@ -200,44 +202,44 @@ func TestOutlierIntervalRulesCaddyfile(t *testing.T) {
 		var o Outlier
 		d := caddyfile.NewTestDispenser(in)
 		d.Next()
-		if err := o.unmarshalCaddyfile(d); err != nil || !check(o) {
+		if err := o.unmarshalCaddyfile(d, "lb_policy ewma: outlier"); err != nil || !check(o) {
 			t.Errorf("%q: parsed %+v, error %v", in, o, err)
 		}
 	}
 	for _, bad := range []struct{ in, want string }{
-		{"outlier {\n interval\n}", "wrong argument count"},
+		{"outlier {\n interval\n}", "lb_policy ewma: outlier: interval: missing value, at Testfile:2"},
 		{"outlier {\n interval 0s\n}", `interval 0s is below the minimum 100ms`},
-		{"outlier {\n interval often\n}", `invalid interval "often"`},
-		{"outlier {\n interval 1s 2s\n}", "wrong argument count"},
-		{"outlier {\n success_rate\n}", "wrong argument count"},
-		{"outlier {\n success_rate maybe\n}", `invalid success_rate "maybe": want 'on' or 'off'`},
-		{"outlier {\n success_rate off on\n}", "wrong argument count"},
-		{"outlier {\n health_check_restore\n}", "wrong argument count"},
-		{"outlier {\n health_check_restore never\n}", `invalid health_check_restore "never": want 'on' or 'off'`},
-		{"outlier {\n success_rate_min_hosts\n}", "wrong argument count"},
+		{"outlier {\n interval often\n}", `lb_policy ewma: outlier: interval "often": want a duration such as 1s, at Testfile:2`},
+		{"outlier {\n interval 1s 2s\n}", `lb_policy ewma: outlier: interval: one value expected, got another: "2s", at Testfile:2`},
+		{"outlier {\n success_rate\n}", "lb_policy ewma: outlier: success_rate: missing value, at Testfile:2"},
+		{"outlier {\n success_rate maybe\n}", `lb_policy ewma: outlier: success_rate "maybe": want 'on' or 'off', at Testfile:2`},
+		{"outlier {\n success_rate off on\n}", `lb_policy ewma: outlier: success_rate: one value expected, got another: "on", at Testfile:2`},
+		{"outlier {\n health_check_restore\n}", "lb_policy ewma: outlier: health_check_restore: missing value, at Testfile:2"},
+		{"outlier {\n health_check_restore never\n}", `lb_policy ewma: outlier: health_check_restore "never": want 'on' or 'off', at Testfile:2`},
+		{"outlier {\n success_rate_min_hosts\n}", "lb_policy ewma: outlier: success_rate_min_hosts: missing value, at Testfile:2"},
 		{"outlier {\n success_rate_min_hosts 0\n}", `success_rate_min_hosts 0 is below the minimum 1`},
-		{"outlier {\n success_rate_min_hosts 2.5\n}", `invalid success_rate_min_hosts "2.5"`},
-		{"outlier {\n success_rate_min_requests\n}", "wrong argument count"},
+		{"outlier {\n success_rate_min_hosts 2.5\n}", `lb_policy ewma: outlier: success_rate_min_hosts "2.5": want a whole number, at Testfile:2`},
+		{"outlier {\n success_rate_min_requests\n}", "lb_policy ewma: outlier: success_rate_min_requests: missing value, at Testfile:2"},
 		{"outlier {\n success_rate_min_requests -1\n}", `success_rate_min_requests -1 is below the minimum 1`},
-		{"outlier {\n success_rate_stdev_factor\n}", "wrong argument count"},
+		{"outlier {\n success_rate_stdev_factor\n}", "lb_policy ewma: outlier: success_rate_stdev_factor: missing value, at Testfile:2"},
 		{"outlier {\n success_rate_stdev_factor 0\n}", `success_rate_stdev_factor must be above 0`},
 		{"outlier {\n success_rate_stdev_factor -1.9\n}", `success_rate_stdev_factor -1.9 is below the minimum 0`},
 		{"outlier {\n success_rate_stdev_factor NaN\n}", `success_rate_stdev_factor NaN is not a finite number`},
 		{"outlier {\n success_rate_stdev_factor Inf\n}", `success_rate_stdev_factor +Inf is not a finite number`},
-		{"outlier {\n success_rate_stdev_factor wide\n}", `invalid success_rate_stdev_factor "wide"`},
-		{"outlier {\n failure_percentage_threshold\n}", "wrong argument count"},
-		{"outlier {\n failure_percentage_threshold 101%\n}", `invalid failure_percentage_threshold "101%"`},
-		{"outlier {\n failure_percentage_threshold many\n}", `invalid failure_percentage_threshold "many"`},
-		{"outlier {\n failure_percentage_threshold 50 60\n}", "wrong argument count"},
-		{"outlier {\n failure_percentage_min_hosts\n}", "wrong argument count"},
+		{"outlier {\n success_rate_stdev_factor wide\n}", `lb_policy ewma: outlier: success_rate_stdev_factor "wide": want a number, at Testfile:2`},
+		{"outlier {\n failure_percentage_threshold\n}", "lb_policy ewma: outlier: failure_percentage_threshold: missing value, at Testfile:2"},
+		{"outlier {\n failure_percentage_threshold 101%\n}", `lb_policy ewma: outlier: failure_percentage_threshold "101%": want a percentage from 0% to 100%, or 'off', at Testfile:2`},
+		{"outlier {\n failure_percentage_threshold many\n}", `lb_policy ewma: outlier: failure_percentage_threshold "many": want a percentage from 0% to 100%, or 'off', at Testfile:2`},
+		{"outlier {\n failure_percentage_threshold 50 60\n}", `lb_policy ewma: outlier: failure_percentage_threshold: one value expected, got another: "60", at Testfile:2`},
+		{"outlier {\n failure_percentage_min_hosts\n}", "lb_policy ewma: outlier: failure_percentage_min_hosts: missing value, at Testfile:2"},
 		{"outlier {\n failure_percentage_min_hosts 0\n}", `failure_percentage_min_hosts 0 is below the minimum 1`},
-		{"outlier {\n failure_percentage_min_requests\n}", "wrong argument count"},
-		{"outlier {\n failure_percentage_min_requests x\n}", `invalid failure_percentage_min_requests "x"`},
+		{"outlier {\n failure_percentage_min_requests\n}", "lb_policy ewma: outlier: failure_percentage_min_requests: missing value, at Testfile:2"},
+		{"outlier {\n failure_percentage_min_requests x\n}", `lb_policy ewma: outlier: failure_percentage_min_requests "x": want a whole number, at Testfile:2`},
 		{"outlier {\n interval 1s\n interval 2s\n}", "interval specified more than once"},
 	} {
 		t.Run(bad.in, func(t *testing.T) {
 			var o Outlier
-			unmarshalOption(t, bad.in, bad.want, o.unmarshalCaddyfile)
+			unmarshalOption(t, bad.in, bad.want, func(d *caddyfile.Dispenser) error { return o.unmarshalCaddyfile(d, "lb_policy ewma: outlier") })
 		})
 	}
 }
@@ -275,7 +277,7 @@ func TestOutlierIntervalRulesDefaultsAndValidate(t *testing.T) {
 		{Outlier{FailurePercentageMinRequests: -3}, "failure_percentage_min_requests -3 is below the minimum 1"},
 	} {
 		o := bad.o
-		o.provision(zap.NewNop(), emitter{})
+		o.provision(zap.NewNop(), events.Emitter{})
 		if err := o.validate(); err == nil || !strings.Contains(err.Error(), bad.want) {
 			t.Errorf("%+v: error %v, want it to mention %q", bad.o, err, bad.want)
 		}
@@ -305,7 +307,7 @@ func TestCapHoldsUnderConcurrentFailures(t *testing.T) {
 		}
 		close(start)
 		wg.Wait()
-		if n, _ := table.CountEjected(hoststate.Now()); n != 2 {
+		if n, _ := table.CountEjected(monoclock.Now()); n != 2 {
 			t.Fatalf("round %d: %d of 10 ejected with a cap of 20%%", round, n)
 		}
 		table.Release()

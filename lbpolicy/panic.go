@@ -10,8 +10,10 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func init() {
@@ -88,13 +90,13 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		// per subset
 		p.trackTried = TracksTried(ctx)
 	}
-	events := newEmitter(ctx)
-	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), events)
+	emitter := events.New(ctx)
+	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), emitter)
 	if p.Outlier != nil {
 		if _, ok := p.inner.(*EWMASelection); ok {
 			return errOutlierAroundEWMA
 		}
-		p.Outlier.provision(ctx.Logger(), events)
+		p.Outlier.provision(ctx.Logger(), emitter)
 		// Validated before install starts the sweep loop (see ewma).
 		if err := p.Validate(); err != nil {
 			return err
@@ -174,7 +176,7 @@ func (*PanicSelection) SkipsEjected() bool { return true }
 // first attempt).
 func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	v := p.viewFor(pool)
-	now := hoststate.Now()
+	now := monoclock.Now()
 	if !p.panic.check(v, pool, now) {
 		if v.keepUnejected {
 			v.availability(pool, now) // fresh even when panic mode is off
@@ -241,30 +243,30 @@ func (p *PanicSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 	return v
 }
 
-// reportPools implements poolReporter.
-func (p *PanicSelection) reportPools() []poolReport {
-	var reps []poolReport
+// poolStatuses implements poolStatusSource.
+func (p *PanicSelection) poolStatuses() []poolStatus {
+	var pools []poolStatus
 	for _, v := range p.views.all() {
-		reps = append(reps, p.report(v))
+		pools = append(pools, p.statusOf(v))
 	}
-	return reps
+	return pools
 }
 
-// report describes the pool of v.
-func (p *PanicSelection) report(v *poolView) poolReport {
-	rep := poolReport{
+// statusOf describes the pool of v.
+func (p *PanicSelection) statusOf(v *poolView) poolStatus {
+	status := poolStatus{
 		Policy:         "panic(" + p.innerName + ")",
 		Available:      v.availableNow(),
 		PanicThreshold: p.panic.percent(),
 		Panic:          v.panic.on.Load(),
 		PanicEntered:   v.panic.entered.Load(),
 	}
-	now := hoststate.Now()
+	now := monoclock.Now()
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
-		rep.Upstreams = append(rep.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
+		status.Upstreams = append(status.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
 	}
-	return rep
+	return status
 }
 
 // Interface guards
@@ -273,5 +275,5 @@ var (
 	_ caddy.Provisioner     = (*PanicSelection)(nil)
 	_ caddy.Validator       = (*PanicSelection)(nil)
 	_ caddy.CleanerUpper    = (*PanicSelection)(nil)
-	_ poolReporter          = (*PanicSelection)(nil)
+	_ poolStatusSource      = (*PanicSelection)(nil)
 )

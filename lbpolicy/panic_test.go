@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func provisionPanic(t testing.TB, p *PanicSelection) *PanicSelection {
@@ -38,7 +39,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 	pool := newPool(t, 4)
 	p.Select(pool, nil, nil) // builds the view and takes the references
 	eject := func(i int) {
-		_, _, ok := p.table.Stats(pool[i].Dial).Eject(hoststate.Now(), time.Hour,
+		_, _, ok := p.table.Stats(pool[i].Dial).Eject(monoclock.Now(), time.Hour,
 			func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures)
 		if !ok {
 			t.Fatalf("ejecting %d", i)
@@ -64,7 +65,7 @@ func TestPanicWrapperHidesEjected(t *testing.T) {
 	if got[1] != 0 || got[0]+got[2]+got[3] != 400 {
 		t.Fatalf("with pool[1] ejected (not in panic): picks %v", got)
 	}
-	if rep := p.reportPools()[0]; rep.Available != 3 || rep.Upstreams[1].Available {
+	if rep := p.poolStatuses()[0]; rep.Available != 3 || rep.Upstreams[1].Available {
 		t.Fatalf("report: available %d, pool[1] available %v", rep.Available, rep.Upstreams[1].Available)
 	}
 
@@ -114,7 +115,7 @@ func TestPanicModeIsPerPool(t *testing.T) {
 		return out
 	}
 	for _, u := range sick[1:] {
-		if _, _, ok := s.table.Stats(u.Dial).Eject(hoststate.Now(), time.Hour,
+		if _, _, ok := s.table.Stats(u.Dial).Eject(monoclock.Now(), time.Hour,
 			func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
 			t.Fatal("eject")
 		}
@@ -132,7 +133,7 @@ func TestPanicModeIsPerPool(t *testing.T) {
 	if entered != 1 || left != 0 {
 		t.Fatalf("panic mode entered %d and left %d times; want the sick pool to enter once", entered, left)
 	}
-	for _, rep := range s.reportPools() {
+	for _, rep := range s.poolStatuses() {
 		if want := rep.Upstreams[0].Dial == sick[0].Dial; rep.Panic != want {
 			t.Fatalf("pool of %s: panic %v, want %v", rep.Upstreams[0].Dial, rep.Panic, want)
 		}

@@ -6,6 +6,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/caddy-lbx/lbx/internal/events"
 )
 
 // defaultPanicThreshold is the availability, in percent, below which a pool
@@ -20,7 +22,7 @@ type panicMode struct {
 	threshold float64 // fraction of the pool, 0 disables
 	policy    string
 	logger    *zap.Logger
-	events    emitter
+	events    events.Emitter
 }
 
 // panicState is one pool's panic mode: whether it is on, and how often it
@@ -30,12 +32,12 @@ type panicState struct {
 	entered atomic.Uint64
 }
 
-func newPanicMode(percent *float64, policy string, logger *zap.Logger, events emitter) panicMode {
+func newPanicMode(percent *float64, policy string, logger *zap.Logger, emitter events.Emitter) panicMode {
 	p := defaultPanicThreshold
 	if percent != nil {
 		p = *percent
 	}
-	return panicMode{threshold: p / 100, policy: policy, logger: logger, events: events}
+	return panicMode{threshold: p / 100, policy: policy, logger: logger, events: emitter}
 }
 
 // check reports whether pool (described by v) is in panic mode at now: fewer
@@ -64,7 +66,7 @@ func (m *panicMode) transition(st *panicState, on bool, avail, total int) {
 		st.entered.Add(1)
 		msg, lvl, event = "pool entered panic mode; selecting among all upstreams, ignoring health", zapcore.WarnLevel, eventPanicEntered
 	}
-	m.events.emit(event, map[string]any{
+	m.events.Emit(event, map[string]any{
 		"policy": m.policy, "available": avail, "upstreams": total, "threshold_percent": m.threshold * 100,
 	})
 	if ce := m.logger.Check(lvl, msg); ce != nil {

@@ -5,12 +5,15 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/caddy-lbx/lbx/internal/events"
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
 func TestPanicDecisionAroundThreshold(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
 	fifty := 50.0
-	m := newPanicMode(&fifty, "test", zap.New(core), emitter{})
+	m := newPanicMode(&fifty, "test", zap.New(core), events.Emitter{})
 	var st panicState
 	steps := []struct {
 		avail, total int
@@ -44,32 +47,33 @@ func TestPanicDecisionAroundThreshold(t *testing.T) {
 
 func TestPanicDisabledAndHundredPercent(t *testing.T) {
 	zero, hundred := 0.0, 100.0
-	off := newPanicMode(&zero, "t", zap.NewNop(), emitter{})
+	off := newPanicMode(&zero, "t", zap.NewNop(), events.Emitter{})
 	if off.threshold != 0 {
 		t.Fatal("0% must disable panic mode")
 	}
-	all := newPanicMode(&hundred, "t", zap.NewNop(), emitter{})
+	all := newPanicMode(&hundred, "t", zap.NewNop(), events.Emitter{})
 	var st panicState
 	if !all.decide(&st, 3, 4) || all.decide(&st, 4, 4) {
 		t.Fatal("at 100%, any unavailable upstream means panic, none means not")
 	}
-	def := newPanicMode(nil, "t", zap.NewNop(), emitter{})
+	def := newPanicMode(nil, "t", zap.NewNop(), events.Emitter{})
 	if def.percent() != defaultPanicThreshold {
 		t.Fatalf("default threshold %v, want %v", def.percent(), defaultPanicThreshold)
 	}
 }
 
 func TestPanicTransitionsEmitEvents(t *testing.T) {
-	ctx, rec := subscribe(t, eventPanicEntered, eventPanicLeft)
-	m := newPanicMode(nil, "ewma", zap.NewNop(), newEmitter(ctx))
+	ctx, rec := testutil.SubscribeEvents(t, eventPanicEntered, eventPanicLeft)
+	m := newPanicMode(nil, "ewma", zap.NewNop(), events.New(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)
 	m.decide(&st, 0, 4) // still in panic: no event
 	m.decide(&st, 4, 4)
-	if len(rec) != 2 {
-		t.Fatalf("want 2 events (entered, left), got %d", len(rec))
+	evs := rec.Events()
+	if len(evs) != 2 {
+		t.Fatalf("want 2 events (entered, left), got %d", len(evs))
 	}
-	in, out := <-rec, <-rec
+	in, out := evs[0], evs[1]
 	if in.Name() != eventPanicEntered || in.Data["available"] != 1 || in.Data["upstreams"] != 4 || in.Data["policy"] != "ewma" {
 		t.Fatalf("entered event: %s %v", in.Name(), in.Data)
 	}

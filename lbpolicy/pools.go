@@ -5,14 +5,14 @@ import (
 	"sync"
 )
 
-// poolReport describes one handler's pool as its selection policy sees it.
-type poolReport struct {
+// poolStatus describes one handler's pool as its selection policy sees it.
+type poolStatus struct {
 	// Policy is the selection policy's name, e.g. "ewma" or "panic(least_conn)".
 	Policy string `json:"policy"`
 	// Upstreams are the pool's members in upstream order.
 	Upstreams []poolMember `json:"upstreams"`
 	// Available is how many members are available now (counted when the
-	// report is made, whether or not panic mode is enabled).
+	// status is read, whether or not panic mode is enabled).
 	Available int `json:"available"`
 	// PanicThreshold is the availability (percent) below which the pool is
 	// in panic; 0 when panic mode is disabled.
@@ -23,11 +23,11 @@ type poolReport struct {
 	PanicEntered uint64 `json:"panic_entered_total"`
 	// RetryBudget is the state of the pool's retry budget; absent when
 	// it has none.
-	RetryBudget *retryBudgetReport `json:"retry_budget,omitempty"`
+	RetryBudget *retryBudgetStatus `json:"retry_budget,omitempty"`
 }
 
-// retryBudgetReport is the state of a retry budget.
-type retryBudgetReport struct {
+// retryBudgetStatus is the state of a retry budget.
+type retryBudgetStatus struct {
 	Percent       float64 `json:"percent"`
 	MinConcurrent int     `json:"min_concurrent"`
 	InFlight      int64   `json:"retries_in_flight"`
@@ -54,44 +54,44 @@ type poolMember struct {
 	SlowStartPercent *float64 `json:"slow_start_weight_percent,omitempty"`
 }
 
-// poolReporter is implemented by selection policies that can describe
+// poolStatusSource is implemented by selection policies that can describe
 // the pools they serve for the admin API: usually one, several when one
 // policy serves several pools (the partitions of a partition handler).
-type poolReporter interface {
-	reportPools() []poolReport
+type poolStatusSource interface {
+	poolStatuses() []poolStatus
 }
 
 var (
-	reportersMu sync.Mutex
-	reporters   = map[poolReporter]struct{}{}
+	statusSourcesMu sync.Mutex
+	statusSources   = map[poolStatusSource]struct{}{}
 )
 
 // registerPool adds r to the pools listed by the admin API.
-func registerPool(r poolReporter) {
-	reportersMu.Lock()
-	reporters[r] = struct{}{}
-	reportersMu.Unlock()
+func registerPool(r poolStatusSource) {
+	statusSourcesMu.Lock()
+	statusSources[r] = struct{}{}
+	statusSourcesMu.Unlock()
 }
 
 // unregisterPool removes r.
-func unregisterPool(r poolReporter) {
-	reportersMu.Lock()
-	delete(reporters, r)
-	reportersMu.Unlock()
+func unregisterPool(r poolStatusSource) {
+	statusSourcesMu.Lock()
+	delete(statusSources, r)
+	statusSourcesMu.Unlock()
 }
 
-// poolReports returns reports of all registered pools that have served a
-// request, ordered by policy and first member.
-func poolReports() []poolReport {
-	reportersMu.Lock()
-	rs := make([]poolReporter, 0, len(reporters))
-	for r := range reporters {
+// allPoolStatuses returns the statuses of all registered pools that have
+// served a request, ordered by policy and first member.
+func allPoolStatuses() []poolStatus {
+	statusSourcesMu.Lock()
+	rs := make([]poolStatusSource, 0, len(statusSources))
+	for r := range statusSources {
 		rs = append(rs, r)
 	}
-	reportersMu.Unlock()
-	out := make([]poolReport, 0, len(rs))
+	statusSourcesMu.Unlock()
+	out := make([]poolStatus, 0, len(rs))
 	for _, r := range rs {
-		out = append(out, r.reportPools()...)
+		out = append(out, r.poolStatuses()...)
 	}
 	sort.Slice(out, func(i, j int) bool {
 		a, b := out[i], out[j]
@@ -103,7 +103,7 @@ func poolReports() []poolReport {
 	return out
 }
 
-func firstDial(r poolReport) string {
+func firstDial(r poolStatus) string {
 	if len(r.Upstreams) == 0 {
 		return ""
 	}

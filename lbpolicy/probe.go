@@ -11,7 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // probeRule is how the handler's active health checker judges a probe,
@@ -82,14 +82,14 @@ func (r *probeRule) passed(resp *http.Response, err error) bool {
 func (t *observingTransport) roundTripProbe(req *http.Request, dial string) (*http.Response, error) {
 	resp, err := t.inner.RoundTrip(req)
 	s, ok := t.table.Lookup(dial)
-	if !ok || !s.Ejected(hoststate.Now()) {
+	if !ok || !s.Ejected(monoclock.Now()) {
 		return resp, err
 	}
 	if !t.probe.passed(resp, err) {
 		s.ProbeFailed()
 		return resp, err
 	}
-	if s.ProbePassed() >= t.probe.passes && s.Restore(hoststate.Now()) {
+	if s.ProbePassed() >= t.probe.passes && s.Restore(monoclock.Now()) {
 		t.outlier.announceRestored(dial, "active_health_check")
 	}
 	return resp, err
@@ -100,5 +100,5 @@ func (o *Outlier) announceRestored(dial, why string) {
 	if ce := o.logger.Check(zap.InfoLevel, "upstream restored after ejection"); ce != nil {
 		ce.Write(zap.String("upstream", dial), zap.String("by", why))
 	}
-	o.events.emit(eventUpstreamRestored, map[string]any{"host": dial, "by": why})
+	o.events.Emit(eventUpstreamRestored, map[string]any{"host": dial, "by": why})
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // answer is a transport that answers every request with status and body.
@@ -85,18 +86,18 @@ func TestPassingProbesEndEjection(t *testing.T) {
 	}
 
 	roundTrip(pass) // not ejected: nothing to do
-	if _, _, ok := s.Eject(hoststate.Now(), time.Hour, o.ejectionTime, hoststate.ReasonConsecutiveFailures); !ok {
+	if _, _, ok := s.Eject(monoclock.Now(), time.Hour, o.ejectionTime, hoststate.ReasonConsecutiveFailures); !ok {
 		t.Fatal("eject")
 	}
 	roundTrip(pass)
 	roundTrip(fail)
 	roundTrip(pass)
-	if !s.Ejected(hoststate.Now()) {
+	if !s.Ejected(monoclock.Now()) {
 		t.Fatal("returned without 2 passing probes in a row")
 	}
-	before := hoststate.Now()
+	before := monoclock.Now()
 	roundTrip(pass)
-	now := hoststate.Now()
+	now := monoclock.Now()
 	if s.Ejected(now) {
 		t.Fatal("still ejected after 2 passing probes in a row")
 	}

@@ -14,8 +14,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
-	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // RetryBudget limits reverse_proxy's retries (lb_retries, lb_try_duration)
@@ -158,7 +158,7 @@ func (b *RetryBudget) affordable(pool reverseproxy.UpstreamPool) bool {
 // retryBudgetLogEvery.
 func (b *RetryBudget) refuse(pool reverseproxy.UpstreamPool) {
 	n := b.refused.Add(1)
-	now := hoststate.Now()
+	now := monoclock.Now()
 	last := b.lastLogNs.Load()
 	if last != 0 && now-last < int64(retryBudgetLogEvery) || !b.lastLogNs.CompareAndSwap(last, now) {
 		return

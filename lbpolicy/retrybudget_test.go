@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -141,17 +142,17 @@ func TestRetryBudgetUnmarshalCaddyfile(t *testing.T) {
 		{input: "retry_budget 35%", percent: 35, min: 3},
 		{input: "retry_budget 10 {\n min_concurrent 0\n}", percent: 10, min: 0},
 		{input: "retry_budget {\n min_concurrent 8\n}", percent: 20, min: 8},
-		{input: "retry_budget 120%", wantErr: `invalid retry_budget "120%"`},
-		{input: "retry_budget 20% 30%", wantErr: "wrong argument count"},
-		{input: "retry_budget {\n min_concurrent\n}", wantErr: "wrong argument count"},
+		{input: "retry_budget 120%", wantErr: `lb_policy ewma: retry_budget "120%": want a percentage from 0% to 100%, or 'off', at Testfile:1`},
+		{input: "retry_budget 20% 30%", wantErr: `lb_policy ewma: retry_budget: one value expected, got another: "30%", at Testfile:1`},
+		{input: "retry_budget {\n min_concurrent\n}", wantErr: "lb_policy ewma: retry_budget: min_concurrent: missing value, at Testfile:2"},
 		{input: "retry_budget {\n min_concurrent -1\n}", wantErr: `min_concurrent -1 is below the minimum 0`},
-		{input: "retry_budget {\n min_concurrent 1 2\n}", wantErr: "wrong argument count"},
+		{input: "retry_budget {\n min_concurrent 1 2\n}", wantErr: `lb_policy ewma: retry_budget: min_concurrent: one value expected, got another: "2", at Testfile:2`},
 		{input: "retry_budget {\n min_concurrent 1\n min_concurrent 2\n}", wantErr: "min_concurrent specified more than once"},
-		{input: "retry_budget {\n percent 10\n}", wantErr: `unrecognized option "percent"`},
+		{input: "retry_budget {\n percent 10\n}", wantErr: `lb_policy ewma: retry_budget: unknown option "percent" (want min_concurrent), at Testfile:2`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
 			var b RetryBudget
-			if !unmarshalOption(t, tc.input, tc.wantErr, b.unmarshalCaddyfile) {
+			if !unmarshalOption(t, tc.input, tc.wantErr, func(d *caddyfile.Dispenser) error { return b.unmarshalCaddyfile(d, "lb_policy ewma") }) {
 				return
 			}
 			b.provision(zap.NewNop())

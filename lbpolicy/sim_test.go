@@ -122,14 +122,14 @@ func (r simEWMA) choose(s *sim, tried []int) int {
 	c := simCandidates{s: s, now: s.clock(), base: s.table.Baseline(), weights: r.weights, tried: tried}
 	var i int
 	if r.k == 0 {
-		i = chooseScan(c)
+		i = chooseCheapest(c)
 	} else {
 		j, cj := bestOfK(c, r.k)
 		i = secondLook(c, r.k, j, cj, c.base)
 	}
 	if i < 0 {
 		c.tried = nil
-		i = chooseScan(c)
+		i = chooseCheapest(c)
 	}
 	return i
 }

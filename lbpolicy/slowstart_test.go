@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // TestSlowStartShareFollowsRamp puts one of four equally fast upstreams at
@@ -26,7 +27,7 @@ func TestSlowStartShareFollowsRamp(t *testing.T) {
 	const picks = 4000
 	prev := -1.0
 	for _, at := range []float64{0, 0.25, 0.5, 0.75, 1} {
-		ramping.StartRamp(hoststate.Now() - int64(at*float64(window)))
+		ramping.StartRamp(monoclock.Now() - int64(at*float64(window)))
 		share := float64(shares(s, pool, picks)[pool[3]]) / picks
 		want := max(at, 0.1) / 4
 		t.Logf("ramp at %3.0f%%: share %.3f, want %.3f", at*100, share, want)
@@ -46,7 +47,7 @@ func TestSlowStartNeverRefuses(t *testing.T) {
 	for _, choices := range []Choices{choicesAll, 2} {
 		s := provisionEWMA(t, &EWMASelection{Choices: choices, SlowStart: &SlowStart{Window: caddy.Duration(time.Minute)}})
 		pool := newPool(t, 3)
-		now := hoststate.Now()
+		now := monoclock.Now()
 		for _, u := range pool {
 			observe(s, u, time.Millisecond, hoststate.Success)
 			s.table.Stats(u.Dial).StartRamp(now)
@@ -66,7 +67,7 @@ func TestSlowStartNewMember(t *testing.T) {
 	fresh := newPool(t, 3)
 	s.Select(fresh, nil, nil)
 	for _, u := range fresh {
-		if r := s.table.Stats(u.Dial).RampStart(hoststate.Now()); r != 0 {
+		if r := s.table.Stats(u.Dial).RampStart(monoclock.Now()); r != 0 {
 			t.Fatalf("%s ramps in a pool where nobody served yet", u.Dial)
 		}
 	}
@@ -74,18 +75,18 @@ func TestSlowStartNewMember(t *testing.T) {
 		observe(s, u, time.Millisecond, hoststate.Success)
 	}
 	grown := append(fresh[:3:3], newPool(t, 4)[3])
-	before := hoststate.Now()
+	before := monoclock.Now()
 	s.Select(grown, nil, nil)
-	if r := s.table.Stats(grown[3].Dial).RampStart(hoststate.Now()); r < before {
+	if r := s.table.Stats(grown[3].Dial).RampStart(monoclock.Now()); r < before {
 		t.Fatalf("new member's ramp start = %d, want at least %d", r, before)
 	}
 	for _, u := range fresh {
-		if r := s.table.Stats(u.Dial).RampStart(hoststate.Now()); r != 0 {
+		if r := s.table.Stats(u.Dial).RampStart(monoclock.Now()); r != 0 {
 			t.Fatalf("old member %s ramps", u.Dial)
 		}
 	}
-	var rep poolReport
-	for _, r := range s.reportPools() {
+	var rep poolStatus
+	for _, r := range s.poolStatuses() {
 		if len(r.Upstreams) == len(grown) {
 			rep = r
 		}
@@ -170,22 +171,22 @@ func TestSlowStartUnmarshalCaddyfile(t *testing.T) {
 	}{
 		{input: `slow_start 30s`, want: SlowStart{Window: caddy.Duration(30 * time.Second)}},
 		{input: "slow_start 1m {\n min_weight 25%\n aggression 1.5\n}", want: SlowStart{Window: caddy.Duration(time.Minute), Aggression: 1.5}},
-		{input: `slow_start`, wantErr: "wrong argument count"},
+		{input: `slow_start`, wantErr: "lb_policy ewma: slow_start: missing value, at Testfile:1"},
 		{input: `slow_start 0s`, wantErr: `window 0s is below the minimum 1ms`},
-		{input: `slow_start soon`, wantErr: `invalid window "soon"`},
-		{input: `slow_start 30s 10%`, wantErr: "wrong argument count"},
+		{input: `slow_start soon`, wantErr: `lb_policy ewma: slow_start "soon": want a duration such as 1s, at Testfile:1`},
+		{input: `slow_start 30s 10%`, wantErr: `lb_policy ewma: slow_start: one value expected, got another: "10%", at Testfile:1`},
 		{input: "slow_start 30s {\n min_weight 0%\n}", wantErr: "min_weight_percent must be above 0%"},
-		{input: "slow_start 30s {\n min_weight 120%\n}", wantErr: `invalid min_weight "120%"`},
-		{input: "slow_start 30s {\n min_weight\n}", wantErr: "wrong argument count"},
+		{input: "slow_start 30s {\n min_weight 120%\n}", wantErr: `lb_policy ewma: slow_start: min_weight "120%": want a percentage from 0% to 100%, or 'off', at Testfile:2`},
+		{input: "slow_start 30s {\n min_weight\n}", wantErr: "lb_policy ewma: slow_start: min_weight: missing value, at Testfile:2"},
 		{input: "slow_start 30s {\n aggression 0\n}", wantErr: `aggression must be above 0`},
-		{input: "slow_start 30s {\n aggression fast\n}", wantErr: `invalid aggression "fast"`},
-		{input: "slow_start 30s {\n aggression 2 3\n}", wantErr: "wrong argument count"},
+		{input: "slow_start 30s {\n aggression fast\n}", wantErr: `lb_policy ewma: slow_start: aggression "fast": want a number, at Testfile:2`},
+		{input: "slow_start 30s {\n aggression 2 3\n}", wantErr: `lb_policy ewma: slow_start: aggression: one value expected, got another: "3", at Testfile:2`},
 		{input: "slow_start 30s {\n aggression 2\n aggression 3\n}", wantErr: "aggression specified more than once"},
-		{input: "slow_start 30s {\n ramp 3\n}", wantErr: `unrecognized option "ramp"`},
+		{input: "slow_start 30s {\n ramp 3\n}", wantErr: `lb_policy ewma: slow_start: unknown option "ramp" (want min_weight or aggression), at Testfile:2`},
 	} {
 		t.Run(tc.input, func(t *testing.T) {
 			var s SlowStart
-			if !unmarshalOption(t, tc.input, tc.wantErr, s.unmarshalCaddyfile) {
+			if !unmarshalOption(t, tc.input, tc.wantErr, func(d *caddyfile.Dispenser) error { return s.unmarshalCaddyfile(d, "lb_policy ewma") }) {
 				return
 			}
 			if s.Window != tc.want.Window || s.Aggression != tc.want.Aggression {

@@ -9,6 +9,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // TestFailureStatusChargesEstimate: an instant response with a failure
@@ -47,16 +48,16 @@ func TestFailureStatusChargesEstimate(t *testing.T) {
 			if _, err := ok.RoundTrip(request(context.Background(), u, false)); err != nil {
 				t.Fatal(err)
 			}
-			before := table.Stats(u.Dial).Snapshot(hoststate.Now()).Estimate
+			before := table.Stats(u.Dial).Snapshot(monoclock.Now()).Estimate
 			if _, err := instant.RoundTrip(request(context.Background(), u, false)); err != nil {
 				t.Fatal(err)
 			}
-			snap := table.Stats(u.Dial).Snapshot(hoststate.Now())
+			snap := table.Stats(u.Dial).Snapshot(monoclock.Now())
 			if want := map[bool]uint64{true: 1}[tc.failed]; snap.Failures != want {
 				t.Fatalf("failures = %d after an instant %d, want %d", snap.Failures, tc.status, want)
 			}
 			st := table.Stats(u.Dial)
-			if e := table.Expected(st, hoststate.Now(), table.Baseline()); tc.failed && e < 2*float64(before) {
+			if e := table.Expected(st, monoclock.Now(), table.Baseline()); tc.failed && e < 2*float64(before) {
 				t.Fatalf("expected latency after an instant %d = %v, want at least twice %v", tc.status, time.Duration(e), before)
 			}
 			if !tc.failed && snap.Estimate >= before {

@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // sweeps reports whether any interval rule (success rate, failure
@@ -58,7 +59,7 @@ func (sw *sweeper) run(done <-chan struct{}, every time.Duration, exited chan<- 
 		case <-done:
 			return
 		case <-tick.C:
-			sw.safeSweep(hoststate.Now())
+			sw.safeSweep(monoclock.Now())
 		}
 	}
 }

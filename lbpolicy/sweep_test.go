@@ -15,7 +15,10 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
 // hostTraffic is one upstream's traffic in an interval: judged attempts, of
@@ -95,7 +98,7 @@ func TestSuccessRateSweep(t *testing.T) {
 			c.cfg.MaxEjectionPercent = percent(100)
 			o := newOutlier(t, c.cfg)
 			sw, hosts := sweepPool(t, o, c.traffic)
-			now := hoststate.Now()
+			now := monoclock.Now()
 			ejected, skipped := sw.sweep(now)
 			if got := ejectedIndexes(hosts, ejected); !slices.Equal(got, c.want) || len(skipped) != 0 {
 				t.Fatalf("ejected %v (skipped %v), want %v", got, skipped, c.want)
@@ -143,7 +146,7 @@ func TestFailurePercentageSweep(t *testing.T) {
 			c.cfg.DisableSuccessRate = true
 			o := newOutlier(t, c.cfg)
 			sw, hosts := sweepPool(t, o, c.traffic)
-			now := hoststate.Now()
+			now := monoclock.Now()
 			ejected, _ := sw.sweep(now)
 			if got := ejectedIndexes(hosts, ejected); !slices.Equal(got, c.want) {
 				t.Fatalf("ejected %v, want %v", got, c.want)
@@ -160,7 +163,7 @@ func TestFailurePercentageSweep(t *testing.T) {
 func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
 	o := Outlier{FailurePercentageThreshold: percent(10), DisableSuccessRate: true, MaxEjectionPercent: percent(20)}
-	o.provision(zap.New(core), emitter{})
+	o.provision(zap.New(core), events.Emitter{})
 	if err := o.validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +171,7 @@ func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 	traffic := []hostTraffic{full(50), full(50), full(50), full(50), full(50), full(50), full(50),
 		{50, 10}, {50, 30}, {50, 20}}
 	sw, hosts := sweepPool(t, &o, traffic)
-	now := hoststate.Now()
+	now := monoclock.Now()
 	ejected, skipped := sw.sweep(now)
 	if got := ejectedIndexes(hosts, ejected); !slices.Equal(got, []int{8, 9}) || ejected[0] != hosts[8].Dial() {
 		t.Fatalf("ejected %v (%v), want the worst two, 60%% first: [8 9]", got, ejected)
@@ -189,7 +192,7 @@ func TestSweepAtCapEjectsWorstFirstAndLogsOnce(t *testing.T) {
 	}
 
 	// The next sweep sees only what happened since: nothing.
-	if ejected, skipped := sw.sweep(hoststate.Now()); len(ejected)+len(skipped) != 0 {
+	if ejected, skipped := sw.sweep(monoclock.Now()); len(ejected)+len(skipped) != 0 {
 		t.Fatalf("second sweep without new attempts: ejected %v, skipped %v", ejected, skipped)
 	}
 	if logs.FilterMessage("outliers not ejected: pool at max_ejection_percent").Len() != 1 {
@@ -204,7 +207,7 @@ func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 	// Upstream 5 is already ejected (say for consecutive failures), which
 	// puts the pool at the cap (10% of 6: one): it is neither ejected
 	// again nor reported as left in at the cap.
-	now := hoststate.Now()
+	now := monoclock.Now()
 	o.eject(hosts[5], now, hoststate.ReasonConsecutiveFailures)
 	before := hosts[4].Tally()
 	if ejected, skipped := sw.sweep(now); len(ejected)+len(skipped) != 0 {
@@ -223,11 +226,11 @@ func TestSweepWorksOnDeltasAndSkipsEjected(t *testing.T) {
 	for i, a := range []hostTraffic{full(100), full(100), full(100), full(100), {100, 51}} {
 		record(hosts[i], a)
 	}
-	ejected, _ := sw.sweep(hoststate.Now())
+	ejected, _ := sw.sweep(monoclock.Now())
 	if got := ejectedIndexes(hosts, ejected); !slices.Equal(got, []int{4}) {
 		t.Fatalf("ejected %v, want [4]", got)
 	}
-	if r := hosts[4].Snapshot(hoststate.Now()).Outlier.LastReason; r != hoststate.ReasonFailurePercentage {
+	if r := hosts[4].Snapshot(monoclock.Now()).Outlier.LastReason; r != hoststate.ReasonFailurePercentage {
 		t.Fatalf("reason %v", r)
 	}
 }
@@ -239,7 +242,7 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 	// A new upstream with history from elsewhere: all failures.
 	late := sw.table.Stats(t.Name() + "-late:80")
 	record(late, hostTraffic{1000, 1000})
-	if ejected, _ := sw.sweep(hoststate.Now()); len(ejected) != 0 {
+	if ejected, _ := sw.sweep(monoclock.Now()); len(ejected) != 0 {
 		t.Fatalf("an upstream the sweeper never saw before was judged on its whole history: %v", ejected)
 	}
 	// From its first sighting on it is judged like the others.
@@ -247,7 +250,7 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 		record(s, full(50))
 	}
 	record(late, hostTraffic{50, 50})
-	ejected, _ := sw.sweep(hoststate.Now())
+	ejected, _ := sw.sweep(monoclock.Now())
 	if !slices.Equal(ejected, []string{late.Dial()}) {
 		t.Fatalf("ejected %v, want the late upstream", ejected)
 	}
@@ -256,7 +259,7 @@ func TestSweepLeavesOutHostsNewToTheTable(t *testing.T) {
 func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 	o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10), MaxEjectionPercent: percent(100)})
 	sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
-	now := hoststate.Now()
+	now := monoclock.Now()
 	if ejected, _ := sw.sweep(now); !slices.Equal(ejected, []string{hosts[4].Dial()}) {
 		t.Fatalf("ejected %v", ejected)
 	}
@@ -269,7 +272,7 @@ func TestSuccessRateCheckedBeforeFailurePercentage(t *testing.T) {
 	t.Run("at the cap", func(t *testing.T) {
 		o := newOutlier(t, Outlier{FailurePercentageThreshold: percent(10)})
 		sw, hosts := sweepPool(t, o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
-		now := hoststate.Now()
+		now := monoclock.Now()
 		o.eject(hosts[0], now, hoststate.ReasonConsecutiveFailures)
 		if ejected, skipped := sw.sweep(now); len(ejected) != 0 || !slices.Equal(skipped, []string{hosts[4].Dial()}) {
 			t.Fatalf("ejected %v, skipped %v; want upstream 4 skipped once", ejected, skipped)
@@ -352,7 +355,7 @@ func TestInstallSweepLoopEndsWithContext(t *testing.T) {
 	}
 	s := p.table.Stats("127.0.0.1:1")
 	p.Outlier.judge(p.table, s, "127.0.0.1:1", true)
-	for deadline := time.Now().Add(10 * time.Second); !s.Ejected(hoststate.Now()); time.Sleep(time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); !s.Ejected(monoclock.Now()); time.Sleep(time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("the sweep loop did not eject a failing upstream within 10s")
 		}
@@ -382,10 +385,10 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 	table := hoststate.NewTable(hoststate.Config{})
 	t.Cleanup(table.Release)
 	never, ejected := table.Stats(t.Name()+"-never:80"), table.Stats(t.Name()+"-ejected:80")
-	o.eject(ejected, hoststate.Now(), hoststate.ReasonFailurePercentage)
+	o.eject(ejected, monoclock.Now(), hoststate.ReasonFailurePercentage)
 
 	views := map[string]upstreamView{}
-	for _, v := range buildReport().Upstreams {
+	for _, v := range buildUpstreamsStatus().Upstreams {
 		views[v.Dial] = v
 	}
 	if v := views[never.Dial()]; v.EjectionReason != "" || len(v.EjectionsByReason) != 3 || v.EjectionsByReason["success_rate"] != 0 {
@@ -410,18 +413,17 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 }
 
 func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
-	ctx, rec := subscribe(t, eventUpstreamEjected)
+	ctx, rec := testutil.SubscribeEvents(t, eventUpstreamEjected)
 	o := Outlier{MaxEjectionPercent: percent(100)}
-	o.provision(zap.NewNop(), newEmitter(ctx))
+	o.provision(zap.NewNop(), events.New(ctx))
 	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})
-	sw.sweep(hoststate.Now())
-	select {
-	case e := <-rec:
-		if e.Data["host"] != hosts[4].Dial() || e.Data["reason"] != "success_rate" || e.Data["for_ms"] != int64(30000) ||
-			e.Data["ejections_in_a_row"] != int64(1) {
-			t.Fatalf("event %s %v", e.Name(), e.Data)
-		}
-	default:
-		t.Fatal("no upstream_ejected event")
+	sw.sweep(monoclock.Now())
+	evs := rec.Events()
+	if len(evs) != 1 {
+		t.Fatalf("%d upstream_ejected events; want 1", len(evs))
+	}
+	if e := evs[0]; e.Data["host"] != hosts[4].Dial() || e.Data["reason"] != "success_rate" || e.Data["for_ms"] != int64(30000) ||
+		e.Data["ejections_in_a_row"] != int64(1) {
+		t.Fatalf("event %s %v", e.Name(), e.Data)
 	}
 }

@@ -15,7 +15,9 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy/fastcgi"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // probePolicy is a selection policy that installs the observer, with
@@ -39,7 +41,7 @@ func (p *probePolicy) Provision(ctx caddy.Context) error {
 	p.table = hoststate.NewTable(hoststate.Config{})
 	lastProbe = p
 	if p.Outlier != nil {
-		p.Outlier.provision(zap.NewNop(), emitter{})
+		p.Outlier.provision(zap.NewNop(), events.Emitter{})
 		if err := p.Outlier.validate(); err != nil {
 			return err
 		}
@@ -192,14 +194,14 @@ func TestObservesAttemptsButNotHealthChecks(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	snap := table.Stats(u.Dial).Snapshot(hoststate.Now())
+	snap := table.Stats(u.Dial).Snapshot(monoclock.Now())
 	if snap.Samples != 0 {
 		t.Fatalf("health checks counted: %d samples", snap.Samples)
 	}
 	if _, err := ot.RoundTrip(request(context.Background(), u, false)); err != nil {
 		t.Fatal(err)
 	}
-	snap = table.Stats(u.Dial).Snapshot(hoststate.Now())
+	snap = table.Stats(u.Dial).Snapshot(monoclock.Now())
 	if snap.Samples != 1 || snap.Estimate < 5*time.Millisecond || snap.Pending != 0 {
 		t.Fatalf("want one ≥5ms sample and nothing pending, got %+v", snap)
 	}
@@ -214,7 +216,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	if _, err := refused.RoundTrip(request(context.Background(), u, false)); err == nil {
 		t.Fatal("want error")
 	}
-	if f := table.Stats(u.Dial).Snapshot(hoststate.Now()).Failures; f != 1 {
+	if f := table.Stats(u.Dial).Snapshot(monoclock.Now()).Failures; f != 1 {
 		t.Fatalf("transport error must count as a failure, got %d", f)
 	}
 
@@ -223,7 +225,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	st := table.Stats(u.Dial)
 	go func() {
 		// cancel once the attempt is under way
-		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && st.Snapshot(hoststate.Now()).Pending == 0; {
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && st.Snapshot(monoclock.Now()).Pending == 0; {
 			time.Sleep(time.Millisecond)
 		}
 		cancel()
@@ -231,7 +233,7 @@ func TestFailureAndAbandonedClassification(t *testing.T) {
 	if _, err := slow.RoundTrip(request(ctx, u, false)); err == nil {
 		t.Fatal("want cancellation error")
 	}
-	if f := table.Stats(u.Dial).Snapshot(hoststate.Now()).Failures; f != 1 {
+	if f := table.Stats(u.Dial).Snapshot(monoclock.Now()).Failures; f != 1 {
 		t.Fatalf("a client that went away is not the upstream's failure: failures=%d", f)
 	}
 }
@@ -254,7 +256,7 @@ func BenchmarkObserve(b *testing.B) {
 	u := &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: "bench:80"}
 	req := request(context.Background(), u, false)
 	o := Outlier{}
-	o.provision(zap.NewNop(), emitter{})
+	o.provision(zap.NewNop(), events.Emitter{})
 	for _, c := range []struct {
 		name string
 		rt   http.RoundTripper

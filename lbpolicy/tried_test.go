@@ -15,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // clientRequest returns a request as Caddy's server hands it to
@@ -150,7 +151,7 @@ func TestRetrySingleUpstream(t *testing.T) {
 func TestEWMARetryAmongTriedWhenOnlyTheyAreUsable(t *testing.T) {
 	s := provisionEWMA(t, &EWMASelection{Choices: choicesAll, PanicThreshold: percent(0)})
 	pool := newPool(t, 3)
-	if _, _, ok := s.table.Stats(pool[2].Dial).Eject(hoststate.Now(), time.Hour,
+	if _, _, ok := s.table.Stats(pool[2].Dial).Eject(monoclock.Now(), time.Hour,
 		func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
 		t.Fatal("eject")
 	}
@@ -201,7 +202,7 @@ func TestPanicRetryAvoidsTriedInPanicMode(t *testing.T) {
 	pool := newPool(t, 4)
 	p.Select(pool, nil, nil) // builds the view
 	for _, u := range pool[:3] {
-		if _, _, ok := p.table.Stats(u.Dial).Eject(hoststate.Now(), time.Hour,
+		if _, _, ok := p.table.Stats(u.Dial).Eject(monoclock.Now(), time.Hour,
 			func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
 			t.Fatal("eject")
 		}

@@ -6,6 +6,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // countEvery is how long (ns) a count of available upstreams is reused
@@ -92,7 +93,7 @@ func (v *poolView) availability(pool reverseproxy.UpstreamPool, now int64) int {
 
 // availableNow counts the available members afresh, for reports: the
 // cached count is only kept up to date while panic mode is enabled.
-func (v *poolView) availableNow() int { return v.countAvailable(v.ups, hoststate.Now()) }
+func (v *poolView) availableNow() int { return v.countAvailable(v.ups, monoclock.Now()) }
 
 // countAvailable counts the members Caddy deems available and, where the
 // view tracks member state, that are not ejected. When the view watches

@@ -8,6 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // views holds a policy's views of the pools it serves. Usually there is
@@ -121,10 +122,10 @@ func (c *views) get(pool reverseproxy.UpstreamPool, build func(reverseproxy.Upst
 		}
 		c.mu.Unlock()
 		if built {
-			c.prune(hoststate.Now())
+			c.prune(monoclock.Now())
 		}
 	}
-	v.usedAt.Store(hoststate.Clock())
+	v.usedAt.Store(monoclock.Latest())
 	if v.matches(pool) {
 		c.last.Store(v)
 	}
@@ -144,7 +145,7 @@ func (c *views) find(key uint64, pool reverseproxy.UpstreamPool) *poolView {
 // in the last recentViews.
 func (c *views) all() []*poolView {
 	last := c.last.Load()
-	now := hoststate.Now()
+	now := monoclock.Now()
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	var out []*poolView

@@ -8,6 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // A policy whose pools churn (a partition's replicas from a naming file)
@@ -29,7 +30,7 @@ func TestViewsPruneChurnedAddresses(t *testing.T) {
 		t.Fatalf("before pruning the table holds %d addresses; want %d", n, 2*pools+1)
 	}
 	s.views.pruner.lastNs.Store(0)
-	s.views.prune(hoststate.Now() + int64(pruneIdle) + int64(time.Minute))
+	s.views.prune(monoclock.Now() + int64(pruneIdle) + int64(time.Minute))
 	live := s.views.dials()
 	if n := s.table.Len(); n != len(live)+1 || n > 2*maxViews+1 {
 		t.Errorf("after pruning the table holds %d addresses; want the %d of the kept views and the static one", n, len(live))

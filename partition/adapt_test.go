@@ -64,17 +64,17 @@ func TestUnmarshalRejectAndRetries(t *testing.T) {
 	}
 
 	for in, want := range map[string]string{
-		"reject":                       "reject: want a CEL expression",
+		"reject":                       "partition: reject: missing value, at Testfile:3",
 		"reject `true` a b":            "got 3 argument(s)",
 		"reject `1 +`":                 "reject: invalid expression `1 +`: compiling CEL program",
 		"reject `'x'`":                 "CEL request matcher expects return type of bool",
 		"reject ``":                    "reject: empty expression",
 		"skip `{partition.index} = 1`": "skip: invalid expression",
 		"lb_retries":                   "lb_retries: missing value",
-		"lb_retries x":                 `lb_retries: want a whole number of retries, 0 or more; got "x"`,
-		"lb_retries 1 2":               "lb_retries: want one value, got more",
+		"lb_retries x":                 `partition: lb_retries "x": want a whole number, at Testfile:3`,
+		"lb_retries 1 2":               `partition: lb_retries: one value expected, got another: "2", at Testfile:3`,
 		"lb_retries 1\nlb_retries 1":   "lb_retries specified more than once",
-		"lb_retries -2":                `got "-2"`,
+		"lb_retries -2":                "partition: lb_retries -2 is below the minimum 0, at Testfile:3",
 	} {
 		var h Handler
 		err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("partition {\nto 10.0.0.1:80 0/1\n" + in + "\n}"))

@@ -90,15 +90,15 @@ func TestBoundsCaddyfile(t *testing.T) {
 		{"poll_interval 1ns", "poll_interval 1ns is below the minimum 100ms, at Testfile:3"},
 		{"poll_interval -1s", "poll_interval -1s is below the minimum 100ms, at Testfile:3"},
 		{"poll_interval 2h", "poll_interval 2h0m0s is above the maximum 1h0m0s, at Testfile:3"},
-		{"poll_interval NaNd", `poll_interval: invalid duration "NaNd"`},
+		{"poll_interval NaNd", `partition: poll_interval "NaNd": want a duration such as 1s, at Testfile:3`},
 		{"timeout 0s", "timeout 0s is below the minimum 1ms, at Testfile:3"},
 		{"timeout 2d", "timeout 48h0m0s is above the maximum 24h0m0s, at Testfile:3"},
 		{"fail_limit 1025", "fail_limit 1025 is above the maximum 1024, at Testfile:3"},
-		{"fail_limit -1", `fail_limit: want a whole number of partitions, at least 1; got "-1", at Testfile:3`},
+		{"fail_limit -1", "partition: fail_limit -1 is below the minimum 1, at Testfile:3"},
 		{"max_request_body 0", "max_request_body 0 is below the minimum of 1 byte, at Testfile:3"},
 		{"max_response_body 2GiB", "max_response_body 2147483648 is above the maximum 1073741824 (1 GiB): bodies are held in memory whole, at Testfile:3"},
 		{"max_merged_body 1EiB", "max_merged_body 1152921504606846976 is above the maximum 1073741824"},
-		{"max_merged_body NaN", `max_merged_body: invalid size "NaN"`},
+		{"max_merged_body NaN", `partition: max_merged_body "NaN": want a size such as 1MiB or 65536, at Testfile:3`},
 		{"max_merged_body 1MiB\nmax_merged_body 2MiB", "max_merged_body specified more than once, at Testfile:4"},
 		{"max_merged_body", "max_merged_body: missing value, at Testfile:3"},
 		{"max_merged_body 1MiB", "max_response_body 8388608 is above max_merged_body 1048576 (default 67108864): no sub-response that large could be merged; raise max_merged_body or lower max_response_body, at Testfile:3"},
@@ -108,9 +108,9 @@ func TestBoundsCaddyfile(t *testing.T) {
 		{"lb_retries 1\nlb_retries 1", "lb_retries specified more than once, at Testfile:4"},
 		{"to foo 0/1", `to: invalid upstream address "foo": missing port; give host:port, e.g. foo:80, at Testfile:3`},
 		{"to [::1] 0/1", `missing port; give host:port, e.g. [::1]:80, at Testfile:3`},
-		{"response_buffers 1MiB", "response_buffers is not supported in partition, which holds each sub-response whole already (see max_response_body), at Testfile:3"},
-		{"buffer_responses", "buffer_responses is not supported in partition"},
-		{"health_uri /health", "active health checks (health_*) are not supported in partition; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }, at Testfile:3"},
+		{"response_buffers 1MiB", "partition: response_buffers is not supported: each sub-response is held whole already (see max_response_body), at Testfile:3"},
+		{"buffer_responses", "partition: buffer_responses is not supported"},
+		{"health_uri /health", "partition: active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }, at Testfile:3"},
 	} {
 		var h Handler
 		err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("partition {\nto 10.0.0.1:80 0/1\n" + tc.in + "\n}"))
@@ -121,7 +121,7 @@ func TestBoundsCaddyfile(t *testing.T) {
 
 	var h Handler
 	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("partition {\nfail_limit 1\n}")); err == nil ||
-		!strings.Contains(err.Error(), "partition has no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag, at Testfile:1") {
+		!strings.Contains(err.Error(), "partition: no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag, at Testfile:1") {
 		t.Errorf("no upstreams: error %v", err)
 	}
 	h = Handler{}

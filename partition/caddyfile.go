@@ -71,96 +71,81 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // reverse_proxy subdirectives configure the internal reverse_proxy the
 // sub-requests go through.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	const what = "partition"
 	d.Next() // consume the directive name
 	seg := d.NextSegment()
 	sd := caddyfile.NewDispenser(seg)
 	sd.Next()
-	if sd.NextArg() {
-		return sd.Errf("partition takes no arguments on its line; give upstreams in its block: to <address> <N/M>")
+	if err := caddyopt.BlockOnly(sd, what); err != nil {
+		return err
 	}
 
 	var passthrough []caddyfile.Token
 	var sizeAt *caddyfile.Dispenser // the last size option, for errors about both
-	seen := make(map[string]bool)
-	once := func(d *caddyfile.Dispenser) error {
-		if seen[d.Val()] {
-			return d.Errf("%s specified more than once", d.Val())
-		}
-		seen[d.Val()] = true
-		return nil
-	}
+	once := caddyopt.NewOnce(what)
 	for sd.NextBlock(0) {
 		sub := sd.NextSegment()
 		name := sub[0].Text
 		od := caddyfile.NewDispenser(sub)
 		od.Next()
+		switch name { // to, skip and reject repeat; reverse_proxy checks its own options
+		case "naming_file", "naming_max_removed_percent", "serf_tag", "poll_interval", "timeout", "fail_limit",
+			"max_request_body", "max_response_body", "max_merged_body", "merge", "lb_retries":
+			if err := once.Check(od); err != nil {
+				return err
+			}
+		}
 		switch name {
 		case "to":
-			args := od.RemainingArgs()
-			if len(args) == 0 || len(args)%2 != 0 {
-				return od.Errf("to: want pairs of <address> <N/M>, got %d argument(s)", len(args))
+			args, err := caddyopt.Args(od, what)
+			if err != nil {
+				return err
+			}
+			if len(args)%2 != 0 {
+				return caddyopt.Errf(od, what, "to: want pairs of <address> <N/M>, got %d argument(s)", len(args))
 			}
 			for i := 0; i < len(args); i += 2 {
 				if _, err := checkDial(args[i]); err != nil {
-					return od.Errf("to: %v", err)
+					return caddyopt.Errf(od, what, "to: %v", err)
 				}
 				if _, err := ParseTag(args[i+1]); err != nil {
-					return od.Errf("to %s: %v", args[i], err)
+					return caddyopt.Errf(od, what, "to %s: %v", args[i], err)
 				}
 				h.Upstreams = append(h.Upstreams, UpstreamConfig{Dial: args[i], Tag: args[i+1]})
 			}
-			if od.NextBlock(0) {
-				return od.Err("to takes no block")
-			}
 
 		case "naming_file":
-			if err := once(od); err != nil {
-				return err
-			}
-			v, err := oneArg(od)
+			v, err := caddyopt.OneArg(od, what)
 			if err != nil {
 				return err
 			}
 			h.NamingFile = v
 
 		case "naming_max_removed_percent":
-			if err := once(od); err != nil {
-				return err
-			}
-			v, err := oneArg(od)
+			v, err := caddyopt.OneArg(od, what)
 			if err != nil {
 				return err
 			}
 			pct, err := strconv.ParseFloat(strings.TrimSuffix(v, "%"), 64)
 			if err != nil {
-				return od.Errf("%s: invalid percentage %q; want e.g. 50%%", name, v)
+				return caddyopt.Invalid(od, what, name, v, "a percentage such as 50%")
 			}
 			if err := checkMaxRemovedPercent(pct); err != nil {
-				return od.Errf("%v", err)
+				return caddyopt.Errf(od, what, "%v", err)
 			}
 			h.NamingMaxRemovedPercent = pct
 
 		case "serf_tag":
-			if err := once(od); err != nil {
-				return err
-			}
-			sn, err := parseSerfTag(od)
+			sn, err := parseSerfTag(od, what+": serf_tag")
 			if err != nil {
 				return err
 			}
 			h.Serf = sn
 
 		case "poll_interval", "timeout":
-			if err := once(od); err != nil {
-				return err
-			}
-			v, err := oneArg(od)
+			dur, err := caddyopt.Duration(od, what)
 			if err != nil {
 				return err
-			}
-			dur, err := caddy.ParseDuration(v)
-			if err != nil {
-				return od.Errf("%s: invalid duration %q: %v", name, v, err)
 			}
 			if name == "timeout" {
 				err = bounds.Duration(name, dur, minTimeout, maxTimeout)
@@ -170,41 +155,31 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				h.PollInterval = caddy.Duration(dur)
 			}
 			if err != nil {
-				return od.Errf("%v", err)
+				return caddyopt.Errf(od, what, "%v", err)
 			}
 
 		case "fail_limit":
-			if err := once(od); err != nil {
-				return err
-			}
-			v, err := oneArg(od)
+			n, err := caddyopt.Int(od, what)
 			if err != nil {
 				return err
 			}
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 1 {
-				return od.Errf("fail_limit: want a whole number of partitions, at least 1; got %q", v)
-			}
 			if err := bounds.Int(name, n, 1, MaxPartitions); err != nil {
-				return od.Errf("%v", err)
+				return caddyopt.Errf(od, what, "%v", err)
 			}
 			h.FailLimit = n
 
 		case "max_request_body", "max_response_body", "max_merged_body":
-			if err := once(od); err != nil {
-				return err
-			}
-			v, err := oneArg(od)
+			v, err := caddyopt.OneArg(od, what)
 			if err != nil {
 				return err
 			}
 			size, err := humanize.ParseBytes(v)
 			if err != nil {
-				return od.Errf("%s: invalid size %q; want e.g. 1MiB or 65536", name, v)
+				return caddyopt.Invalid(od, what, name, v, "a size such as 1MiB or 65536")
 			}
 			n := int64(min(size, math.MaxInt64))
 			if err := checkSize(name, n); err != nil {
-				return od.Errf("%v", err)
+				return caddyopt.Errf(od, what, "%v", err)
 			}
 			sizeAt = od
 			switch name {
@@ -217,11 +192,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 
 		case "merge":
-			if err := once(od); err != nil {
-				return err
-			}
+			// The merger's own unmarshaler reads the rest of the line.
 			if !od.NextArg() {
-				return od.ArgErr()
+				return caddyopt.Missing(od, what)
 			}
 			mname := od.Val()
 			unm, err := caddyfile.UnmarshalModule(od, "http.partition.mergers."+mname)
@@ -231,22 +204,28 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			h.MergeRaw = caddyconfig.JSONModuleObject(unm, "merger", mname, nil)
 
 		case "skip":
-			args := od.RemainingArgs()
-			if len(args) != 1 {
-				return od.Errf("skip: want one CEL expression (in backticks), e.g. skip `{partition.index} == 2`; got %d argument(s)", len(args))
+			args, err := caddyopt.Args(od, what)
+			if err != nil {
+				return err
 			}
-			m, err := expressionMatcher(od, name, args[0])
+			if len(args) != 1 {
+				return caddyopt.Errf(od, what, "skip: want one CEL expression (in backticks), e.g. skip `{partition.index} == 2`; got %d argument(s)", len(args))
+			}
+			m, err := expressionMatcher(od, what+": skip", args[0])
 			if err != nil {
 				return err
 			}
 			h.SkipRaw = append(h.SkipRaw, m)
 
 		case "reject":
-			args := od.RemainingArgs()
-			if len(args) != 1 && len(args) != 2 {
-				return od.Errf("reject: want a CEL expression (in backticks) and an optional message, e.g. reject `{query.limit} > 100` \"limit too large\"; got %d argument(s)", len(args))
+			args, err := caddyopt.Args(od, what)
+			if err != nil {
+				return err
 			}
-			m, err := expressionMatcher(od, name, args[0])
+			if len(args) > 2 {
+				return caddyopt.Errf(od, what, "reject: want a CEL expression (in backticks) and an optional message, e.g. reject `{query.limit} > 100` \"limit too large\"; got %d argument(s)", len(args))
+			}
+			m, err := expressionMatcher(od, what+": reject", args[0])
 			if err != nil {
 				return err
 			}
@@ -257,49 +236,42 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			h.Reject = append(h.Reject, rule)
 
 		case "lb_retries":
-			if err := once(od); err != nil {
-				return err
-			}
-			v, err := oneArg(od)
+			n, err := caddyopt.Int(od, what)
 			if err != nil {
 				return err
 			}
-			n, err := strconv.Atoi(v)
-			if err != nil || n < 0 {
-				return od.Errf("lb_retries: want a whole number of retries, 0 or more; got %q", v)
-			}
 			if err := bounds.Int(name, n, 0, maxRetries); err != nil {
-				return od.Errf("%v", err)
+				return caddyopt.Errf(od, what, "%v", err)
 			}
 			h.Retries = &n
 
 		case "dynamic":
-			return od.Err("dynamic upstreams are not supported in partition; use naming_file")
+			return caddyopt.Errf(od, what, "dynamic upstreams are not supported; use naming_file or serf_tag")
 		case "handle_response", "replace_status":
-			return od.Errf("%s is not supported in partition", name)
+			return caddyopt.Errf(od, what, "%s is not supported", name)
 		case "response_buffers", "buffer_responses":
-			return od.Errf("%s is not supported in partition, which holds each sub-response whole already (see max_response_body)", name)
+			return caddyopt.Errf(od, what, "%s is not supported: each sub-response is held whole already (see max_response_body)", name)
 		default:
 			if strings.HasPrefix(name, "@") {
-				return od.Err("response matchers are not supported in partition")
+				return caddyopt.Errf(od, what, "response matchers are not supported")
 			}
 			passthrough = append(passthrough, sub...)
 		}
 	}
 
 	if h.NamingMaxRemovedPercent != 0 && h.NamingFile == "" {
-		return d.Errf("naming_max_removed_percent is set without a naming_file")
+		return caddyopt.Errf(d, what, "naming_max_removed_percent is set without a naming_file")
 	}
 	if sizeAt != nil {
 		resp, merged := cmp.Or(h.MaxResponseBody, defaultMaxResponseBody), cmp.Or(h.MaxMergedBody, defaultMaxMergedBody)
 		if err := checkMergedBody(resp, merged); err != nil {
-			return sizeAt.Errf("%v", err)
+			return caddyopt.Errf(sizeAt, what, "%v", err)
 		}
 	}
 	if len(h.Upstreams) == 0 && h.NamingFile == "" && h.Serf == nil {
 		at := caddyfile.NewDispenser(seg[:1])
 		at.Next()
-		return at.Errf("partition has no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
+		return caddyopt.Errf(at, what, "no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
 	}
 	if len(passthrough) == 0 {
 		return nil
@@ -321,7 +293,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				break
 			}
 		}
-		return at.Err("active health checks (health_*) are not supported in partition; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
+		return caddyopt.Errf(at, what, "active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
 	}
 	h.Proxy = rp
 	return nil
@@ -329,37 +301,22 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 
 // expressionMatcher returns a matcher set of one CEL expression, after
 // compiling it (as its Provision will) so that a bad expression is
-// reported where it is written.
-func expressionMatcher(d *caddyfile.Dispenser, name, expr string) (caddy.ModuleMap, error) {
+// reported where it is written; errors start with what.
+func expressionMatcher(d *caddyfile.Dispenser, what, expr string) (caddy.ModuleMap, error) {
 	if strings.TrimSpace(expr) == "" {
-		return nil, d.Errf("%s: empty expression", name)
+		return nil, caddyopt.Errf(d, what, "empty expression")
 	}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	m := caddyhttp.MatchExpression{Expr: expr}
 	if err := m.Provision(ctx); err != nil {
-		return nil, d.Errf("%s: invalid expression `%s`: %v", name, expr, err)
+		return nil, caddyopt.Errf(d, what, "invalid expression `%s`: %v", expr, err)
 	}
 	raw, err := json.Marshal(caddyhttp.MatchExpression{Expr: expr})
 	if err != nil {
 		return nil, d.WrapErr(err)
 	}
 	return caddy.ModuleMap{"expression": raw}, nil
-}
-
-func oneArg(d *caddyfile.Dispenser) (string, error) {
-	name := d.Val()
-	if !d.NextArg() {
-		return "", d.Errf("%s: missing value", name)
-	}
-	v := d.Val()
-	if d.NextArg() {
-		return "", d.Errf("%s: want one value, got more", name)
-	}
-	if d.NextBlock(0) {
-		return "", d.Errf("%s takes no block", name)
-	}
-	return v, nil
 }
 
 // Interface guards
@@ -375,7 +332,7 @@ var _ caddyfile.Unmarshaler = (*Handler)(nil)
 //	}
 //
 // The member tag defaults to "partition"; `tag` may be repeated.
-func parseSerfTag(d *caddyfile.Dispenser) (*SerfNaming, error) {
+func parseSerfTag(d *caddyfile.Dispenser, what string) (*SerfNaming, error) {
 	sn := new(SerfNaming)
 	args := d.RemainingArgs()
 	switch len(args) {
@@ -383,17 +340,11 @@ func parseSerfTag(d *caddyfile.Dispenser) (*SerfNaming, error) {
 	case 1:
 		sn.PartitionTag = args[0]
 	default:
-		return nil, d.Errf("serf_tag: at most one argument (the member tag holding the partition tags), got %d", len(args))
+		return nil, caddyopt.Errf(d, what, "at most one argument (the member tag holding the partition tags), got %d", len(args))
 	}
-	const what = "serf_tag"
 	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
-		if d.Val() != "tag" {
-			if err := once.Check(d); err != nil {
-				return nil, err
-			}
-		}
-		ok, err := sn.UnmarshalOption(d, what)
+		ok, err := sn.UnmarshalOption(d, what, once)
 		if err != nil {
 			return nil, err
 		}
@@ -402,7 +353,7 @@ func parseSerfTag(d *caddyfile.Dispenser) (*SerfNaming, error) {
 		}
 	}
 	if err := sn.validate(); err != nil {
-		return nil, d.Errf("serf_tag: %v", strings.TrimPrefix(err.Error(), "serf: "))
+		return nil, caddyopt.Errf(d, what, "%v", strings.TrimPrefix(err.Error(), "serf: "))
 	}
 	return sn, nil
 }

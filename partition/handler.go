@@ -35,6 +35,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 
 	// lbpolicy registers ewma, the default replica selection policy.
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
@@ -624,9 +625,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		}
 	}
 	l := h.current.Load()
-	sc := l.choose(rand.IntN, hoststate.Now())
+	sc := l.choose(rand.IntN, monoclock.Now())
 	if sc == nil {
-		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe(hoststate.Now()))
+		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe(monoclock.Now()))
 		return nil
 	}
 	h.fanOut(w, r, sc, body)

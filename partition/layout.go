@@ -34,7 +34,7 @@ type replica struct {
 }
 
 // usable reports whether the replica may take a request at now (a
-// hoststate.Now reading): Caddy would send it one (a replica not tried
+// monoclock reading): Caddy would send it one (a replica not tried
 // yet counts as available), and lbx's outlier detection has not ejected
 // it.
 func (r *replica) usable(now int64) bool {

@@ -10,6 +10,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/caddy-lbx/lbx/internal/caddyopt"
 )
 
 func init() {
@@ -405,27 +407,22 @@ func (FirstMerger) Merge(parts []*Part) (Merged, error) {
 // options:
 //
 //	merge json|concat|ndjson|first
-func (*JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return noOptions(d) }
+func (*JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
 // UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
-func (*ConcatMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return noOptions(d) }
+func (*ConcatMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
 // UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
-func (*NDJSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return noOptions(d) }
+func (*NDJSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
 // UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
-func (*FirstMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return noOptions(d) }
+func (*FirstMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
-func noOptions(d *caddyfile.Dispenser) error {
+// unmarshalMerger reads the `merge <name>` line of a merger that has no
+// options.
+func unmarshalMerger(d *caddyfile.Dispenser) error {
 	d.Next() // the merger's name
-	name := d.Val()
-	if d.NextArg() {
-		return d.Errf("merge %s takes no arguments", name)
-	}
-	if d.NextBlock(d.Nesting()) {
-		return d.Errf("merge %s takes no options", name)
-	}
-	return nil
+	return caddyopt.NoOptions(d, "partition: merge "+d.Val())
 }
 
 // Interface guards

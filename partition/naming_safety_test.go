@@ -441,9 +441,9 @@ func TestNamingMaxRemovedPercentOption(t *testing.T) {
 		"naming_file list\n\tnaming_max_removed_percent -1":                                  "naming_max_removed_percent -1 is out of range",
 		"naming_file list\n\tnaming_max_removed_percent 101%":                                "naming_max_removed_percent 101 is out of range",
 		"naming_file list\n\tnaming_max_removed_percent NaN":                                 "naming_max_removed_percent NaN is out of range",
-		"naming_file list\n\tnaming_max_removed_percent half":                                `naming_max_removed_percent: invalid percentage "half"; want e.g. 50%, at Testfile:3`,
+		"naming_file list\n\tnaming_max_removed_percent half":                                `partition: naming_max_removed_percent "half": want a percentage such as 50%, at Testfile:3`,
 		"naming_file list\n\tnaming_max_removed_percent":                                     "naming_max_removed_percent: missing value",
-		"naming_file list\n\tnaming_max_removed_percent 10 20":                               "want one value",
+		"naming_file list\n\tnaming_max_removed_percent 10 20":                               `partition: naming_max_removed_percent: one value expected, got another: "20", at Testfile:3`,
 		"naming_file list\n\tnaming_max_removed_percent 10\n\tnaming_max_removed_percent 20": "naming_max_removed_percent specified more than once, at Testfile:4",
 		"to 127.0.0.1:1 0/1\n\tnaming_max_removed_percent 10":                                "naming_max_removed_percent is set without a naming_file",
 	} {

@@ -12,6 +12,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func ejectFor(s *hoststate.Stats, now int64, d time.Duration) int64 {
@@ -48,7 +49,7 @@ func TestCapacityRespectsEjection(t *testing.T) {
 		t.Errorf("%d references on %s; want 2 (the handler's and the policy's)", n, a)
 	}
 
-	now := hoststate.Now()
+	now := monoclock.Now()
 	if one.capacity(now) != 1 || two.capacity(now) != 1 {
 		t.Fatalf("capacities %d, %d; want 1, 1", one.capacity(now), two.capacity(now))
 	}
@@ -92,7 +93,7 @@ func TestSourceLeavesEjectedOut(t *testing.T) {
 		{dial: a, hostport: a, stats: hosts.Stats(a)},
 		{dial: b, hostport: b, stats: hosts.Stats(b)},
 	}
-	ejectFor(reps[0].stats, hoststate.Now(), time.Minute)
+	ejectFor(reps[0].stats, monoclock.Now(), time.Minute)
 
 	dials := func(st *subState, triedLast string) []string {
 		t.Helper()
@@ -163,8 +164,8 @@ func TestSkipEjectedFollowsThePolicy(t *testing.T) {
 	}
 }
 
-// upstreamsReport is the part of GET /lbx/upstreams these tests read.
-type upstreamsReport struct {
+// upstreamsStatus is the part of GET /lbx/upstreams these tests read.
+type upstreamsStatus struct {
 	Upstreams []struct {
 		Dial           string  `json:"dial"`
 		EjectedForMs   float64 `json:"ejected_for_ms"`
@@ -173,14 +174,14 @@ type upstreamsReport struct {
 }
 
 // lbxUpstreams reads GET /lbx/upstreams from the test Caddy's admin API.
-func lbxUpstreams(t *testing.T) upstreamsReport {
+func lbxUpstreams(t *testing.T) upstreamsStatus {
 	t.Helper()
 	res, err := adminClient.Get(fmt.Sprintf("http://localhost:%d/lbx/upstreams", adminPort))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer res.Body.Close()
-	var rep upstreamsReport
+	var rep upstreamsStatus
 	if err := json.NewDecoder(res.Body).Decode(&rep); err != nil {
 		t.Fatalf("decoding /lbx/upstreams: %v", err)
 	}

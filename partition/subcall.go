@@ -20,7 +20,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // subParent is what every sub-request of one fan-out is made from. The
@@ -265,7 +265,7 @@ func (source) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 	pass := 1
 	var now int64
 	if st.skipEjected {
-		pass, now = 0, hoststate.Now()
+		pass, now = 0, monoclock.Now()
 	}
 	pool := make([]*reverseproxy.Upstream, 0, len(st.replicas))
 	for ; pass < 3 && len(pool) == 0; pass++ {

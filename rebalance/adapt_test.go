@@ -29,7 +29,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rebalance {\n min_connections many\n}", `min_connections "many"`},
 		{"rebalance {\n interval 1s\n interval 2s\n}", "interval specified more than once"},
 		{"rebalance {\n boundary_timeout\n}", "boundary_timeout: missing value"},
-		{"rebalance {\n boundary_timeout -1s\n}", `boundary_timeout "-1s": want a duration such as 30s, or 0 to never force`},
+		{"rebalance {\n boundary_timeout -1s\n}", "rebalance: boundary_timeout -1s is below the minimum 0s, at Testfile:2"},
 		{"rebalance {\n boundary_timeout soon\n}", `boundary_timeout "soon"`},
 		{"rebalance {\n boundary_timeout 1s 2s\n}", `boundary_timeout: one value expected, got another: "2s"`},
 		{"rebalance {\n boundary_timeout 1s\n boundary_timeout 2s\n}", "boundary_timeout specified more than once"},
@@ -84,7 +84,7 @@ func TestListenerWrapperUnmarshalCaddyfile(t *testing.T) {
 	}
 	for _, tc := range []struct{ in, want string }{
 		{"rebalance in", `rebalance listener wrapper: unexpected argument "in"; it takes none, at Testfile:1`},
-		{"rebalance {\n direction in\n}", "rebalance listener wrapper: unexpected block; it takes no options, at Testfile:2"},
+		{"rebalance {\n direction in\n}", "rebalance listener wrapper: unexpected block; it takes no options, at Testfile:1"},
 	} {
 		err := new(ListenerWrapper).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -192,7 +192,7 @@ func TestRefreshBounds(t *testing.T) {
 func TestDuplicateGlobalBlock(t *testing.T) {
 	src := "{\n\tcluster\n\trebalance {\n\t\tinterval 1s\n\t}\n\trebalance {\n\t\tinterval 2s\n\t}\n}\n\n:8080\n"
 	_, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(src), map[string]any{"filename": "Caddyfile"})
-	if err == nil || !strings.Contains(err.Error(), "the global option is already set") || !strings.Contains(err.Error(), "Caddyfile:6") {
+	if err == nil || !strings.Contains(err.Error(), "rebalance specified more than once; use one rebalance block") || !strings.Contains(err.Error(), "Caddyfile:6") {
 		t.Fatalf("error %v; want the duplicate named at Caddyfile:6", err)
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 
@@ -14,21 +13,7 @@ import (
 )
 
 func init() {
-	httpcaddyfile.RegisterGlobalOption("rebalance", parseGlobalOption)
-}
-
-// parseGlobalOption turns the `rebalance` global option into the
-// rebalance app.
-func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
-	if existing != nil {
-		d.Next() // the option's name, so that the error has its line
-		return nil, d.Err("rebalance: the global option is already set; use one rebalance block")
-	}
-	app := new(App)
-	if err := app.UnmarshalCaddyfile(d); err != nil {
-		return nil, err
-	}
-	return httpcaddyfile.App{Name: "rebalance", Value: caddyconfig.JSON(app, nil)}, nil
+	httpcaddyfile.RegisterGlobalOption("rebalance", caddyopt.GlobalApp[App]("rebalance"))
 }
 
 // UnmarshalCaddyfile sets up the app from the `rebalance` global option.
@@ -52,6 +37,7 @@ func parseGlobalOption(d *caddyfile.Dispenser, existing any) (any, error) {
 // of its JSON field as it is read, so errors name their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "rebalance"
+	d.Next() // the option's name
 	if err := caddyopt.BlockOnly(d, what); err != nil {
 		return err
 	}
@@ -63,19 +49,15 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 		switch opt {
 		case "metric":
-			val, err := oneArg(d, "rebalance")
+			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
 				return err
 			}
 			a.Metric = val
 		case "interval", "history", "freshness":
-			val, err := oneArg(d, "rebalance")
+			dur, err := caddyopt.PositiveDuration(d, what)
 			if err != nil {
 				return err
-			}
-			dur, err := caddy.ParseDuration(val)
-			if err != nil || dur <= 0 {
-				return d.Errf("rebalance: %s %q: want a positive duration such as 1s", opt, val)
 			}
 			switch opt {
 			case "interval":
@@ -86,14 +68,14 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.Freshness = caddy.Duration(dur)
 			}
 		case "threshold", "stop_band", "shed_rate":
-			val, err := oneArg(d, "rebalance")
+			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
 				return err
 			}
 			// 0 would mean the default; the bounds are checkOption's.
 			pct, err := strconv.ParseFloat(strings.TrimSuffix(val, "%"), 64)
 			if err != nil || pct == 0 {
-				return d.Errf("rebalance: %s %q: want a percentage above 0%%", opt, val)
+				return caddyopt.Invalid(d, what, opt, val, "a percentage above 0%")
 			}
 			switch opt {
 			case "threshold":
@@ -104,40 +86,33 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.ShedRate = pct
 			}
 		case "boundary_timeout":
-			val, err := oneArg(d, "rebalance")
+			// 0 is allowed (never force); the bounds are checkOption's.
+			dur, err := caddyopt.Duration(d, what)
 			if err != nil {
 				return err
-			}
-			dur, err := caddy.ParseDuration(val)
-			if err != nil || dur < 0 {
-				return d.Errf("rebalance: boundary_timeout %q: want a duration such as 30s, or 0 to never force", val)
 			}
 			a.BoundaryTimeout = caddy.Duration(dur)
 		case "min_connections":
-			val, err := oneArg(d, "rebalance")
+			n, err := caddyopt.Int(d, what)
 			if err != nil {
 				return err
-			}
-			n, err := strconv.Atoi(val)
-			if err != nil {
-				return d.Errf("rebalance: min_connections %q: want a whole number", val)
 			}
 			a.MinConnections = &n
 		default:
 			if clusterOption(opt) {
-				return d.Errf("rebalance: %s is an option of the cluster global option now: cluster { %s … }", opt, opt)
+				return caddyopt.Errf(d, what, "%s is an option of the cluster global option now: cluster { %s … }", opt, opt)
 			}
 			return caddyopt.Unknown(d, what, appOptions...)
 		}
 		if err := a.checkOption(opt); err != nil {
-			return d.Errf("rebalance: %v", err)
+			return caddyopt.Errf(d, what, "%v", err)
 		}
 	}
 	// The options against each other (the error points at the block's
 	// end).
 	a.resolve()
 	if err := a.checkRelations(); err != nil {
-		return d.Errf("rebalance: %v", err)
+		return caddyopt.Errf(d, what, "%v", err)
 	}
 	return nil
 }
@@ -169,16 +144,11 @@ func (w *ListenerWrapper) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 }
 
 // noOptions consumes the name of a directive or module that takes no
-// argument and no block, and rejects either; errors start with what.
+// argument and no block, and checks that it has none (see
+// caddyopt.NoOptions).
 func noOptions(d *caddyfile.Dispenser, what string) error {
 	d.Next() // the name
-	if d.NextArg() {
-		return d.Errf("%s: unexpected argument %q; it takes none", what, d.Val())
-	}
-	if d.NextBlock(0) {
-		return d.Errf("%s: unexpected block; it takes no options", what)
-	}
-	return nil
+	return caddyopt.NoOptions(d, what)
 }
 
 // UnmarshalCaddyfile sets up the selection policy from Caddyfile tokens.
@@ -193,65 +163,47 @@ func noOptions(d *caddyfile.Dispenser, what string) error {
 // Every option is optional and may appear once; with neither port nor
 // port_tag, upstreams are matched to members by IP alone.
 func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	const what = "lb_policy cluster_load"
 	d.Next() // the policy's name
-	if d.NextArg() {
-		return d.Errf("lb_policy cluster_load: unexpected argument %q; options go in a block", d.Val())
+	if err := caddyopt.BlockOnly(d, what); err != nil {
+		return err
 	}
-	seen := make(map[string]bool)
+	once := caddyopt.NewOnce(what)
 	for d.NextBlock(0) {
 		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("lb_policy cluster_load: %s set twice", opt)
+		if err := once.Check(d); err != nil {
+			return err
 		}
-		seen[opt] = true
 		switch opt {
 		case "port_tag":
-			val, err := oneArg(d, "lb_policy cluster_load")
+			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
 				return err
 			}
 			p.PortTag = val
 		case "port":
-			val, err := oneArg(d, "lb_policy cluster_load")
+			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
 				return err
 			}
 			if _, err := cluster.ParsePort(val); err != nil {
-				return d.Errf("lb_policy cluster_load: %v", err)
+				return caddyopt.Errf(d, what, "%v", err)
 			}
 			p.Port = val
 		case "refresh":
-			val, err := oneArg(d, "lb_policy cluster_load")
+			dur, err := caddyopt.PositiveDuration(d, what)
 			if err != nil {
 				return err
-			}
-			dur, err := caddy.ParseDuration(val)
-			if err != nil || dur <= 0 {
-				return d.Errf("lb_policy cluster_load: refresh %q: want a positive duration such as 1s", val)
 			}
 			p.Refresh = caddy.Duration(dur)
 			if err := p.Validate(); err != nil {
 				return d.Err(err.Error())
 			}
 		default:
-			return d.Errf("lb_policy cluster_load: unknown option %q; want port_tag, port or refresh", opt)
+			return caddyopt.Unknown(d, what, "port_tag", "port", "refresh")
 		}
 	}
 	return nil
-}
-
-// oneArg reads exactly one argument for the current option; errors start
-// with prefix (the directive or option they are in).
-func oneArg(d *caddyfile.Dispenser, prefix string) (string, error) {
-	opt := d.Val()
-	if !d.NextArg() {
-		return "", d.Errf("%s: %s: missing value", prefix, opt)
-	}
-	val := d.Val()
-	if d.NextArg() {
-		return "", d.Errf("%s: %s: one value expected, got another: %q", prefix, opt, d.Val())
-	}
-	return val, nil
 }
 
 // Interface guards

@@ -2,7 +2,8 @@ package rebalance
 
 import (
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+
+	"github.com/caddy-lbx/lbx/internal/events"
 )
 
 // EventShed is the Caddy event a node emits after each interval in which
@@ -13,33 +14,15 @@ import (
 // closed this interval at boundary_timeout).
 const EventShed = "rebalance_shed"
 
-// emitter sends Caddy events on behalf of the rebalance app whose context
-// it was made from. The zero emitter sends nothing.
-type emitter struct {
-	app *caddyevents.App
-	ctx caddy.Context
-}
+// emitter is the rebalance app's events.Emitter, with the app's event.
+type emitter struct{ events.Emitter }
 
-// newEmitter returns an emitter for ctx's module, or the zero emitter when
-// the config has no events app (it never creates one).
-func newEmitter(ctx caddy.Context) emitter {
-	app, err := ctx.AppIfConfigured("events")
-	if err != nil {
-		return emitter{}
-	}
-	return emitter{app: app.(*caddyevents.App), ctx: ctx}
-}
-
-// emit sends the event if anything could observe it.
-func (e emitter) emit(name string, data map[string]any) {
-	if e.app != nil && e.app.ShouldEmit(name) {
-		e.app.Emit(e.ctx, name, data)
-	}
-}
+// newEmitter returns an emitter for ctx's module (see events.New).
+func newEmitter(ctx caddy.Context) emitter { return emitter{events.New(ctx)} }
 
 // emitShed announces an interval that shed res, or forced closes.
 func (e emitter) emitShed(node, metric string, local float64, d Decision, res ShedResult, forced int) {
-	e.emit(EventShed, map[string]any{
+	e.Emit(EventShed, map[string]any{
 		"node":            node,
 		"metric":          metric,
 		"local":           local,

@@ -30,7 +30,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	defer client.Close()
 	tr.ConnState(server, http.StateNew)
 	tr.ConnState(server, http.StateActive)
-	ctx, rec := eventsContext(t)
+	ctx, rec := testutil.SubscribeEvents(t, EventShed)
 	src := &processSource{tracker: tr}
 	a := startAppCtx(t, ctx, "forcing", src, func(_ *cluster.App, a *App) {
 		a.ShedRate = 0
@@ -54,7 +54,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	// The event is emitted after the node's lock is released: wait for it.
 	testutil.WaitFor(t, 10*time.Second, "one forced close in the events", func() (bool, string) {
 		var forced int
-		for _, e := range rec.get() {
+		for _, e := range rec.Events() {
 			if e.Data["node"] != "forcing" {
 				continue
 			}

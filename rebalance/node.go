@@ -19,6 +19,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // loadTag is the serf member tag in which a node gossips its load:
@@ -98,21 +99,15 @@ type node struct {
 	shedDecisions uint64
 
 	// steps is the node's coarse clock: when its last decision step
-	// took in the members' reports, as monoSince. It advances once per
-	// interval; policies that cache what they read from the node compare
-	// it with their cache's age instead of reading the clock per request.
+	// took in the members' reports, as a monoclock reading. It advances
+	// once per interval; policies that cache what they read from the
+	// node compare it with their cache's age instead of reading the
+	// clock per request.
 	steps atomic.Int64
 
 	stop chan struct{}
 	done sync.WaitGroup
 }
-
-// monoEpoch is the origin of monoSince.
-var monoEpoch = time.Now()
-
-// monoSince returns t on a monotonic clock, in nanoseconds since the
-// process loaded this package (wall-clock changes do not move it).
-func monoSince(t time.Time) int64 { return int64(t.Sub(monoEpoch)) }
 
 // newNode creates the shedding state for s and starts its loop.
 func newNode(key, name string, s *settings) *node {
@@ -305,7 +300,7 @@ func (n *node) step(s *settings, now time.Time) {
 	n.shedding, n.lift = d.Shedding, d.Lift
 	n.members = reports
 	n.last, n.lastAt = d, now
-	n.steps.Store(monoSince(now))
+	n.steps.Store(monoclock.At(now))
 	n.local, n.current, n.held = local, load, held
 	n.shed.Idle += res.Idle
 	n.shed.Active += res.Active

@@ -17,6 +17,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 	"github.com/caddy-lbx/lbx/internal/randpick"
 	"github.com/caddy-lbx/lbx/lbpolicy"
 )
@@ -108,8 +109,8 @@ type ClusterLoadSelection struct {
 type loadReader interface {
 	// memberLoads returns the members with their loads, judged at now.
 	memberLoads(now time.Time) ([]memberLoad, error)
-	// stepClock returns a clock (monoSince) that advances each time new
-	// reports are taken in, or nil when there is none.
+	// stepClock returns a clock (of monoclock readings) that advances
+	// each time new reports are taken in, or nil when there is none.
 	stepClock() *atomic.Int64
 	// interval returns how often new reports are taken in; 0 when
 	// unknown.
@@ -121,7 +122,7 @@ type loadReader interface {
 type loadSnapshot struct {
 	// at is when the reading was made: by clock, the source's step
 	// clock, read per request instead of the system clock; or, when the
-	// source has none (its node is not running), by monoSince(time.Now()).
+	// source has none (its node is not running), by monoclock.Now().
 	at    int64
 	clock *atomic.Int64
 	// loads maps a dial address (or, matching by IP, a member's IP in
@@ -258,7 +259,7 @@ func (s *loadSnapshot) expired(refresh time.Duration) bool {
 	if s.clock != nil {
 		return s.clock.Load()-s.at >= int64(refresh)
 	}
-	return monoSince(time.Now())-s.at >= int64(refresh)
+	return monoclock.Now()-s.at >= int64(refresh)
 }
 
 // refreshLocked reads the loads (or, when only the pool's size changed,
@@ -293,7 +294,7 @@ func (p *ClusterLoadSelection) refreshLocked(pool reverseproxy.UpstreamPool) *lo
 func (p *ClusterLoadSelection) read() *loadSnapshot {
 	now := time.Now()
 	clock := p.source.stepClock()
-	at := monoSince(now)
+	at := monoclock.At(now)
 	if clock != nil {
 		at = clock.Load() // before the reports it stands for are read
 	}
@@ -308,7 +309,7 @@ func (p *ClusterLoadSelection) read() *loadSnapshot {
 			p.logger.Warn("cannot read the cluster's loads; choosing by requests in flight", zap.Error(err))
 			p.lastErr = msg
 		}
-		return &loadSnapshot{at: monoSince(now)}
+		return &loadSnapshot{at: monoclock.At(now)}
 	}
 	if p.lastErr != "" {
 		p.logger.Info("cluster loads readable again")
@@ -453,13 +454,13 @@ func chooseLessLoaded[C loadCandidates](c C) int {
 			return lessLoaded(c, i, j)
 		}
 	}
-	return chooseScan(c)
+	return chooseLessLoadedByScan(c)
 }
 
-// chooseScan samples two distinct usable members uniformly in one pass
-// (a reservoir of two) and returns the less loaded; the only usable one;
-// or -1.
-func chooseScan[C loadCandidates](c C) int {
+// chooseLessLoadedByScan is chooseLessLoaded by a scan: it samples two
+// distinct usable members uniformly in one pass (a reservoir of two) and
+// returns the less loaded; the only usable one; or -1.
+func chooseLessLoadedByScan[C loadCandidates](c C) int {
 	a, b, seen := -1, -1, 0
 	for i := range c.Len() {
 		if !c.Usable(i) {

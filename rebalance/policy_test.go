@@ -592,14 +592,14 @@ func TestClusterLoadUnmarshalCaddyfile(t *testing.T) {
 		{"cluster_load {\n port 0\n}", `port "0": want a number from 1 to 65535`},
 		{"cluster_load {\n port_tag\n}", "lb_policy cluster_load: port_tag: missing value"},
 		{"cluster_load {\n port_tag a b\n}", `port_tag: one value expected, got another: "b"`},
-		{"cluster_load {\n port_tag a\n port_tag b\n}", "lb_policy cluster_load: port_tag set twice"},
-		{"cluster_load {\n port 80\n port 81\n}", "lb_policy cluster_load: port set twice"},
+		{"cluster_load {\n port_tag a\n port_tag b\n}", "lb_policy cluster_load: port_tag specified more than once, at Testfile:3"},
+		{"cluster_load {\n port 80\n port 81\n}", "lb_policy cluster_load: port specified more than once, at Testfile:3"},
 		{"cluster_load {\n refresh\n}", "lb_policy cluster_load: refresh: missing value"},
 		{"cluster_load {\n refresh soon\n}", `lb_policy cluster_load: refresh "soon": want a positive duration such as 1s`},
 		{"cluster_load {\n refresh 0s\n}", `refresh "0s": want a positive duration`},
 		{"cluster_load {\n refresh -1s\n}", `refresh "-1s": want a positive duration`},
-		{"cluster_load {\n refresh 1s\n refresh 2s\n}", "refresh set twice"},
-		{"cluster_load {\n tags role api\n}", `lb_policy cluster_load: unknown option "tags"; want port_tag, port or refresh`},
+		{"cluster_load {\n refresh 1s\n refresh 2s\n}", "lb_policy cluster_load: refresh specified more than once, at Testfile:3"},
+		{"cluster_load {\n tags role api\n}", `lb_policy cluster_load: unknown option "tags" (want port_tag, port or refresh), at Testfile:2`},
 	} {
 		err := new(ClusterLoadSelection).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // Connection states the tracker distinguishes.
@@ -336,20 +338,14 @@ type Tracker struct {
 	wsCloses                           wsCloseCounters
 
 	shedMu sync.Mutex // one Shed or Sweep at a time
-
-	// epoch is the origin of the tracker's clock (now): durations since
-	// it use the monotonic clock, so a wall-clock step cannot force or
-	// recount a connection early.
-	epoch time.Time
 }
 
 // NewTracker returns a tracker with no connections.
-func NewTracker() *Tracker {
-	return &Tracker{epoch: time.Now()}
-}
+func NewTracker() *Tracker { return new(Tracker) }
 
-// now returns the tracker's clock: the monotonic time since its epoch.
-func (t *Tracker) now() time.Duration { return time.Since(t.epoch) }
+// now returns the tracker's clock, lbx's one monotonic clock (a
+// wall-clock step cannot force or recount a connection early).
+func (t *Tracker) now() time.Duration { return time.Duration(monoclock.Now()) }
 
 // connCtxKey is the context key under which ConnContext stores the
 // connection's *trackedConn.

@@ -6,22 +6,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
-
-// epoch anchors Now: durations since it use Go's monotonic clock, so wall
-// clock jumps never move an estimate.
-var epoch = time.Now()
-
-// clock is the latest reading of Now, shared by the whole process.
-var clock atomic.Int64
-
-// Now reads the monotonic clock: nanoseconds since process start. It also
-// refreshes the value Clock returns.
-func Now() int64 {
-	n := int64(time.Since(epoch))
-	clock.Store(n)
-	return n
-}
 
 // ejectionEpoch counts ejections and early returns process-wide, so that
 // cached counts of available upstreams can tell they are stale.
@@ -31,31 +18,22 @@ var ejectionEpoch atomic.Uint64
 // ejected or returns early anywhere in the process.
 func EjectionEpoch() uint64 { return ejectionEpoch.Load() }
 
-// Clock returns the latest time any caller read with Now. Reading the clock
-// costs more than the rest of a selection on some virtual machines, while
-// every proxied attempt reads it twice anyway (see lbpolicy's
-// observingTransport), so selection uses this value: it lags real time by
-// at most the gap between two round trips anywhere in the process, which
-// is negligible next to the decay time constant. Callers that may run
-// without traffic refresh it with Now now and then.
-func Clock() int64 { return clock.Load() }
-
 // Stats is the state of one upstream dial address. It is shared by all
 // handlers and configs that use the address. Reads are lock-free; updates
 // are serialised per address by mu, which only Observe takes.
 type Stats struct {
 	dial string
-	// bornNs is when the state was created (Now()); never changed.
+	// bornNs is when the state was created (monoclock.Now()); never changed.
 	bornNs int64
 
 	// mu serialises updates of the estimate; reads are lock-free.
 	mu         sync.Mutex
 	win        window       // recent answers, under mu
 	estimateNs atomic.Int64 // median of win; 0 until the first answer
-	stampNs    atomic.Int64 // Now() of the last answer counted in win
+	stampNs    atomic.Int64 // monoclock.Now() of the last answer counted in win
 
-	lastDoneNs  atomic.Int64 // Now() of the last finished attempt, whatever its outcome
-	busySinceNs atomic.Int64 // Now() when pending last went from 0 to 1
+	lastDoneNs  atomic.Int64 // monoclock.Now() of the last finished attempt, whatever its outcome
+	busySinceNs atomic.Int64 // monoclock.Now() when pending last went from 0 to 1
 	failStreak  atomic.Int64 // failed attempts in a row, for the estimate
 
 	samples       atomic.Uint64
@@ -64,7 +42,7 @@ type Stats struct {
 	pending       atomic.Int64 // round trips waiting for response headers
 
 	consecutive    atomic.Int64 // failed attempts in a row
-	ejectedUntilNs atomic.Int64 // Now() until which the host is ejected
+	ejectedUntilNs atomic.Int64 // monoclock.Now() until which the host is ejected
 	ejections      atomic.Int64 // ejections in a row: the backoff multiplier
 	ejectionsTotal atomic.Uint64
 	overflows      atomic.Uint64 // ejections the pool's cap refused
@@ -96,7 +74,7 @@ func (*Stats) Destruct() error { return nil }
 
 // Begin marks the start of a round trip to the upstream and returns its start time.
 func (s *Stats) Begin() int64 {
-	now := Now()
+	now := monoclock.Now()
 	s.BeginAt(now)
 	return now
 }

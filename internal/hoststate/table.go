@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // registry holds one *Stats per dial address, reference-counted by the
@@ -91,7 +93,7 @@ func (t *Table) Stats(dial string) *Stats {
 		return &Stats{dial: dial}
 	}
 	v, _, _ := registry.LoadOrNew(dial, func() (caddy.Destructor, error) {
-		return &Stats{dial: dial, bornNs: Now()}, nil
+		return &Stats{dial: dial, bornNs: monoclock.Now()}, nil
 	})
 	s := v.(*Stats)
 	t.byDial.Store(dial, s)
@@ -177,7 +179,7 @@ const baselineWeight = 1.0 / 64
 // Observe records a finished round trip that started at start (from
 // s.Begin) on s.
 func (t *Table) Observe(s *Stats, start int64, outcome Outcome) {
-	t.ObserveAt(s, start, Now(), outcome)
+	t.ObserveAt(s, start, monoclock.Now(), outcome)
 }
 
 // ObserveAt is Observe of a round trip that finished at now, for callers
@@ -252,7 +254,7 @@ func (t *Table) Expected(s *Stats, now int64, base float64) float64 {
 // All returns a snapshot of every upstream known to any config, sorted by
 // dial address.
 func All() []Snapshot {
-	now := Now()
+	now := monoclock.Now()
 	var out []Snapshot
 	registry.Range(func(_, v any) bool {
 		out = append(out, v.(*Stats).Snapshot(now))

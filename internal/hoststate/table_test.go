@@ -5,6 +5,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // observeAt records a round trip of the given latency.
@@ -32,7 +34,7 @@ func TestTableSharesStateAcrossReloads(t *testing.T) {
 	if References(dial) != 1 {
 		t.Fatalf("want 1 reference after the old config let go, got %d", References(dial))
 	}
-	if got := next.Stats(dial).Snapshot(Now()).Samples; got != 1 {
+	if got := next.Stats(dial).Snapshot(monoclock.Now()).Samples; got != 1 {
 		t.Fatalf("samples lost across reload: %d", got)
 	}
 	next.Release()
@@ -62,7 +64,7 @@ func TestBaselineAndPrior(t *testing.T) {
 		t.Fatalf("empty pool baseline must be the prior, got %v", tb.Baseline())
 	}
 	a := tb.Stats(t.Name() + "-a")
-	if est := tb.Expected(a, Now(), tb.Baseline()); est != float64(7*time.Millisecond) {
+	if est := tb.Expected(a, monoclock.Now(), tb.Baseline()); est != float64(7*time.Millisecond) {
 		t.Fatalf("unsampled host must get the prior, got %v", est)
 	}
 	for range 200 {
@@ -85,15 +87,15 @@ func TestAbandonedOnlyRaises(t *testing.T) {
 	s := tb.Stats(t.Name())
 	observeAt(tb, s, 10*time.Millisecond, Success)
 	observeAt(tb, s, time.Millisecond, Abandoned)
-	snap := s.Snapshot(Now())
+	snap := s.Snapshot(monoclock.Now())
 	if snap.Estimate < 10*time.Millisecond || snap.Samples != 1 || snap.Failures != 0 {
 		t.Fatalf("a quick abandon must change nothing: %+v", snap)
 	}
 	observeAt(tb, s, 80*time.Millisecond, Abandoned)
-	if est := s.Snapshot(Now()).Estimate; est <= 10*time.Millisecond {
+	if est := s.Snapshot(monoclock.Now()).Estimate; est <= 10*time.Millisecond {
 		t.Fatalf("a long abandon is a lower bound and must raise the estimate: %v", est)
 	}
-	if s.Snapshot(Now()).Pending != 0 {
+	if s.Snapshot(monoclock.Now()).Pending != 0 {
 		t.Fatal("pending must return to 0")
 	}
 }
@@ -111,7 +113,7 @@ func TestUntriedHostIsTriedAgain(t *testing.T) {
 		observeAt(tb, fast, 2*time.Millisecond, Success)
 	}
 	observeAt(tb, slow, 200*time.Millisecond, Success)
-	now := Now()
+	now := monoclock.Now()
 	base := tb.Baseline()
 	if base > float64(10*time.Millisecond) {
 		t.Fatalf("baseline %v: one slow answer must not dominate the pool's typical latency", time.Duration(base))
@@ -143,7 +145,7 @@ func TestStallIsSeenAsItHappens(t *testing.T) {
 	for range 20 {
 		observeAt(tb, s, 2*time.Millisecond, Success)
 	}
-	now := Now()
+	now := monoclock.Now()
 	s.BeginAt(now)
 	if e := tb.Expected(s, now+int64(time.Millisecond), tb.Baseline()); e > float64(3*time.Millisecond) {
 		t.Fatalf("1 ms into a request the host is not stalled: %v", time.Duration(e))
@@ -162,7 +164,7 @@ func TestConcurrentObserve(t *testing.T) {
 			for i := range 500 {
 				s := tb.Stats(t.Name() + string(rune('a'+(g+i)%5)))
 				observeAt(tb, s, time.Duration(1+i%4)*time.Millisecond, Outcome(i%3))
-				_ = tb.Expected(s, Clock(), tb.Baseline())
+				_ = tb.Expected(s, monoclock.Latest(), tb.Baseline())
 			}
 		})
 	}
@@ -190,7 +192,7 @@ func TestFirstFailureOfNewHostIsNotFast(t *testing.T) {
 	}
 	base := tb.Baseline()
 	observeAt(tb, hole, 100*time.Microsecond, Failure)
-	if e := tb.Expected(hole, Now(), base); e < 2*base {
+	if e := tb.Expected(hole, monoclock.Now(), base); e < 2*base {
 		t.Fatalf("a new host's first fast failure is estimated at %v; want at least twice the pool's %v",
 			time.Duration(e), time.Duration(base))
 	}
@@ -204,7 +206,7 @@ func TestTableDropBoundsChurn(t *testing.T) {
 	defer tb.Release()
 	stable := tb.Stats(t.Name() + "-stable:80")
 	observeAt(tb, stable, 3*time.Millisecond, Success)
-	want := stable.Snapshot(Now()).Estimate
+	want := stable.Snapshot(monoclock.Now()).Estimate
 
 	const rounds, perRound = 50, 100
 	var prev []string
@@ -225,7 +227,7 @@ func TestTableDropBoundsChurn(t *testing.T) {
 	if n := References(t.Name() + "-0-0:80"); n != 0 {
 		t.Errorf("an address that left the list keeps %d references", n)
 	}
-	if tb.Stats(t.Name()+"-stable:80") != stable || stable.Snapshot(Now()).Estimate != want {
+	if tb.Stats(t.Name()+"-stable:80") != stable || stable.Snapshot(monoclock.Now()).Estimate != want {
 		t.Error("the address that stayed lost its state")
 	}
 	if s, ok := tb.Lookup(t.Name() + "-0-0:80"); ok || s != nil {
@@ -247,7 +249,7 @@ func TestTableDropKeepsSharedState(t *testing.T) {
 	}
 	old.Drop(dial)
 	old.Drop(dial) // idempotent
-	if References(dial) != 1 || next.Stats(dial) != s || s.Snapshot(Now()).Samples != 1 {
+	if References(dial) != 1 || next.Stats(dial) != s || s.Snapshot(monoclock.Now()).Samples != 1 {
 		t.Fatalf("the state must survive for the table still using it: refs %d", References(dial))
 	}
 	old.Release()
@@ -307,7 +309,7 @@ func TestTableDropIdle(t *testing.T) {
 	table.Stats(name("kept"))
 	busy, inFlight, ejected := table.Stats(name("busy")), table.Stats(name("inflight")), table.Stats(name("ejected"))
 	const idleFor = 10 * time.Minute
-	later := Now() + int64(idleFor) + int64(time.Minute)
+	later := monoclock.Now() + int64(idleFor) + int64(time.Minute)
 	busy.lastDoneNs.Store(later - int64(time.Second)) // an attempt a second ago
 	inFlight.Begin()
 	defer inFlight.pending.Add(-1)
@@ -324,7 +326,7 @@ func TestTableDropIdle(t *testing.T) {
 			t.Errorf("%s was dropped", d)
 		}
 	}
-	if n := table.DropIdle(Now(), idleFor, func(string) bool { return false }); n != 0 {
+	if n := table.DropIdle(monoclock.Now(), idleFor, func(string) bool { return false }); n != 0 {
 		t.Errorf("dropped %d addresses just created", n)
 	}
 }
