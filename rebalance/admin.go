@@ -44,7 +44,7 @@ func (AdminAPI) CaddyModule() caddy.ModuleInfo {
 func (AdminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/rebalance",
-		Handler: handleCluster,
+		Handler: handleRebalance,
 	}}
 }
 
@@ -163,15 +163,15 @@ func viewBytes(cs connStats) bytesView {
 	}
 }
 
-// clusterReport is the body of GET /lbx/rebalance.
-type clusterReport struct {
+// rebalanceView is the body of GET /lbx/rebalance.
+type rebalanceView struct {
 	Nodes []nodeView `json:"nodes"`
 }
 
-// buildClusterReport assembles the admin view of every node in the
+// buildRebalanceView assembles the admin view of every node in the
 // process.
-func buildClusterReport() clusterReport {
-	rep := clusterReport{Nodes: []nodeView{}}
+func buildRebalanceView() rebalanceView {
+	rep := rebalanceView{Nodes: []nodeView{}}
 	cs := loadedConns().stats()
 	nodes.Range(func(_, v any) bool {
 		rep.Nodes = append(rep.Nodes, v.(*node).view(time.Now(), cs))
@@ -261,7 +261,7 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 			continue
 		}
 		// The rule Decide uses; the load is NaN when the tag holds none.
-		r := Report{Name: m.Name, Status: m.Status, Load: load, At: at, Metric: metric}
+		r := memberReport{Name: m.Name, Status: m.Status, Load: load, At: at, Metric: metric}
 		switch params.standing(r, now) {
 		case notAlive:
 			mv.Why = "not alive"
@@ -296,8 +296,8 @@ func finite(v float64) float64 {
 	return v
 }
 
-// handleCluster serves GET /lbx/rebalance.
-var handleCluster = adminjson.Handler(buildClusterReport)
+// handleRebalance serves GET /lbx/rebalance.
+var handleRebalance = adminjson.Handler(buildRebalanceView)
 
 // Interface guards
 var _ caddy.AdminRouter = (*AdminAPI)(nil)

@@ -234,10 +234,10 @@ func TestClusterGossipAndShed(t *testing.T) {
 
 	// The admin view shows the three members, counted, with their loads.
 	rec := httptest.NewRecorder()
-	if err := handleCluster(rec, httptest.NewRequest("GET", "/lbx/rebalance", nil)); err != nil {
+	if err := handleRebalance(rec, httptest.NewRequest("GET", "/lbx/rebalance", nil)); err != nil {
 		t.Fatal(err)
 	}
-	var rep clusterReport
+	var rep rebalanceView
 	if err := json.Unmarshal(rec.Body.Bytes(), &rep); err != nil {
 		t.Fatalf("admin body: %v\n%s", err, rec.Body.String())
 	}
@@ -391,7 +391,7 @@ func freePort(t *testing.T) int {
 
 // TestAdminMethod: only GET.
 func TestAdminMethod(t *testing.T) {
-	err := handleCluster(httptest.NewRecorder(), httptest.NewRequest("POST", "/rebalance/cluster", nil))
+	err := handleRebalance(httptest.NewRecorder(), httptest.NewRequest("POST", "/rebalance/cluster", nil))
 	if apiErr, ok := err.(caddy.APIError); !ok || apiErr.HTTPStatus != http.StatusMethodNotAllowed {
 		t.Fatalf("POST: %v; want 405", err)
 	}

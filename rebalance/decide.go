@@ -8,8 +8,8 @@ import (
 	"github.com/caddy-lbx/lbx/cluster"
 )
 
-// Report is one member's last load report as this node sees it.
-type Report struct {
+// memberReport is one member's last load report as this node sees it.
+type memberReport struct {
 	// Name is the member's serf node name.
 	Name string
 	// Status is the member's serf status.
@@ -115,7 +115,7 @@ const (
 // metric (or p accepts every metric, or the report names none). It is the
 // one rule for the cluster average (Decide), the admin view and the
 // cluster_load selection policy.
-func (p Params) standing(r Report, now time.Time) standing {
+func (p Params) standing(r memberReport, now time.Time) standing {
 	switch {
 	case r.Status != cluster.StatusAlive:
 		return notAlive
@@ -147,7 +147,7 @@ type Input struct {
 	Held int
 	// Members are the reports of the cluster's members, as serf lists
 	// them (any status, any age).
-	Members []Report
+	Members []memberReport
 	// Shedding is the previous decision's Shedding (the high rule's
 	// hysteresis state).
 	Shedding bool

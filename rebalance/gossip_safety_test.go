@@ -122,13 +122,13 @@ func TestBadPeerLoadsShedNothing(t *testing.T) {
 
 	// The admin view encodes, and says why each bad member is out.
 	rec := httptest.NewRecorder()
-	if err := handleCluster(rec, httptest.NewRequest("GET", "/rebalance/cluster", nil)); err != nil {
+	if err := handleRebalance(rec, httptest.NewRequest("GET", "/rebalance/cluster", nil)); err != nil {
 		t.Fatalf("admin view: %v", err)
 	}
 	if rec.Code != http.StatusOK || !json.Valid(rec.Body.Bytes()) {
 		t.Fatalf("admin view: status %d, valid JSON %v:\n%s", rec.Code, json.Valid(rec.Body.Bytes()), rec.Body.String())
 	}
-	var rep clusterReport
+	var rep rebalanceView
 	if err := json.Unmarshal(rec.Body.Bytes(), &rep); err != nil {
 		t.Fatal(err)
 	}
@@ -181,7 +181,7 @@ func TestAdminViewEncodesNonFinite(t *testing.T) {
 		defer a.node.mu.Unlock()
 		return math.IsInf(a.node.local, 1), fmt.Sprintf("local %v", a.node.local)
 	})
-	body, err := json.Marshal(buildClusterReport())
+	body, err := json.Marshal(buildRebalanceView())
 	if err != nil {
 		t.Fatalf("the admin view does not encode: %v", err)
 	}

@@ -74,7 +74,7 @@ func (l nodeLoads) memberLoads(now time.Time) ([]memberLoad, error) {
 	out := make([]memberLoad, 0, len(ms))
 	for _, m := range ms {
 		seen := n.seen[m.Name]
-		r := Report{Name: m.Name, Status: m.Status, At: seen.at}
+		r := memberReport{Name: m.Name, Status: m.Status, At: seen.at}
 		r.Metric, r.Load, _ = parseLoadTag(seen.raw)
 		if m.Self {
 			// The value this node gossips, as of its last step.

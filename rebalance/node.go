@@ -85,7 +85,7 @@ type node struct {
 	shedding bool      // the high rule's hysteresis state
 	lift     LiftState // the lift rule's state
 	seen     map[string]seenReport
-	members  []Report // as of the last decision
+	members  []memberReport // as of the last decision
 	last     Decision
 	lastAt   time.Time
 	local    float64
@@ -257,11 +257,11 @@ func (n *node) step(s *settings, now time.Time) {
 		return
 	}
 	n.mu.Lock()
-	reports := make([]Report, 0, len(members))
+	reports := make([]memberReport, 0, len(members))
 	present := make(map[string]bool, len(members))
 	for _, m := range members {
 		present[m.Name] = true
-		r := Report{Name: m.Name, Status: m.Status}
+		r := memberReport{Name: m.Name, Status: m.Status}
 		raw := m.Tags[loadTag]
 		prev, ok := n.seen[m.Name]
 		switch {

@@ -83,9 +83,9 @@ func simulate(p Params, conns []int, history, maxSteps int, seed uint64, kill fu
 				}
 			}
 		}
-		reports := make([]Report, len(nodes))
+		reports := make([]memberReport, len(nodes))
 		for i, x := range nodes {
-			reports[i] = Report{Name: x.name, Status: x.status, Load: x.report, At: x.reportAt}
+			reports[i] = memberReport{Name: x.name, Status: x.status, Load: x.report, At: x.reportAt}
 		}
 		shedNow := 0
 		for _, x := range nodes {

@@ -435,7 +435,7 @@ func TestThroughputCaddy(t *testing.T) {
 	t.Run("admin view and metrics", func(t *testing.T) {
 		testutil.WaitFor(t, 5*time.Second, "the admin view shows the totals and a throughput decision", func() (bool, string) {
 			want := traffic.Totals()
-			for _, nv := range buildClusterReport().Nodes {
+			for _, nv := range buildRebalanceView().Nodes {
 				if nv.Name != "bytes-node" {
 					continue
 				}

@@ -301,7 +301,7 @@ func TestThroughputClusterSheds(t *testing.T) {
 	t.Logf("bytes-a: 300 → %d connections (%s)", heldA, formatLoad(metricThroughput, float64(heldA*perConn)))
 
 	var nv *nodeView
-	for _, v := range buildClusterReport().Nodes {
+	for _, v := range buildRebalanceView().Nodes {
 		if v.Name == "bytes-b" {
 			nv = &v
 		}
