@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"context"
+	"os"
 	"strings"
 	"testing"
 
@@ -76,5 +77,27 @@ func TestCheckTagsFit(t *testing.T) {
 	err := a.CheckTagsFit(map[string]string{"lbx_load": strings.Repeat("9", 120)})
 	if err == nil || !strings.Contains(err.Error(), "with the ones lbx publishes") {
 		t.Fatalf("with 120 more bytes: %v; want a refusal naming the published tags", err)
+	}
+}
+
+// TestProvisionDefaults: the no-options form (`cluster` alone) binds
+// 0.0.0.0:7946 under the host name, with no key and no tags, and opens
+// nothing until Start.
+func TestProvisionDefaults(t *testing.T) {
+	host, err := os.Hostname()
+	if err != nil {
+		t.Skip(err)
+	}
+	a := new(App)
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := a.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if a.NodeName != host || a.Bind != "0.0.0.0:7946" || a.Key() != "0.0.0.0:7946" || a.keyBytes != nil {
+		t.Errorf("defaults: node_name %q (host %q), bind %q, key %q, encrypted %v", a.NodeName, host, a.Bind, a.Key(), a.keyBytes != nil)
+	}
+	if a.pooledMember() != nil {
+		t.Error("Provision started a serf member")
 	}
 }
