@@ -17,6 +17,10 @@ type candidates interface {
 // the upstream's weight, and the latency it is expected to serve at.
 type cost struct {
 	queue, invWeight, latency float64
+	// busy is how long the upstream has been working without finishing
+	// anything (0 when idle): between equal queues of equally fast
+	// upstreams, the one furthest into its current work frees up first.
+	busy float64
 }
 
 // beats reports whether c is clearly cheaper than o: whether its queue,
@@ -48,8 +52,10 @@ func (c cost) beats(o cost) bool {
 			return c.queue*c.latency*k < o.queue*o.latency
 		case o.latency*k < c.latency: // c clearly slower
 			return c.queue*c.latency < o.queue*o.latency*k
-		default:
+		case c.queue != o.queue:
 			return c.queue < o.queue
+		default:
+			return c.busy > o.busy
 		}
 	}
 	speed := 1.0 // how many times faster c counts as serving than o
@@ -73,10 +79,10 @@ func (c cost) beats(o cost) bool {
 }
 
 // costOf is the cost of one more request to an upstream with inFlight
-// requests in flight, the inverse of its weight, and the latency it is
-// expected to serve at (hoststate.Table.Expected).
-func costOf(inFlight int, invWeight, latency float64) cost {
-	return cost{queue: float64(inFlight + 1), invWeight: invWeight, latency: latency}
+// requests in flight, the inverse of its weight, the latency it is
+// expected to serve at and how long it has been busy (hoststate.Table.Judge).
+func costOf(inFlight int, invWeight, latency, busy float64) cost {
+	return cost{queue: float64(inFlight + 1), invWeight: invWeight, latency: latency, busy: busy}
 }
 
 // tieBand is the relative difference in latency below which two upstreams

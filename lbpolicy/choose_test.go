@@ -26,7 +26,7 @@ func newFakePool(n int) *fakePool {
 func (p *fakePool) Len() int          { return len(p.inflight) }
 func (p *fakePool) Usable(i int) bool { return !p.down[i] }
 func (p *fakePool) Cost(i int) cost {
-	return costOf(p.inflight[i], 1/p.weight[i], p.latency[i])
+	return costOf(p.inflight[i], 1/p.weight[i], p.latency[i], 0)
 }
 
 type chooser func(*fakePool) int
@@ -255,6 +255,9 @@ func TestCostBeats(t *testing.T) {
 		{"outside the band: 2 > 2.9 ÷ 1.5", q(2, 1), q(1, 2.9), false},
 		{"clearly slower: 1 < 2 × 1.5 ÷ 2", q(1, 2), q(2, 1), true},
 		{"weight 2 vs 1 at idle", w(1, 2, 1), w(1, 1, 1), true},
+		{"equal queues: further into its work wins", cost{queue: 2, invWeight: 1, latency: 1, busy: 0.8}, cost{queue: 2, invWeight: 1, latency: 1.2, busy: 0.1}, true},
+		{"equal queues: less far loses", cost{queue: 2, invWeight: 1, latency: 1, busy: 0.1}, cost{queue: 2, invWeight: 1, latency: 1, busy: 0.8}, false},
+		{"busy never beats a shorter queue", cost{queue: 3, invWeight: 1, latency: 1, busy: 0.9}, cost{queue: 2, invWeight: 1, latency: 1, busy: 0}, false},
 		{"weighted least-connections within the band: 3/2 > 1/1", w(3, 2, 1), w(1, 1, 1.2), false},
 		{"weighted least-connections: 3/2 < 2/1", w(3, 2, 1), w(3, 1, 1.2), true},
 		// a machine configured twice the size and measured twice as

@@ -438,7 +438,16 @@ func (c ewmaCandidates) Usable(i int) bool {
 
 func (c ewmaCandidates) Cost(i int) cost {
 	m := &c.view.members[i]
-	return costOf(c.pool[i].NumRequests(), m.invWeight, c.table.Expected(m.stats, c.now, c.base))
+	latency, busy := c.table.Judge(m.stats, c.now, c.base)
+	if c.ramp != nil {
+		// With slow start, ties between equal queues stay random: a
+		// ramping member serves rarely and looks far into its work, so
+		// it would win most of them and rise above its ramp
+		// (TestSlowStartRampAfterEjection), and leaving it out of the
+		// tie-break alone biases the rest of the choice either way.
+		busy = 0
+	}
+	return costOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
 }
 
 // bestOfTwo is the common case of two random choices, written out so the

@@ -115,7 +115,8 @@ func (c simCandidates) Cost(i int) cost {
 		inv = 1 / c.weights[i]
 	}
 	b := c.s.backends[i]
-	return costOf(b.inFlight, inv, c.s.table.Expected(b.stats, c.now, c.base))
+	latency, busy := c.s.table.Judge(b.stats, c.now, c.base)
+	return costOf(b.inFlight, inv, latency, busy)
 }
 
 func (r simEWMA) choose(s *sim, tried []int) int {

@@ -231,24 +231,33 @@ func (t *Table) Baseline() float64 {
 //     steering every one of them onto the other hosts raises the queueing
 //     that sets it.)
 func (t *Table) Expected(s *Stats, now int64, base float64) float64 {
+	latency, _ := t.Judge(s, now, base)
+	return latency
+}
+
+// Judge returns what Expected does, and for how long the host has been
+// busy without finishing anything (0 when it has nothing in flight): with
+// equal queues, the host furthest into its current work frees up first.
+func (t *Table) Judge(s *Stats, now int64, base float64) (latency, busy float64) {
 	pending := s.pending.Load()
 	lastDone := s.lastDoneNs.Load()
 	if pending <= 0 && now-lastDone >= t.horizonNs {
-		return base
+		return base, 0
 	}
 	est := float64(s.estimateNs.Load())
 	if est == 0 {
 		est = base
 	}
-	if stalled := float64(stalledFor(now, lastDone, s.busySinceNs.Load(), pending)); stalled > est {
+	busy = float64(stalledFor(now, lastDone, s.busySinceNs.Load(), pending))
+	if busy > est {
 		// a stall is seen as it happens: the host is expected to be at
 		// least as slow as the stall so far
-		est = stalled
+		est = busy
 	}
 	if f := s.failStreak.Load(); f > 0 {
 		est *= failurePenalty(f)
 	}
-	return est
+	return est, busy
 }
 
 // All returns a snapshot of every upstream known to any config, sorted by
