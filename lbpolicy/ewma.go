@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/events"
+	"github.com/caddy-lbx/lbx/internal/choose"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
@@ -288,7 +289,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 		// and decide again rather than trust a stale count.
 		if c.panic = s.panic.check(v, pool, monoclock.Now()); c.panic {
 			c.admit = 0
-			i = chooseCheapest(c)
+			i = choose.Cheapest(c)
 		}
 	}
 	if i < 0 {
@@ -310,23 +311,23 @@ func (*EWMASelection) SkipsEjected() bool { return true }
 func (c ewmaCandidates) choose(k int) int {
 	switch {
 	case k == 0, k >= len(c.pool):
-		return chooseCheapest(c)
+		return choose.Cheapest(c)
 	case k == 2:
 		i, ci, ok := c.bestOfTwo()
 		if !ok {
-			i, ci = bestOfK(c, 2)
-			return secondLook(c, 2, i, ci, c.base)
+			i, ci = choose.BestOfK(c, 2)
+			return choose.SecondLook(c, 2, i, ci, c.base)
 		}
-		if ci.clearlySlow(c.base) {
+		if ci.ClearlySlow(c.base) {
 			// secondLook, with the inlined draw
-			if j, cj, ok := c.bestOfTwo(); ok && cj.beats(ci) {
+			if j, cj, ok := c.bestOfTwo(); ok && cj.Beats(ci) {
 				return j
 			}
 		}
 		return i
 	default:
-		i, ci := bestOfK(c, k)
-		return secondLook(c, k, i, ci, c.base)
+		i, ci := choose.BestOfK(c, k)
+		return choose.SecondLook(c, k, i, ci, c.base)
 	}
 }
 
@@ -436,7 +437,7 @@ func (c ewmaCandidates) Usable(i int) bool {
 	return !c.ramp.ramping(start, c.now) || c.admit < c.ramp.factor(start, c.now)
 }
 
-func (c ewmaCandidates) Cost(i int) cost {
+func (c ewmaCandidates) Cost(i int) choose.Cost {
 	m := &c.view.members[i]
 	latency, busy := c.table.Judge(m.stats, c.now, c.base)
 	if c.ramp != nil {
@@ -447,22 +448,22 @@ func (c ewmaCandidates) Cost(i int) cost {
 		// tie-break alone biases the rest of the choice either way.
 		busy = 0
 	}
-	return costOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
+	return choose.CostOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
 }
 
 // bestOfTwo is the common case of two random choices, written out so the
 // hot path makes direct, inlinable calls: both draws come from one random
 // word, and if both land on usable upstreams the cheaper wins (near-ties go
 // to the first draw, which is random). It reports
-// false when a draw hit an unusable upstream, for bestOfK to retry. It also
+// false when a draw hit an unusable upstream, for choose.BestOfK to retry. It also
 // returns the cost of its choice.
-func (c ewmaCandidates) bestOfTwo() (int, cost, bool) {
+func (c ewmaCandidates) bestOfTwo() (int, choose.Cost, bool) {
 	i, j := randpick.TwoDistinct(rand.Uint64(), len(c.pool))
 	if !c.Usable(i) || !c.Usable(j) {
-		return -1, cost{}, false
+		return -1, choose.Cost{}, false
 	}
 	ci, cj := c.Cost(i), c.Cost(j)
-	if cj.beats(ci) {
+	if cj.Beats(ci) {
 		return j, cj, true
 	}
 	return i, ci, true // i is the cheaper or a tie; it was drawn at random

@@ -194,3 +194,23 @@ func TestEWMAConcurrent(t *testing.T) {
 		t.Fatalf("want reports of the two pools (20 and 5 upstreams), got %d reports", len(reps))
 	}
 }
+
+func TestChoicesForPool(t *testing.T) {
+	cases := []struct {
+		c    Choices
+		n    int
+		want int
+	}{
+		{choicesAuto, 4, 0}, // see choose's TestSamplingFloorOfTwoChoices
+		{choicesAuto, autoScanLimit, 0},
+		{choicesAuto, autoScanLimit + 1, 2},
+		{choicesAll, 1000, 0},
+		{2, 4, 2},
+		{5, 3, 5},
+	}
+	for _, c := range cases {
+		if got := c.c.forPool(c.n); got != c.want {
+			t.Errorf("%v.forPool(%d) = %d, want %d", c.c, c.n, got, c.want)
+		}
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-lbx/lbx/internal/choose"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
@@ -109,28 +110,28 @@ func (c simCandidates) Len() int { return len(c.s.backends) }
 func (c simCandidates) Usable(i int) bool {
 	return !slices.Contains(c.tried, i)
 }
-func (c simCandidates) Cost(i int) cost {
+func (c simCandidates) Cost(i int) choose.Cost {
 	inv := 1.0
 	if c.weights != nil {
 		inv = 1 / c.weights[i]
 	}
 	b := c.s.backends[i]
 	latency, busy := c.s.table.Judge(b.stats, c.now, c.base)
-	return costOf(b.inFlight, inv, latency, busy)
+	return choose.CostOf(b.inFlight, inv, latency, busy)
 }
 
 func (r simEWMA) choose(s *sim, tried []int) int {
 	c := simCandidates{s: s, now: s.clock(), base: s.table.Baseline(), weights: r.weights, tried: tried}
 	var i int
 	if r.k == 0 {
-		i = chooseCheapest(c)
+		i = choose.Cheapest(c)
 	} else {
-		j, cj := bestOfK(c, r.k)
-		i = secondLook(c, r.k, j, cj, c.base)
+		j, cj := choose.BestOfK(c, r.k)
+		i = choose.SecondLook(c, r.k, j, cj, c.base)
 	}
 	if i < 0 {
 		c.tried = nil
-		i = chooseCheapest(c)
+		i = choose.Cheapest(c)
 	}
 	return i
 }

@@ -1,35 +1,43 @@
-package lbpolicy
+// Package choose holds lbx's choosing algorithms: how the expected cost
+// of sending one more request to each member of a pool is compared, and
+// how a member is chosen by a scan or by the best of k random draws. lb_policy
+// ewma chooses upstreams with them, and the selective handler groups.
+package choose
 
 import "math/rand/v2"
 
-// candidates is what the choosing algorithms see of a pool: how many
+// Candidates is what the choosing algorithms see of a pool: how many
 // members it has, whether member i may be chosen right now, and what
 // sending one more request to it is expected to cost. Keeping it abstract
 // keeps the algorithms testable without Caddy.
-type candidates interface {
+type Candidates interface {
 	Len() int
 	Usable(i int) bool
-	Cost(i int) cost
+	Cost(i int) Cost
 }
 
-// cost is what one more request to an upstream is expected to cost, in
-// its factors: the queue it joins (requests in flight + 1), the inverse of
-// the upstream's weight, and the latency it is expected to serve at.
-type cost struct {
-	queue, invWeight, latency float64
-	// busy is how long the upstream has been working without finishing
+// Cost is what one more request to an upstream is expected to cost, in
+// its factors.
+type Cost struct {
+	// Queue is the queue the request joins: requests in flight + 1.
+	Queue float64
+	// InvWeight is the inverse of the upstream's weight (or capacity).
+	InvWeight float64
+	// Latency is the latency the upstream is expected to serve at.
+	Latency float64
+	// Busy is how long the upstream has been working without finishing
 	// anything (0 when idle): between equal queues of equally fast
 	// upstreams, the one furthest into its current work frees up first.
-	busy float64
+	Busy float64
 }
 
-// beats reports whether c is clearly cheaper than o: whether its queue,
+// Beats reports whether c is clearly cheaper than o: whether its queue,
 // relative to o's, is shorter than its advantage in speed and size.
 //
 // Latency estimates of equally fast upstreams differ by noise (a slow
 // answer here, a GC pause there); acting on that noise would pile requests
 // onto whichever upstream measured a few percent faster, and do worse than
-// least-connections. So the first tieBand of a difference in latency does
+// least-connections. So the first TieBand of a difference in latency does
 // not count: upstreams within it of each other are equally fast, and
 // between those the queues alone decide, divided by the weights — exactly
 // weighted least-connections. Only the part of a difference beyond the band
@@ -43,29 +51,29 @@ type cost struct {
 // and measured faster — so the larger of the two counts, not their
 // product, which would count the capacity twice and overload the bigger
 // machine. When they disagree, they partly cancel.
-func (c cost) beats(o cost) bool {
-	const k = 1 + tieBand
-	if c.invWeight == o.invWeight {
+func (c Cost) Beats(o Cost) bool {
+	const k = 1 + TieBand
+	if c.InvWeight == o.InvWeight {
 		// the common case, without a division
 		switch {
-		case c.latency*k < o.latency: // c clearly faster
-			return c.queue*c.latency*k < o.queue*o.latency
-		case o.latency*k < c.latency: // c clearly slower
-			return c.queue*c.latency < o.queue*o.latency*k
-		case c.queue != o.queue:
-			return c.queue < o.queue
+		case c.Latency*k < o.Latency: // c clearly faster
+			return c.Queue*c.Latency*k < o.Queue*o.Latency
+		case o.Latency*k < c.Latency: // c clearly slower
+			return c.Queue*c.Latency < o.Queue*o.Latency*k
+		case c.Queue != o.Queue:
+			return c.Queue < o.Queue
 		default:
-			return c.busy > o.busy
+			return c.Busy > o.Busy
 		}
 	}
 	speed := 1.0 // how many times faster c counts as serving than o
 	switch {
-	case c.latency*k < o.latency:
-		speed = o.latency / (c.latency * k)
-	case o.latency*k < c.latency:
-		speed = o.latency * k / c.latency
+	case c.Latency*k < o.Latency:
+		speed = o.Latency / (c.Latency * k)
+	case o.Latency*k < c.Latency:
+		speed = o.Latency * k / c.Latency
 	}
-	size := o.invWeight / c.invWeight // how many times bigger c is configured
+	size := o.InvWeight / c.InvWeight // how many times bigger c is configured
 	var adv float64
 	switch {
 	case speed >= 1 && size >= 1:
@@ -75,58 +83,58 @@ func (c cost) beats(o cost) bool {
 	default:
 		adv = speed * size
 	}
-	return c.queue < o.queue*adv
+	return c.Queue < o.Queue*adv
 }
 
-// costOf is the cost of one more request to an upstream with inFlight
-// requests in flight, the inverse of its weight, the latency it is
-// expected to serve at and how long it has been busy (hoststate.Table.Judge).
-func costOf(inFlight int, invWeight, latency, busy float64) cost {
-	return cost{queue: float64(inFlight + 1), invWeight: invWeight, latency: latency, busy: busy}
+// CostOf is the cost of one more request to an upstream with inFlight
+// requests in flight, the inverse of its weight, the Latency it is
+// expected to serve at and how long it has been Busy (hoststate.Table.Judge).
+func CostOf(inFlight int, invWeight, latency, busy float64) Cost {
+	return Cost{Queue: float64(inFlight + 1), InvWeight: invWeight, Latency: latency, Busy: busy}
 }
 
-// tieBand is the relative difference in latency below which two upstreams
+// TieBand is the relative difference in Latency below which two upstreams
 // count as equally fast, and which is discounted from any larger one.
 // Measured on loopback backends of equal speed, the medians of recent
 // answers stay within 20–30% of each other; a degraded upstream is several
 // times slower, a machine half the size twice.
-const tieBand = 0.5
+const TieBand = 0.5
 
 // drawTries bounds how many random draws are spent looking for a usable
 // member before falling back to a full scan.
 const drawTries = 4
 
-// chooseBestOfK draws k members at random (distinct for k = 2, the common
+// ChooseBestOfK draws k members at random (distinct for k = 2, the common
 // case) and returns the index of the cheapest usable one, or -1 if the pool
 // has no usable member. It is O(k) when most members are usable; when draws
 // keep hitting unusable members it scans, which is exact and happens only
 // when much of the pool is down.
-func chooseBestOfK[C candidates](c C, k int) int {
-	i, _ := bestOfK(c, k)
+func ChooseBestOfK[C Candidates](c C, k int) int {
+	i, _ := BestOfK(c, k)
 	return i
 }
 
-// bestOfK is chooseBestOfK that also returns the cost of its choice (the
-// zero cost with -1).
-func bestOfK[C candidates](c C, k int) (int, cost) {
+// BestOfK is ChooseBestOfK that also returns the cost of its choice (the
+// zero Cost with -1).
+func BestOfK[C Candidates](c C, k int) (int, Cost) {
 	n := c.Len()
 	if n == 0 {
-		return -1, cost{}
+		return -1, Cost{}
 	}
 	if k >= n {
-		i := chooseCheapest(c)
+		i := Cheapest(c)
 		if i < 0 {
-			return -1, cost{}
+			return -1, Cost{}
 		}
 		return i, c.Cost(i)
 	}
-	best, bestCost := -1, cost{}
+	best, bestCost := -1, Cost{}
 	for range k {
 		i := drawUsable(c, n, best)
 		if i < 0 {
 			if best < 0 {
-				if i = chooseCheapest(c); i < 0 {
-					return -1, cost{}
+				if i = Cheapest(c); i < 0 {
+					return -1, Cost{}
 				}
 				return i, c.Cost(i)
 			}
@@ -134,37 +142,37 @@ func bestOfK[C candidates](c C, k int) (int, cost) {
 		}
 		// draws come in random order, so keeping the first of near-equal
 		// candidates is a random tie-break
-		if ci := c.Cost(i); best < 0 || ci.beats(bestCost) {
+		if ci := c.Cost(i); best < 0 || ci.Beats(bestCost) {
 			best, bestCost = i, ci
 		}
 	}
 	return best, bestCost
 }
 
-// secondLook gives a sampled choice i of cost ci (of k random candidates) one more
-// draw of k when i is clearly slower than the pool's typical latency base,
+// SecondLook gives a sampled choice i of cost ci (of k random candidates) one more
+// draw of k when i is clearly slower than the pool's typical Latency base,
 // and returns the better of the two. With two choices among n upstreams of
 // which d are degraded, both draws land on degraded ones for about
 // (d/n)² of the requests — a floor under the tail that no estimate can
 // lift; a second look when the first came up bad squares that share again
 // at the price of two more candidates, and only then.
-func secondLook[C candidates](c C, k, i int, ci cost, base float64) int {
-	if i < 0 || !ci.clearlySlow(base) {
+func SecondLook[C Candidates](c C, k, i int, ci Cost, base float64) int {
+	if i < 0 || !ci.ClearlySlow(base) {
 		return i
 	}
-	if j, cj := bestOfK(c, k); j >= 0 && cj.beats(ci) {
+	if j, cj := BestOfK(c, k); j >= 0 && cj.Beats(ci) {
 		return j
 	}
 	return i
 }
 
-// clearlySlow reports whether c's latency is outside the tie band above
-// the pool's typical latency base: a choice worth a second look.
-func (c cost) clearlySlow(base float64) bool { return c.latency > base*(1+tieBand) }
+// ClearlySlow reports whether c's Latency is outside the tie band above
+// the pool's typical Latency base: a choice worth a second look.
+func (c Cost) ClearlySlow(base float64) bool { return c.Latency > base*(1+TieBand) }
 
 // drawUsable returns a random usable index other than not (-1 excludes
 // nothing), or -1 after drawTries misses.
-func drawUsable[C candidates](c C, n, not int) int {
+func drawUsable[C Candidates](c C, n, not int) int {
 	for range drawTries {
 		var i int
 		if not < 0 {
@@ -179,18 +187,18 @@ func drawUsable[C candidates](c C, n, not int) int {
 	return -1
 }
 
-// chooseCheapest returns the index of a cheapest usable member, or -1 if
+// Cheapest returns the index of a cheapest usable member, or -1 if
 // none is usable: a cheapest cost is found first, then one member is chosen
-// uniformly at random among those it does not beat (see cost.beats), so an
+// uniformly at random among those it does not beat (see cost.Beats), so an
 // idle or evenly loaded pool is spread, not served by its first or
 // marginally fastest member.
-func chooseCheapest[C candidates](c C) int {
-	cheapest, minCost := -1, cost{}
+func Cheapest[C Candidates](c C) int {
+	cheapest, minCost := -1, Cost{}
 	for i := range c.Len() {
 		if !c.Usable(i) {
 			continue
 		}
-		if ci := c.Cost(i); cheapest < 0 || ci.beats(minCost) {
+		if ci := c.Cost(i); cheapest < 0 || ci.Beats(minCost) {
 			cheapest, minCost = i, ci
 		}
 	}
@@ -199,7 +207,7 @@ func chooseCheapest[C candidates](c C) int {
 	}
 	best, ties := -1, 0
 	for i := range c.Len() {
-		if !c.Usable(i) || minCost.beats(c.Cost(i)) {
+		if !c.Usable(i) || minCost.Beats(c.Cost(i)) {
 			continue
 		}
 		ties++

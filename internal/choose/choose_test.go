@@ -1,4 +1,4 @@
-package lbpolicy
+package choose
 
 import (
 	"math"
@@ -25,16 +25,16 @@ func newFakePool(n int) *fakePool {
 
 func (p *fakePool) Len() int          { return len(p.inflight) }
 func (p *fakePool) Usable(i int) bool { return !p.down[i] }
-func (p *fakePool) Cost(i int) cost {
-	return costOf(p.inflight[i], 1/p.weight[i], p.latency[i], 0)
+func (p *fakePool) Cost(i int) Cost {
+	return CostOf(p.inflight[i], 1/p.weight[i], p.latency[i], 0)
 }
 
 type chooser func(*fakePool) int
 
 var modes = map[string]chooser{
-	"cheapest": func(p *fakePool) int { return chooseCheapest(p) },
-	"choices2": func(p *fakePool) int { return chooseBestOfK(p, 2) },
-	"choices3": func(p *fakePool) int { return chooseBestOfK(p, 3) },
+	"cheapest": func(p *fakePool) int { return Cheapest(p) },
+	"choices2": func(p *fakePool) int { return ChooseBestOfK(p, 2) },
+	"choices3": func(p *fakePool) int { return ChooseBestOfK(p, 3) },
 }
 
 func TestChooseNeverPicksUnusable(t *testing.T) {
@@ -75,7 +75,7 @@ func TestChooseFindsLoneSurvivor(t *testing.T) {
 		p.down[i] = i != 37
 	}
 	for range 500 {
-		if i := chooseBestOfK(p, 2); i != 37 {
+		if i := ChooseBestOfK(p, 2); i != 37 {
 			t.Fatalf("want 37, got %d", i)
 		}
 	}
@@ -94,7 +94,7 @@ func TestScanPicksCheapestAndBreaksTiesAtRandom(t *testing.T) {
 	p.latency = []float64{5, 1, 1, 9}
 	counts := make([]int, 4)
 	for range 4000 {
-		counts[chooseCheapest(p)]++
+		counts[Cheapest(p)]++
 	}
 	if counts[0] != 0 || counts[3] != 0 {
 		t.Fatalf("scan picked a costlier upstream: %v", counts)
@@ -110,7 +110,7 @@ func TestBestOfTwoAvoidsSlowHost(t *testing.T) {
 	p := newFakePool(10)
 	p.latency[3] = 20
 	for range 5000 {
-		if chooseBestOfK(p, 2) == 3 {
+		if ChooseBestOfK(p, 2) == 3 {
 			t.Fatal("best of two distinct draws picked the slow host")
 		}
 	}
@@ -126,7 +126,7 @@ func TestHerdAvoidance(t *testing.T) {
 	p.latency[0] = 0.5 // clearly cheaper
 	counts := make([]int, n)
 	for range picks {
-		counts[chooseBestOfK(p, 2)]++
+		counts[ChooseBestOfK(p, 2)]++
 	}
 	// host 0 wins whenever it is drawn: P = 1-(9/10)(8/9) = 20%.
 	share := float64(counts[0]) / picks
@@ -139,7 +139,7 @@ func TestHerdAvoidance(t *testing.T) {
 		}
 	}
 	for range 100 {
-		if chooseCheapest(p) != 0 {
+		if Cheapest(p) != 0 {
 			t.Fatal("scan should pick the clearly cheapest")
 		}
 	}
@@ -185,25 +185,6 @@ func TestWeightsShareUnderLoad(t *testing.T) {
 	}
 }
 
-func TestChoicesForPool(t *testing.T) {
-	cases := []struct {
-		c    Choices
-		n    int
-		want int
-	}{
-		{choicesAuto, 4, 0},
-		{choicesAuto, autoScanLimit, 0},
-		{choicesAuto, autoScanLimit + 1, 2},
-		{choicesAll, 1000, 0},
-		{2, 4, 2},
-		{5, 3, 5},
-	}
-	for _, c := range cases {
-		if got := c.c.forPool(c.n); got != c.want {
-			t.Errorf("%v.forPool(%d) = %d, want %d", c.c, c.n, got, c.want)
-		}
-	}
-}
 
 func TestNearTiesAreSpread(t *testing.T) {
 	// Four equally fast upstreams whose estimates differ by measurement
@@ -226,7 +207,7 @@ func TestNearTiesAreSpread(t *testing.T) {
 	p := newFakePool(2)
 	p.latency = []float64{1, 1.51}
 	for range 200 {
-		if chooseCheapest(p) != 0 {
+		if Cheapest(p) != 0 {
 			t.Fatal("an upstream 1.51× faster must win a scan")
 		}
 	}
@@ -234,48 +215,48 @@ func TestNearTiesAreSpread(t *testing.T) {
 
 func TestCostBeats(t *testing.T) {
 	// q: queue (in flight + 1) and latency, weight 1
-	q := func(queue, latency float64) cost { return cost{queue: queue, invWeight: 1, latency: latency} }
+	q := func(queue, latency float64) Cost { return Cost{Queue: queue, InvWeight: 1, Latency: latency} }
 	// w: with a weight
-	w := func(queue, weight, latency float64) cost {
-		return cost{queue: queue, invWeight: 1 / weight, latency: latency}
+	w := func(queue, weight, latency float64) Cost {
+		return Cost{Queue: queue, InvWeight: 1 / weight, Latency: latency}
 	}
 	cases := []struct {
 		name string
-		a, b cost
+		a, b Cost
 		want bool
 	}{
 		{"same queue, latency within the band: tie", q(1, 1), q(1, 1.49), false},
-		{"same queue, clearly faster", q(1, 1), q(1, 1.51), true},
-		{"same queue, slower within the band", q(1, 1.49), q(1, 1), false},
-		{"within the band the queue alone decides", q(1, 1.4), q(2, 1), true},
-		{"within the band a longer queue loses", q(3, 1), q(2, 1.4), false},
+		{"same Queue, clearly faster", q(1, 1), q(1, 1.51), true},
+		{"same Queue, slower within the band", q(1, 1.49), q(1, 1), false},
+		{"within the band the Queue alone decides", q(1, 1.4), q(2, 1), true},
+		{"within the band a longer Queue loses", q(3, 1), q(2, 1.4), false},
 		// beyond the band only the excess counts: 1.9× faster is 1.27×
 		{"outside the band the excess decides: 2 > 1.9 ÷ 1.5", q(2, 1), q(1, 1.9), false},
 		{"outside the band: 2 < 3.1 ÷ 1.5", q(2, 1), q(1, 3.1), true},
 		{"outside the band: 2 > 2.9 ÷ 1.5", q(2, 1), q(1, 2.9), false},
 		{"clearly slower: 1 < 2 × 1.5 ÷ 2", q(1, 2), q(2, 1), true},
 		{"weight 2 vs 1 at idle", w(1, 2, 1), w(1, 1, 1), true},
-		{"equal queues: further into its work wins", cost{queue: 2, invWeight: 1, latency: 1, busy: 0.8}, cost{queue: 2, invWeight: 1, latency: 1.2, busy: 0.1}, true},
-		{"equal queues: less far loses", cost{queue: 2, invWeight: 1, latency: 1, busy: 0.1}, cost{queue: 2, invWeight: 1, latency: 1, busy: 0.8}, false},
-		{"busy never beats a shorter queue", cost{queue: 3, invWeight: 1, latency: 1, busy: 0.9}, cost{queue: 2, invWeight: 1, latency: 1, busy: 0}, false},
+		{"equal queues: further into its work wins", Cost{Queue: 2, InvWeight: 1, Latency: 1, Busy: 0.8}, Cost{Queue: 2, InvWeight: 1, Latency: 1.2, Busy: 0.1}, true},
+		{"equal queues: less far loses", Cost{Queue: 2, InvWeight: 1, Latency: 1, Busy: 0.1}, Cost{Queue: 2, InvWeight: 1, Latency: 1, Busy: 0.8}, false},
+		{"busy never beats a shorter queue", Cost{Queue: 3, InvWeight: 1, Latency: 1, Busy: 0.9}, Cost{Queue: 2, InvWeight: 1, Latency: 1, Busy: 0}, false},
 		{"weighted least-connections within the band: 3/2 > 1/1", w(3, 2, 1), w(1, 1, 1.2), false},
 		{"weighted least-connections: 3/2 < 2/1", w(3, 2, 1), w(3, 1, 1.2), true},
 		// a machine configured twice the size and measured twice as
 		// fast is twice as cheap, not four times
 		{"size and speed agree: the larger counts, not the product", w(3, 2, 1), w(1, 1, 2), false},
-		{"size and speed agree: queue 2 vs 1 at 2× beats", w(2, 2, 1), w(1, 1, 2), false},
+		{"size and speed agree: Queue 2 vs 1 at 2× Beats", w(2, 2, 1), w(1, 1, 2), false},
 		{"size and speed agree: 1.9 < 2", w(1.9, 2, 1), w(1, 1, 2), true},
 		{"size and speed disagree: they cancel", w(1.5, 2, 2), w(1, 1, 1), false},
 		{"size and speed disagree, size wins by more", w(1, 4, 2), w(1, 1, 1), true},
 	}
 	for _, c := range cases {
-		if got := c.a.beats(c.b); got != c.want {
-			t.Errorf("%s: %+v beats %+v = %v, want %v", c.name, c.a, c.b, got, c.want)
+		if got := c.a.Beats(c.b); got != c.want {
+			t.Errorf("%s: %+v Beats %+v = %v, want %v", c.name, c.a, c.b, got, c.want)
 		}
 	}
 }
 
-// TestSamplingFloorOfTwoChoices is why choicesAuto scans small pools: with
+// TestSamplingFloorOfTwoChoices is why ewma's choices auto scans small pools: with
 // 2 of 4 upstreams slow, best of two draws both slow ones one time in six,
 // however clear the costs; a scan never picks them.
 func TestSamplingFloorOfTwoChoices(t *testing.T) {
@@ -284,7 +265,7 @@ func TestSamplingFloorOfTwoChoices(t *testing.T) {
 	const picks = 30000
 	slow := 0
 	for range picks {
-		if chooseBestOfK(p, 2) >= 2 {
+		if ChooseBestOfK(p, 2) >= 2 {
 			slow++
 		}
 	}
@@ -292,11 +273,8 @@ func TestSamplingFloorOfTwoChoices(t *testing.T) {
 		t.Fatalf("best of two sent %.3f to the slow pair, want ≈1/6", share)
 	}
 	for range picks {
-		if chooseCheapest(p) >= 2 {
+		if Cheapest(p) >= 2 {
 			t.Fatal("a scan picked a slow upstream")
 		}
-	}
-	if choicesAuto.forPool(4) != 0 {
-		t.Fatal("auto must scan a pool of 4")
 	}
 }
