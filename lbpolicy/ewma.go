@@ -12,8 +12,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
-	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/choose"
+	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"

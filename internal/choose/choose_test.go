@@ -185,7 +185,6 @@ func TestWeightsShareUnderLoad(t *testing.T) {
 	}
 }
 
-
 func TestNearTiesAreSpread(t *testing.T) {
 	// Four equally fast upstreams whose estimates differ by measurement
 	// noise: every mode must spread picks instead of piling onto the
