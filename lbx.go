@@ -10,4 +10,5 @@ import (
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
 	_ "github.com/caddy-lbx/lbx/partition"
 	_ "github.com/caddy-lbx/lbx/rebalance"
+	_ "github.com/caddy-lbx/lbx/selective"
 )

@@ -33,6 +33,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/calldeadline"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
@@ -153,7 +154,9 @@ type Handler struct {
 
 	// Overall deadline for all sub-requests, retries included.
 	// Partitions that have not answered by then count as failed ("timeout")
-	// and are cancelled. From 1ms to 24h. Default: 30s.
+	// and are cancelled. Inside a selective group, the selective's deadline
+	// replaces it (brpc's rule: the outer channel's timeout overrides its
+	// sub-channels'). From 1ms to 24h. Default: 30s.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// The largest request body accepted, in bytes; it is read once and
@@ -701,9 +704,15 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 	n := sc.count
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	if h.Timeout > 0 {
+	// An outer combo handler's deadline (a selective's timeout) overrides
+	// this one's timeout, as in brpc.
+	end, outer := calldeadline.From(ctx)
+	if !outer && h.Timeout > 0 {
+		end = time.Now().Add(time.Duration(h.Timeout))
+	}
+	if outer || h.Timeout > 0 {
 		var stop context.CancelFunc
-		ctx, stop = context.WithTimeoutCause(ctx, time.Duration(h.Timeout), errTimeout)
+		ctx, stop = context.WithDeadlineCause(ctx, end, errTimeout)
 		defer stop()
 	}
 

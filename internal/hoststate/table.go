@@ -100,6 +100,12 @@ func (t *Table) Stats(dial string) *Stats {
 	return s
 }
 
+// NewStats returns state for something that is not an upstream address
+// (a selective group), named name: its owner keeps it, outside the
+// registry of addresses, and gives it to a Table's methods as it would an
+// address's.
+func NewStats(name string) *Stats { return &Stats{dial: name, bornNs: monoclock.Now()} }
+
 // Lookup returns the state of dial if this table uses the address,
 // without taking a reference.
 func (t *Table) Lookup(dial string) (*Stats, bool) {

@@ -1,0 +1,147 @@
+package selective
+
+import (
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-lbx/lbx/internal/adminjson"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
+)
+
+func init() {
+	caddy.RegisterModule(adminAPI{})
+}
+
+// adminAPI serves the selective handlers' state on Caddy's admin endpoint:
+//
+//	GET /lbx/selective
+//
+// returns every selective handler of the running configs with its policy,
+// calls and backup budget, and each group's capacity, usable share,
+// latency estimate, attempts in flight and counters.
+type adminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.lbx_selective",
+		New: func() caddy.Module { return new(adminAPI) },
+	}
+}
+
+// Routes returns the admin routes.
+func (adminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{
+		Pattern: "/lbx/selective",
+		Handler: adminjson.Handler(buildView),
+	}}
+}
+
+// live holds the provisioned handlers, for the admin view.
+var (
+	liveMu sync.Mutex
+	live   = map[*Handler]struct{}{}
+)
+
+func register(h *Handler) {
+	liveMu.Lock()
+	live[h] = struct{}{}
+	liveMu.Unlock()
+}
+
+func unregister(h *Handler) {
+	liveMu.Lock()
+	delete(live, h)
+	liveMu.Unlock()
+}
+
+// selectiveStatus is the admin view.
+type selectiveStatus struct {
+	Handlers []handlerStatus `json:"handlers"`
+}
+
+// handlerStatus is one handler in the admin view.
+type handlerStatus struct {
+	Policy          string        `json:"policy"`
+	Calls           uint64        `json:"calls"`
+	MaxRetry        int           `json:"max_retry"`
+	BackupRequestMs float64       `json:"backup_request_ms,omitempty"`
+	BackupTokens    float64       `json:"backup_tokens"`
+	BackupRefused   uint64        `json:"backup_refused"`
+	TimeoutMs       float64       `json:"timeout_ms,omitempty"`
+	Groups          []groupStatus `json:"groups"`
+}
+
+// groupStatus is one group in the admin view.
+type groupStatus struct {
+	Name       string  `json:"name"`
+	Weight     float64 `json:"weight"`
+	Usable     float64 `json:"usable"`
+	Upstreams  float64 `json:"upstreams"`
+	Capacity   float64 `json:"capacity"`
+	Failing    bool    `json:"failing"`
+	EstimateMs float64 `json:"latency_estimate_ms"`
+	InFlight   int64   `json:"in_flight"`
+	Attempts   uint64  `json:"attempts"`
+	Answers    uint64  `json:"answers"`
+	Failures   uint64  `json:"failures"`
+	BackupSent uint64  `json:"backup_sent"`
+	BackupWon  uint64  `json:"backup_won"`
+}
+
+func buildView() selectiveStatus {
+	liveMu.Lock()
+	hs := make([]*Handler, 0, len(live))
+	for h := range live {
+		hs = append(hs, h)
+	}
+	liveMu.Unlock()
+	now := monoclock.Now()
+	v := selectiveStatus{Handlers: []handlerStatus{}}
+	for _, h := range hs {
+		v.Handlers = append(v.Handlers, h.status(now))
+	}
+	return v
+}
+
+func (h *Handler) status(now int64) handlerStatus {
+	hv := handlerStatus{
+		Policy:          h.Policy.name(),
+		Calls:           h.calls.Load(),
+		MaxRetry:        h.maxRetry,
+		BackupRequestMs: ms(time.Duration(h.BackupRequest)),
+		BackupTokens:    h.budget.available(),
+		BackupRefused:   h.budget.refused.Load(),
+		TimeoutMs:       ms(time.Duration(h.Timeout)),
+		Groups:          []groupStatus{},
+	}
+	for _, g := range h.groups {
+		usable, total := g.capacity(now)
+		st := g.state
+		failing := g.failingNow(now)
+		capacity := usable * g.weight
+		if failing {
+			capacity = 0
+		}
+		hv.Groups = append(hv.Groups, groupStatus{
+			Name:       g.name,
+			Weight:     g.weight,
+			Usable:     usable,
+			Upstreams:  total,
+			Capacity:   capacity,
+			Failing:    failing,
+			EstimateMs: ms(st.stats.Snapshot(now).Estimate),
+			InFlight:   st.inFlight.Load(),
+			Attempts:   st.attempts.Load(),
+			Answers:    st.answers.Load(),
+			Failures:   st.failures.Load(),
+			BackupSent: st.backupSent.Load(),
+			BackupWon:  st.backupWon.Load(),
+		})
+	}
+	return hv
+}
+
+func ms(d time.Duration) float64 { return d.Seconds() * 1e3 }

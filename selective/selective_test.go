@@ -1,0 +1,378 @@
+package selective
+
+import (
+	"fmt"
+	"math"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// groupsOf returns a Caddyfile group block per backend, named after it,
+// each a reverse_proxy to that backend with the given extra lines.
+func groupsOf(extra string, bs ...*backend) string {
+	var b strings.Builder
+	for _, be := range bs {
+		fmt.Fprintf(&b, "\t\tgroup %s {\n\t\t\treverse_proxy %s {\n%s\t\t\t}\n\t\t}\n", be.name, be.addr, extra)
+	}
+	return b.String()
+}
+
+// The no-options form: two groups, every request answered, both groups
+// used, and the answering group named in the placeholders.
+func TestDefaults(t *testing.T) {
+	e := newEnv(t)
+	a, b := e.backend("a"), e.backend("b")
+	e.load(fmt.Sprintf("\tselective {\n%s\t}\n\theader X-Group {http.selective.group}", groupsOf("", a, b)))
+	var mu sync.Mutex
+	by := map[string]int{}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 25 {
+				r := e.do(http.MethodGet, "/")
+				mu.Lock()
+				if r.err != nil || r.status != 200 {
+					by["failed"]++
+				} else {
+					by[r.body]++
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	if by["failed"] != 0 || by["a"] == 0 || by["b"] == 0 {
+		t.Fatalf("answers by group: %v; want every request answered, by both groups", by)
+	}
+	st := e.admin()
+	if len(st.Handlers) != 1 || len(st.Handlers[0].Groups) != 2 || st.Handlers[0].Policy != "latency" || st.Handlers[0].MaxRetry != 1 {
+		t.Fatalf("admin view: %+v", st)
+	}
+	for _, g := range st.Handlers[0].Groups {
+		if g.Capacity != 1 || g.Upstreams != 1 || g.Attempts == 0 || g.InFlight != 0 {
+			t.Errorf("group %s in the admin view: %+v", g.Name, g)
+		}
+	}
+}
+
+// A group that answers 503 is retried on the other: no client error, and
+// after failingStreak failures the failing group is no longer chosen.
+func TestRetryOnAnotherGroup(t *testing.T) {
+	e := newEnv(t)
+	bad, good := e.backend("bad"), e.backend("good")
+	bad.status.Store(http.StatusServiceUnavailable)
+	e.load(fmt.Sprintf("\tselective {\n%s\t\tstatus_header\n\t}", groupsOf("", bad, good)))
+	for i := range 40 {
+		r := e.get("/")
+		if r.status != 200 || r.body != "good" {
+			t.Fatalf("request %d: %d %q (%s), want 200 from good", i, r.status, r.body, r.header.Get("X-Selective"))
+		}
+	}
+	if n := bad.hits.Load(); n < 1 || n > failingStreak+3 {
+		t.Fatalf("the failing group got %d requests of 40; want it left alone after %d failures", n, failingStreak)
+	}
+	r := e.get("/")
+	if h := r.header.Get("X-Selective"); !strings.HasPrefix(h, "good; attempts=") {
+		t.Fatalf("status header %q", h)
+	}
+}
+
+// A POST is not retried on a status (it may have had effects), but is on
+// a dial error, when no backend saw it.
+func TestRetryMethods(t *testing.T) {
+	e := newEnv(t)
+	bad, good := e.backend("bad"), e.backend("good")
+	bad.status.Store(http.StatusServiceUnavailable)
+	// policy failover sends every first attempt to the first group
+	e.load(fmt.Sprintf("\tselective {\n%s\t\tpolicy failover\n\t}", groupsOf("", bad, good)))
+	if r := e.do(http.MethodPost, "/"); r.status != http.StatusServiceUnavailable {
+		t.Fatalf("POST to a 503 group: %d %q, want the 503 itself", r.status, r.body)
+	}
+	if r := e.get("/"); r.status != 200 || r.body != "good" {
+		t.Fatalf("GET: %d %q, want it retried on good", r.status, r.body)
+	}
+	dead := &backend{name: "dead", addr: fmt.Sprintf("127.0.0.1:%d", freePort(t))} // nothing listens: a dial error
+	e.load(fmt.Sprintf("\tselective {\n%s\t\tpolicy failover\n\t}", groupsOf("", dead, good)))
+	for range 3 {
+		if r := e.do(http.MethodPost, "/"); r.status != 200 || r.body != "good" {
+			t.Fatalf("POST after a dial error: %d %q, want it retried on good", r.status, r.body)
+		}
+	}
+}
+
+// The hash policy: keys stay on their group; when a group goes down, its
+// keys move to the others, spread, and no other key moves.
+func TestHashKeysStayAndSpread(t *testing.T) {
+	e := newEnv(t)
+	bs := []*backend{e.backend("g0"), e.backend("g1"), e.backend("g2")}
+	e.load(fmt.Sprintf("\tselective {\n%s\t\tpolicy hash {http.request.header.X-Key}\n\t}", groupsOf("\t\t\t\thealth_uri /health\n\t\t\t\thealth_interval 50ms\n", bs...)))
+	const keys = 300
+	route := func() map[string]string {
+		m := make(map[string]string, keys)
+		for k := range keys {
+			r := e.get("/", "X-Key", fmt.Sprintf("user-%d", k))
+			if r.status != 200 {
+				t.Fatalf("key %d: status %d", k, r.status)
+			}
+			m[fmt.Sprint(k)] = r.body
+		}
+		return m
+	}
+	before := route()
+	again := route()
+	count := map[string]int{}
+	for k, g := range before {
+		if again[k] != g {
+			t.Fatalf("key %s moved from %s to %s with nothing changed", k, g, again[k])
+		}
+		count[g]++
+	}
+	for _, b := range bs {
+		if c := count[b.name]; c < keys/3/2 {
+			t.Fatalf("keys per group %v; want them spread", count)
+		}
+	}
+	bs[0].health.Store(http.StatusServiceUnavailable)
+	waitFor(t, 5*time.Second, "g0 unhealthy", func() (bool, string) {
+		g := e.admin().Handlers[0].Groups[0]
+		return g.Usable == 0, fmt.Sprintf("%+v", g)
+	})
+	after := route()
+	moved := map[string]int{}
+	for k, g := range before {
+		switch {
+		case g == "g0":
+			moved[after[k]]++
+		case after[k] != g:
+			t.Fatalf("key %s of %s moved to %s although %s is up", k, g, after[k], g)
+		}
+	}
+	if moved["g0"] != 0 || moved["g1"] < count["g0"]/4 || moved["g2"] < count["g0"]/4 {
+		t.Fatalf("g0's %d keys went to %v; want them spread over g1 and g2", count["g0"], moved)
+	}
+	t.Logf("keys per group %v; g0's keys moved to %v; no other key moved", count, moved)
+}
+
+// Failover: the backup group takes the share the primary cannot, in
+// proportion, as the primary's healthy upstreams go from 4 to 0.
+func TestFailoverSpills(t *testing.T) {
+	e := newEnv(t)
+	var primary []*backend
+	var dials []string
+	for i := range 4 {
+		b := e.backend(fmt.Sprintf("p%d", i))
+		primary = append(primary, b)
+		dials = append(dials, b.addr)
+	}
+	backup := e.backend("backup")
+	e.load(fmt.Sprintf(`	selective {
+		group primary {
+			reverse_proxy %s {
+				health_uri /health
+				health_interval 50ms
+			}
+		}
+		group backup {
+			reverse_proxy %s
+		}
+		policy failover
+		max_retry 1
+	}`, strings.Join(dials, " "), backup.addr))
+	const n = 400
+	for down := 0; down <= 4; down++ {
+		for i := range down {
+			primary[i].health.Store(http.StatusServiceUnavailable)
+		}
+		waitFor(t, 5*time.Second, "primary health", func() (bool, string) {
+			g := e.admin().Handlers[0].Groups[0]
+			return g.Usable == float64(4-down), fmt.Sprintf("%+v", g)
+		})
+		toBackup := 0
+		for range n {
+			r := e.get("/")
+			if r.status != 200 {
+				t.Fatalf("%d of 4 down: status %d %q", down, r.status, r.body)
+			}
+			if r.body == "backup" {
+				toBackup++
+			}
+		}
+		want := 1 - math.Min(1, float64(4-down)/4/0.7)
+		got := float64(toBackup) / n
+		t.Logf("%d of 4 primary upstreams down: %.3f to backup (want %.3f)", down, got, want)
+		if math.Abs(got-want) > 0.08 {
+			t.Errorf("%d of 4 down: %.3f of requests to the backup group, want %.3f", down, got, want)
+		}
+	}
+	for _, b := range primary {
+		b.health.Store(0)
+	}
+	waitFor(t, 5*time.Second, "primary back", func() (bool, string) {
+		g := e.admin().Handlers[0].Groups[0]
+		return g.Usable == 4, fmt.Sprintf("%+v", g)
+	})
+	before := backup.hits.Load()
+	for range 50 {
+		e.get("/")
+	}
+	if n := backup.hits.Load() - before; n != 0 {
+		t.Fatalf("the primary recovered, yet the backup got %d of 50", n)
+	}
+}
+
+// A backup request: the first group is slow, the second answers; the
+// client gets the second's answer soon after the delay, and the slow
+// backend sees its request cancelled.
+func TestBackupRequest(t *testing.T) {
+	e := newEnv(t)
+	slow, fast := e.backend("slow"), e.backend("fast")
+	slow.delay.Store(int64(2 * time.Second))
+	e.load(fmt.Sprintf("\tselective {\n%s\t\tpolicy failover\n\t\tbackup_request 50ms\n\t\tstatus_header\n\t}", groupsOf("", slow, fast)))
+	start := time.Now()
+	r := e.get("/")
+	took := time.Since(start)
+	if r.status != 200 || r.body != "fast" || !strings.Contains(r.header.Get("X-Selective"), "backup=won") {
+		t.Fatalf("got %d %q (%s), want fast's answer by the backup request", r.status, r.body, r.header.Get("X-Selective"))
+	}
+	if took > time.Second {
+		t.Fatalf("the answer took %v; the backup should have answered after about 50ms", took)
+	}
+	waitFor(t, 3*time.Second, "the slow attempt cancelled at its backend", func() (bool, string) {
+		return slow.cancelled.Load() == 1, fmt.Sprint(slow.cancelled.Load())
+	})
+	// A POST is not hedged by default.
+	start = time.Now()
+	if r := e.do(http.MethodPost, "/"); r.body != "slow" || time.Since(start) < time.Second {
+		t.Fatalf("POST: %q after %v, want slow's answer, unhedged", r.body, time.Since(start))
+	}
+}
+
+// The backup budget: with a tiny share, the bucket's burst is spent and
+// further backups are refused and counted.
+func TestBackupBudget(t *testing.T) {
+	e := newEnv(t)
+	slow, fast := e.backend("slow"), e.backend("fast")
+	slow.delay.Store(int64(300 * time.Millisecond))
+	e.load(fmt.Sprintf("\tselective {\n%s\t\tpolicy failover\n\t\tbackup_request 10ms\n\t\tbackup_budget 0.01%%\n\t}", groupsOf("", slow, fast)))
+	fastAnswers := 0
+	for range budgetBurst + 5 {
+		if r := e.get("/"); r.body == "fast" {
+			fastAnswers++
+		}
+	}
+	h := e.admin().Handlers[0]
+	if fastAnswers != budgetBurst || h.BackupRefused != 5 {
+		t.Fatalf("%d answers by backup, %d refused; want %d and 5", fastAnswers, h.BackupRefused, budgetBurst)
+	}
+}
+
+// The outer timeout overrides a nested selective's: brpc's 500ms over
+// 100ms example.
+func TestTimeoutOverridesNested(t *testing.T) {
+	e := newEnv(t)
+	b := e.backend("b")
+	b.delay.Store(int64(300 * time.Millisecond))
+	inner := fmt.Sprintf("selective {\n\t\t\t\tgroup only {\n\t\t\t\t\treverse_proxy %s\n\t\t\t\t}\n\t\t\t\ttimeout 100ms\n\t\t\t}", b.addr)
+	e.load(fmt.Sprintf("\tselective {\n\t\tgroup nested {\n\t\t\t%s\n\t\t}\n\t\ttimeout 500ms\n\t\tmax_retry 0\n\t}", inner))
+	if r := e.get("/"); r.status != 200 || r.body != "b" {
+		t.Fatalf("outer 500ms, inner 100ms, backend 300ms: %d %q, want b's answer", r.status, r.body)
+	}
+	e.load(fmt.Sprintf("\tselective {\n\t\tgroup nested {\n\t\t\t%s\n\t\t}\n\t\ttimeout 150ms\n\t\tmax_retry 0\n\t}", inner))
+	start := time.Now()
+	if r := e.get("/"); r.status != http.StatusGatewayTimeout || time.Since(start) > 250*time.Millisecond {
+		t.Fatalf("outer 150ms, backend 300ms: %d after %v, want 504 after about 150ms", r.status, time.Since(start))
+	}
+}
+
+// A bad config pushed to a serving Caddy is refused with the option named,
+// and the old config keeps serving.
+func TestBadConfigKeepsServing(t *testing.T) {
+	e := newEnv(t)
+	a := e.backend("a")
+	good := fmt.Sprintf("\tselective {\n%s\t}", groupsOf("", a))
+	e.load(good)
+	for _, c := range []struct{ body, want string }{
+		{"max_retry 17", "max_retry 17 is above the maximum 16"},
+		{"max_retry -1", "max_retry -1 is below the minimum 0"},
+		{"backup_request 0s", "backup_request 0s is below the minimum 1ms"},
+		{"backup_budget 0", "backup_budget must be above 0"},
+		{"backup_budget 101", "backup_budget 101 is above the maximum 100"},
+		{"timeout 25h", "timeout 25h0m0s is above the maximum 24h0m0s"},
+		{"retry_on teapot", `retry_on "teapot"`},
+		{"policy hash", "policy hash: want one key"},
+		{"policy failover 0", "threshold must be above 0"},
+		{"policy random", `policy "random" is not one of`},
+		{"status_header X:Y", "not a valid header name"},
+		{"max_replay_body 2GiB", "max_replay_body"},
+		{"frobnicate", `unknown option "frobnicate"`},
+	} {
+		err := e.loadErr(fmt.Sprintf("\tselective {\n%s\t\t%s\n\t}", groupsOf("", a), c.body))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: got %v, want an error with %q", c.body, err, c.want)
+		}
+		if r := e.get("/"); r.status != 200 || r.body != "a" {
+			t.Fatalf("after %s: the old config answers %d %q", c.body, r.status, r.body)
+		}
+	}
+	for _, c := range []struct{ site, want string }{
+		{"\tselective {\n\t}", "no group given"},
+		{fmt.Sprintf("\tselective {\n\t\tgroup x {\n\t\t\treverse_proxy %s\n\t\t}\n\t\tgroup x {\n\t\t\treverse_proxy %s\n\t\t}\n\t}", a.addr, a.addr), "group x specified more than once"},
+		{"\tselective {\n\t\tgroup bad/name {\n\t\t\trespond ok\n\t\t}\n\t}", `has '/'`},
+		{"\tselective {\n\t\tgroup x weight 0 {\n\t\t\trespond ok\n\t\t}\n\t}", "weight 0 is below the minimum 1"},
+		{"\tselective {\n\t\tgroup x\n\t}", "missing block"},
+	} {
+		err := e.loadErr(c.site)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: got %v, want an error with %q", c.site, err, c.want)
+		}
+	}
+	if r := e.get("/"); r.status != 200 || r.body != "a" {
+		t.Fatalf("the old config answers %d %q", r.status, r.body)
+	}
+}
+
+// A group may be a partition fan-out: its merged answer is the group's,
+// its failure (fail_limit 1) is retried on the next group, and the
+// selective's deadline bounds it instead of its own 30s timeout.
+func TestPartitionGroup(t *testing.T) {
+	e := newEnv(t)
+	p0, p1, single := e.backend("p0"), e.backend("p1"), e.backend("single")
+	site := func(timeout string, retries int) string {
+		return fmt.Sprintf(`	selective {
+		group fanout {
+			partition {
+				to %s 0/2 %s 1/2
+				merge concat
+				fail_limit 1
+			}
+		}
+		group single {
+			reverse_proxy %s
+		}
+		policy failover
+		max_retry %d
+		timeout %s
+	}`, p0.addr, p1.addr, single.addr, retries, timeout)
+	}
+	e.load(site("2s", 1))
+	if r := e.get("/"); r.status != 200 || r.body != "p0p1" {
+		t.Fatalf("got %d %q, want the partitions' answers merged", r.status, r.body)
+	}
+	p1.status.Store(http.StatusServiceUnavailable)
+	if r := e.get("/"); r.status != 200 || r.body != "single" {
+		t.Fatalf("with a partition failing: %d %q, want the other group's answer", r.status, r.body)
+	}
+	p1.status.Store(0)
+	p1.delay.Store(int64(3 * time.Second))
+	e.load(site("300ms", 0))
+	start := time.Now()
+	r := e.get("/")
+	if took := time.Since(start); r.status != http.StatusGatewayTimeout || took > time.Second {
+		t.Fatalf("a partition slower than the selective's 300ms deadline: %d after %v, want 504 after about 300ms", r.status, took)
+	}
+}

@@ -1,0 +1,475 @@
+package selective
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/calldeadline"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
+)
+
+// call is one client request's way through the handler: its attempts,
+// which of them won the client's response, and what the client gets when
+// none did.
+type call struct {
+	h      *Handler
+	w      http.ResponseWriter // the client's
+	r      *http.Request       // the client's
+	repl   *caddy.Replacer     // the client's; nil outside Caddy's server
+	vars   map[string]any      // a snapshot of the client's variables
+	server *caddyhttp.Server
+
+	// body is the request body kept in memory; replay says attempts may
+	// be repeated (the body is kept, or there is none).
+	body   []byte
+	replay bool
+	hedge  bool // a backup request may be sent
+	key    string
+	keyed  bool
+
+	// done receives each attempt when it has finished.
+	done chan *attempt
+
+	mu       sync.Mutex // guards what follows
+	attempts []*attempt
+	winner   *attempt
+	closed   bool // the call answered by itself: nobody may claim any more
+	backup   string
+}
+
+// The states of the backup request, for placeholders and the header.
+const (
+	backupNone    = "none"
+	backupSent    = "sent"
+	backupWon     = "won"
+	backupRefused = "refused"
+)
+
+// maxAttempts bounds one call's attempts: the first, every retry, and one
+// backup request.
+func (h *Handler) maxAttempts() int { return 2 + h.maxRetry }
+
+// ServeHTTP implements caddyhttp.MiddlewareHandler. The handler answers
+// every request itself: next is not called.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	h.calls.Add(1)
+	h.budget.deposit()
+	c := &call{
+		h:      h,
+		w:      w,
+		r:      r,
+		done:   make(chan *attempt, h.maxAttempts()),
+		backup: backupNone,
+	}
+	c.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	c.server, _ = r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok {
+		c.vars = maps.Clone(vars)
+	}
+	if err := c.readBody(); err != nil {
+		return err
+	}
+	c.hedge = h.BackupRequest > 0 && c.replay && h.hedgeable(r)
+
+	ctx := r.Context()
+	if deadline, ok := h.deadline(ctx); ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+		ctx = calldeadline.With(ctx, deadline)
+	}
+	return c.run(ctx)
+}
+
+// deadline returns the call's deadline: an outer combo handler's, which
+// overrides this one's timeout, else now plus the timeout, if set.
+func (h *Handler) deadline(ctx context.Context) (time.Time, bool) {
+	if d, ok := calldeadline.From(ctx); ok {
+		return d, true
+	}
+	if h.Timeout > 0 {
+		return time.Now().Add(time.Duration(h.Timeout)), true
+	}
+	return time.Time{}, false
+}
+
+// hedgeable reports whether r may be sent twice: it matches backup_match
+// (by default GET or HEAD), and it is not a protocol upgrade, which
+// cannot be answered twice whatever the matchers say.
+func (h *Handler) hedgeable(r *http.Request) bool {
+	if r.Header.Get("Upgrade") != "" {
+		return false
+	}
+	if h.backupMatch != nil {
+		return h.backupMatch.AnyMatch(r)
+	}
+	return r.Method == http.MethodGet || r.Method == http.MethodHead
+}
+
+// readBody keeps the request body in memory, up to max_replay_body, so
+// that attempts can be repeated; a larger body is left to stream to a
+// single attempt.
+func (c *call) readBody() error {
+	r := c.r
+	if r.Body == nil || r.Body == http.NoBody {
+		c.replay = true
+		return nil
+	}
+	limit := c.h.MaxReplayBody
+	if limit == 0 {
+		limit = defaultMaxReplayBody
+	}
+	if r.ContentLength > limit {
+		return nil
+	}
+	buf, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	if err != nil {
+		if r.Context().Err() != nil {
+			return caddyhttp.Error(499, err)
+		}
+		return caddyhttp.Error(http.StatusBadRequest, fmt.Errorf("selective: reading the request body: %v", err))
+	}
+	if int64(len(buf)) > limit {
+		// Too large to keep: what was read goes first, the rest streams.
+		r.Body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
+		return nil
+	}
+	c.body, c.replay = buf, true
+	return nil
+}
+
+// run makes the attempts and waits for all of them to finish: the first,
+// a backup request when the first has not answered within the delay, and
+// a retry on another group after a failure, while none is running.
+func (c *call) run(ctx context.Context) error {
+	h := c.h
+	if g := h.pick(c, monoclock.Now(), func(int) bool { return false }); g >= 0 {
+		c.launch(ctx, g, kindFirst)
+	}
+	var hedgeC <-chan time.Time
+	if c.hedge {
+		t := time.NewTimer(time.Duration(h.BackupRequest))
+		defer t.Stop()
+		hedgeC = t.C
+	}
+	running := len(c.attempts)
+	retries := 0
+	var last *attempt
+	for running > 0 {
+		select {
+		case <-hedgeC:
+			hedgeC = nil
+			if c.sendBackup(ctx) {
+				running++
+			}
+		case a := <-c.done:
+			running--
+			if a.lost || c.winnerIs(a) {
+				continue
+			}
+			last = a
+			if running > 0 || retries >= h.maxRetry || ctx.Err() != nil || !c.retryable(a) {
+				continue
+			}
+			if g := h.pick(c, monoclock.Now(), c.retryExcluded(a.g)); g >= 0 {
+				retries++
+				c.launch(ctx, g, kindRetry)
+				running++
+			}
+		}
+	}
+	c.mu.Lock()
+	c.closed = true
+	winner := c.winner
+	c.mu.Unlock()
+	if winner != nil {
+		c.finish(winner, nil)
+		if winner.panicked != nil {
+			// The response was cut off (the client left, or the
+			// backend's body broke): let the server abort it, as
+			// reverse_proxy would.
+			panic(winner.panicked)
+		}
+		return nil
+	}
+	return c.answerFailure(ctx, last)
+}
+
+// sendBackup sends the backup request, if the call still waits for its
+// first answer and the budget allows it, to a group without an attempt
+// running (the same group when there is only one). It reports whether it
+// sent one.
+func (c *call) sendBackup(ctx context.Context) bool {
+	c.mu.Lock()
+	waiting := c.winner == nil
+	for _, a := range c.attempts {
+		if a.answered.Load() {
+			waiting = false
+		}
+	}
+	c.mu.Unlock()
+	if !waiting || ctx.Err() != nil {
+		return false
+	}
+	now := monoclock.Now()
+	g := c.h.pick(c, now, c.runningExcluded)
+	if g < 0 && len(c.h.groups) == 1 {
+		g = 0
+	}
+	if g < 0 {
+		return false
+	}
+	if !c.h.budget.take() {
+		c.setBackup(backupRefused)
+		backupRefusedTotal.Inc()
+		return false
+	}
+	c.setBackup(backupSent)
+	c.launch(ctx, g, kindBackup)
+	return true
+}
+
+func (c *call) setBackup(state string) {
+	c.mu.Lock()
+	c.backup = state
+	c.mu.Unlock()
+}
+
+// runningExcluded leaves out the groups with an attempt of this call
+// running.
+func (c *call) runningExcluded(i int) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, a := range c.attempts {
+		if a.g == i && !a.finished {
+			return true
+		}
+	}
+	return false
+}
+
+// retryExcluded returns the exclusion for a retry after an attempt on
+// group failed: every group this call tried, or, once every group was
+// tried, the failed one alone (unless it is the only group).
+func (c *call) retryExcluded(failed int) func(int) bool {
+	c.mu.Lock()
+	tried := make([]bool, len(c.h.groups))
+	for _, a := range c.attempts {
+		tried[a.g] = true
+	}
+	c.mu.Unlock()
+	for _, t := range tried {
+		if !t {
+			return func(i int) bool { return tried[i] }
+		}
+	}
+	if len(tried) == 1 {
+		return func(int) bool { return false }
+	}
+	return func(i int) bool { return i == failed }
+}
+
+// winnerIs reports whether a won the client's response.
+func (c *call) winnerIs(a *attempt) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.winner == a
+}
+
+// claim makes a the winner unless another attempt won already or the call
+// answered by itself, and cancels every other attempt.
+func (c *call) claim(a *attempt) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.winner != nil || c.closed {
+		return false
+	}
+	c.winner = a
+	if a.kind == kindBackup {
+		c.backup = backupWon
+		a.group.state.backupWon.Add(1)
+		a.group.metrics.backupWon.Inc()
+	}
+	for _, o := range c.attempts {
+		if o != a {
+			o.cancel()
+		}
+	}
+	return true
+}
+
+// mayNotBeFinal reports whether a failure status from a may yet be
+// replaced by another answer: another attempt is running, or a retry may
+// follow it. When not, the failure is the answer and streams at once.
+func (c *call) mayNotBeFinal(a *attempt) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	retries := 0
+	for _, o := range c.attempts {
+		if o != a && !o.finished {
+			return true
+		}
+		if o.kind == kindRetry {
+			retries++
+		}
+	}
+	return retries < c.h.maxRetry && c.replay && c.methodRetryable(failStatus)
+}
+
+// retryable reports whether the failure of a may be retried.
+func (c *call) retryable(a *attempt) bool {
+	return c.replay && c.h.retryOn.has(a.failure, a.status) && c.methodRetryable(a.failure)
+}
+
+// methodRetryable applies Caddy's rule for methods: a request that may
+// have reached a backend is retried only when its method is safe (GET,
+// HEAD, OPTIONS, TRACE), unless retry_any_method is set; one that never
+// left (a dial error) always may be.
+func (c *call) methodRetryable(f failure) bool {
+	if f == failDial || c.h.RetryAnyMethod {
+		return true
+	}
+	switch c.r.Method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	return false
+}
+
+// hashKey returns the hash policy's key for this request, evaluated once.
+func (c *call) hashKey() string {
+	if !c.keyed {
+		c.keyed = true
+		if c.repl != nil {
+			c.key = c.repl.ReplaceAll(c.h.Policy.Key, "")
+		} else {
+			c.key = c.h.Policy.Key
+		}
+	}
+	return c.key
+}
+
+// answerFailure answers the client when no attempt won: with the call's
+// timeout, or the last failure — the response the group gave (held in
+// memory), or the group's error.
+func (c *call) answerFailure(ctx context.Context, last *attempt) error {
+	c.finish(last, func() string {
+		switch {
+		case last == nil:
+			return "no group to send the request to"
+		case last.err != nil:
+			return last.err.Error()
+		}
+		return "status " + strconv.Itoa(last.status)
+	})
+	switch {
+	case c.r.Context().Err() != nil:
+		return caddyhttp.Error(499, c.r.Context().Err())
+	case ctx.Err() != nil:
+		return caddyhttp.Error(http.StatusGatewayTimeout, fmt.Errorf("selective: no answer before the deadline (%d attempts)", len(c.attempts)))
+	case last == nil:
+		return caddyhttp.Error(http.StatusBadGateway, errors.New("selective: no group to send the request to"))
+	case last.held != nil:
+		c.writeHeld(last)
+		return nil
+	}
+	var herr caddyhttp.HandlerError
+	if errors.As(last.err, &herr) {
+		return caddyhttp.Error(herr.StatusCode, fmt.Errorf("selective: group %s: %w", last.group.name, herr.Err))
+	}
+	return caddyhttp.Error(http.StatusBadGateway, fmt.Errorf("selective: group %s: %w", last.group.name, last.err))
+}
+
+// writeHeld sends the failure response a held to the client.
+func (c *call) writeHeld(a *attempt) {
+	dst := c.w.Header()
+	for k, v := range a.held.header {
+		dst[k] = v
+	}
+	c.setStatusHeader(a)
+	c.w.WriteHeader(a.status)
+	if _, err := c.w.Write(a.held.body.Bytes()); err != nil && c.h.logger != nil {
+		c.h.logger.Debug("writing a group's failure response", zap.Error(err))
+	}
+}
+
+// finish sets the call's placeholders and access-log field: the group
+// that answered (a, nil when none was tried), the attempts, the groups
+// tried, the backup request and, when errText is not nil, the error.
+// The answering attempt's own placeholders (the upstream it used) are
+// made readable from the client request too.
+func (c *call) finish(a *attempt, errText func() string) {
+	if a != nil && c.repl != nil {
+		c.repl.Map(a.repl.Get)
+	}
+	c.setPlaceholders(a)
+	if errText != nil && c.repl != nil {
+		c.repl.Set("http.selective.error", errText())
+	}
+	if a == nil {
+		return
+	}
+	if extra, ok := c.r.Context().Value(caddyhttp.ExtraLogFieldsCtxKey).(*caddyhttp.ExtraLogFields); ok {
+		extra.Set(zap.String("selective_group", a.group.name))
+	}
+}
+
+// setPlaceholders sets the call's placeholders as they stand.
+func (c *call) setPlaceholders(a *attempt) {
+	if c.repl == nil {
+		return
+	}
+	attempts, tried, backup := c.summary()
+	if a != nil {
+		c.repl.Set("http.selective.group", a.group.name)
+	}
+	c.repl.Set("http.selective.attempts", attempts)
+	c.repl.Set("http.selective.tried", tried)
+	c.repl.Set("http.selective.backup", backup)
+}
+
+// summary returns the number of attempts, the groups tried in order
+// (comma-separated, each once) and the backup request's state.
+func (c *call) summary() (attempts int, tried, backup string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var b strings.Builder
+	seen := make(map[int]bool, len(c.attempts))
+	for _, a := range c.attempts {
+		if seen[a.g] {
+			continue
+		}
+		seen[a.g] = true
+		if b.Len() > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(a.group.name)
+	}
+	return len(c.attempts), b.String(), c.backup
+}
+
+// setStatusHeader adds the status header, when configured, for an answer
+// from a.
+func (c *call) setStatusHeader(a *attempt) {
+	if c.h.StatusHeader == "" {
+		return
+	}
+	attempts, tried, backup := c.summary()
+	c.w.Header().Set(c.h.StatusHeader, fmt.Sprintf("%s; attempts=%d; tried=%s; backup=%s", a.group.name, attempts, tried, backup))
+}
