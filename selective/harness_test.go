@@ -20,9 +20,9 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
+	"github.com/caddy-lbx/lbx/internal/testutil"
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
 	_ "github.com/caddy-lbx/lbx/partition"
-	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
 func TestMain(m *testing.M) {
