@@ -1,13 +1,18 @@
 package selective
 
 import (
+	"context"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/cespare/xxhash/v2"
 )
 
 // groupsOf returns a Caddyfile group block per backend, named after it,
@@ -375,4 +380,131 @@ func TestPartitionGroup(t *testing.T) {
 	if took := time.Since(start); r.status != http.StatusGatewayTimeout || took > time.Second {
 		t.Fatalf("a partition slower than the selective's 300ms deadline: %d after %v, want 504 after about 300ms", r.status, took)
 	}
+}
+
+// The latency policy sends most requests to the faster of two groups, and
+// the weighted policy follows capacity (usable upstreams × weight).
+func TestLatencyAndWeighted(t *testing.T) {
+	e := newEnv(t)
+	slow, fast := e.backend("slow"), e.backend("fast")
+	slow.delay.Store(int64(20 * time.Millisecond))
+	e.load(fmt.Sprintf("\tselective {\n%s\t}", groupsOf("", slow, fast)))
+	for range 200 {
+		e.get("/")
+	}
+	if s, f := slow.hits.Load(), fast.hits.Load(); s*10 > f {
+		t.Fatalf("latency policy: %d to the 20ms group, %d to the fast one; want the fast one to take over 90%%", s, f)
+	}
+	a1, a2, a3, b := e.backend("a1"), e.backend("a2"), e.backend("a3"), e.backend("b")
+	e.load(fmt.Sprintf(`	selective {
+		group a {
+			reverse_proxy %s %s %s
+		}
+		group b weight 2 {
+			reverse_proxy %s
+		}
+		policy weighted
+	}`, a1.addr, a2.addr, a3.addr, b.addr))
+	const n = 1000
+	toB := 0
+	for range n {
+		if e.get("/").body == "b" {
+			toB++
+		}
+	}
+	// capacities 3 × 1 and 1 × 2: b takes 2/5
+	if share := float64(toB) / n; math.Abs(share-0.4) > 0.06 {
+		t.Fatalf("weighted: %.3f to b, want 0.4 (capacity 2 of 5)", share)
+	}
+}
+
+// Every way a call can end — a client that leaves mid-call, a backup
+// whose loser is cancelled, a timeout, every group failing, a body too
+// large to replay, dial errors — 25 times each, leaves no goroutine and
+// no attempt counted in flight.
+func TestNoLeakOnBadRequests(t *testing.T) {
+	e := newEnv(t)
+	slow, fast, failing := e.backend("slow"), e.backend("fast"), e.backend("failing")
+	slow.delay.Store(int64(300 * time.Millisecond))
+	failing.status.Store(http.StatusBadGateway)
+	dead := &backend{name: "dead", addr: fmt.Sprintf("127.0.0.1:%d", freePort(t))}
+	e.load(fmt.Sprintf(`	selective {
+		group slow {
+			reverse_proxy %s
+		}
+		group fast {
+			reverse_proxy %s
+		}
+		group failing {
+			reverse_proxy %s
+		}
+		group dead {
+			reverse_proxy %s
+		}
+		policy hash {http.request.header.X-Key}
+		backup_request 20ms
+		backup_budget 100%%
+		max_replay_body 1KiB
+		timeout 200ms
+		max_retry 3
+	}`, slow.addr, fast.addr, failing.addr, dead.addr))
+	// a key whose first choice is each group, from the policy's own score
+	names := []string{"slow", "fast", "failing", "dead"}
+	keyFor := map[string]string{}
+	for k := 0; len(keyFor) < len(names); k++ {
+		key := fmt.Sprint(k)
+		kh := xxhash.Sum64String(key)
+		best, bestScore := "", math.Inf(-1)
+		for _, n := range names {
+			if sc := rendezvousScore(kh, xxhash.Sum64String(n), 1); sc > bestScore {
+				best, bestScore = n, sc
+			}
+		}
+		if _, ok := keyFor[best]; !ok {
+			keyFor[best] = key
+		}
+	}
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	send := func(method, key string, body string, cancelAfter time.Duration) {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		if cancelAfter > 0 {
+			time.AfterFunc(cancelAfter, cancel)
+		}
+		req, _ := http.NewRequestWithContext(ctx, method, fmt.Sprintf("http://127.0.0.1:%d/", httpPort), strings.NewReader(body))
+		req.Header.Set("X-Key", key)
+		if res, err := client.Do(req); err == nil {
+			_, _ = io.Copy(io.Discard, res.Body)
+			res.Body.Close()
+		}
+	}
+	big := strings.Repeat("x", 4096)
+	for range 25 {
+		send(http.MethodGet, keyFor["slow"], "", 10*time.Millisecond) // client leaves before the backup
+		send(http.MethodGet, keyFor["slow"], "", 0)                   // backup wins, the slow one is cancelled
+		send(http.MethodPost, keyFor["slow"], "", 0)                  // not hedged: the deadline passes
+		send(http.MethodGet, keyFor["failing"], "", 0)                // held failure, retried
+		send(http.MethodPost, keyFor["failing"], big, 0)              // streamed body, not retried
+		send(http.MethodPost, keyFor["dead"], "", 0)                  // dial errors, retried
+		send(http.MethodGet, keyFor["slow"], "", 25*time.Millisecond) // client leaves after the backup
+	}
+	waitFor(t, 5*time.Second, "no attempt in flight", func() (bool, string) {
+		for _, g := range e.admin().Handlers[0].Groups {
+			if g.InFlight != 0 {
+				return false, fmt.Sprintf("%+v", g)
+			}
+		}
+		return true, ""
+	})
+	waitFor(t, 5*time.Second, "no selective goroutine left", func() (bool, string) {
+		buf := make([]byte, 1<<20)
+		stacks := string(buf[:runtime.Stack(buf, true)])
+		for _, g := range strings.Split(stacks, "\n\n") {
+			if strings.Contains(g, "selective.(*attempt).run") || strings.Contains(g, "selective.(*call).run") {
+				return false, g
+			}
+		}
+		return true, ""
+	})
 }
