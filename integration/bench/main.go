@@ -9,7 +9,8 @@
 //	cd integration && go run ./bench [flags]
 //	cd integration && go run ./bench -quick   # a smoke test of well under a minute
 //	cd integration && go run ./bench rebalance [flags]   # the rebalance scale-out, with a plot
-//	cd integration && go run ./bench scenarios [flags]   # the scenario classes of issue 11 (docs/bench.md)
+//	cd integration && go run ./bench scenarios [flags]   # the scenario classes of issue 11 (docs/benchmarks.md)
+//	cd integration && go run ./bench hedge [flags]       # selective's backup requests under freezes
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -63,6 +64,8 @@ func main() {
 		_, err = runRebalance(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "scenarios":
 		_, err = runScenarios(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	case len(os.Args) > 1 && os.Args[1] == "hedge":
+		err = runHedge(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	default:
 		_, err = run(ctx, os.Args[1:], commandLine(os.Args), os.Stdout, os.Stderr)
 	}
@@ -301,6 +304,9 @@ type policy struct {
 	leastConnStyle bool
 	// weights marks the policies that take per-upstream weights.
 	weights bool
+	// selective puts the reverse_proxy in one group of a selective
+	// handler; backup adds its backup_request (bench hedge).
+	selective, backup bool
 }
 
 var allPolicies = []policy{

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -15,6 +16,8 @@ import (
 	"syscall"
 	"text/template"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/integration/fleet"
 	"github.com/caddy-lbx/lbx/integration/loadmodel"
@@ -197,6 +200,10 @@ type proxyOptions struct {
 	// tries, HAProxy retries 2 on connection failures, empty responses,
 	// response timeouts and 502/503/504, redispatching every retry.
 	Retries bool
+	// Backup and BackupBudget are the backup_request and backup_budget
+	// of the policies that hedge (bench hedge).
+	Backup       time.Duration
+	BackupBudget float64
 }
 
 // healthInterval is the active health checks' interval.
@@ -215,6 +222,11 @@ type proxyConfig struct {
 	HealthURI      string // "" for no active health checks
 	HealthInterval string
 	Retries        bool
+	// Selective wraps the reverse_proxy in a selective handler's one
+	// group; BackupRequest and BackupBudget are its options ("" for none).
+	Selective     bool
+	BackupRequest string
+	BackupBudget  string
 }
 
 // caddyfileTemplate is the Caddy config: the admin API on a loopback port
@@ -243,6 +255,14 @@ var caddyfileTemplate = template.Must(template.New("Caddyfile").Parse(`{
 
 http://:{{.Port}} {
 	bind 127.0.0.1
+{{- if .Selective}}
+	selective {
+{{- if .BackupRequest}}
+		backup_request {{.BackupRequest}}
+		backup_budget {{.BackupBudget}}
+{{- end}}
+		group all {
+{{- end}}
 	reverse_proxy{{range .Upstream}} {{.}}{{end}} {
 		lb_policy {{.Policy}}
 {{- if .PolicyOptions}} {
@@ -265,6 +285,10 @@ http://:{{.Port}} {
 		}
 {{- end}}
 	}
+{{- if .Selective}}
+		}
+	}
+{{- end}}
 }
 `))
 
@@ -354,16 +378,19 @@ backend be
 `))
 
 // writeTemplate fills t with c into path.
+// A Caddyfile is formatted as `caddy fmt` would, which the adapter
+// otherwise warns about (the selective wrapper nests the reverse_proxy
+// one level deeper).
 func writeTemplate(t *template.Template, path string, c proxyConfig) error {
-	f, err := os.Create(path)
-	if err != nil {
+	var b bytes.Buffer
+	if err := t.Execute(&b, c); err != nil {
 		return err
 	}
-	if err := t.Execute(f, c); err != nil {
-		f.Close()
-		return err
+	out := b.Bytes()
+	if t == caddyfileTemplate {
+		out = caddyfile.Format(out)
 	}
-	return f.Close()
+	return os.WriteFile(path, out, 0o644)
 }
 
 // tools are the executables the benchmark runs.
@@ -397,6 +424,11 @@ func newProxyConfig(pol policy, dir string, upstreams []string, opts proxyOption
 		c.HealthURI, c.HealthInterval = loadmodel.HealthPath, healthInterval
 	}
 	c.Retries = opts.Retries
+	c.Selective = pol.selective
+	if pol.backup {
+		c.BackupRequest = opts.Backup.String()
+		c.BackupBudget = strconv.FormatFloat(opts.BackupBudget, 'f', -1, 64) + "%"
+	}
 	return c, nil
 }
 

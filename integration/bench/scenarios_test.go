@@ -457,6 +457,27 @@ func TestProxyConfigs(t *testing.T) {
 			}
 		}
 	}
+	for _, pol := range hedgePolicies() {
+		dir := t.TempDir()
+		c, err := newProxyConfig(pol, dir, upstreams, proxyOptions{Backup: 10 * time.Millisecond, BackupBudget: 10})
+		if err != nil {
+			t.Fatal(err)
+		}
+		path := filepath.Join(dir, "Caddyfile")
+		if err := writeTemplate(caddyfileTemplate, path, c); err != nil {
+			t.Fatal(err)
+		}
+		body, _ := os.ReadFile(path)
+		js, warn, err := caddyconfig.GetAdapter("caddyfile").Adapt(body, nil)
+		if err != nil || len(warn) > 0 {
+			t.Errorf("%s: adapt: %v %v\n%s", pol.key, err, warn, body)
+			continue
+		}
+		s := string(js)
+		if strings.Contains(s, `"handler":"selective"`) != pol.selective || strings.Contains(s, `"backup_request":10000000`) != pol.backup {
+			t.Errorf("%s: %s", pol.key, s)
+		}
+	}
 	ewma, _ := policyByKey("ewma")
 	if _, err := newProxyConfig(ewma, t.TempDir(), upstreams, proxyOptions{Weights: []int{1}}); err == nil {
 		t.Error("a weight count that does not match the upstreams was accepted")
