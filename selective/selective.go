@@ -54,9 +54,9 @@ func init() {
 // {http.selective.tried} (the groups tried, in order, comma-separated),
 // {http.selective.backup} (none, sent, won or refused) and
 // {http.selective.error} (the last failure, when the call failed). The
-// answering attempt's own placeholders, such as
-// {http.reverse_proxy.upstream.hostport}, are readable too. The access log
-// gets a field selective_group.
+// answering attempt's reverse_proxy placeholders, such as
+// {http.reverse_proxy.upstream.hostport}, are copied to the client
+// request. The access log gets a field selective_group.
 type Handler struct {
 	// The groups, at least one and at most 64, each with a unique name.
 	Groups []*Group `json:"groups,omitempty"`

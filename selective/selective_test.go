@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"os"
 	"runtime"
 	"strings"
 	"sync"
@@ -289,8 +290,50 @@ func TestTimeoutOverridesNested(t *testing.T) {
 	}
 	e.load(fmt.Sprintf("\tselective {\n\t\tgroup nested {\n\t\t\t%s\n\t\t}\n\t\ttimeout 150ms\n\t\tmax_retry 0\n\t}", inner))
 	start := time.Now()
+	before := b.cancelled.Load()
 	if r := e.get("/"); r.status != http.StatusGatewayTimeout || time.Since(start) > 250*time.Millisecond {
 		t.Fatalf("outer 150ms, backend 300ms: %d after %v, want 504 after about 150ms", r.status, time.Since(start))
+	}
+	waitFor(t, 3*time.Second, "the timed-out attempt cancelled at its backend", func() (bool, string) {
+		return b.cancelled.Load() == before+1, fmt.Sprint(b.cancelled.Load() - before)
+	})
+}
+
+// A reload that keeps a group keeps its state (its attempts count and
+// estimate), adds and removes groups, and loses no request.
+func TestReloadKeepsGroupState(t *testing.T) {
+	e := newEnv(t)
+	a, b, c := e.backend("a"), e.backend("b"), e.backend("c")
+	e.load(fmt.Sprintf("\tselective {\n%s\t}", groupsOf("", a, b)))
+	for range 20 {
+		e.get("/")
+	}
+	attemptsOf := func(name string) (uint64, bool) {
+		for _, g := range e.admin().Handlers[0].Groups {
+			if g.Name == name {
+				return g.Attempts, true
+			}
+		}
+		return 0, false
+	}
+	kept, _ := attemptsOf("a")
+	e.load(fmt.Sprintf("\tselective {\n%s\t}", groupsOf("", a, c)))
+	if n, ok := attemptsOf("a"); !ok || n != kept {
+		t.Fatalf("group a after the reload: %d attempts (present %v), want the %d it had", n, ok, kept)
+	}
+	if _, ok := attemptsOf("b"); ok {
+		t.Fatal("group b is still in the admin view after the reload removed it")
+	}
+	seen := map[string]bool{}
+	for range 40 {
+		r := e.get("/")
+		if r.status != 200 {
+			t.Fatalf("after the reload: %d %q", r.status, r.body)
+		}
+		seen[r.body] = true
+	}
+	if !seen["a"] || !seen["c"] || seen["b"] {
+		t.Fatalf("answered by %v; want a and c", seen)
 	}
 }
 
@@ -506,5 +549,32 @@ func TestNoLeakOnBadRequests(t *testing.T) {
 			}
 		}
 		return true, ""
+	})
+}
+
+// The access log sees the call's placeholders, the answering attempt's
+// upstream and the selective_group field; a placeholder nobody knows is
+// empty (it must not send a lookup back and forth between the client's
+// and the attempt's placeholders).
+func TestAccessLog(t *testing.T) {
+	e := newEnv(t)
+	a := e.backend("a")
+	logFile := t.TempDir() + "/access.log"
+	e.load(fmt.Sprintf(`	log {
+		output file %s
+	}
+	log_append up {http.reverse_proxy.upstream.hostport}
+	log_append tried {http.selective.tried}
+	log_append nobody {http.nobody.knows.this}
+	selective {
+%s	}`, logFile, groupsOf("", a)))
+	if r := e.get("/"); r.status != 200 {
+		t.Fatalf("status %d", r.status)
+	}
+	waitFor(t, 5*time.Second, "the access log line", func() (bool, string) {
+		b, _ := os.ReadFile(logFile)
+		line := string(b)
+		return strings.Contains(line, `"up":"`+a.addr+`"`) && strings.Contains(line, `"tried":"a"`) &&
+			strings.Contains(line, `"selective_group":"a"`) && (strings.Contains(line, `"nobody":""`) || strings.Contains(line, `"nobody":null`)), line
 	})
 }

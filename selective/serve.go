@@ -412,11 +412,11 @@ func (c *call) writeHeld(a *attempt) {
 // finish sets the call's placeholders and access-log field: the group
 // that answered (a, nil when none was tried), the attempts, the groups
 // tried, the backup request and, when errText is not nil, the error.
-// The answering attempt's own placeholders (the upstream it used) are
-// made readable from the client request too.
+// The answering attempt's reverse_proxy placeholders (the upstream it
+// used) are copied to the client request's.
 func (c *call) finish(a *attempt, errText func() string) {
 	if a != nil && c.repl != nil {
-		c.repl.Map(a.repl.Get)
+		copyProxyPlaceholders(c.repl, a.repl, a.w.header)
 	}
 	c.setPlaceholders(a)
 	if errText != nil && c.repl != nil {
@@ -472,4 +472,37 @@ func (c *call) setStatusHeader(a *attempt) {
 	}
 	attempts, tried, backup := c.summary()
 	c.w.Header().Set(c.h.StatusHeader, fmt.Sprintf("%s; attempts=%d; tried=%s; backup=%s", a.group.name, attempts, tried, backup))
+}
+
+// proxyPlaceholders are the placeholders reverse_proxy sets on a request
+// it proxied (besides one per response header).
+var proxyPlaceholders = []string{
+	"http.reverse_proxy.duration", "http.reverse_proxy.duration_ms",
+	"http.reverse_proxy.is_transport_error", "http.reverse_proxy.retries",
+	"http.reverse_proxy.status_code", "http.reverse_proxy.status_text",
+	"http.reverse_proxy.upstream.address", "http.reverse_proxy.upstream.host",
+	"http.reverse_proxy.upstream.hostport", "http.reverse_proxy.upstream.port",
+	"http.reverse_proxy.upstream.requests", "http.reverse_proxy.upstream.max_requests",
+	"http.reverse_proxy.upstream.fails", "http.reverse_proxy.upstream.latency",
+	"http.reverse_proxy.upstream.latency_ms", "http.reverse_proxy.upstream.duration",
+	"http.reverse_proxy.upstream.duration_ms",
+}
+
+// copyProxyPlaceholders copies the reverse_proxy placeholders of an
+// attempt's replacer (src, whose response had header) to the client
+// request's (dst). They are copied, not looked up through src: src falls
+// back to dst for what it does not know, and a lookup each way would
+// never end for a placeholder neither knows.
+func copyProxyPlaceholders(dst, src *caddy.Replacer, header http.Header) {
+	for _, k := range proxyPlaceholders {
+		if v, ok := src.Get(k); ok {
+			dst.Set(k, v)
+		}
+	}
+	for name := range header {
+		k := "http.reverse_proxy.header." + name
+		if v, ok := src.Get(k); ok {
+			dst.Set(k, v)
+		}
+	}
 }
