@@ -39,7 +39,17 @@ type group struct {
 
 	metrics  groupMetrics
 	released bool
+
+	// The last count of usable static upstreams, reused for countEvery
+	// unless an ejection happened since: counting is O(upstreams).
+	countedAt, countEpoch atomic.Int64
+	counted               atomic.Int64
 }
+
+// countEvery is how long (ns) a count of a group's usable upstreams is
+// reused, as lb_policy ewma reuses its count of available upstreams:
+// choosing stays O(groups), and a health change shows within a blink.
+const countEvery = int64(5e6)
 
 // groupStates holds each group's state, keyed by the group's name and
 // routes, so a reload that keeps a group keeps its estimate and its count
@@ -169,13 +179,21 @@ func (g *group) findCapacity(routes caddyhttp.RouteList) bool {
 func (g *group) capacity(now int64) (usable, total float64) {
 	switch {
 	case g.static != nil:
+		total = float64(len(g.static))
+		epoch := int64(hoststate.EjectionEpoch())
+		if at := g.countedAt.Load(); at != 0 && now-at < countEvery && g.countEpoch.Load() == epoch {
+			return float64(g.counted.Load()), total
+		}
+		n := 0
 		for i, u := range g.static {
-			total++
 			if u.Available() && !g.upStats[i].Ejected(now) {
-				usable++
+				n++
 			}
 		}
-		return usable, total
+		g.counted.Store(int64(n))
+		g.countEpoch.Store(epoch)
+		g.countedAt.Store(now)
+		return float64(n), total
 	case g.dynamic != nil:
 		if !g.dynamic.seen.Load() {
 			return 1, 1
