@@ -108,13 +108,37 @@ func (t *Tried) without(ups []*reverseproxy.Upstream) []*reverseproxy.Upstream {
 	return out
 }
 
+// Avoid records dial as tried by r before r's first attempt: a policy
+// that tracks what a request tried leaves it out of r's choice while
+// another upstream is usable. The selective handler gives a backup
+// request the upstream its first attempt went to, so that with one group
+// the backup goes to another replica.
+func Avoid(r *http.Request, dial string) {
+	if vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok && dial != "" {
+		vars[triedVar] = &reverseproxy.Upstream{Dial: dial}
+	}
+}
+
+// backupSender is a handler that may send a request twice through the
+// routes below it, marking with Avoid what the first attempt used (the
+// selective handler with backup requests).
+type backupSender interface {
+	SendsBackupRequests() bool
+}
+
 // TracksTried reports whether a policy being provisioned in ctx needs to
 // record what each request tried: only when its reverse_proxy handler can
-// retry (lb_retries or lb_try_duration). Without retries Select is called
+// retry (lb_retries or lb_try_duration), or a handler above it sends
+// backup requests (see Avoid). Without retries Select is called
 // once per request and the record would never be read, so a first attempt
 // pays nothing. Outside a reverse_proxy handler it cannot tell, and
 // records.
 func TracksTried(ctx caddy.Context) bool {
+	for _, m := range ctx.Modules() {
+		if b, ok := m.(backupSender); ok && b.SendsBackupRequests() {
+			return true
+		}
+	}
 	h := parentProxy(ctx)
 	if h == nil {
 		return true

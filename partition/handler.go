@@ -792,15 +792,17 @@ wait:
 				}
 			}
 		case <-ctx.Done():
-			deadline = errors.Is(context.Cause(ctx), errTimeout)
+			deadline = errors.Is(context.Cause(ctx), errTimeout) || errors.Is(ctx.Err(), context.DeadlineExceeded)
 			break wait
 		}
 	}
 	cancel(errDecided)
 	wg.Wait()
 
-	if r.Context().Err() != nil {
-		// The client went away; nobody will read an answer.
+	if errors.Is(r.Context().Err(), context.Canceled) {
+		// The client went away (or, inside a selective, another
+		// attempt answered); nobody will read an answer. An outer
+		// deadline that passed is answered as a timeout below.
 		w.WriteHeader(499)
 		return
 	}

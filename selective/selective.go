@@ -438,6 +438,11 @@ func (p *Policy) validate() error {
 	return nil
 }
 
+// SendsBackupRequests reports whether the handler hedges: the selection
+// policies of its groups then record what each attempt used, for a backup
+// to leave it out (see lbpolicy.Avoid).
+func (h *Handler) SendsBackupRequests() bool { return h.BackupRequest > 0 }
+
 // Cleanup releases the groups' state and unregisters the handler.
 func (h *Handler) Cleanup() error {
 	unregister(h)

@@ -256,6 +256,25 @@ func TestBackupRequest(t *testing.T) {
 	if r := e.do(http.MethodPost, "/"); r.body != "slow" || time.Since(start) < time.Second {
 		t.Fatalf("POST: %q after %v, want slow's answer, unhedged", r.body, time.Since(start))
 	}
+	// One group: the backup goes to another replica, even under a policy
+	// that would choose the same one again (first, wrapped by panic,
+	// which leaves out what a request tried).
+	e.load(fmt.Sprintf(`	selective {
+		group only {
+			reverse_proxy %s %s {
+				lb_policy panic {
+					policy first
+				}
+			}
+		}
+		backup_request 50ms
+	}`, slow.addr, fast.addr))
+	for range 3 {
+		start = time.Now()
+		if r := e.get("/"); r.body != "fast" || time.Since(start) > time.Second {
+			t.Fatalf("one group: %q after %v, want the other replica's answer after about 50ms", r.body, time.Since(start))
+		}
+	}
 }
 
 // The backup budget: with a tiny share, the bucket's burst is spent and
@@ -317,7 +336,10 @@ func TestReloadKeepsGroupState(t *testing.T) {
 		return 0, false
 	}
 	kept, _ := attemptsOf("a")
-	e.load(fmt.Sprintf("\tselective {\n%s\t}", groupsOf("", a, c)))
+	// weighted: the new group gets its share at once (latency would give
+	// it traffic only once a's queue grows, which sequential requests
+	// never make it)
+	e.load(fmt.Sprintf("\tselective {\n%s\t\tpolicy weighted\n\t}", groupsOf("", a, c)))
 	if n, ok := attemptsOf("a"); !ok || n != kept {
 		t.Fatalf("group a after the reload: %d attempts (present %v), want the %d it had", n, ok, kept)
 	}

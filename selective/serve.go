@@ -180,7 +180,15 @@ func (c *call) run(ctx context.Context) error {
 			}
 		case a := <-c.done:
 			running--
-			if a.lost || c.winnerIs(a) {
+			if c.winnerIs(a) {
+				// The answer is complete: send it now rather than when
+				// the cancelled attempts have unwound.
+				if a.panicked == nil {
+					_ = http.NewResponseController(c.w).Flush()
+				}
+				continue
+			}
+			if a.lost {
 				continue
 			}
 			last = a
