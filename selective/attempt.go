@@ -20,8 +20,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
-	"github.com/caddy-lbx/lbx/lbpolicy"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 // attemptKind says why an attempt was made.
