@@ -1,12 +1,9 @@
 package partition
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"maps"
 	"net"
 	"net/http"
 	"slices"
@@ -21,6 +18,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/subreq"
 )
 
 // subParent is what every sub-request of one fan-out is made from. The
@@ -74,9 +72,10 @@ type givenUpstream struct {
 }
 
 // newSubCall makes partition i's sub-request: a clone of the client
-// request with the buffered body, its own replacer and vars map (Caddy's
-// are not safe for concurrent writers, and reverse_proxy writes both),
-// and the partition placeholders.
+// request with the buffered body, its own replacer and vars map
+// (subreq.Isolate; placeholders it does not know, e.g. set by `map` or
+// `vars` before this handler, come from the client request's), and the
+// partition placeholders.
 func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int) *subCall {
 	c := &subCall{
 		index: i,
@@ -96,30 +95,18 @@ func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int
 	for _, k := range subRequestDrop {
 		req.Header.Del(k)
 	}
+	subreq.ReplayBody(req, p.body)
 	if len(p.body) > 0 {
-		req.Body = io.NopCloser(bytes.NewReader(p.body))
-		req.ContentLength = int64(len(p.body))
 		req.Header.Set("Content-Length", strconv.Itoa(len(p.body)))
 	} else {
-		req.Body = http.NoBody
-		req.ContentLength = 0
 		req.Header.Del("Content-Length")
 	}
 
-	repl := caddy.NewReplacer()
-	req = caddyhttp.PrepareRequest(req, repl, c.rec, p.server)
-	if vars, ok := req.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok && p.vars != nil {
-		maps.Copy(vars, p.vars)
-	}
+	req, repl := subreq.Isolate(req, c.rec, p.server, p.vars, p.repl)
 	repl.Set("partition.index", i)
 	repl.Set("partition.count", sc.count)
 	repl.Set("partition.scheme", sc.count)
 	repl.Set("partition.tag", Tag{Index: i, Count: sc.count}.String())
-	if p.repl != nil {
-		// Placeholders this request does not know (e.g. set by `map` or
-		// `vars` before this handler) come from the client request's.
-		repl.Map(p.repl.Get)
-	}
 	c.req = req
 	return c
 }

@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"slices"
@@ -21,6 +20,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/subreq"
 	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
@@ -132,31 +132,16 @@ func (c *call) launch(ctx context.Context, g int, kind attemptKind) {
 
 // newRequest makes an attempt's request: a copy of the client's, with the
 // body replayed from memory, and placeholders and variables of its own
-// (Caddy's are not safe for concurrent writers, and reverse_proxy writes
-// both); placeholders it does not know come from the client request's.
+// (subreq.Isolate); placeholders it does not know come from the client
+// request's.
 func (c *call) newRequest(ctx context.Context, w http.ResponseWriter) (*http.Request, *caddy.Replacer) {
 	req := c.r.Clone(ctx)
-	switch {
-	case !c.replay:
+	if c.replay {
+		subreq.ReplayBody(req, c.body)
+	} else {
 		req.Body = c.r.Body // too large to keep: one attempt only
-	case len(c.body) > 0:
-		req.Body = io.NopCloser(bytes.NewReader(c.body))
-		req.ContentLength = int64(len(c.body))
-		req.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(c.body)), nil }
-	default:
-		req.Body = http.NoBody
 	}
-	repl := caddy.NewReplacer()
-	req = caddyhttp.PrepareRequest(req, repl, w, c.server)
-	if vars, ok := req.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok {
-		for k, v := range c.vars {
-			vars[k] = v
-		}
-	}
-	if c.repl != nil {
-		repl.Map(c.repl.Get)
-	}
-	return req, repl
+	return subreq.Isolate(req, w, c.server, c.vars, c.repl)
 }
 
 // run sends the attempt through the group's routes, then judges it and
@@ -366,13 +351,7 @@ func (w *attemptWriter) WriteHeader(code int) {
 		return
 	}
 	w.state = writerWon
-	dst := c.w.Header()
-	for k, v := range w.header {
-		dst[k] = v
-	}
-	c.setStatusHeader(w.a)
-	c.setPlaceholders(w.a)
-	c.w.WriteHeader(code)
+	c.writeHead(w.a, w.header, code)
 }
 
 // Write writes body bytes as the state says.

@@ -169,7 +169,6 @@ func (c *call) run(ctx context.Context) error {
 		hedgeC = t.C
 	}
 	running := len(c.attempts)
-	retries := 0
 	var last *attempt
 	for running > 0 {
 		select {
@@ -192,11 +191,10 @@ func (c *call) run(ctx context.Context) error {
 				continue
 			}
 			last = a
-			if running > 0 || retries >= h.maxRetry || ctx.Err() != nil || !c.retryable(a) {
+			if running > 0 || c.retriesLeft() == 0 || ctx.Err() != nil || !c.retryable(a) {
 				continue
 			}
 			if g := h.pick(c, monoclock.Now(), c.retryExcluded(a.g)); g >= 0 {
-				retries++
 				c.launch(ctx, g, kindRetry)
 				running++
 			}
@@ -328,16 +326,30 @@ func (c *call) claim(a *attempt) bool {
 func (c *call) mayNotBeFinal(a *attempt) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	retries := 0
 	for _, o := range c.attempts {
 		if o != a && !o.finished {
 			return true
 		}
+	}
+	return c.retriesLeftLocked() > 0 && c.replay && c.methodRetryable(failStatus)
+}
+
+// retriesLeft returns how many more retries the call may make.
+func (c *call) retriesLeft() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.retriesLeftLocked()
+}
+
+// retriesLeftLocked is retriesLeft with c.mu held.
+func (c *call) retriesLeftLocked() int {
+	n := c.h.maxRetry
+	for _, o := range c.attempts {
 		if o.kind == kindRetry {
-			retries++
+			n--
 		}
 	}
-	return retries < c.h.maxRetry && c.replay && c.methodRetryable(failStatus)
+	return n
 }
 
 // retryable reports whether the failure of a may be retried.
@@ -406,15 +418,25 @@ func (c *call) answerFailure(ctx context.Context, last *attempt) error {
 
 // writeHeld sends the failure response a held to the client.
 func (c *call) writeHeld(a *attempt) {
-	dst := c.w.Header()
-	for k, v := range a.held.header {
-		dst[k] = v
-	}
-	c.setStatusHeader(a)
-	c.w.WriteHeader(a.status)
+	c.writeHead(a, a.held.header, a.status)
 	if _, err := c.w.Write(a.held.body.Bytes()); err != nil && c.h.logger != nil {
 		c.h.logger.Debug("writing a group's failure response", zap.Error(err))
 	}
+}
+
+// writeHead starts the client's response with the answer of a: its
+// header, the status header when configured, and status; the call's
+// placeholders are set first, for handlers that read them as the
+// response starts (header ops).
+func (c *call) writeHead(a *attempt, header http.Header, status int) {
+	s := c.summarize()
+	dst := c.w.Header()
+	maps.Copy(dst, header)
+	if c.h.StatusHeader != "" {
+		dst.Set(c.h.StatusHeader, fmt.Sprintf("%s; attempts=%d; tried=%s; backup=%s", a.group.name, s.attempts, s.tried, s.backup))
+	}
+	c.setPlaceholders(a, s)
+	c.w.WriteHeader(status)
 }
 
 // finish sets the call's placeholders and access-log field: the group
@@ -426,7 +448,7 @@ func (c *call) finish(a *attempt, errText func() string) {
 	if a != nil && c.repl != nil {
 		copyProxyPlaceholders(c.repl, a.repl, a.w.header)
 	}
-	c.setPlaceholders(a)
+	c.setPlaceholders(a, c.summarize())
 	if errText != nil && c.repl != nil {
 		c.repl.Set("http.selective.error", errText())
 	}
@@ -438,27 +460,31 @@ func (c *call) finish(a *attempt, errText func() string) {
 	}
 }
 
-// setPlaceholders sets the call's placeholders as they stand.
-func (c *call) setPlaceholders(a *attempt) {
+// setPlaceholders sets the call's placeholders from s.
+func (c *call) setPlaceholders(a *attempt, s summary) {
 	if c.repl == nil {
 		return
 	}
-	attempts, tried, backup := c.summary()
 	if a != nil {
 		c.repl.Set("http.selective.group", a.group.name)
 	}
-	c.repl.Set("http.selective.attempts", attempts)
-	c.repl.Set("http.selective.tried", tried)
-	c.repl.Set("http.selective.backup", backup)
+	c.repl.Set("http.selective.attempts", s.attempts)
+	c.repl.Set("http.selective.tried", s.tried)
+	c.repl.Set("http.selective.backup", s.backup)
 }
 
-// summary returns the number of attempts, the groups tried in order
-// (comma-separated, each once) and the backup request's state.
-func (c *call) summary() (attempts int, tried, backup string) {
+// summary is what a call has done so far: its attempts, the groups tried
+// in order (comma-separated, each once) and the backup request's state.
+type summary struct {
+	attempts      int
+	tried, backup string
+}
+
+func (c *call) summarize() summary {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var b strings.Builder
-	seen := make(map[int]bool, len(c.attempts))
+	var seen [maxGroups]bool
 	for _, a := range c.attempts {
 		if seen[a.g] {
 			continue
@@ -469,17 +495,7 @@ func (c *call) summary() (attempts int, tried, backup string) {
 		}
 		b.WriteString(a.group.name)
 	}
-	return len(c.attempts), b.String(), c.backup
-}
-
-// setStatusHeader adds the status header, when configured, for an answer
-// from a.
-func (c *call) setStatusHeader(a *attempt) {
-	if c.h.StatusHeader == "" {
-		return
-	}
-	attempts, tried, backup := c.summary()
-	c.w.Header().Set(c.h.StatusHeader, fmt.Sprintf("%s; attempts=%d; tried=%s; backup=%s", a.group.name, attempts, tried, backup))
+	return summary{attempts: len(c.attempts), tried: b.String(), backup: c.backup}
 }
 
 // proxyPlaceholders are the placeholders reverse_proxy sets on a request
