@@ -84,11 +84,11 @@ func hedgePolicies() []policy {
 	}
 }
 
-// hedgeRow is a policy's result over the seeds of a variant.
+// hedgeRow is a policy's result over the seeds of a variant: the scenario
+// classes' aggregate, and the extra requests backups cost.
 type hedgeRow struct {
-	label           string
-	p50, p99, p999  stat
-	errPct, extraPc stat
+	scenRow
+	extraPct stat
 }
 
 func runHedge(ctx context.Context, args []string, cmdline string, out, progress io.Writer) error {
@@ -138,7 +138,7 @@ func runHedge(ctx context.Context, args []string, cmdline string, out, progress 
 		fmt.Fprintf(&b, "\n## %s\n\n%s.\n\n| policy | p50 | p99 | p99.9 | errors | extra requests |\n| --- | --: | --: | --: | --: | --: |\n", v.name, v.about)
 		for _, p := range pols {
 			r := hedgeRowOf(p, byPolicy[p.key])
-			fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", r.label, fmtStat(r.p50, fmtMs), fmtStat(r.p99, fmtMs), fmtStat(r.p999, fmtMs), fmtStat(r.errPct, fmtPct), fmtStat(r.extraPc, fmtPct))
+			fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s |\n", p.label, fmtStat(r.P50, fmtMs), fmtStat(r.P99, fmtMs), fmtStat(r.P999, fmtMs), fmtStat(r.ErrorPct, fmtPct), fmtStat(r.extraPct, fmtPct))
 		}
 	}
 	fmt.Fprintf(&b, "\nTotal %v.\n", time.Since(began).Round(time.Second))
@@ -147,17 +147,11 @@ func runHedge(ctx context.Context, args []string, cmdline string, out, progress 
 }
 
 func hedgeRowOf(p policy, runs []caseResult) hedgeRow {
-	r := hedgeRow{label: p.label}
-	var p50, p99, p999, errs, extra []float64
-	for _, c := range runs {
-		p50 = append(p50, ms(c.Summary.P50))
-		p99 = append(p99, ms(c.Summary.P99))
-		p999 = append(p999, ms(c.Summary.P999))
-		errs = append(errs, 100*float64(c.Summary.Errors)/math.Max(1, float64(c.Summary.Requests)))
-		extra = append(extra, 100*extraShare(c))
+	extra := make([]float64, len(runs))
+	for i, c := range runs {
+		extra[i] = 100 * extraShare(c)
 	}
-	r.p50, r.p99, r.p999, r.errPct, r.extraPc = statOf(p50), statOf(p99), statOf(p999), statOf(errs), statOf(extra)
-	return r
+	return hedgeRow{scenRow: aggregateRow(p, runs, nil, nil), extraPct: statOf(extra)}
 }
 
 // extraShare is the attempts the backends received beyond the client's
