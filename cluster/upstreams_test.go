@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -66,15 +65,7 @@ func (a *App) gossipAddr() string {
 
 // freePort returns a TCP port that was free on 127.0.0.1 (serf binds
 // TCP and UDP).
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
+var freePort = testutil.FreePort
 
 // getDials calls GetUpstreams and returns the dial addresses.
 func getDials(t *testing.T, su *SerfUpstreams) []string {

@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
@@ -31,15 +30,7 @@ var (
 	adminClient                    = &http.Client{Transport: &http.Transport{}, Timeout: 10 * time.Second}
 )
 
-func freePort(t testing.TB) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("finding a free port: %v", err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
+var freePort = testutil.FreePort
 
 // env is one test's harness. Its cleanup unloads the test's config, closes
 // the backends and checks that no goroutine of this package is left.

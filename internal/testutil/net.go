@@ -44,3 +44,14 @@ func TCPPair(t testing.TB, wrap func(net.Listener) net.Listener) (server, client
 	client.SetDeadline(deadline)
 	return server, client
 }
+
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func FreePort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("finding a free port: %v", err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
