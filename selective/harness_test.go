@@ -88,6 +88,11 @@ func (e *env) load(site string) {
 	if e.t.Failed() {
 		e.t.FailNow()
 	}
+	// The old config's server closes its keep-alive connections; one the
+	// client reuses at that moment fails a POST, which Go's client does
+	// not resend (stock Caddy drops about one keep-alive request per
+	// reload on this machine; measured at stop 16).
+	e.client.CloseIdleConnections()
 }
 
 // loadErr pushes site through POST /load on the serving Caddy and returns
