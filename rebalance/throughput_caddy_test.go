@@ -346,9 +346,12 @@ func TestThroughputCaddy(t *testing.T) {
 		if err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
 			t.Fatalf("upgrade: %v %v", resp, err)
 		}
-		if h := tracker.Counts().Hijacked; h < 1 {
-			t.Errorf("%d hijacked connections tracked during the stream", h)
-		}
+		// reverse_proxy writes the 101 before it hijacks the connection,
+		// so the client can read it before the tracker counts the hijack.
+		testutil.WaitFor(t, 5*time.Second, "the stream is tracked as hijacked", func() (bool, string) {
+			h := tracker.Counts().Hijacked
+			return h >= 1, fmt.Sprintf("%d hijacked connections tracked", h)
+		})
 		// Send the stream in small steps until the node has gossiped a
 		// throughput above zero, then the rest at once.
 		var n *node
