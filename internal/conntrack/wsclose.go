@@ -21,10 +21,16 @@ import (
 // a control frame go between any two frames, even between the fragments
 // of a message, so frame boundaries are all that matters.
 
-// wsCloseLinger bounds both waits of a graceful close: for the frame
-// being written when the stream was shed to end (a stalled writer gets
-// the connection closed without a close frame), and then, after the
-// close frame, for the client to close its end before the server does.
+// wsFrameLinger bounds the first wait of a graceful close: for the frame
+// being written when the stream was shed to end. A client that reads
+// nothing for that long holds the write, and gets the connection closed
+// without a close frame. It is generous because a slow reader is not a
+// dead one: one second proved too short for a client merely starved of
+// CPU (TestWebSocketShedThroughCaddy under -race).
+const wsFrameLinger = 5 * time.Second
+
+// wsCloseLinger bounds the second wait: after the close frame, for the
+// client to close its end before the server does.
 const wsCloseLinger = time.Second
 
 // closeFrameGoingAway is an unmasked (server-to-client) Close frame with
@@ -172,7 +178,9 @@ func (t *Tracker) WebSocketCloses() WebSocketCloses {
 // after it.
 type wsConn struct {
 	net.Conn
-	linger time.Duration
+	// frameLinger and linger are wsFrameLinger and wsCloseLinger (tests
+	// shorten them).
+	frameLinger, linger time.Duration
 
 	phase  atomic.Uint32
 	counts *wsCloseCounters // set by closeGracefully before phase leaves wsOpen
@@ -186,7 +194,7 @@ type wsConn struct {
 // newWSConn wraps conn, just hijacked at a frame boundary (right after
 // the 101 response).
 func newWSConn(conn net.Conn) *wsConn {
-	return &wsConn{Conn: conn, linger: wsCloseLinger}
+	return &wsConn{Conn: conn, frameLinger: wsFrameLinger, linger: wsCloseLinger}
 }
 
 // Write writes p to the client. Once the stream is shed it writes only
@@ -262,7 +270,7 @@ func (c *wsConn) Close() error {
 // closeGracefully starts closing the stream: a close frame at the next
 // frame boundary (at once if the stream is at one), the connection closed
 // linger later or when the client closes first; without a boundary within
-// linger, the connection is closed without a frame. It does not block
+// frameLinger, the connection is closed without a frame. It does not block
 // (the tracker calls it while shedding) and runs at most once per
 // connection (the tracker's closed flag sees to it); counts receive the
 // outcome.
@@ -273,7 +281,7 @@ func (c *wsConn) closeGracefully(counts *wsCloseCounters) {
 	}
 	// The deadline must not need mu: a write stalled on a client that
 	// does not read holds it, and closing the connection is what frees it.
-	time.AfterFunc(c.linger, func() {
+	time.AfterFunc(c.frameLinger, func() {
 		if !c.shut(wsWaiting, &c.counts.noFrame) {
 			c.shut(wsSending, &c.counts.noFrame)
 		}

@@ -227,12 +227,12 @@ func FuzzFrameTracker(f *testing.F) {
 }
 
 // wsPair returns the server end of a loopback TCP connection wrapped in
-// a wsConn with a short linger, and the client end.
+// a wsConn whose both waits are linger, and the client end.
 func wsPair(t *testing.T, linger time.Duration) (*wsConn, net.Conn) {
 	t.Helper()
 	server, client := testutil.TCPPair(t, nil)
 	ws := newWSConn(server)
-	ws.linger = linger
+	ws.frameLinger, ws.linger = linger, linger
 	t.Cleanup(func() { ws.Close() })
 	return ws, client
 }
@@ -388,8 +388,8 @@ func TestWSConnCloseMidFrame(t *testing.T) {
 }
 
 // TestWSConnStalledWriter: a stream shed mid-frame whose writer never
-// finishes the frame is closed without a close frame once the linger
-// has passed.
+// finishes the frame is closed without a close frame once the frame
+// linger has passed.
 func TestWSConnStalledWriter(t *testing.T) {
 	ws, client := wsPair(t, 100*time.Millisecond)
 	if _, err := ws.Write(wsFrame(true, 2, 1000, false, 's')[:500]); err != nil {
@@ -411,12 +411,12 @@ func TestWSConnStalledWriter(t *testing.T) {
 
 // TestWSConnStalledClient: a client that stops reading leaves a write
 // blocked (holding the write lock) mid-frame; the shed does not block,
-// and the linger closes the connection, which ends the blocked write.
+// and the frame linger closes the connection, which ends the blocked write.
 func TestWSConnStalledClient(t *testing.T) {
 	server, client := net.Pipe() // a write blocks until the client reads
 	defer client.Close()
 	ws := newWSConn(server)
-	ws.linger = 100 * time.Millisecond
+	ws.frameLinger = 100 * time.Millisecond
 	defer ws.Close()
 	wrote := make(chan error, 1)
 	go func() {
