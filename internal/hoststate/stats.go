@@ -32,9 +32,20 @@ type Stats struct {
 	estimateNs atomic.Int64 // median of win; 0 until the first answer
 	stampNs    atomic.Int64 // monoclock.Now() of the last answer counted in win
 
-	lastDoneNs  atomic.Int64 // monoclock.Now() of the last finished attempt, whatever its outcome
+	lastDoneNs  atomic.Int64 // monoclock.Now() of the last answer or failure
 	busySinceNs atomic.Int64 // monoclock.Now() when pending last went from 0 to 1
-	failStreak  atomic.Int64 // failed attempts in a row, for the estimate
+	// An attempt given up on after longer than the estimate reveals a
+	// stall that its end does not end: the host still holds the work (a
+	// server notices a closed connection only when it writes), and a hedge
+	// that cancels its loser would otherwise make a frozen host look idle
+	// and fresh again. The stall seen so far (since stuckFromNs) goes on
+	// counting until the host answers or fails, or until stuckUntilNs:
+	// as long again as it had lasted, after which the host gets traffic
+	// again to show whether it is still stuck. stuckUntilNs is 0 when no
+	// such stall is known.
+	stuckFromNs  atomic.Int64
+	stuckUntilNs atomic.Int64
+	failStreak   atomic.Int64 // failed attempts in a row, for the estimate
 
 	samples       atomic.Uint64
 	failures      atomic.Uint64
@@ -102,8 +113,9 @@ const (
 	Success Outcome = iota
 	// Failure is a transport error or timeout: the upstream did not answer.
 	Failure
-	// Abandoned is a round trip the client gave up on: the elapsed time is
-	// only a lower bound on the upstream's latency.
+	// Abandoned is a round trip the client (or a hedge) gave up on: the
+	// elapsed time is only a lower bound on the upstream's latency, and
+	// the upstream finished nothing.
 	Abandoned
 )
 
@@ -112,14 +124,27 @@ const (
 // and joins the window only when it took longer than the estimate (a
 // timeout says the host is slow; an instant refusal says nothing about its
 // speed). An abandoned attempt (the client left) is a lower bound on the
-// latency: it joins the window only when above the estimate. A host with
+// latency: it joins the window only when above the estimate, and then
+// the stall it reveals goes on (see stuckFromNs). A host with
 // no answer yet has no estimate to compare with, and its failures speak
 // through the streak alone. It returns
 // the latency of a successful answer, 0 otherwise.
 func (s *Stats) observe(now, start int64, outcome Outcome, horizon int64) (answer int64) {
-	s.pending.Add(-1)
 	elapsed := max(now-start, 1)
-	s.lastDoneNs.Store(now)
+	if outcome != Abandoned {
+		s.lastDoneNs.Store(now)
+		if s.stuckUntilNs.Load() != 0 {
+			s.stuckUntilNs.Store(0)
+		}
+	}
+	// read while this attempt still counts as pending, so that busySince
+	// is the start of the busy period it belonged to; a known stall still
+	// on when it began started earlier
+	stallFrom := max(s.lastDoneNs.Load(), s.busySinceNs.Load())
+	if s.stuckUntilNs.Load() > start {
+		stallFrom = min(stallFrom, s.stuckFromNs.Load())
+	}
+	s.pending.Add(-1)
 	switch outcome {
 	case Success:
 		s.samples.Add(1)
@@ -138,6 +163,10 @@ func (s *Stats) observe(now, start int64, outcome Outcome, horizon int64) (answe
 	case Abandoned:
 		if est := s.estimateNs.Load(); est == 0 || elapsed <= est {
 			return 0
+		}
+		if stalled := now - stallFrom; stalled > 0 {
+			s.stuckFromNs.Store(stallFrom)
+			s.stuckUntilNs.Store(now + stalled)
 		}
 	}
 	s.mu.Lock()

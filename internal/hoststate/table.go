@@ -247,7 +247,11 @@ func (t *Table) Expected(s *Stats, now int64, base float64) float64 {
 func (t *Table) Judge(s *Stats, now int64, base float64) (latency, busy float64) {
 	pending := s.pending.Load()
 	lastDone := s.lastDoneNs.Load()
-	if pending <= 0 && now-lastDone >= t.horizonNs {
+	stuck := int64(0)
+	if until := s.stuckUntilNs.Load(); until > now {
+		stuck = now - s.stuckFromNs.Load()
+	}
+	if pending <= 0 && stuck <= 0 && now-lastDone >= t.horizonNs {
 		return base, 0
 	}
 	est := float64(s.estimateNs.Load())
@@ -255,10 +259,10 @@ func (t *Table) Judge(s *Stats, now int64, base float64) (latency, busy float64)
 		est = base
 	}
 	busy = float64(stalledFor(now, lastDone, s.busySinceNs.Load(), pending))
-	if busy > est {
+	if stall := max(busy, float64(stuck)); stall > est {
 		// a stall is seen as it happens: the host is expected to be at
 		// least as slow as the stall so far
-		est = busy
+		est = stall
 	}
 	if f := s.failStreak.Load(); f > 0 {
 		est *= failurePenalty(f)

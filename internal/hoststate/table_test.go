@@ -155,6 +155,60 @@ func TestStallIsSeenAsItHappens(t *testing.T) {
 	}
 }
 
+// TestAbandonedStallGoesOn: a hedge gives up on a stalled host's only
+// request. Nothing is in flight any more, yet the stall it revealed goes
+// on counting (a frozen host does not look idle and fresh the moment its
+// loser is cancelled) until the host answers something, or until it has
+// lasted as long again, when the host is let back to show how it is.
+func TestAbandonedStallGoesOn(t *testing.T) {
+	tb := NewTable(Config{})
+	defer tb.Release()
+	s := tb.Stats(t.Name())
+	for range 20 {
+		observeAt(tb, s, 2*time.Millisecond, Success)
+	}
+	ms := int64(time.Millisecond)
+	t0 := monoclock.Now() + 10*ms // after every answer above
+	s.BeginAt(t0)
+	tb.ObserveAt(s, t0, t0+15*ms, Abandoned)
+	if p := s.Snapshot(t0 + 15*ms).Pending; p != 0 {
+		t.Fatalf("pending %d after the abandon; want 0", p)
+	}
+	if e := tb.Expected(s, t0+20*ms, tb.Baseline()); e < float64(20*ms) {
+		t.Fatalf("5 ms after abandoning a request stuck for 15 ms: expected %v, want the 20 ms stall so far", time.Duration(e))
+	}
+	// A new request does not restart the stall's clock.
+	s.BeginAt(t0 + 21*ms)
+	if e := tb.Expected(s, t0+25*ms, tb.Baseline()); e < float64(25*ms) {
+		t.Fatalf("with a new request in flight: expected %v, want the 25 ms stall", time.Duration(e))
+	}
+	tb.ObserveAt(s, t0+21*ms, t0+26*ms, Abandoned)
+	// The second abandon saw 26 ms of stall: it goes on to 52 ms.
+	if e := tb.Expected(s, t0+50*ms, tb.Baseline()); e < float64(50*ms) {
+		t.Fatalf("before the stall's end: expected %v, want 50 ms", time.Duration(e))
+	}
+	if e := tb.Expected(s, t0+53*ms, tb.Baseline()); e > float64(10*ms) {
+		t.Fatalf("after the stall's end the host is judged by its answers again: expected %v", time.Duration(e))
+	}
+
+	// An answer ends a known stall at once.
+	t1 := t0 + 60*ms
+	s.BeginAt(t1)
+	tb.ObserveAt(s, t1, t1+30*ms, Abandoned)
+	s.BeginAt(t1 + 31*ms)
+	tb.ObserveAt(s, t1+31*ms, t1+33*ms, Success)
+	if e := tb.Expected(s, t1+34*ms, tb.Baseline()); e > float64(10*ms) {
+		t.Fatalf("after an answer: expected %v, want the answers' estimate again", time.Duration(e))
+	}
+	// A quick abandon (under the estimate) reveals no stall.
+	t2 := t1 + 40*ms
+	s.BeginAt(t2)
+	tb.ObserveAt(s, t2, t2+ms, Abandoned)
+	if e := tb.Expected(s, t2+2*ms, tb.Baseline()); e > float64(10*ms) {
+		t.Fatalf("after a quick abandon: expected %v", time.Duration(e))
+	}
+}
+
 func TestConcurrentObserve(t *testing.T) {
 	tb := NewTable(Config{})
 	defer tb.Release()
