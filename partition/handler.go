@@ -594,6 +594,19 @@ func (h *Handler) Cleanup() error {
 	return nil
 }
 
+// Capacity reports how much of the fan-out is usable, for a selective
+// group that holds it: the sum over its partition schemes of the least
+// number of usable replicas any of a scheme's partitions has, and the
+// same with every replica counted.
+func (h *Handler) Capacity() (usable, total float64) {
+	l := h.current.Load()
+	if l == nil {
+		return 0, 0
+	}
+	u, t := l.capacity(monoclock.Now())
+	return float64(u), float64(t)
+}
+
 // ServeHTTP fans the request out and writes the merged response.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
 	body, err := readBody(r, h.MaxRequestBody)

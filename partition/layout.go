@@ -177,6 +177,29 @@ func buildLayout(entries []Entry, prev *layout, hosts *hoststate.Table) (*layout
 // dropGone releases, in hosts, the addresses of prev's replicas that next
 // no longer has, so that a churning list does not hold every address it
 // ever had. Replicas next took over from prev keep their state.
+// size is the capacity the scheme would have with every replica usable:
+// the least number of replicas over its partitions.
+func (s *scheme) size() int {
+	c := -1
+	for _, reps := range s.parts {
+		if c < 0 || len(reps) < c {
+			c = len(reps)
+		}
+	}
+	return max(c, 0)
+}
+
+// capacity returns the sum of the schemes' capacities at now (brpc: a
+// DynamicPartitionChannel's capacity is the sum of its schemes'), and of
+// their sizes.
+func (l *layout) capacity(now int64) (usable, total int) {
+	for _, s := range l.schemes {
+		usable += s.capacity(now)
+		total += s.size()
+	}
+	return usable, total
+}
+
 func dropGone(prev, next *layout, hosts *hoststate.Table) {
 	if prev == nil || hosts == nil {
 		return
