@@ -70,6 +70,7 @@ type handlerStatus struct {
 	BackupRequestMs float64       `json:"backup_request_ms,omitempty"`
 	BackupTokens    float64       `json:"backup_tokens"`
 	BackupRefused   uint64        `json:"backup_refused"`
+	BackupBusy      uint64        `json:"backup_busy"`
 	TimeoutMs       float64       `json:"timeout_ms,omitempty"`
 	Groups          []groupStatus `json:"groups"`
 }
@@ -114,6 +115,7 @@ func (h *Handler) status(now int64) handlerStatus {
 		BackupRequestMs: ms(time.Duration(h.BackupRequest)),
 		BackupTokens:    h.budget.available(),
 		BackupRefused:   h.budget.refused.Load(),
+		BackupBusy:      h.backupBusy.Load(),
 		TimeoutMs:       ms(time.Duration(h.Timeout)),
 		Groups:          []groupStatus{},
 	}

@@ -103,20 +103,16 @@ func (c *call) launch(ctx context.Context, g int, kind attemptKind) {
 	a := &attempt{c: c, g: g, group: grp, kind: kind, cancel: cancel}
 	a.w = attemptWriter{a: a}
 	a.req, a.repl = c.newRequest(actx, &a.w)
-	c.mu.Lock()
 	if kind == kindBackup {
 		// A backup on a group that is already trying the request goes to
 		// another replica: the group's policy leaves out the upstream the
 		// running attempt went to (when it tracks what requests tried, as
 		// lb_policy ewma and panic do under a selective that hedges).
-		for _, o := range c.attempts {
-			if o.g == g && !o.finished {
-				if dial, ok := o.repl.GetString("http.reverse_proxy.upstream.hostport"); ok {
-					lbpolicy.Avoid(a.req, dial)
-				}
-			}
+		for _, dial := range c.runningDials(g) {
+			lbpolicy.Avoid(a.req, dial)
 		}
 	}
+	c.mu.Lock()
 	c.attempts = append(c.attempts, a)
 	c.mu.Unlock()
 

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -204,6 +205,27 @@ func (g *group) capacity(now int64) (usable, total float64) {
 		return g.reporter.Capacity()
 	}
 	return 1, 1
+}
+
+// spare reports whether the group can take a backup request without
+// queueing it behind other work (Prequal's lesson: a hedge that waits in
+// a busy replica's queue delays what is queued there and seldom wins).
+// A group of static upstreams has spare capacity when one of them, other
+// than those in avoid (where the call's running attempts went), is usable
+// with no request in flight, as Caddy counts them (every handler's
+// requests to that address); any other group when it has fewer of this
+// handler's attempts in flight than usable capacity.
+func (g *group) spare(now int64, avoid []string) bool {
+	if g.static == nil {
+		usable, _ := g.capacity(now)
+		return float64(g.state.inFlight.Load()) < usable
+	}
+	for i, u := range g.static {
+		if u.NumRequests() == 0 && u.Available() && !g.upStats[i].Ejected(now) && !slices.Contains(avoid, u.Dial) {
+			return true
+		}
+	}
+	return false
 }
 
 // failingNow reports whether the group is in its failure cooldown.

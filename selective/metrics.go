@@ -18,10 +18,16 @@ var (
 		Name: "caddy_lbx_selective_backup_won_total",
 		Help: "Selective calls answered by their backup request, by the group that answered.",
 	}, []string{"group"})
-	backupRefusedTotal = prometheus.NewCounter(prometheus.CounterOpts{
+	backupRefusedTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "caddy_lbx_selective_backup_refused_total",
-		Help: "Backup requests not sent because the backup budget was spent.",
-	})
+		Help: "Backup requests not sent, by reason: budget (the backup budget was spent) or busy (the group chosen had no idle replica or spare capacity).",
+	}, []string{"reason"})
+)
+
+// Reasons a backup request is not sent, as counted.
+const (
+	refusedBudget = "budget"
+	refusedBusy   = "busy"
 )
 
 // registerMetrics adds the metrics to the config's registry; registering

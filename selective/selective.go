@@ -16,6 +16,7 @@ package selective
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -136,6 +137,9 @@ type Handler struct {
 	events events.Emitter
 	// calls counts the calls served, for the admin view.
 	calls atomic.Uint64
+	// backupBusy counts backup requests not sent because the group
+	// chosen had no spare capacity (see group.spare).
+	backupBusy atomic.Uint64
 }
 
 // Group is one group of Handler: a name, a weight, and the routes that
@@ -313,8 +317,10 @@ func (h *Handler) validate() error {
 				return fmt.Errorf("group %s: %v", g.Name, err)
 			}
 		}
-		if len(g.Routes) == 0 {
-			return fmt.Errorf("group %s has no routes; give it a handler such as reverse_proxy", g.Name)
+		// (Validate runs again after Provision, which loaded the raw
+		// handlers and dropped them.)
+		if !slices.ContainsFunc(g.Routes, func(r caddyhttp.Route) bool { return len(r.HandlersRaw) > 0 || len(r.Handlers) > 0 }) {
+			return fmt.Errorf("group %s has no handler in its routes; give it one such as reverse_proxy", g.Name)
 		}
 	}
 	if err := h.Policy.validate(); err != nil {

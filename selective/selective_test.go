@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -277,6 +278,58 @@ func TestBackupRequest(t *testing.T) {
 	}
 }
 
+// A backup request goes only where it need not queue: with every other
+// replica busy, none is sent ("busy" in the status header, counted in
+// the admin view), and no budget is spent on it.
+func TestBackupOnlyToSpareCapacity(t *testing.T) {
+	e := newEnv(t)
+	a, b := e.backend("a"), e.backend("b")
+	a.delay.Store(int64(400 * time.Millisecond))
+	b.delay.Store(int64(400 * time.Millisecond))
+	e.load(fmt.Sprintf(`	selective {
+		group only {
+			reverse_proxy %s %s {
+				lb_policy ewma
+			}
+		}
+		backup_request 200ms
+		status_header
+	}`, a.addr, b.addr))
+	// Two calls, the second once the first is at a replica: ewma sends it
+	// to the other, and each replica holds one call until 400 ms, so
+	// neither call's backup (at 200 ms) has anywhere idle to go.
+	var wg sync.WaitGroup
+	replies := make([]reply, 2)
+	for i := range replies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			replies[i] = e.get("/")
+		}()
+		waitFor(t, 5*time.Second, "the call at a replica", func() (bool, string) {
+			n := a.hits.Load() + b.hits.Load()
+			return n == int64(i+1), fmt.Sprint(n)
+		})
+	}
+	wg.Wait()
+	for i, r := range replies {
+		if r.status != 200 || !strings.Contains(r.header.Get("X-Selective"), "backup=busy") {
+			t.Errorf("call %d with both replicas busy: %d %q; want an answer without a backup request (backup=busy)", i, r.status, r.header.Get("X-Selective"))
+		}
+	}
+	h := e.admin().Handlers[0]
+	if h.BackupBusy != 2 || h.BackupTokens != budgetBurst {
+		t.Errorf("admin: backup_busy %d, tokens %.2f; want 2 and the full bucket (%d)", h.BackupBusy, h.BackupTokens, budgetBurst)
+	}
+	if a.hits.Load()+b.hits.Load() != 2 {
+		t.Errorf("the backends got %d requests; want 2", a.hits.Load()+b.hits.Load())
+	}
+	// One call alone: the other replica is idle, so it gets the backup.
+	if r := e.get("/"); !strings.Contains(r.header.Get("X-Selective"), "backup=sent") && !strings.Contains(r.header.Get("X-Selective"), "backup=won") {
+		t.Errorf("one call alone: %q; want a backup request sent", r.header.Get("X-Selective"))
+	}
+}
+
 // The backup budget: with a tiny share, the bucket's burst is spent and
 // further backups are refused and counted.
 func TestBackupBudget(t *testing.T) {
@@ -433,6 +486,32 @@ func TestPartitionGroup(t *testing.T) {
 	if r := e.get("/"); r.status != 200 || r.body != "p0p1" {
 		t.Fatalf("got %d %q, want the partitions' answers merged", r.status, r.body)
 	}
+	// The fan-out's capacity is its partitions' least replica count
+	// (brpc's rule), not one: a second replica of partition 0 alone adds
+	// nothing, one of each partition doubles it.
+	capacityOf := func() (usable, total float64) {
+		for _, g := range e.admin().Handlers[0].Groups {
+			if g.Name == "fanout" {
+				return g.Usable, g.Upstreams
+			}
+		}
+		t.Fatal("no group fanout in the admin view")
+		return 0, 0
+	}
+	if u, tot := capacityOf(); u != 1 || tot != 1 {
+		t.Fatalf("one replica per partition: capacity %v of %v, want 1 of 1", u, tot)
+	}
+	p0b, p1b := e.backend("p0"), e.backend("p1")
+	for _, c := range []struct {
+		extra string
+		want  float64
+	}{{p0b.addr + " 0/2", 1}, {p0b.addr + " 0/2 " + p1b.addr + " 1/2", 2}} {
+		e.load(strings.Replace(site("2s", 1), " 1/2\n", " 1/2 "+c.extra+"\n", 1))
+		if u, tot := capacityOf(); u != c.want || tot != c.want {
+			t.Fatalf("with %s added: capacity %v of %v, want %v", c.extra, u, tot, c.want)
+		}
+	}
+	e.load(site("2s", 1))
 	p1.status.Store(http.StatusServiceUnavailable)
 	if r := e.get("/"); r.status != 200 || r.body != "single" {
 		t.Fatalf("with a partition failing: %d %q, want the other group's answer", r.status, r.body)
@@ -444,6 +523,87 @@ func TestPartitionGroup(t *testing.T) {
 	r := e.get("/")
 	if took := time.Since(start); r.status != http.StatusGatewayTimeout || took > time.Second {
 		t.Fatalf("a partition slower than the selective's 300ms deadline: %d after %v, want 504 after about 300ms", r.status, took)
+	}
+}
+
+// The seed's walk-through of a dynamic partition still holds inside a
+// group, and the fan-out's capacity weighs the group: a 3-partition
+// scheme on one server and a 4-partition scheme on a second share the
+// fan-out's requests 1:1 (backend traffic 3:4), and the fan-out (capacity
+// 2) takes two thirds of the calls against a single upstream under the
+// weighted policy; the 4-partition scheme on a third server makes that
+// scheme's capacity 2 (requests 1:2, traffic 3:4:4, the fan-out 3 of 4
+// calls); with partition 2/3 gone, the first server gets nothing.
+func TestSeedWalkThroughInAGroup(t *testing.T) {
+	e := newEnv(t)
+	s4, s5, s6, single := e.backend("8004"), e.backend("8005"), e.backend("8006"), e.backend("single")
+	scheme := func(b *backend, m int, skip ...int) string {
+		var sb strings.Builder
+		for i := range m {
+			if !slices.Contains(skip, i) {
+				fmt.Fprintf(&sb, " %s %d/%d", b.addr, i, m)
+			}
+		}
+		return sb.String()
+	}
+	site := func(to string) string {
+		return fmt.Sprintf(`	selective {
+		group fanout {
+			partition {
+				to%s
+				merge concat
+				fail_limit 1
+				lb_policy round_robin
+			}
+		}
+		group single {
+			reverse_proxy %s
+		}
+		policy weighted
+	}`, to, single.addr)
+	}
+	hits := func() [4]int64 {
+		return [4]int64{s4.hits.Load(), s5.hits.Load(), s6.hits.Load(), single.hits.Load()}
+	}
+	measure := func(n int) (d [4]int64) {
+		before := hits()
+		for range n {
+			if r := e.get("/"); r.status != 200 {
+				t.Fatalf("%d %q", r.status, r.body)
+			}
+		}
+		after := hits()
+		for i := range d {
+			d[i] = after[i] - before[i]
+		}
+		return d
+	}
+	const n = 900
+	e.load(site(scheme(s4, 3) + scheme(s5, 4)))
+	d := measure(n)
+	share3 := float64(d[0]) / 3 / (float64(d[0])/3 + float64(d[1])/4)
+	fanout := 1 - float64(d[3])/n
+	t.Logf("phase 1: hits %v, 3-partition share %.3f (want 0.5), fan-out share %.3f (want 0.667)", d, share3, fanout)
+	// binomial sd over ≈600 fan-out calls ≈ 0.02; over 900 calls ≈ 0.016
+	if math.Abs(share3-0.5) > 0.08 || math.Abs(fanout-2.0/3) > 0.07 || d[2] != 0 {
+		t.Errorf("phase 1: hits %v; want 8004:8005 ≈ 3:4 and the fan-out on 2 of 3 calls", d)
+	}
+
+	e.load(site(scheme(s4, 3) + scheme(s5, 4) + scheme(s6, 4)))
+	d = measure(n)
+	share3 = float64(d[0]) / 3 / (float64(d[0])/3 + float64(d[1]+d[2])/4)
+	split := float64(d[1]) / float64(d[1]+d[2])
+	fanout = 1 - float64(d[3])/n
+	t.Logf("phase 2: hits %v, 3-partition share %.3f (want 0.333), 8005/(8005+8006) %.3f, fan-out share %.3f (want 0.75)", d, share3, split, fanout)
+	if math.Abs(share3-1.0/3) > 0.08 || math.Abs(split-0.5) > 0.1 || math.Abs(fanout-0.75) > 0.07 {
+		t.Errorf("phase 2: hits %v; want ≈ 3:4:4 and the fan-out on 3 of 4 calls", d)
+	}
+
+	e.load(site(scheme(s4, 3, 2) + scheme(s5, 4) + scheme(s6, 4)))
+	d = measure(n / 3)
+	t.Logf("phase 3: hits %v", d)
+	if d[0] != 0 || d[1] == 0 || d[2] == 0 {
+		t.Errorf("phase 3: hits %v; want none on 8004", d)
 	}
 }
 

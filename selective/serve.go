@@ -56,6 +56,7 @@ const (
 	backupSent    = "sent"
 	backupWon     = "won"
 	backupRefused = "refused"
+	backupBusy    = "busy"
 )
 
 // maxAttempts bounds one call's attempts: the first, every retry, and one
@@ -218,9 +219,9 @@ func (c *call) run(ctx context.Context) error {
 }
 
 // sendBackup sends the backup request, if the call still waits for its
-// first answer and the budget allows it, to a group without an attempt
-// running (the same group when there is only one). It reports whether it
-// sent one.
+// first answer, to a group without an attempt running (the same group
+// when there is only one), when that group has spare capacity and the
+// budget allows it. It reports whether it sent one.
 func (c *call) sendBackup(ctx context.Context) bool {
 	c.mu.Lock()
 	waiting := c.winner == nil
@@ -241,14 +242,36 @@ func (c *call) sendBackup(ctx context.Context) bool {
 	if g < 0 {
 		return false
 	}
+	if !c.h.groups[g].spare(now, c.runningDials(g)) {
+		c.setBackup(backupBusy)
+		c.h.backupBusy.Add(1)
+		backupRefusedTotal.WithLabelValues(refusedBusy).Inc()
+		return false
+	}
 	if !c.h.budget.take() {
 		c.setBackup(backupRefused)
-		backupRefusedTotal.Inc()
+		backupRefusedTotal.WithLabelValues(refusedBudget).Inc()
 		return false
 	}
 	c.setBackup(backupSent)
 	c.launch(ctx, g, kindBackup)
 	return true
+}
+
+// runningDials returns the upstreams the call's running attempts on
+// group g went to.
+func (c *call) runningDials(g int) []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var dials []string
+	for _, o := range c.attempts {
+		if o.g == g && !o.finished {
+			if dial, ok := o.repl.GetString("http.reverse_proxy.upstream.hostport"); ok {
+				dials = append(dials, dial)
+			}
+		}
+	}
+	return dials
 }
 
 func (c *call) setBackup(state string) {
