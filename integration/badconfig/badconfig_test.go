@@ -124,6 +124,27 @@ const baseline = `{
 			}
 		}
 	}
+	handle /selective {
+		selective {
+			group one weight 2 {
+				reverse_proxy {B1}
+			}
+			group two {
+				reverse_proxy {B2}
+			}
+			policy failover 70
+			max_retry 1
+			retry_on dial timeout 502 503
+			backup_request 50ms
+			backup_match {
+				method GET
+			}
+			backup_budget 10%
+			timeout 5s
+			max_replay_body 1MB
+			status_header X-Selective
+		}
+	}
 	handle /naming {
 		partition {
 			naming_file {NAMING}
@@ -153,7 +174,7 @@ const baseline = `{
 
 // trafficPaths are the routes the background traffic uses; each must
 // answer 200 under the baseline.
-var trafficPaths = []string{"/ewma", "/panic", "/partition", "/naming"}
+var trafficPaths = []string{"/ewma", "/panic", "/partition", "/selective", "/naming"}
 
 // server is a cmd/caddy process serving the baseline, with traffic on it.
 type server struct {

@@ -126,7 +126,7 @@ func sortedKeys(m map[string]any) []string {
 // every option inside them.
 var lbxModules = map[string][]string{
 	"policy":  {"ewma", "panic", "cluster_load"},
-	"handler": {"partition", "rebalance_close"},
+	"handler": {"partition", "rebalance_close", "selective"},
 	"source":  {"serf"},
 	"wrapper": {"rebalance"},
 }
@@ -225,8 +225,10 @@ func (s *server) matrix() []badCase {
 				walk(append(slices.Clone(path), k), x[k], mine)
 			}
 		case []any:
+			// a selective group's routes are stock Caddy routes
+			routes := len(path) > 0 && path[len(path)-1] == "routes"
 			for i, e := range x {
-				walk(append(slices.Clone(path), fmt.Sprint(i)), e, inLBX)
+				walk(append(slices.Clone(path), fmt.Sprint(i)), e, inLBX && !routes)
 			}
 		}
 	}
