@@ -71,6 +71,23 @@ type member struct {
 // leave message's) broadcast when no peer acknowledges.
 const broadcastTimeout = 2 * time.Second
 
+// SerfConfig returns the serf and memberlist settings a member of the
+// cluster app runs with, named name and bound to bindHost:bindPort
+// (memberlist's LAN defaults, name conflict resolution, and
+// broadcastTimeout), without logging, tags, advertise address or keys. The
+// gossip benchmark builds its members from it, so that it measures what
+// the app runs.
+func SerfConfig(name, bindHost string, bindPort int) *serf.Config {
+	conf := serf.DefaultConfig()
+	conf.Init()
+	conf.NodeName = name
+	conf.EnableNameConflictResolution = true
+	conf.BroadcastTimeout = broadcastTimeout
+	conf.MemberlistConfig.BindAddr = bindHost
+	conf.MemberlistConfig.BindPort = bindPort
+	return conf
+}
+
 // newMember creates the serf member for s and starts its loops. It binds
 // the gossip port.
 func newMember(key string, s *settings, key32 []byte, bindHost string, bindPort int) (*member, error) {
@@ -83,18 +100,12 @@ func newMember(key string, s *settings, key32 []byte, bindHost string, bindPort 
 		kick:      make(chan struct{}, 1),
 		stop:      make(chan struct{}),
 	}
-	conf := serf.DefaultConfig()
-	conf.Init()
-	conf.NodeName = m.name
+	conf := SerfConfig(m.name, bindHost, bindPort)
 	conf.Tags = m.tagsFor(s)
 	stdlog := log.New(&serfLog{logger: m.logger.Named("serf"), conflict: m.sawConflict, conflictOver: m.conflictOver}, "", 0)
 	conf.LogOutput = nil
 	conf.Logger = stdlog
-	conf.EnableNameConflictResolution = true
-	conf.BroadcastTimeout = broadcastTimeout
 	ml := conf.MemberlistConfig
-	ml.BindAddr = bindHost
-	ml.BindPort = bindPort
 	ml.LogOutput = nil
 	ml.Logger = stdlog
 	if s.advertise != "" {

@@ -5,6 +5,8 @@ go 1.26.8
 require (
 	github.com/caddy-lbx/lbx v0.0.0-00010101000000-000000000000
 	github.com/caddyserver/caddy/v2 v2.11.9
+	github.com/hashicorp/memberlist v0.7.0
+	github.com/hashicorp/serf v0.11.0
 	github.com/pires/go-proxyproto v0.15.0
 	golang.org/x/image v0.41.0
 )
@@ -74,8 +76,6 @@ require (
 	github.com/hashicorp/go-multierror v1.1.1 // indirect
 	github.com/hashicorp/go-sockaddr v1.0.7 // indirect
 	github.com/hashicorp/golang-lru v1.0.2 // indirect
-	github.com/hashicorp/memberlist v0.7.0 // indirect
-	github.com/hashicorp/serf v0.11.0 // indirect
 	github.com/huandu/xstrings v1.6.1 // indirect
 	github.com/inconshreveable/mousetrap v1.1.0 // indirect
 	github.com/jackc/pgpassfile v1.0.0 // indirect

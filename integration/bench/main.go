@@ -11,6 +11,7 @@
 //	cd integration && go run ./bench rebalance [flags]   # the rebalance scale-out, with a plot
 //	cd integration && go run ./bench scenarios [flags]   # the scenario classes of issue 11 (docs/benchmarks.md)
 //	cd integration && go run ./bench hedge [flags]       # selective's backup requests under freezes
+//	cd integration && go run ./bench gossip [flags]      # load gossip through serf at 16 to 128+ members
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -66,6 +67,8 @@ func main() {
 		_, err = runScenarios(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "hedge":
 		err = runHedge(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	case len(os.Args) > 1 && os.Args[1] == "gossip":
+		err = runGossip(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	default:
 		_, err = run(ctx, os.Args[1:], commandLine(os.Args), os.Stdout, os.Stderr)
 	}

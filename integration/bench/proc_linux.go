@@ -116,3 +116,12 @@ func cpuPressure() (time.Duration, bool) {
 	}
 	return 0, false
 }
+
+// processCPU returns the process's user and system CPU time so far.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}

@@ -1,0 +1,534 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/memberlist"
+	"github.com/hashicorp/serf/serf"
+
+	"github.com/caddy-lbx/lbx/cluster"
+)
+
+// bench gossip measures how the rebalance app's load reports travel
+// through serf as the cluster grows: many real serf members in this
+// process on 127.0.0.1, with the cluster app's serf and memberlist
+// settings (cluster.SerfConfig), each publishing a changing load in the
+// app's tag format every interval, as the app does (SetTags from one
+// loop per member, which waits for the broadcast). It reports, per size:
+// how long a new report takes to reach half, 99% and all of the other
+// members; the share of member pairs whose view is stale by the app's
+// freshness rule (no change seen for freshness); the error of each
+// member's cluster average against the true one; what each member sends
+// (bytes and packets, counted at the transport); CPU per member; and how
+// long SetTags blocked.
+
+// gossipConfig is the command's flags.
+type gossipConfig struct {
+	sizes     []int
+	interval  time.Duration
+	freshness time.Duration
+	warmup    time.Duration
+	duration  time.Duration
+	seed      uint64
+}
+
+func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
+	fs := flag.NewFlagSet("bench gossip", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	sizes := fs.String("sizes", "16,32,64,128", "cluster sizes, comma-separated (2 to 1024)")
+	cfg := &gossipConfig{}
+	fs.DurationVar(&cfg.interval, "interval", time.Second, "publication interval (the rebalance app's interval; its default)")
+	fs.DurationVar(&cfg.freshness, "freshness", 5*time.Second, "the freshness rule (the app's default: 5 × interval)")
+	fs.DurationVar(&cfg.warmup, "warmup", 5*time.Second, "unmeasured time after the cluster converged")
+	fs.DurationVar(&cfg.duration, "duration", 20*time.Second, "measured window per size")
+	fs.Uint64Var(&cfg.seed, "seed", 1, "seed of the loads and publication phases")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	for _, f := range strings.Split(*sizes, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 2 || n > 1024 {
+			return nil, fmt.Errorf("-sizes: %q is not a size from 2 to 1024", f)
+		}
+		cfg.sizes = append(cfg.sizes, n)
+	}
+	switch {
+	case cfg.interval < 100*time.Millisecond || cfg.interval > time.Minute:
+		return nil, fmt.Errorf("-interval %v: want 100ms to 1m", cfg.interval)
+	case cfg.freshness < cfg.interval:
+		return nil, fmt.Errorf("-freshness %v: want at least -interval", cfg.freshness)
+	case cfg.duration < 2*cfg.interval || cfg.duration > time.Hour:
+		return nil, fmt.Errorf("-duration %v: want 2 intervals to 1h", cfg.duration)
+	case cfg.warmup < 0 || cfg.warmup > time.Hour:
+		return nil, fmt.Errorf("-warmup %v: want 0 to 1h", cfg.warmup)
+	}
+	return cfg, nil
+}
+
+// gossipResult is one size's figures.
+type gossipResult struct {
+	n                        int
+	reports                  int
+	reach50, reach99, reach1 stat // ms, over reports; reach1 over those that reached all
+	neverAll                 float64
+	stalePct                 stat // over samples
+	viewAge                  stat // ms, over samples: mean age of the reports in view
+	avgErrPct                stat // over samples × members
+	bytesPerSec, pktsPerSec  stat // per member
+	cpuPct                   float64
+	setTags                  stat // ms
+	setTagsTimeouts          int
+}
+
+func runGossip(ctx context.Context, args []string, cmdline string, out, progress io.Writer) error {
+	cfg, err := parseGossipFlags(args, progress)
+	if err != nil {
+		return err
+	}
+	began := time.Now()
+	var results []gossipResult
+	for _, n := range cfg.sizes {
+		fmt.Fprintf(progress, "gossip: %d members …\n", n)
+		r, err := measureGossip(ctx, cfg, n, progress)
+		if err != nil {
+			return fmt.Errorf("%d members: %w", n, err)
+		}
+		results = append(results, r)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "# bench gossip\n\n`%s`: real serf members in one process on 127.0.0.1 with the cluster app's settings, each publishing its load tag every %v; freshness %v; %v warm-up, %v window.\n\n", cmdline, cfg.interval, cfg.freshness, cfg.warmup, cfg.duration)
+	b.WriteString("Medians [min–max] over reports (reach), samples (stale, view age, average error) or members (traffic). Reach: time from SetTags to the other members' first sight of that report or a newer one.\n\n")
+	b.WriteString("| members | reports | reach 50% | reach 99% | reach 100% | never all | stale | view age | average error | bytes/s sent | packets/s sent | CPU per member | SetTags | SetTags timeouts |\n")
+	b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
+	msf := func(v float64) string { return fmt.Sprintf("%.0f ms", v) }
+	pct := func(v float64) string { return fmt.Sprintf("%.1f%%", v) }
+	num := func(v float64) string { return fmt.Sprintf("%.0f", v) }
+	for _, r := range results {
+		fmt.Fprintf(&b, "| %d | %d | %s | %s | %s | %.1f%% | %s | %s | %s | %s | %s | %.2f%% | %s | %d |\n",
+			r.n, r.reports, fmtStat(r.reach50, msf), fmtStat(r.reach99, msf), fmtStat(r.reach1, msf), r.neverAll,
+			fmtStat(r.stalePct, pct), fmtStat(r.viewAge, msf), fmtStat(r.avgErrPct, pct),
+			fmtStat(r.bytesPerSec, num), fmtStat(r.pktsPerSec, num), r.cpuPct, fmtStat(r.setTags, msf), r.setTagsTimeouts)
+	}
+	fmt.Fprintf(&b, "\nTotal %v.\n", time.Since(began).Round(time.Second))
+	_, err = io.WriteString(out, b.String())
+	return err
+}
+
+// gossipLoadTag is the rebalance app's load tag (rebalance.loadTag).
+const gossipLoadTag = "lbx_load"
+
+// gossipMember is one serf member of the harness and what it saw.
+type gossipMember struct {
+	serf *serf.Serf
+	net  *countingTransport
+
+	mu       sync.Mutex
+	seenSeq  []int       // by member index: the last report seen
+	seenLoad []float64   // its load
+	seenAt   []time.Time // when its sequence last changed
+}
+
+// gossipRun is the shared state of one size's run.
+type gossipRun struct {
+	n       int
+	names   map[string]int
+	members []*gossipMember
+
+	mu        sync.Mutex
+	pubAt     [][]time.Time // [member][seq]: when SetTags was called
+	pubLoad   [][]float64
+	arrivals  [][][]float64 // [member][seq]: ms to each observer that saw it (or a newer one) first
+	measureAt time.Time     // reports published from then on are measured
+	setTags   []float64
+	timeouts  int
+}
+
+func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Writer) (gossipResult, error) {
+	run := &gossipRun{n: n, names: map[string]int{}, pubAt: make([][]time.Time, n), pubLoad: make([][]float64, n), arrivals: make([][][]float64, n)}
+	stopEvents := make(chan struct{})
+	var events sync.WaitGroup
+	defer func() {
+		close(stopEvents)
+		var wg sync.WaitGroup
+		for _, m := range run.members {
+			wg.Add(1)
+			go func() { defer wg.Done(); _ = m.serf.Shutdown() }()
+		}
+		wg.Wait()
+		events.Wait()
+	}()
+	for i := range n {
+		run.names[fmt.Sprintf("g%04d", i)] = i
+	}
+	for i := range n {
+		m, err := run.start(i, stopEvents, &events)
+		if err != nil {
+			return gossipResult{}, err
+		}
+		run.members = append(run.members, m)
+	}
+	seedAddr := fmt.Sprintf("127.0.0.1:%d", run.members[0].net.port)
+	for i, m := range run.members[1:] {
+		if _, err := m.serf.Join([]string{seedAddr}, true); err != nil {
+			return gossipResult{}, fmt.Errorf("member %d joining: %v", i+1, err)
+		}
+	}
+	deadline := time.Now().Add(30*time.Second + time.Duration(n)*100*time.Millisecond)
+	for {
+		converged := true
+		for _, m := range run.members {
+			if m.serf.NumNodes() != n {
+				converged = false
+				break
+			}
+		}
+		if converged {
+			break
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return gossipResult{}, fmt.Errorf("the members did not all see each other before %v", deadline.Format(time.TimeOnly))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	// Publication: one loop per member, at a random phase, as the app's
+	// publishLoop (SetTags waits for the broadcast, up to its timeout).
+	rng := rand.New(rand.NewPCG(cfg.seed, uint64(n)))
+	phases, periods := make([]float64, n), make([]float64, n)
+	for i := range n {
+		phases[i], periods[i] = rng.Float64()*2*math.Pi, 20+rng.Float64()*40
+	}
+	start := time.Now()
+	run.measureAt = start.Add(cfg.warmup)
+	end := run.measureAt.Add(cfg.duration)
+	pubCtx, stopPub := context.WithCancel(ctx)
+	var pubs sync.WaitGroup
+	for i, m := range run.members {
+		pubs.Add(1)
+		go func() {
+			defer pubs.Done()
+			t := time.NewTimer(time.Duration(float64(cfg.interval) * float64(i) / float64(n)))
+			defer t.Stop()
+			for seq := 1; ; seq++ {
+				select {
+				case <-pubCtx.Done():
+					return
+				case <-t.C:
+				}
+				t.Reset(cfg.interval)
+				el := time.Since(start).Seconds()
+				load := 1000 + 400*math.Sin(phases[i]+2*math.Pi*el/periods[i])
+				run.mu.Lock()
+				run.pubAt[i] = append(run.pubAt[i], time.Now())
+				run.pubLoad[i] = append(run.pubLoad[i], load)
+				run.arrivals[i] = append(run.arrivals[i], nil)
+				run.mu.Unlock()
+				began := time.Now()
+				err := m.serf.SetTags(map[string]string{"role": "edge", gossipLoadTag: "conns " + strconv.FormatFloat(load, 'g', 6, 64) + " " + strconv.Itoa(seq)})
+				if time.Now().After(run.measureAt) && time.Now().Before(end) {
+					run.mu.Lock()
+					run.setTags = append(run.setTags, float64(time.Since(began))/1e6)
+					if err != nil {
+						run.timeouts++
+					}
+					run.mu.Unlock()
+				}
+			}
+		}()
+	}
+
+	// Samples of every member's view, and the process's CPU and traffic.
+	var stale, ages, errs []float64
+	select {
+	case <-ctx.Done():
+	case <-time.After(time.Until(run.measureAt)):
+	}
+	cpu0 := processCPU()
+	sent0 := run.traffic()
+	t0 := time.Now()
+	tick := time.NewTicker(250 * time.Millisecond)
+	for now := time.Now(); now.Before(end) && ctx.Err() == nil; now = <-tick.C {
+		s, a, e := run.sample(now, cfg.freshness)
+		stale, ages, errs = append(stale, s), append(ages, a), append(errs, e...)
+	}
+	tick.Stop()
+	elapsed := time.Since(t0).Seconds()
+	cpu := (processCPU() - cpu0).Seconds()
+	sent1 := run.traffic()
+	stopPub()
+	pubs.Wait()
+	if ctx.Err() != nil {
+		return gossipResult{}, ctx.Err()
+	}
+	// Reports of the window get until a freshness after it to arrive.
+	time.Sleep(min(cfg.freshness, 5*time.Second))
+
+	r := gossipResult{n: n, stalePct: statOf(stale), viewAge: statOf(ages), avgErrPct: statOf(errs), cpuPct: 100 * cpu / elapsed / float64(n)}
+	bps, pps := make([]float64, n), make([]float64, n)
+	for i := range n {
+		bps[i] = float64(sent1[i].bytes-sent0[i].bytes) / elapsed
+		pps[i] = float64(sent1[i].packets-sent0[i].packets) / elapsed
+	}
+	r.bytesPerSec, r.pktsPerSec = statOf(bps), statOf(pps)
+	run.mu.Lock()
+	defer run.mu.Unlock()
+	r.setTags, r.setTagsTimeouts = statOf(run.setTags), run.timeouts
+	var r50, r99, r100 []float64
+	never := 0
+	for i := range n {
+		for s, at := range run.pubAt[i] {
+			if at.Before(run.measureAt) || !at.Before(end) {
+				continue
+			}
+			r.reports++
+			arr := slices.Clone(run.arrivals[i][s])
+			slices.Sort(arr)
+			others := n - 1
+			q := func(f float64) (float64, bool) {
+				k := int(math.Ceil(f*float64(others))) - 1
+				if k >= len(arr) {
+					return 0, false
+				}
+				return arr[k], true
+			}
+			if v, ok := q(0.5); ok {
+				r50 = append(r50, v)
+			}
+			if v, ok := q(0.99); ok {
+				r99 = append(r99, v)
+			}
+			if v, ok := q(1); ok {
+				r100 = append(r100, v)
+			} else {
+				never++
+			}
+		}
+	}
+	r.reach50, r.reach99, r.reach1 = statOf(r50), statOf(r99), statOf(r100)
+	if r.reports > 0 {
+		r.neverAll = 100 * float64(never) / float64(r.reports)
+	}
+	fmt.Fprintf(progress, "gossip: %d members: %d reports, reach 50%% %.0f ms, 99%% %.0f ms; stale %.1f%%; %.0f B/s per member; CPU %.2f%% per member\n",
+		n, r.reports, r.reach50.Median, r.reach99.Median, r.stalePct.Median, r.bytesPerSec.Median, r.cpuPct)
+	return r, nil
+}
+
+// start creates member i with the app's settings and a counting
+// transport, and its event loop.
+func (run *gossipRun) start(i int, stop <-chan struct{}, events *sync.WaitGroup) (*gossipMember, error) {
+	nt, err := memberlist.NewNetTransport(&memberlist.NetTransportConfig{BindAddrs: []string{"127.0.0.1"}, BindPort: 0, Logger: nil})
+	if err != nil {
+		return nil, err
+	}
+	ct := newCountingTransport(nt)
+	conf := cluster.SerfConfig(fmt.Sprintf("g%04d", i), "127.0.0.1", ct.port)
+	conf.LogOutput = io.Discard
+	conf.MemberlistConfig.LogOutput = io.Discard
+	conf.MemberlistConfig.Transport = ct
+	conf.MemberlistConfig.AdvertiseAddr = "127.0.0.1"
+	conf.MemberlistConfig.AdvertisePort = ct.port
+	ch := make(chan serf.Event, 4096)
+	conf.EventCh = ch
+	m := &gossipMember{net: ct, seenSeq: make([]int, run.n), seenLoad: make([]float64, run.n), seenAt: make([]time.Time, run.n)}
+	s, err := serf.Create(conf)
+	if err != nil {
+		_ = nt.Shutdown()
+		return nil, err
+	}
+	m.serf = s
+	events.Add(1)
+	go func() {
+		defer events.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			case e := <-ch:
+				if me, ok := e.(serf.MemberEvent); ok {
+					run.saw(i, m, me.Members, time.Now())
+				}
+			}
+		}
+	}()
+	return m, nil
+}
+
+// saw records what observer i (member m) learnt from an event at now.
+func (run *gossipRun) saw(i int, m *gossipMember, members []serf.Member, now time.Time) {
+	for _, mem := range members {
+		j, ok := run.names[mem.Name]
+		if !ok || j == i {
+			continue
+		}
+		f := strings.Fields(mem.Tags[gossipLoadTag])
+		if len(f) != 3 {
+			continue
+		}
+		seq, err := strconv.Atoi(f[2])
+		load, err2 := strconv.ParseFloat(f[1], 64)
+		if err != nil || err2 != nil {
+			continue
+		}
+		m.mu.Lock()
+		prev := m.seenSeq[j]
+		if seq > prev {
+			m.seenSeq[j], m.seenLoad[j], m.seenAt[j] = seq, load, now
+		}
+		m.mu.Unlock()
+		if seq <= prev {
+			continue
+		}
+		// This report, and any it superseded unseen, reached i now.
+		run.mu.Lock()
+		for s := prev + 1; s <= seq && s <= len(run.pubAt[j]); s++ {
+			run.arrivals[j][s-1] = append(run.arrivals[j][s-1], float64(now.Sub(run.pubAt[j][s-1]))/1e6)
+		}
+		run.mu.Unlock()
+	}
+}
+
+// sample returns, at now, the share of (observer, member) pairs that are
+// stale by the freshness rule (in percent), the mean age of the reports in
+// view (ms), and each observer's error of the cluster average against
+// the true one (the latest published loads), in percent.
+func (run *gossipRun) sample(now time.Time, freshness time.Duration) (stalePct, ageMs float64, errPct []float64) {
+	run.mu.Lock()
+	truth := make([]float64, run.n)
+	pubAt := make([][]time.Time, run.n)
+	var trueSum float64
+	for j := range run.n {
+		if k := len(run.pubLoad[j]); k > 0 {
+			truth[j] = run.pubLoad[j][k-1]
+		}
+		trueSum += truth[j]
+		pubAt[j] = run.pubAt[j]
+	}
+	run.mu.Unlock()
+	trueAvg := trueSum / float64(run.n)
+	var staleN, pairs int
+	var ageSum float64
+	for i, m := range run.members {
+		m.mu.Lock()
+		sum := truth[i] // its own load it knows
+		for j := range run.n {
+			if j == i {
+				continue
+			}
+			pairs++
+			if m.seenSeq[j] == 0 || now.Sub(m.seenAt[j]) > freshness {
+				staleN++
+			}
+			if s := m.seenSeq[j]; s > 0 && s <= len(pubAt[j]) {
+				ageSum += float64(now.Sub(pubAt[j][s-1])) / 1e6
+			}
+			sum += m.seenLoad[j]
+		}
+		m.mu.Unlock()
+		if trueAvg > 0 {
+			errPct = append(errPct, 100*math.Abs(sum/float64(run.n)-trueAvg)/trueAvg)
+		}
+	}
+	return 100 * float64(staleN) / float64(pairs), ageSum / float64(pairs), errPct
+}
+
+// sentCount is what one member sent.
+type sentCount struct{ bytes, packets int64 }
+
+func (run *gossipRun) traffic() []sentCount {
+	out := make([]sentCount, len(run.members))
+	for i, m := range run.members {
+		out[i] = sentCount{m.net.bytes.Load(), m.net.packets.Load()}
+	}
+	return out
+}
+
+// countingTransport is memberlist's network transport, counting what the
+// member sends: UDP packets and their bytes, and the bytes it writes on
+// TCP streams (push-pull state exchanges), dialled or accepted.
+type countingTransport struct {
+	*memberlist.NetTransport
+	port           int
+	bytes, packets atomic.Int64
+	streams        chan net.Conn
+	done           chan struct{}
+	stopOnce       sync.Once
+}
+
+func newCountingTransport(nt *memberlist.NetTransport) *countingTransport {
+	t := &countingTransport{NetTransport: nt, port: nt.GetAutoBindPort(), streams: make(chan net.Conn), done: make(chan struct{})}
+	go func() {
+		for {
+			select {
+			case <-t.done:
+				return
+			case c := <-nt.StreamCh():
+				select {
+				case t.streams <- &countingConn{Conn: c, t: t}:
+				case <-t.done:
+					c.Close()
+					return
+				}
+			}
+		}
+	}()
+	return t
+}
+
+// Shutdown implements memberlist.Transport.
+func (t *countingTransport) Shutdown() error {
+	t.stopOnce.Do(func() { close(t.done) })
+	return t.NetTransport.Shutdown()
+}
+
+// WriteTo implements memberlist.Transport.
+func (t *countingTransport) WriteTo(b []byte, addr string) (time.Time, error) {
+	t.packets.Add(1)
+	t.bytes.Add(int64(len(b)))
+	return t.NetTransport.WriteTo(b, addr)
+}
+
+// WriteToAddress implements memberlist.NodeAwareTransport.
+func (t *countingTransport) WriteToAddress(b []byte, addr memberlist.Address) (time.Time, error) {
+	return t.WriteTo(b, addr.Addr)
+}
+
+// DialTimeout implements memberlist.Transport.
+func (t *countingTransport) DialTimeout(addr string, timeout time.Duration) (net.Conn, error) {
+	c, err := t.NetTransport.DialTimeout(addr, timeout)
+	if err != nil {
+		return nil, err
+	}
+	return &countingConn{Conn: c, t: t}, nil
+}
+
+// DialAddressTimeout implements memberlist.NodeAwareTransport.
+func (t *countingTransport) DialAddressTimeout(addr memberlist.Address, timeout time.Duration) (net.Conn, error) {
+	return t.DialTimeout(addr.Addr, timeout)
+}
+
+// StreamCh implements memberlist.Transport.
+func (t *countingTransport) StreamCh() <-chan net.Conn { return t.streams }
+
+// countingConn counts the bytes written on a stream.
+type countingConn struct {
+	net.Conn
+	t *countingTransport
+}
+
+func (c *countingConn) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	c.t.bytes.Add(int64(n))
+	return n, err
+}

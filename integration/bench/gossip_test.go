@@ -1,0 +1,70 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestGossipSmall runs the gossip harness on 4 real serf members for a
+// couple of seconds: every report is measured, reaches every other member
+// well within the freshness, and nothing is stale. It checks that the
+// harness measures, never how fast gossip is.
+func TestGossipSmall(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs serf members for several seconds")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cfg, err := parseGossipFlags([]string{"-sizes", "4", "-interval", "200ms", "-freshness", "1s", "-warmup", "500ms", "-duration", "2s"}, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := measureGossip(ctx, cfg, 4, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// At most 4 members × 2 s / 200 ms, give or take the window's edges;
+	// fewer when SetTags, which waits for memberlist's next gossip round
+	// (every 200 ms), takes longer than the interval.
+	if r.reports < 8 || r.reports > 50 {
+		t.Errorf("%d reports measured; want 8 to 50", r.reports)
+	}
+	if r.neverAll != 0 || r.reach1.N != r.reports || r.reach1.Max <= 0 || r.reach1.Max > 1000 {
+		t.Errorf("reach to all: %+v, %.1f%% never; want every report at every member within the 1 s freshness", r.reach1, r.neverAll)
+	}
+	if r.stalePct.Max != 0 {
+		t.Errorf("stale views: %+v; want none", r.stalePct)
+	}
+	if r.bytesPerSec.Min <= 0 || r.pktsPerSec.Min <= 0 {
+		t.Errorf("traffic per member: %+v B/s, %+v packets/s; want every member counted sending", r.bytesPerSec, r.pktsPerSec)
+	}
+	if r.avgErrPct.N == 0 || r.avgErrPct.Max > 20 {
+		t.Errorf("average error: %+v; want measured, and small with views this fresh", r.avgErrPct)
+	}
+}
+
+func TestParseGossipFlags(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-sizes", "1"}, "not a size"},
+		{[]string{"-sizes", "16,x"}, "not a size"},
+		{[]string{"-sizes", "2000"}, "not a size"},
+		{[]string{"-interval", "1ms"}, "-interval"},
+		{[]string{"-freshness", "100ms"}, "-freshness"},
+		{[]string{"-duration", "1s"}, "-duration"},
+	} {
+		_, err := parseGossipFlags(c.args, &bytes.Buffer{})
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v; want an error with %q", c.args, err, c.want)
+		}
+	}
+	cfg, err := parseGossipFlags(nil, &bytes.Buffer{})
+	if err != nil || len(cfg.sizes) != 4 || cfg.interval != time.Second || cfg.freshness != 5*time.Second {
+		t.Fatalf("defaults: %+v, %v", cfg, err)
+	}
+}
