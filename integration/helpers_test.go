@@ -173,6 +173,10 @@ func (e *env) loadWith(extra, sites string) {
 	if e.tb.failed.Load() {
 		e.t.FailNow()
 	}
+	// The old config's server closed its keep-alive connections; a
+	// request the client sends on one of them as it closes fails, so the
+	// next requests start on new ones.
+	e.client.CloseIdleConnections()
 }
 
 // failRecorder is the testing.TB handed to caddytest: it notes whether

@@ -43,7 +43,7 @@ func TestOutlierEjectsBlackHole(t *testing.T) {
 	got := int(hole.hits.Load() - before)
 	t.Logf("ewma+outlier: %v; %d of 400 to the black hole (failed)", res.counts, got)
 	if got > 3+8 || len(res.errors) != got {
-		t.Fatalf("black hole got %d of 400 requests (%d failed)", got, len(res.errors))
+		t.Fatalf("black hole got %d of 400 requests (%d failed: %q)", got, len(res.errors), res.errors[:min(len(res.errors), 5)])
 	}
 	if float64(got)/400 >= 0.02 || got >= len(stock.errors) {
 		t.Fatalf("ewma+outlier sent %d of 400 to the black hole (least_conn %d); want under 2%%", got, len(stock.errors))
