@@ -187,7 +187,7 @@ func (g *group) capacity(now int64) (usable, total float64) {
 		}
 		n := 0
 		for i, u := range g.static {
-			if u.Available() && !g.upStats[i].Ejected(now) {
+			if g.usable(i, u, now) {
 				n++
 			}
 		}
@@ -207,6 +207,12 @@ func (g *group) capacity(now int64) (usable, total float64) {
 	return 1, 1
 }
 
+// usable reports whether static upstream i (u) can be chosen at now:
+// Caddy's availability, and not ejected.
+func (g *group) usable(i int, u *reverseproxy.Upstream, now int64) bool {
+	return u.Available() && !g.upStats[i].Ejected(now)
+}
+
 // spare reports whether the group can take a backup request without
 // queueing it behind other work (Prequal's lesson: a hedge that waits in
 // a busy replica's queue delays what is queued there and seldom wins).
@@ -221,7 +227,7 @@ func (g *group) spare(now int64, avoid []string) bool {
 		return float64(g.state.inFlight.Load()) < usable
 	}
 	for i, u := range g.static {
-		if u.NumRequests() == 0 && u.Available() && !g.upStats[i].Ejected(now) && !slices.Contains(avoid, u.Dial) {
+		if u.NumRequests() == 0 && g.usable(i, u, now) && !slices.Contains(avoid, u.Dial) {
 			return true
 		}
 	}
