@@ -241,7 +241,7 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 			Self:   m.Self,
 			Tags:   m.Tags,
 		}
-		raw := m.Tags[loadTag]
+		raw := m.Tags[LoadTag]
 		metric, load, ok := parseLoadTag(raw)
 		if ok {
 			mv.Metric, mv.Load, mv.LoadHuman = metric, load, formatLoad(metric, load)

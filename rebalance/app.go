@@ -185,7 +185,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.cluster = clusterApp
 	}
 	a.cluster.Provide(requireRebalance)
-	if err := a.cluster.CheckTagsFit(map[string]string{loadTag: longestLoadTag(a.Metric)}); err != nil {
+	if err := a.cluster.CheckTagsFit(map[string]string{LoadTag: longestLoadTag(a.Metric)}); err != nil {
 		return fmt.Errorf("rebalance: cluster %v", err)
 	}
 

@@ -260,7 +260,7 @@ func TestReloadTagsTooLarge(t *testing.T) {
 	}
 	gossips := func() (bool, string) {
 		tags := selfTags(n)
-		_, _, ok := parseLoadTag(tags[loadTag])
+		_, _, ok := parseLoadTag(tags[LoadTag])
 		return ok && tags["zone"] == "a", fmt.Sprintf("tags %v", tags)
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips its load", gossips)
@@ -284,10 +284,10 @@ func TestReloadTagsTooLarge(t *testing.T) {
 		t.Fatalf("the old config does not serve: %v", err)
 	}
 	got.Body.Close()
-	seq := selfTags(n)[loadTag]
+	seq := selfTags(n)[LoadTag]
 	testutil.WaitFor(t, 5*time.Second, "the node still publishes new load reports", func() (bool, string) {
 		ok, why := gossips()
-		return ok && selfTags(n)[loadTag] != seq, why
+		return ok && selfTags(n)[LoadTag] != seq, why
 	})
 }
 

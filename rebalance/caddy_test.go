@@ -87,7 +87,7 @@ func TestCaddyWiring(t *testing.T) {
 		t.Fatal("no node in the pool")
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips 3 connections", func() (bool, string) {
-		tag := selfTags(n)[loadTag]
+		tag := selfTags(n)[LoadTag]
 		_, load, _ := parseLoadTag(tag)
 		return load >= 3, fmt.Sprintf("tag %q", tag)
 	})

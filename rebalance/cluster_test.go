@@ -321,7 +321,7 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 	// The new settings drive: the peer sees the new tag and the new load.
 	testutil.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
 		if m, found := memberOf(peer, "reload-x"); found {
-			_, load, _ := parseLoadTag(m.Tags[loadTag])
+			_, load, _ := parseLoadTag(m.Tags[LoadTag])
 			return m.Status == cluster.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
 		}
 		return false, "not listed"

@@ -23,7 +23,7 @@ import (
 // quicker), at the end of the test.
 func badPeer(t *testing.T, name, join string, tag func(seq int) string) {
 	t.Helper()
-	s := testutil.SerfMember(t, name, map[string]string{loadTag: tag(0)}, join)
+	s := testutil.SerfMember(t, name, map[string]string{LoadTag: tag(0)}, join)
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -37,7 +37,7 @@ func badPeer(t *testing.T, name, join string, tag func(seq int) string) {
 				return
 			case <-tick.C:
 			}
-			s.SetTags(map[string]string{loadTag: tag(seq)})
+			s.SetTags(map[string]string{LoadTag: tag(seq)})
 		}
 	}()
 	// Runs before SerfMember's cleanup (last registered, first run),
@@ -266,7 +266,7 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 	}
 	withLoad := func(n int) map[string]string {
 		tags := tagsOf(n)
-		tags[loadTag] = longestLoadTag(metricConnections)
+		tags[LoadTag] = longestLoadTag(metricConnections)
 		return tags
 	}
 	if err := s.SetTags(withLoad(fits)); err != nil {
@@ -284,5 +284,5 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 // fitsWithLoadTag is the check the app makes at Provision: the cluster's
 // tags with the longest load tag of metric.
 func fitsWithLoadTag(tags map[string]string, metric string) error {
-	return (&cluster.App{Tags: tags}).CheckTagsFit(map[string]string{loadTag: longestLoadTag(metric)})
+	return (&cluster.App{Tags: tags}).CheckTagsFit(map[string]string{LoadTag: longestLoadTag(metric)})
 }

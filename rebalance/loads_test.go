@@ -25,7 +25,7 @@ func reportLoad(t *testing.T, s *serf.Serf, tags map[string]string, metric strin
 			for k, v := range tags {
 				next[k] = v
 			}
-			next[loadTag] = fmt.Sprintf("%s %g %d", metric, load, seq)
+			next[LoadTag] = fmt.Sprintf("%s %g %d", metric, load, seq)
 			_ = s.SetTags(next) // waits for the broadcast, up to a second
 			select {
 			case <-quit:
@@ -62,7 +62,7 @@ func TestMemberLoads(t *testing.T) {
 	reportLoad(t, fresh, map[string]string{"http_port": "8001"}, metricConnections, 120)
 	cpu := testutil.SerfMember(t, "ml-cpu", nil, join)
 	reportLoad(t, cpu, nil, metricCPU, 50)
-	testutil.SerfMember(t, "ml-stale", map[string]string{loadTag: "connections 5 1"}, join)
+	testutil.SerfMember(t, "ml-stale", map[string]string{LoadTag: "connections 5 1"}, join)
 	testutil.SerfMember(t, "ml-silent", map[string]string{"http_port": "8004"}, join)
 	gone := testutil.SerfMember(t, "ml-gone", nil, join)
 	stopGone := reportLoad(t, gone, nil, metricConnections, 1)

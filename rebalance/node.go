@@ -22,12 +22,18 @@ import (
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
-// loadTag is the serf member tag in which a node gossips its load:
-// "<metric> <smoothed load> <sequence>". The sequence grows with every
-// report, so a receiver sees a live node's tag change every interval and
-// judges freshness with its own clock (clock skew between nodes does not
+// LoadTag is the serf member tag in which a node gossips its load, as
+// FormatLoadReport writes it. The sequence grows with every report, so a
+// receiver sees a live node's tag change every interval and judges
+// freshness with its own clock (clock skew between nodes does not
 // matter).
-const loadTag = "lbx_load"
+const LoadTag = "lbx_load"
+
+// FormatLoadReport returns a load report as LoadTag carries it:
+// "<metric> <smoothed load> <sequence>".
+func FormatLoadReport(metric string, load float64, seq uint64) string {
+	return metric + " " + strconv.FormatFloat(load, 'g', 6, 64) + " " + strconv.FormatUint(seq, 10)
+}
 
 // nodes holds the shedding state of this process, keyed by the cluster
 // member it publishes through (cluster.App.Key): a config reload starts
@@ -143,7 +149,7 @@ func (n *node) Destruct() error {
 	last := n.owners
 	n.mu.Unlock()
 	for _, s := range last {
-		_ = s.cluster.Publish(loadTag, "")
+		_ = s.cluster.Publish(LoadTag, "")
 	}
 	return nil
 }
@@ -242,11 +248,11 @@ func (n *node) step(s *settings, now time.Time) {
 	n.mu.Lock()
 	local := n.window.Add(load)
 	n.seq++
-	tag := s.metric + " " + strconv.FormatFloat(local, 'g', 6, 64) + " " + strconv.FormatUint(n.seq, 10)
+	tag := FormatLoadReport(s.metric, local, n.seq)
 	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
-	if err := s.cluster.Publish(loadTag, tag); err != nil {
+	if err := s.cluster.Publish(LoadTag, tag); err != nil {
 		n.noMembers(s, err, now)
 		return
 	}
@@ -262,7 +268,7 @@ func (n *node) step(s *settings, now time.Time) {
 	for _, m := range members {
 		present[m.Name] = true
 		r := memberReport{Name: m.Name, Status: m.Status}
-		raw := m.Tags[loadTag]
+		raw := m.Tags[LoadTag]
 		prev, ok := n.seen[m.Name]
 		switch {
 		case !ok:

@@ -367,7 +367,7 @@ func TestThroughputCaddy(t *testing.T) {
 		// gossiped returns the node's load tag: the throughput and the
 		// report's sequence number.
 		gossiped := func() (float64, int) {
-			raw := selfTags(n)[loadTag]
+			raw := selfTags(n)[LoadTag]
 			metric, load, ok := parseLoadTag(raw)
 			f := strings.Fields(raw)
 			if !ok || metric != metricThroughput {

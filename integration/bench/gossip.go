@@ -19,6 +19,7 @@ import (
 	"github.com/hashicorp/serf/serf"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/rebalance"
 )
 
 // bench gossip measures how the rebalance app's load reports travel
@@ -125,9 +126,6 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 	_, err = io.WriteString(out, b.String())
 	return err
 }
-
-// gossipLoadTag is the rebalance app's load tag (rebalance.loadTag).
-const gossipLoadTag = "lbx_load"
 
 // gossipMember is one serf member of the harness and what it saw.
 type gossipMember struct {
@@ -236,7 +234,7 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 				run.arrivals[i] = append(run.arrivals[i], nil)
 				run.mu.Unlock()
 				began := time.Now()
-				err := m.serf.SetTags(map[string]string{"role": "edge", gossipLoadTag: "conns " + strconv.FormatFloat(load, 'g', 6, 64) + " " + strconv.Itoa(seq)})
+				err := m.serf.SetTags(map[string]string{"role": "edge", rebalance.LoadTag: rebalance.FormatLoadReport("conns", load, uint64(seq))})
 				if time.Now().After(run.measureAt) && time.Now().Before(end) {
 					run.mu.Lock()
 					run.setTags = append(run.setTags, float64(time.Since(began))/1e6)
@@ -372,7 +370,7 @@ func (run *gossipRun) saw(i int, m *gossipMember, members []serf.Member, now tim
 		if !ok || j == i {
 			continue
 		}
-		f := strings.Fields(mem.Tags[gossipLoadTag])
+		f := strings.Fields(mem.Tags[rebalance.LoadTag])
 		if len(f) != 3 {
 			continue
 		}
