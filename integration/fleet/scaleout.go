@@ -41,9 +41,10 @@ type ScaleOutResult struct {
 	Joined, Converged time.Duration
 	// Shed is the connections shed until Converged; Moved the
 	// connections the old nodes lost; Ideal the median shed count of a
-	// perfect rebalancer behind the same random balancer (shedsim).
-	Shed, Moved int
-	Ideal       float64
+	// perfect rebalancer behind the same random balancer (shedsim), and
+	// IdealP99 its 99th percentile over the simulated runs.
+	Shed, Moved     int
+	Ideal, IdealP99 float64
 	// Reconnections are the connections the clients opened after the
 	// first Clients, as of the end of phase 1: one per connection shed.
 	Reconnections int
@@ -183,7 +184,8 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	for i := range 3 {
 		res.Moved += res.Before[i] - res.After[i]
 	}
-	res.Ideal = shedsim.IdealSheds(append(slices.Clone(res.Before), 0, 0, 0), threshold, 201, 1)
+	sheds := shedsim.Sheds(append(slices.Clone(res.Before), 0, 0, 0), threshold, 201, 1)
+	res.Ideal, res.IdealP99 = float64(sheds[100]), float64(sheds[198])
 	f.Timeline.Mark("converged")
 	so.logf("6 nodes after %v: %v; shed %d to move %d (ideal %.0f)", res.Converged.Round(time.Millisecond), res.After, res.Shed, res.Moved, res.Ideal)
 	// Every shed connection comes back as one reconnection.

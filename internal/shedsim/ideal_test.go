@@ -2,6 +2,7 @@ package shedsim
 
 import (
 	"math"
+	"slices"
 	"testing"
 )
 
@@ -40,5 +41,31 @@ func TestIdealShedsAddOne(t *testing.T) {
 	// Same seed, same answer.
 	if again := IdealSheds(counts, 0.2, 51, 2); again != got {
 		t.Errorf("not reproducible: %v then %v", got, again)
+	}
+}
+
+// TestShedsSpread: Sheds is sorted, its median is IdealSheds, and a
+// perfect rebalancer's count scatters more, relatively, with fewer
+// connections (the random reconnections): the reason a bound on one run
+// takes a high quantile rather than the median.
+func TestShedsSpread(t *testing.T) {
+	spread := func(counts []int) float64 {
+		s := Sheds(counts, 0.2, 201, 1)
+		if !slices.IsSorted(s) {
+			t.Fatalf("Sheds(%v) is not sorted", counts)
+		}
+		if med := IdealSheds(counts, 0.2, 201, 1); float64(s[100]) != med {
+			t.Errorf("Sheds(%v)[100] = %d; IdealSheds %v", counts, s[100], med)
+		}
+		r := float64(s[198]) / float64(s[100])
+		t.Logf("%v: median %d, p99 %d (%.2f×)", counts, s[100], s[198], r)
+		return r
+	}
+	small, large := spread([]int{145, 126, 129, 0, 0, 0}), spread([]int{1000, 1000, 1000, 0, 0, 0})
+	if small <= large || large < 1 {
+		t.Errorf("p99/median %.2f with 400 connections, %.2f with 3000; want the smaller fleet to scatter more", small, large)
+	}
+	if Sheds(nil, 0.2, 3, 1) != nil || Sheds([]int{1}, 0.2, 0, 1) != nil {
+		t.Error("Sheds of no counts or no runs is not nil")
 	}
 }
