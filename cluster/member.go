@@ -43,6 +43,7 @@ type member struct {
 	key    string
 	name   string
 	serf   *serf.Serf
+	direct *DirectTransport // serf's transport, and the direct messages
 	logger *zap.Logger
 
 	mu        sync.Mutex
@@ -123,11 +124,21 @@ func newMember(key string, s *settings, key32 []byte, bindHost string, bindPort 
 		}
 		ml.Keyring = kr
 	}
-	sf, err := serf.Create(conf)
+	// The member's own transport, which carries direct messages besides
+	// serf's gossip (direct.go).
+	dt, err := listenDirect(conf, m.logger)
 	if err != nil {
 		return nil, fmt.Errorf("starting serf on %s: %v", key, err)
 	}
+	sf, err := serf.Create(conf)
+	if err != nil {
+		// Shut down by memberlist only once it runs.
+		_ = dt.Shutdown()
+		return nil, fmt.Errorf("starting serf on %s: %v", key, err)
+	}
 	m.serf = sf
+	m.direct = dt
+	go dt.Deliver(sf) // ends when serf shuts the transport down
 	m.done.Add(3)
 	go m.watchShutdown()
 	go m.joinLoop()

@@ -20,11 +20,13 @@ var (
 		"Warning and error lines logged by the gossip library (serf, memberlist), whether written or suppressed by the rate limit.", nil, nil)
 	descGossipLogSuppressed = prometheus.NewDesc("caddy_lbx_cluster_gossip_log_lines_suppressed_total",
 		"Warning and error lines of the gossip library not written because of the rate limit (at most 5 of a kind per 10 s).", nil, nil)
+	descDirectMessages = prometheus.NewDesc("caddy_lbx_cluster_direct_messages_total",
+		"Direct messages this node's member sent and received, by result: ok, send_error, handler_panic, or why a received one was dropped (dropped_*).", []string{"node", "direction", "result"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed} {
+	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed, descDirectMessages} {
 		ch <- d
 	}
 }
@@ -50,6 +52,18 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descNameConflict, prometheus.GaugeValue, conflict, st.Name)
 		for s, n := range by {
 			ch <- prometheus.MustNewConstMetric(descMembers, prometheus.GaugeValue, float64(n), st.Name, s.String())
+		}
+		if d := m.direct; d != nil {
+			// A message is sent or not (ok, send_error); a received one is
+			// handled (ok, handler_panic) or dropped.
+			for r := range directResults {
+				if r == directOK || r == directSendError {
+					ch <- prometheus.MustNewConstMetric(descDirectMessages, prometheus.CounterValue, float64(d.sent[r].Load()), st.Name, "sent", r.String())
+				}
+				if r != directSendError {
+					ch <- prometheus.MustNewConstMetric(descDirectMessages, prometheus.CounterValue, float64(d.received[r].Load()), st.Name, "received", r.String())
+				}
+			}
 		}
 		return true
 	})
