@@ -34,6 +34,20 @@ import (
 // member's cluster average against the true one; what each member sends
 // (bytes and packets, counted at the transport); CPU per member; and how
 // long SetTags blocked.
+//
+// With -scheme flow the loads travel otherwise: each member averages them
+// with gossipavg over direct messages (gossipflow.go), exchanging with one
+// peer every -tick, and the tags carry no load. It reports each member's
+// error of the cluster average and size, whether it knows the lowest
+// member, and the same traffic and CPU figures.
+//
+// In both schemes the loads drift (a sine of ±40% over 20–60 s per
+// member) for the first half of the window; then they stop drifting and
+// half the members lose 20% at once: the step, which each member takes
+// in at its next publication (within an interval, as the app samples its
+// load once per interval). Settle is the time from the step until 99% of
+// the members' cluster averages are within 1% of the true one, and stays
+// so.
 
 // gossipConfig is the command's flags.
 type gossipConfig struct {
@@ -43,6 +57,8 @@ type gossipConfig struct {
 	warmup    time.Duration
 	duration  time.Duration
 	seed      uint64
+	scheme    string        // "tags" or "flow"
+	tick      time.Duration // flow: the time between a member's exchanges
 }
 
 func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
@@ -55,6 +71,8 @@ func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
 	fs.DurationVar(&cfg.warmup, "warmup", 5*time.Second, "unmeasured time after the cluster converged")
 	fs.DurationVar(&cfg.duration, "duration", 20*time.Second, "measured window per size")
 	fs.Uint64Var(&cfg.seed, "seed", 1, "seed of the loads and publication phases")
+	fs.StringVar(&cfg.scheme, "scheme", "tags", "how loads travel: tags (serf tags, as the app does now) or flow (gossipavg over direct messages)")
+	fs.DurationVar(&cfg.tick, "tick", 100*time.Millisecond, "flow: time between a member's exchanges")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -74,6 +92,10 @@ func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
 		return nil, fmt.Errorf("-duration %v: want 2 intervals to 1h", cfg.duration)
 	case cfg.warmup < 0 || cfg.warmup > time.Hour:
 		return nil, fmt.Errorf("-warmup %v: want 0 to 1h", cfg.warmup)
+	case cfg.scheme != "tags" && cfg.scheme != "flow":
+		return nil, fmt.Errorf("-scheme %q: want tags or flow", cfg.scheme)
+	case cfg.tick < 10*time.Millisecond || cfg.tick > cfg.freshness/8:
+		return nil, fmt.Errorf("-tick %v: want 10ms to freshness/8", cfg.tick)
 	}
 	return cfg, nil
 }
@@ -91,6 +113,15 @@ type gossipResult struct {
 	cpuPct                   float64
 	setTags                  stat // ms
 	setTagsTimeouts          int
+	// settle is the time from the step until 99% of the members' averages
+	// were within 1% and stayed so (ms); settled false when they never
+	// were by the end of the window.
+	settle  float64
+	settled bool
+	// flow only: each member's error of the cluster size (percent, over
+	// samples × members), and the share of members that know the lowest
+	// member (percent, over samples).
+	sizeErrPct, lowestPct stat
 }
 
 func runGossip(ctx context.Context, args []string, cmdline string, out, progress io.Writer) error {
@@ -109,18 +140,36 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 		results = append(results, r)
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "# bench gossip\n\n`%s`: real serf members in one process on 127.0.0.1 with the cluster app's settings, each publishing its load tag every %v; freshness %v; %v warm-up, %v window.\n\n", cmdline, cfg.interval, cfg.freshness, cfg.warmup, cfg.duration)
-	b.WriteString("Medians [min–max] over reports (reach), samples (stale, view age, average error) or members (traffic). Reach: time from SetTags to the other members' first sight of that report or a newer one.\n\n")
-	b.WriteString("| members | reports | reach 50% | reach 99% | reach 100% | never all | stale | view age | average error | bytes/s sent | packets/s sent | CPU per member | SetTags | SetTags timeouts |\n")
-	b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
+	fmt.Fprintf(&b, "# bench gossip\n\n`%s`: real serf members in one process on 127.0.0.1 with the cluster app's settings, each publishing its load every %v; freshness %v; %v warm-up, %v window.\n\n", cmdline, cfg.interval, cfg.freshness, cfg.warmup, cfg.duration)
 	msf := func(v float64) string { return fmt.Sprintf("%.0f ms", v) }
 	pct := func(v float64) string { return fmt.Sprintf("%.1f%%", v) }
 	num := func(v float64) string { return fmt.Sprintf("%.0f", v) }
-	for _, r := range results {
-		fmt.Fprintf(&b, "| %d | %d | %s | %s | %s | %.1f%% | %s | %s | %s | %s | %s | %.2f%% | %s | %d |\n",
-			r.n, r.reports, fmtStat(r.reach50, msf), fmtStat(r.reach99, msf), fmtStat(r.reach1, msf), r.neverAll,
-			fmtStat(r.stalePct, pct), fmtStat(r.viewAge, msf), fmtStat(r.avgErrPct, pct),
-			fmtStat(r.bytesPerSec, num), fmtStat(r.pktsPerSec, num), r.cpuPct, fmtStat(r.setTags, msf), r.setTagsTimeouts)
+	settle := func(r gossipResult) string {
+		if !r.settled {
+			return fmt.Sprintf("> %.0f ms", r.settle)
+		}
+		return msf(r.settle)
+	}
+	if cfg.scheme == "flow" {
+		fmt.Fprintf(&b, "Scheme flow: gossipavg over direct messages, an exchange every %v per member; the tags carry no load.\n\n", cfg.tick)
+		b.WriteString("Medians [min–max] over samples × members (errors), samples (lowest known, view age) or members (traffic). Average error is while the loads drift; settle is after the step.\n\n")
+		b.WriteString("| members | average error | settle after the step | size error | lowest known | last exchange age | bytes/s sent | packets/s sent | CPU per member |\n")
+		b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
+		for _, r := range results {
+			fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %s | %s | %s | %.2f%% |\n",
+				r.n, fmtStat(r.avgErrPct, pct), settle(r), fmtStat(r.sizeErrPct, pct), fmtStat(r.lowestPct, pct), fmtStat(r.viewAge, msf),
+				fmtStat(r.bytesPerSec, num), fmtStat(r.pktsPerSec, num), r.cpuPct)
+		}
+	} else {
+		b.WriteString("Medians [min–max] over reports (reach), samples (stale, view age, average error) or members (traffic). Reach: time from SetTags to the other members' first sight of that report or a newer one. Average error is while the loads drift; settle is after the step.\n\n")
+		b.WriteString("| members | reports | reach 50% | reach 99% | reach 100% | never all | stale | view age | average error | settle after the step | bytes/s sent | packets/s sent | CPU per member | SetTags | SetTags timeouts |\n")
+		b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
+		for _, r := range results {
+			fmt.Fprintf(&b, "| %d | %d | %s | %s | %s | %.1f%% | %s | %s | %s | %s | %s | %s | %.2f%% | %s | %d |\n",
+				r.n, r.reports, fmtStat(r.reach50, msf), fmtStat(r.reach99, msf), fmtStat(r.reach1, msf), r.neverAll,
+				fmtStat(r.stalePct, pct), fmtStat(r.viewAge, msf), fmtStat(r.avgErrPct, pct), settle(r),
+				fmtStat(r.bytesPerSec, num), fmtStat(r.pktsPerSec, num), r.cpuPct, fmtStat(r.setTags, msf), r.setTagsTimeouts)
+		}
 	}
 	fmt.Fprintf(&b, "\nTotal %v.\n", time.Since(began).Round(time.Second))
 	_, err = io.WriteString(out, b.String())
@@ -131,6 +180,7 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 type gossipMember struct {
 	serf *serf.Serf
 	net  *countingTransport
+	flow *flowMember // the flow scheme's averaging; nil with tags
 
 	mu       sync.Mutex
 	seenSeq  []int       // by member index: the last report seen
@@ -140,6 +190,7 @@ type gossipMember struct {
 
 // gossipRun is the shared state of one size's run.
 type gossipRun struct {
+	cfg     *gossipConfig
 	n       int
 	names   map[string]int
 	members []*gossipMember
@@ -154,7 +205,7 @@ type gossipRun struct {
 }
 
 func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Writer) (gossipResult, error) {
-	run := &gossipRun{n: n, names: map[string]int{}, pubAt: make([][]time.Time, n), pubLoad: make([][]float64, n), arrivals: make([][][]float64, n)}
+	run := &gossipRun{cfg: cfg, n: n, names: map[string]int{}, pubAt: make([][]time.Time, n), pubLoad: make([][]float64, n), arrivals: make([][][]float64, n)}
 	stopEvents := make(chan struct{})
 	var events sync.WaitGroup
 	defer func() {
@@ -168,7 +219,7 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 		events.Wait()
 	}()
 	for i := range n {
-		run.names[fmt.Sprintf("g%04d", i)] = i
+		run.names[run.nameOf(i)] = i
 	}
 	for i := range n {
 		m, err := run.start(i, stopEvents, &events)
@@ -211,6 +262,21 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 	start := time.Now()
 	run.measureAt = start.Add(cfg.warmup)
 	end := run.measureAt.Add(cfg.duration)
+	stepAt := run.measureAt.Add(cfg.duration / 2)
+	// loadAt is member i's load at t: drifting until the step, then
+	// still, and 20% lower on every other member.
+	loadAt := func(i int, t time.Time) float64 {
+		still := t
+		if still.After(stepAt) {
+			still = stepAt
+		}
+		el := still.Sub(start).Seconds()
+		load := 1000 + 400*math.Sin(phases[i]+2*math.Pi*el/periods[i])
+		if !t.Before(stepAt) && i%2 == 0 {
+			load *= 0.8
+		}
+		return load
+	}
 	pubCtx, stopPub := context.WithCancel(ctx)
 	var pubs sync.WaitGroup
 	for i, m := range run.members {
@@ -226,13 +292,16 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 				case <-t.C:
 				}
 				t.Reset(cfg.interval)
-				el := time.Since(start).Seconds()
-				load := 1000 + 400*math.Sin(phases[i]+2*math.Pi*el/periods[i])
+				load := loadAt(i, time.Now())
 				run.mu.Lock()
 				run.pubAt[i] = append(run.pubAt[i], time.Now())
 				run.pubLoad[i] = append(run.pubLoad[i], load)
 				run.arrivals[i] = append(run.arrivals[i], nil)
 				run.mu.Unlock()
+				if m.flow != nil {
+					m.flow.setLoad(i, load)
+					continue
+				}
 				began := time.Now()
 				err := m.serf.SetTags(map[string]string{"role": "edge", rebalance.LoadTag: rebalance.FormatLoadReport("conns", load, uint64(seq))})
 				if time.Now().After(run.measureAt) && time.Now().Before(end) {
@@ -247,8 +316,20 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 		}()
 	}
 
+	if cfg.scheme == "flow" {
+		for _, m := range run.members {
+			pubs.Add(1)
+			go func() {
+				defer pubs.Done()
+				m.flow.tickLoop(m.serf, cfg.tick, pubCtx.Done())
+			}()
+		}
+	}
 	// Samples of every member's view, and the process's CPU and traffic.
-	var stale, ages, errs []float64
+	var stale, ages, errs, sizeErrs, lowest []float64
+	// settleAt is the first sample after the step from which on 99% of
+	// the members' averages were within 1%.
+	var settleAt time.Time
 	select {
 	case <-ctx.Done():
 	case <-time.After(time.Until(run.measureAt)):
@@ -258,8 +339,26 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 	t0 := time.Now()
 	tick := time.NewTicker(250 * time.Millisecond)
 	for now := time.Now(); now.Before(end) && ctx.Err() == nil; now = <-tick.C {
-		s, a, e := run.sample(now, cfg.freshness)
-		stale, ages, errs = append(stale, s), append(ages, a), append(errs, e...)
+		var e []float64
+		if cfg.scheme == "flow" {
+			var se []float64
+			var low, a float64
+			e, se, low, a = run.sampleFlow(now)
+			sizeErrs, lowest, ages = append(sizeErrs, se...), append(lowest, low), append(ages, a)
+		} else {
+			var s, a float64
+			s, a, e = run.sample(now, cfg.freshness)
+			stale, ages = append(stale, s), append(ages, a)
+		}
+		if now.Before(stepAt) {
+			errs = append(errs, e...)
+			continue
+		}
+		if p99 := quantile(e, 0.99); p99 > 1 {
+			settleAt = time.Time{}
+		} else if settleAt.IsZero() {
+			settleAt = now
+		}
 	}
 	tick.Stop()
 	elapsed := time.Since(t0).Seconds()
@@ -273,7 +372,14 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 	// Reports of the window get until a freshness after it to arrive.
 	time.Sleep(min(cfg.freshness, 5*time.Second))
 
-	r := gossipResult{n: n, stalePct: statOf(stale), viewAge: statOf(ages), avgErrPct: statOf(errs), cpuPct: 100 * cpu / elapsed / float64(n)}
+	r := gossipResult{n: n, stalePct: statOf(stale), viewAge: statOf(ages), avgErrPct: statOf(errs), cpuPct: 100 * cpu / elapsed / float64(n),
+		sizeErrPct: statOf(sizeErrs), lowestPct: statOf(lowest)}
+	r.settled = !settleAt.IsZero()
+	if r.settled {
+		r.settle = float64(settleAt.Sub(stepAt)) / 1e6
+	} else {
+		r.settle = float64(end.Sub(stepAt)) / 1e6
+	}
 	bps, pps := make([]float64, n), make([]float64, n)
 	for i := range n {
 		bps[i] = float64(sent1[i].bytes-sent0[i].bytes) / elapsed
@@ -331,7 +437,7 @@ func (run *gossipRun) start(i int, stop <-chan struct{}, events *sync.WaitGroup)
 		return nil, err
 	}
 	ct := newCountingTransport(nt)
-	conf := cluster.SerfConfig(fmt.Sprintf("g%04d", i), "127.0.0.1", ct.port)
+	conf := cluster.SerfConfig(run.nameOf(i), "127.0.0.1", ct.port)
 	conf.LogOutput = io.Discard
 	conf.MemberlistConfig.LogOutput = io.Discard
 	conf.MemberlistConfig.Transport = ct
@@ -340,12 +446,21 @@ func (run *gossipRun) start(i int, stop <-chan struct{}, events *sync.WaitGroup)
 	ch := make(chan serf.Event, 4096)
 	conf.EventCh = ch
 	m := &gossipMember{net: ct, seenSeq: make([]int, run.n), seenLoad: make([]float64, run.n), seenAt: make([]time.Time, run.n)}
+	if run.cfg.scheme == "flow" {
+		if m.flow, err = newFlowMember(i, run, conf, ct, run.cfg); err != nil {
+			_ = nt.Shutdown()
+			return nil, err
+		}
+	}
 	s, err := serf.Create(conf)
 	if err != nil {
-		_ = nt.Shutdown()
+		_ = conf.MemberlistConfig.Transport.Shutdown()
 		return nil, err
 	}
 	m.serf = s
+	if m.flow != nil {
+		m.flow.start(s)
+	}
 	events.Add(1)
 	go func() {
 		defer events.Done()
@@ -402,14 +517,11 @@ func (run *gossipRun) saw(i int, m *gossipMember, members []serf.Member, now tim
 // view (ms), and each observer's error of the cluster average against
 // the true one (the latest published loads), in percent.
 func (run *gossipRun) sample(now time.Time, freshness time.Duration) (stalePct, ageMs float64, errPct []float64) {
+	truth := run.truth()
 	run.mu.Lock()
-	truth := make([]float64, run.n)
 	pubAt := make([][]time.Time, run.n)
 	var trueSum float64
 	for j := range run.n {
-		if k := len(run.pubLoad[j]); k > 0 {
-			truth[j] = run.pubLoad[j][k-1]
-		}
 		trueSum += truth[j]
 		pubAt[j] = run.pubAt[j]
 	}
@@ -440,6 +552,22 @@ func (run *gossipRun) sample(now time.Time, freshness time.Duration) (stalePct, 
 	}
 	return 100 * float64(staleN) / float64(pairs), ageSum / float64(pairs), errPct
 }
+
+// truth returns every member's latest load.
+func (run *gossipRun) truth() []float64 {
+	run.mu.Lock()
+	defer run.mu.Unlock()
+	out := make([]float64, run.n)
+	for j := range run.n {
+		if k := len(run.pubLoad[j]); k > 0 {
+			out[j] = run.pubLoad[j][k-1]
+		}
+	}
+	return out
+}
+
+// nameOf returns member j's node name.
+func (run *gossipRun) nameOf(j int) string { return fmt.Sprintf("g%04d", j) }
 
 // sentCount is what one member sent.
 type sentCount struct{ bytes, packets int64 }
@@ -529,4 +657,15 @@ func (c *countingConn) Write(b []byte) (int, error) {
 	n, err := c.Conn.Write(b)
 	c.t.bytes.Add(int64(n))
 	return n, err
+}
+
+// quantile returns the q-quantile of v by nearest rank (the smallest
+// value with at least q of v at or below it); NaN for no values. v is
+// reordered.
+func quantile(v []float64, q float64) float64 {
+	if len(v) == 0 {
+		return math.NaN()
+	}
+	slices.Sort(v)
+	return v[max(0, int(math.Ceil(q*float64(len(v))))-1)]
 }
