@@ -588,23 +588,31 @@ type countingTransport struct {
 	port           int
 	bytes, packets atomic.Int64
 	streams        chan net.Conn
-	done           chan struct{}
+	done           chan struct{} // closed when Shutdown starts
+	netDown        chan struct{} // closed once the NetTransport has shut down
+	forwarded      chan struct{} // closed when the stream forwarder ends
 	stopOnce       sync.Once
+	stopErr        error
 }
 
 func newCountingTransport(nt *memberlist.NetTransport) *countingTransport {
-	t := &countingTransport{NetTransport: nt, port: nt.GetAutoBindPort(), streams: make(chan net.Conn), done: make(chan struct{})}
+	t := &countingTransport{NetTransport: nt, port: nt.GetAutoBindPort(), streams: make(chan net.Conn),
+		done: make(chan struct{}), netDown: make(chan struct{}), forwarded: make(chan struct{})}
+	// The forwarder reads the NetTransport's streams until it has shut
+	// down: its listener hands over every connection it accepts before it
+	// ends, so a forwarder that stopped at Shutdown would block it (a
+	// push-pull arriving during teardown hung the harness at 256 members).
 	go func() {
+		defer close(t.forwarded)
 		for {
 			select {
-			case <-t.done:
+			case <-t.netDown:
 				return
 			case c := <-nt.StreamCh():
 				select {
 				case t.streams <- &countingConn{Conn: c, t: t}:
 				case <-t.done:
 					c.Close()
-					return
 				}
 			}
 		}
@@ -614,8 +622,13 @@ func newCountingTransport(nt *memberlist.NetTransport) *countingTransport {
 
 // Shutdown implements memberlist.Transport.
 func (t *countingTransport) Shutdown() error {
-	t.stopOnce.Do(func() { close(t.done) })
-	return t.NetTransport.Shutdown()
+	t.stopOnce.Do(func() {
+		close(t.done)
+		t.stopErr = t.NetTransport.Shutdown()
+		close(t.netDown)
+		<-t.forwarded
+	})
+	return t.stopErr
 }
 
 // WriteTo implements memberlist.Transport.
