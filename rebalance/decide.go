@@ -205,12 +205,90 @@ type Decision struct {
 	Reason string
 }
 
-// Decide computes how many connections this node should shed now. It is
-// a pure function: all state is in Input (Shedding, Lift) and Decision.
-//
-// The cluster average counts only the members whose report counts
-// (Params.standing: alive, younger than Freshness, a valid load in the
-// same metric); this node always counts, with Local. With fewer than MinMembers counted it never sheds.
+// View is what a decision needs of the cluster: the average load and
+// the lowest member, and which members were counted or excluded, and why.
+// Decide makes it from the member reports (summarize); a node that learns
+// the average some other way (by gossip averaging, say) makes its own and
+// calls DecideView, leaving out the member the lift rule ignores
+// (Input.Lift.Ignored) if it can.
+type View struct {
+	// Average is the cluster average load over the counted members, this
+	// node included.
+	Average float64
+	// Counted is the number of members in the average, this node
+	// included.
+	Counted int
+	// Stale, NotAlive, Invalid, OtherMetric and Ignored count the members
+	// excluded, and why (Ignored: Input.Lift.Ignored).
+	Stale, NotAlive, Invalid, OtherMetric, Ignored int
+	// Lowest is the lowest load among the counted members, this node
+	// included, and LowestName its member.
+	Lowest     float64
+	LowestName string
+}
+
+// Decide computes how many connections this node should shed now: it is
+// DecideView of the summary of in.Members. It is a pure function: all
+// state is in Input (Shedding, Lift) and Decision.
+func Decide(p Params, in Input) Decision {
+	return DecideView(p, in, summarize(p, in))
+}
+
+// summarize makes the View of in.Members. The cluster average counts only
+// the members whose report counts (Params.standing: alive, younger than
+// Freshness, a valid load in the same metric), and not the member the
+// lift rule leaves out (Input.Lift.Ignored, until IgnoredUntil); this node
+// always counts, with Local, and is the lowest member unless another
+// counted member's load is lower.
+func summarize(p Params, in Input) View {
+	v := View{}
+	ignoring := in.Lift.ignoring(in.Now)
+	var sum float64
+	lowest, lowestName := in.Local, in.Self
+	for _, m := range in.Members {
+		if m.Name == in.Self {
+			continue
+		}
+		st := p.standing(m, in.Now)
+		if st == counted && ignoring && m.Name == in.Lift.Ignored {
+			st = ignored
+		}
+		switch st {
+		case notAlive:
+			v.NotAlive++
+		case otherMetric:
+			v.OtherMetric++
+		case stale:
+			v.Stale++
+		case invalid:
+			v.Invalid++
+		case ignored:
+			v.Ignored++
+		default:
+			sum += m.Load
+			v.Counted++
+			if m.Load < lowest {
+				lowest, lowestName = m.Load, m.Name
+			}
+		}
+	}
+	sum += in.Local
+	v.Counted++
+	v.Average = sum / float64(v.Counted)
+	v.Lowest, v.LowestName = lowest, lowestName
+	return v
+}
+
+// ignoring reports whether the lift rule leaves a member out of the
+// average at now.
+func (l LiftState) ignoring(now time.Time) bool {
+	return l.Ignored != "" && now.Before(l.IgnoredUntil)
+}
+
+// DecideView computes how many connections this node should shed now,
+// from v, the cluster as this node sees it. It is a pure function: all
+// state is in Input (Shedding, Lift) and Decision; Input.Members is not
+// read. With fewer than MinMembers counted it never sheds.
 //
 // Two rules make a node shed. The high rule: a node starts shedding when
 // Local exceeds average × (1 + Threshold), keeps shedding while Local
@@ -232,41 +310,12 @@ type Decision struct {
 // (the average while lifting), scaled to connections as
 // Held × (1 − line/Current), at most ceil(Held × ShedRate), and never
 // takes Held below MinConnections.
-func Decide(p Params, in Input) Decision {
-	d := Decision{}
-	ignoring := in.Lift.Ignored != "" && in.Now.Before(in.Lift.IgnoredUntil)
-	var sum float64
-	lowest, lowestName := in.Local, in.Self
-	for _, m := range in.Members {
-		if m.Name == in.Self {
-			continue
-		}
-		st := p.standing(m, in.Now)
-		if st == counted && ignoring && m.Name == in.Lift.Ignored {
-			st = ignored
-		}
-		switch st {
-		case notAlive:
-			d.NotAlive++
-		case otherMetric:
-			d.OtherMetric++
-		case stale:
-			d.Stale++
-		case invalid:
-			d.Invalid++
-		case ignored:
-			d.Ignored++
-		default:
-			sum += m.Load
-			d.Counted++
-			if m.Load < lowest {
-				lowest, lowestName = m.Load, m.Name
-			}
-		}
+func DecideView(p Params, in Input, v View) Decision {
+	d := Decision{
+		Counted: v.Counted, Stale: v.Stale, NotAlive: v.NotAlive,
+		Invalid: v.Invalid, OtherMetric: v.OtherMetric, Ignored: v.Ignored,
 	}
-	sum += in.Local
-	d.Counted++
-
+	ignoring := in.Lift.ignoring(in.Now)
 	if ignoring {
 		d.Lift = LiftState{Ignored: in.Lift.Ignored, IgnoredUntil: in.Lift.IgnoredUntil}
 	}
@@ -275,12 +324,14 @@ func Decide(p Params, in Input) Decision {
 		d.Reason = fmt.Sprintf("too few fresh members (%d of %d needed)", d.Counted, minMembers)
 		return d
 	}
-	d.Average = sum / float64(d.Counted)
-	if d.Average <= 0 {
+	d.Average = v.Average
+	if !(d.Average > 0) {
+		d.Average = 0
 		d.Reason = "no load in the cluster"
 		return d
 	}
 	d.Balance = in.Local / d.Average
+	lowest, lowestName := v.Lowest, v.LowestName
 	d.Lowest, d.LowestName = lowest, lowestName
 
 	startLine := d.Average * (1 + p.Threshold)

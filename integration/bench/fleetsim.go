@@ -1,0 +1,336 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddy-lbx/lbx/internal/fleetsim"
+)
+
+// bench fleetsim: the rebalance decision at fleet scale, simulated
+// (package fleetsim): every node decides from its own gossipavg view, from
+// serf tags that arrive late, or from the exact average, behind a random
+// or a least-connections outer balancer, through a scale-out, a scale-in
+// and a rolling restart.
+
+// fleetsimConfig is bench fleetsim's configuration, from flags.
+type fleetsimConfig struct {
+	sizes     []int
+	conns     []int
+	views     []fleetsim.ViewKind
+	balancers []fleetsim.Balancer
+	scenarios []fleetsim.Scenario
+	seeds     int
+	firstSeed uint64
+	parallel  int
+	timeline  string
+}
+
+// parseFleetsimFlags reads bench fleetsim's configuration from args.
+func parseFleetsimFlags(args []string, stderr io.Writer) (*fleetsimConfig, error) {
+	fs := flag.NewFlagSet("bench fleetsim", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	sizes := fs.String("sizes", "100,300,1000", "fleet sizes before the scenario, comma-separated (2 to 10000)")
+	conns := fs.String("conns", "100,1000", "connections per node before the scenario, comma-separated (1 to 100000)")
+	views := fs.String("views", "flow,tags,exact", "how nodes see the cluster: flow (gossipavg), tags (serf tags, late), exact")
+	balancers := fs.String("balancers", "random,leastconn", "outer balancers: random, leastconn")
+	var scenNames []string
+	for _, s := range fleetsim.Scenarios {
+		scenNames = append(scenNames, s.String())
+	}
+	scenarios := fs.String("scenarios", strings.Join(scenNames, ","), "scenarios")
+	cfg := &fleetsimConfig{}
+	fs.IntVar(&cfg.seeds, "seeds", 3, "runs per case, seeds from -seed on; the tables show medians [min–max]")
+	fs.Uint64Var(&cfg.firstSeed, "seed", 1, "first seed")
+	fs.IntVar(&cfg.parallel, "parallel", runtime.GOMAXPROCS(0), "runs at once")
+	fs.StringVar(&cfg.timeline, "timeline", "", "write the connections of every node per interval of the 1000-node ×2 flow run behind random (first seed, most connections) to this CSV file")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	var err error
+	if cfg.sizes, err = intList("sizes", *sizes, 2, 10_000); err != nil {
+		return nil, err
+	}
+	if cfg.conns, err = intList("conns", *conns, 1, 100_000); err != nil {
+		return nil, err
+	}
+	if cfg.views, err = nameList("views", *views, []fleetsim.ViewKind{fleetsim.Flow, fleetsim.Tags, fleetsim.Exact}); err != nil {
+		return nil, err
+	}
+	if cfg.balancers, err = nameList("balancers", *balancers, []fleetsim.Balancer{fleetsim.Random, fleetsim.LeastConn}); err != nil {
+		return nil, err
+	}
+	if cfg.scenarios, err = nameList("scenarios", *scenarios, fleetsim.Scenarios); err != nil {
+		return nil, err
+	}
+	switch {
+	case cfg.seeds < 1 || cfg.seeds > 100:
+		return nil, fmt.Errorf("-seeds %d: want 1 to 100", cfg.seeds)
+	case cfg.parallel < 1:
+		return nil, fmt.Errorf("-parallel %d: want at least 1", cfg.parallel)
+	}
+	return cfg, nil
+}
+
+// intList parses a comma-separated list of integers from lo to hi.
+func intList(flagName, s string, lo, hi int) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < lo || n > hi {
+			return nil, fmt.Errorf("-%s: %q is not a number from %d to %d", flagName, f, lo, hi)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+// nameList parses a comma-separated list of names of known values.
+func nameList[T fmt.Stringer](flagName, s string, known []T) ([]T, error) {
+	var out []T
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		i := slices.IndexFunc(known, func(k T) bool { return k.String() == f })
+		if i < 0 {
+			var names []string
+			for _, k := range known {
+				names = append(names, k.String())
+			}
+			return nil, fmt.Errorf("-%s: unknown %q; want some of %s", flagName, f, strings.Join(names, ","))
+		}
+		out = append(out, known[i])
+	}
+	return out, nil
+}
+
+// fleetsimCase is one row of a table: every seed's run of it.
+type fleetsimCase struct {
+	scenario fleetsim.Scenario
+	size     int
+	conns    int
+	view     fleetsim.ViewKind
+	balancer fleetsim.Balancer
+	results  []fleetsim.Result
+}
+
+// runFleetsim runs bench fleetsim and prints its tables to out.
+func runFleetsim(ctx context.Context, args []string, cmdline string, out, progress io.Writer) error {
+	cfg, err := parseFleetsimFlags(args, progress)
+	if err != nil {
+		return err
+	}
+	var cases []*fleetsimCase
+	for _, sc := range cfg.scenarios {
+		for _, n := range cfg.sizes {
+			for _, c := range cfg.conns {
+				for _, v := range cfg.views {
+					for _, b := range cfg.balancers {
+						cases = append(cases, &fleetsimCase{scenario: sc, size: n, conns: c, view: v, balancer: b, results: make([]fleetsim.Result, cfg.seeds)})
+					}
+				}
+			}
+		}
+	}
+	timelineCase := -1
+	if cfg.timeline != "" {
+		timelineCase = slices.IndexFunc(cases, func(c *fleetsimCase) bool {
+			return c.scenario == fleetsim.Double && c.size == 1000 && c.conns == slices.Max(cfg.conns) &&
+				c.view == fleetsim.Flow && c.balancer == fleetsim.Random
+		})
+		if timelineCase < 0 {
+			return fmt.Errorf("-timeline needs the run it records: size 1000, scenario %s, view flow, balancer random", fleetsim.Double)
+		}
+	}
+
+	began := time.Now()
+	type job struct{ c, seed int }
+	jobs := make(chan job)
+	errs := make(chan error, cfg.parallel)
+	var mu sync.Mutex
+	done := 0
+	var wg sync.WaitGroup
+	for range cfg.parallel {
+		wg.Go(func() {
+			for j := range jobs {
+				c := cases[j.c]
+				fc := fleetsim.Config{
+					Nodes: c.size, Conns: c.conns, Scenario: c.scenario, View: c.view, Balancer: c.balancer,
+					Seed: cfg.firstSeed + uint64(j.seed),
+				}
+				var finish func() error
+				if j.c == timelineCase && j.seed == 0 {
+					var err error
+					if fc.Timeline, finish, err = timelineWriter(cfg.timeline); err != nil {
+						errs <- err
+						return
+					}
+				}
+				r, err := fleetsim.Run(fc)
+				if err == nil && finish != nil {
+					err = finish()
+				}
+				if err != nil {
+					errs <- fmt.Errorf("%s, %d nodes × %d, %s, %s, seed %d: %w", c.scenario, c.size, c.conns, c.view, c.balancer, fc.Seed, err)
+					return
+				}
+				c.results[j.seed] = r
+				mu.Lock()
+				done++
+				fmt.Fprintf(progress, "fleetsim: %d/%d %s, %d nodes × %d, %s, %s, seed %d: %d intervals (%v so far)\n",
+					done, len(cases)*cfg.seeds, c.scenario, c.size, c.conns, c.view, c.balancer, fc.Seed, r.Intervals, time.Since(began).Round(time.Second))
+				mu.Unlock()
+			}
+		})
+	}
+	// The largest fleets first, so that the pool does not end on one.
+	order := make([]job, 0, len(cases)*cfg.seeds)
+	for i := range cases {
+		for s := range cfg.seeds {
+			order = append(order, job{i, s})
+		}
+	}
+	slices.SortStableFunc(order, func(a, b job) int { return cases[b.c].size - cases[a.c].size })
+	var runErr error
+feed:
+	for _, j := range order {
+		select {
+		case jobs <- j:
+		case runErr = <-errs:
+			break feed
+		case <-ctx.Done():
+			runErr = ctx.Err()
+			break feed
+		}
+	}
+	close(jobs)
+	wg.Wait()
+	if runErr == nil {
+		select {
+		case runErr = <-errs:
+		default:
+		}
+	}
+	if runErr != nil {
+		return runErr
+	}
+	fmt.Fprint(out, fleetsimReport(cfg, cmdline, cases, time.Since(began)))
+	return nil
+}
+
+// timelineWriter returns a Timeline callback that writes one CSV line per
+// interval (the interval, then every node's connections) to path, and the
+// function that flushes and closes it.
+func timelineWriter(path string) (func(int, []int), func() error, error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	w := bufio.NewWriter(f)
+	width := 0
+	var line []byte
+	record := func(t int, conns []int) {
+		if t == 0 {
+			width = len(conns)
+			line = append(line[:0], "interval"...)
+			for i := range conns {
+				line = fmt.Appendf(line, ",n%05d", i)
+			}
+			w.Write(append(line, '\n'))
+		}
+		line = strconv.AppendInt(line[:0], int64(t), 10)
+		for i := range width {
+			line = append(line, ',')
+			if i < len(conns) {
+				line = strconv.AppendInt(line, int64(conns[i]), 10)
+			}
+		}
+		w.Write(append(line, '\n'))
+	}
+	finish := func() error {
+		err := w.Flush()
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	}
+	return record, finish, nil
+}
+
+// fleetsimReport renders the tables: one per scenario.
+func fleetsimReport(cfg *fleetsimConfig, cmdline string, cases []*fleetsimCase, took time.Duration) string {
+	var b strings.Builder
+	p := fleetsim.DefaultParams()
+	fmt.Fprintf(&b, "# bench fleetsim\n\n`%s` (%v): a simulated fleet, one decision interval at a time, deciding with the rebalance app's defaults "+
+		"(threshold %.0f%%, stop band %.0f%%, shed rate %.1f%% per interval, min_connections %d, freshness %d intervals, history 10 intervals). "+
+		"Views: flow, every node's own gossipavg estimate (5 exchanges per interval, 0.5%% of messages lost); tags, every other node's smoothed load late by a lag per (observer, member) "+
+		"drawn from a lognormal (median and p99 in intervals: %s; measured at 16 and 128 members, extrapolated in log N beyond); exact, the true average. "+
+		"Shed clients reconnect through the outer balancer: random (uniform) or leastconn (fewest connections).\n\n",
+		cmdline, took.Round(time.Second), 100*p.Threshold, 50*p.Threshold, 100*p.ShedRate, p.MinConnections, int(p.Freshness/fleetsim.Interval), lagNote(cfg))
+	b.WriteString("Medians [min–max] over seeds. Converged: every node within ±threshold of the average and none shedding for 10 intervals (the first of them counted from the scenario's start; — when some seed did not within 3000 intervals). " +
+		"Shed/conn: connections shed over the connections in the fleet. Shed/ideal: connections shed over the median of a perfect rebalancer's behind the same balancer (shedsim.IdealShedsFor), from the fleet right after the event (rolling restart: after the last restart, so the restarts' own repair is not in the ideal). " +
+		"Worst node: largest deviation from the average at the end. Oscillating: nodes that shed in two shedding phases separated by a quiet interval. Relanded: share of the shed connections that reconnected to a node shedding in the same interval.\n")
+	for _, sc := range cfg.scenarios {
+		fmt.Fprintf(&b, "\n## %s\n\n", sc)
+		b.WriteString("| nodes | conns/node | view | balancer | converged | intervals to converge | shed/conn | shed/ideal | worst node | oscillating nodes | relanded |\n")
+		b.WriteString("| --: | --: | :-- | :-- | --: | --: | --: | --: | --: | --: | --: |\n")
+		for _, c := range cases {
+			if c.scenario != sc {
+				continue
+			}
+			var iv, perConn, ratio, worst, osc, reland []float64
+			conv := 0
+			for _, r := range c.results {
+				if r.Converged {
+					conv++
+					iv = append(iv, float64(r.Intervals))
+				}
+				perConn = append(perConn, float64(r.Shed)/float64(r.Total))
+				ratio = append(ratio, r.Ratio)
+				worst = append(worst, 100*r.Worst)
+				osc = append(osc, float64(r.Oscillating))
+				rl := math.NaN()
+				if r.Shed > 0 {
+					rl = 100 * float64(r.Relanded) / float64(r.Shed)
+				}
+				reland = append(reland, rl)
+			}
+			ivs := "—"
+			if conv == len(c.results) {
+				ivs = fmtStat(statOf(iv), func(v float64) string { return fmt.Sprintf("%.0f", v) })
+			}
+			fmt.Fprintf(&b, "| %d | %d | %s | %s | %d/%d | %s | %s | %s | %s | %s | %s |\n", c.size, c.conns, c.view, c.balancer, conv, len(c.results), ivs,
+				fmtStat(statOf(perConn), func(v float64) string { return fmt.Sprintf("%.2f", v) }),
+				fmtStat(statOf(ratio), func(v float64) string { return fmt.Sprintf("%.2f", v) }),
+				fmtStat(statOf(worst), func(v float64) string { return fmt.Sprintf("%.1f%%", v) }),
+				fmtStat(statOf(osc), func(v float64) string { return fmt.Sprintf("%.0f", v) }),
+				fmtStat(statOf(reland), func(v float64) string { return fmt.Sprintf("%.0f%%", v) }))
+		}
+	}
+	return b.String()
+}
+
+// lagNote lists the tag lag used at each size of the run.
+func lagNote(cfg *fleetsimConfig) string {
+	var parts []string
+	for _, n := range cfg.sizes {
+		for _, m := range []int{n, 2 * n} {
+			med, p99 := fleetsim.TagLag(m)
+			parts = append(parts, fmt.Sprintf("%d members %.2f/%.2f", m, med, p99))
+		}
+	}
+	return strings.Join(parts, ", ")
+}

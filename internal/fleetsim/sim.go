@@ -1,0 +1,404 @@
+package fleetsim
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"time"
+
+	"github.com/caddy-lbx/lbx/internal/gossipavg"
+	"github.com/caddy-lbx/lbx/internal/shedsim"
+	"github.com/caddy-lbx/lbx/rebalance"
+)
+
+// Result is what one run measured.
+type Result struct {
+	// Converged is true when every live node was within ±Threshold of the
+	// average connections, and none shed, for Hold intervals in a row
+	// after the scenario's last event. Intervals is then the first
+	// interval of that streak (counted from the scenario's start at 0),
+	// else the intervals run.
+	Converged bool
+	Intervals int
+	// Shed is the connections shed in all, from interval 0 on.
+	Shed int
+	// Ideal is the median shed count of a perfect rebalancer behind the
+	// same balancer (shedsim.IdealShedsFor) from the fleet right after the
+	// scenario's (last) event, and Ratio is Shed/Ideal (NaN when Ideal is
+	// 0). For RollingRestart that is the end state only: the restarts
+	// themselves are not part of the ideal, so Ratio is not comparable
+	// with the other scenarios'.
+	Ideal, Ratio float64
+	// Worst is the largest deviation of a live node's connections from
+	// the average at the end, as a fraction of the average.
+	Worst float64
+	// Oscillating is the number of nodes that shed in two separate
+	// shedding phases: a node shed, then spent an interval neither
+	// shedding nor in a shedding phase (rebalance.Decision.Active), then
+	// shed again.
+	Oscillating int
+	// Relanded is the number of shed connections that reconnected to a
+	// node that shed in the same interval (itself included).
+	Relanded int
+	// Nodes is the fleet's size at the end, and Total the connections it
+	// holds (all along: a shed client, or one whose node left, reconnects).
+	Nodes, Total int
+}
+
+// node is one simulated Caddy node.
+type node struct {
+	name     string
+	live     bool
+	conns    int
+	window   *rebalance.Window
+	local    float64
+	shedding bool
+	lift     rebalance.LiftState
+	gossip   *gossipavg.Node
+	// shed is what the node shed in this interval.
+	shed int
+	// phaseShed is true once the node shed in its current shedding
+	// phase; phases counts the phases in which it shed.
+	phaseShed bool
+	phases    int
+}
+
+// sim is one run's state.
+type sim struct {
+	cfg    Config
+	p      rebalance.Params
+	rng    *rand.Rand
+	nodes  []*node // every node ever made, by slot; names in slot order
+	live   []int   // the live slots, in order
+	names  []string
+	byName map[string]int
+	t      int
+	// Flow.
+	gcfg  gossipavg.Config
+	queue []gossipavg.Message
+	perm  []int
+	// Tags: lag[o*cap+m] is how many intervals late observer o sees member
+	// m's reports; pub[(t mod len(pub))*cap+m] is what m published at t
+	// (NaN: not in the fleet).
+	lag []uint8
+	pub []float64
+	// Least-connections balancer's groups, by count.
+	byCount [][]int
+	counts  []int
+	// lastShed is what the fleet shed in the last interval.
+	lastShed int
+	res      Result
+}
+
+// t0 is the simulated clock's origin.
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// warmup is how many intervals the fleet runs, without deciding, before
+// the scenario: windows fill and gossip settles.
+const warmup = 20
+
+// maxLag bounds a tag lag, in intervals.
+const maxLag = 60
+
+// Run simulates one scenario and returns what it measured.
+func Run(cfg Config) (Result, error) {
+	cfg, err := cfg.resolved()
+	if err != nil {
+		return Result{}, err
+	}
+	s := &sim{
+		cfg:    cfg,
+		p:      cfg.Params,
+		rng:    rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x6a09e667f3bcc909)),
+		byName: make(map[string]int),
+	}
+	tick := Interval / time.Duration(cfg.GossipTicks)
+	s.gcfg = gossipavg.Config{Dim: 2, Entries: 4, Peers: 4, Freshness: s.p.Freshness, RetryTimeout: tick / 2, MaxRetries: 2}
+	size := cfg.maxSize()
+	if cfg.View == Tags {
+		s.drawLags(size)
+	}
+	s.t = -warmup
+	for range cfg.Nodes {
+		if err := s.join(cfg.Conns); err != nil {
+			return Result{}, err
+		}
+	}
+	for ; s.t < 0; s.t++ {
+		if err := s.step(false); err != nil {
+			return Result{}, err
+		}
+	}
+	last, end := cfg.lastEvent(), cfg.lastEvent()+cfg.MaxIntervals
+	streak := 0
+	for ; s.t < end; s.t++ {
+		if err := s.event(); err != nil {
+			return Result{}, err
+		}
+		if s.t == last {
+			s.ideal()
+		}
+		if err := s.step(true); err != nil {
+			return Result{}, err
+		}
+		if cfg.Timeline != nil {
+			cfg.Timeline(s.t, s.connsBySlot())
+		}
+		if s.t >= last && s.balanced() {
+			streak++
+		} else {
+			streak = 0
+		}
+		if streak == cfg.Hold {
+			s.res.Converged = true
+			s.res.Intervals = s.t - cfg.Hold + 1
+			break
+		}
+	}
+	if !s.res.Converged {
+		s.res.Intervals = s.t
+	}
+	s.finish()
+	return s.res, nil
+}
+
+// now returns the time of gossip tick j of the current interval; tick
+// GossipTicks is the decision.
+func (s *sim) now(j int) time.Time {
+	return t0.Add(time.Duration(s.t)*Interval + time.Duration(j)*Interval/time.Duration(s.cfg.GossipTicks))
+}
+
+// join adds a new node holding conns connections.
+func (s *sim) join(conns int) error {
+	n := &node{name: fmt.Sprintf("n%05d", len(s.nodes))}
+	s.nodes = append(s.nodes, n)
+	s.byName[n.name] = len(s.nodes) - 1
+	return s.start(len(s.nodes)-1, conns)
+}
+
+// start brings slot i into the fleet, fresh: an empty window, no decision
+// state, a new gossipavg incarnation.
+func (s *sim) start(i, conns int) error {
+	n := s.nodes[i]
+	n.live, n.conns, n.window = true, conns, rebalance.NewWindow(s.cfg.History)
+	n.local, n.shedding, n.lift = 0, false, rebalance.LiftState{}
+	if s.cfg.View == Flow {
+		c := s.gcfg
+		c.Name = n.name
+		g, err := gossipavg.New(c, s.now(0), rand.New(rand.NewPCG(s.rng.Uint64(), 1)))
+		if err != nil {
+			return err
+		}
+		n.gossip = g
+	}
+	s.relist()
+	return nil
+}
+
+// stop takes slot i out of the fleet gracefully: the others forget it
+// and its clients reconnect through the balancer.
+func (s *sim) stop(i int) {
+	n := s.nodes[i]
+	n.live, n.gossip = false, nil
+	c := n.conns
+	n.conns = 0
+	s.relist()
+	if s.cfg.View == Flow {
+		for _, j := range s.live {
+			s.nodes[j].gossip.Forget(n.name)
+		}
+	}
+	s.reconnect(c)
+}
+
+// relist rebuilds the live list.
+func (s *sim) relist() {
+	s.live, s.names = s.live[:0], s.names[:0]
+	for i, n := range s.nodes {
+		if n.live {
+			s.live = append(s.live, i)
+			s.names = append(s.names, n.name)
+		}
+	}
+}
+
+// event applies the scenario's event at the current interval, if any.
+func (s *sim) event() error {
+	switch cfg := s.cfg; cfg.Scenario {
+	case ScaleOut10, ScaleOut50, Double:
+		if s.t == 0 {
+			for range cfg.added() {
+				if err := s.join(0); err != nil {
+					return err
+				}
+			}
+		}
+	case ScaleIn10:
+		if s.t == 0 {
+			for i := cfg.Nodes - cfg.removed(); i < cfg.Nodes; i++ {
+				s.stop(i)
+			}
+		}
+	case RollingRestart:
+		// Node i goes at interval i × RestartEvery and is back the next.
+		if back := s.t - 1; back >= 0 && back%cfg.RestartEvery == 0 && back/cfg.RestartEvery < cfg.Nodes {
+			if err := s.start(back/cfg.RestartEvery, 0); err != nil {
+				return err
+			}
+		}
+		if s.t%cfg.RestartEvery == 0 && s.t/cfg.RestartEvery < cfg.Nodes {
+			s.stop(s.t / cfg.RestartEvery)
+		}
+	}
+	return nil
+}
+
+// ideal computes the perfect rebalancer's shed count from the fleet now.
+func (s *sim) ideal() {
+	counts := make([]int, 0, len(s.live))
+	for _, i := range s.live {
+		counts = append(counts, s.nodes[i].conns)
+	}
+	lb := shedsim.Random
+	if s.cfg.Balancer == LeastConn {
+		lb = shedsim.LeastConn
+	}
+	s.res.Ideal = shedsim.IdealShedsFor(counts, s.p.Threshold, s.cfg.IdealRuns, s.cfg.Seed, lb)
+}
+
+// step runs the current interval: every live node samples its load and
+// publishes it, gossip runs, and (when decide) every node decides and
+// sheds and the shed clients reconnect.
+func (s *sim) step(decide bool) error {
+	anchor := ""
+	if len(s.live) > 0 {
+		anchor = s.names[0]
+	}
+	for _, i := range s.live {
+		n := s.nodes[i]
+		n.local = n.window.Add(float64(n.conns))
+		if n.gossip != nil {
+			ind := 0.0
+			if n.name == anchor {
+				ind = 1
+			}
+			if err := n.gossip.SetInput([]float64{n.local, ind}); err != nil {
+				return err
+			}
+		}
+	}
+	switch s.cfg.View {
+	case Flow:
+		for j := range s.cfg.GossipTicks {
+			if err := s.gossip(s.now(j)); err != nil {
+				return err
+			}
+		}
+	case Tags:
+		s.publish()
+	}
+	if !decide {
+		return nil
+	}
+	now := s.now(s.cfg.GossipTicks)
+	exact := s.exactView()
+	total := 0
+	for _, i := range s.live {
+		n := s.nodes[i]
+		var v rebalance.View
+		switch s.cfg.View {
+		case Flow:
+			v = FlowView(n.gossip.Estimate(now), n.gossip.Lowest(now))
+		case Tags:
+			v = s.tagView(i)
+		default:
+			v = exact
+		}
+		d := rebalance.DecideView(s.p, rebalance.Input{
+			Self: n.name, Local: n.local, Current: float64(n.conns), Held: n.conns,
+			Shedding: n.shedding, Lift: n.lift, Now: now,
+		}, v)
+		n.shedding, n.lift, n.shed = d.Shedding, d.Lift, d.Shed
+		n.conns -= d.Shed
+		total += d.Shed
+		switch {
+		case d.Shed > 0 && !n.phaseShed:
+			n.phaseShed = true
+			n.phases++
+		case d.Shed == 0 && !d.Active():
+			n.phaseShed = false
+		}
+	}
+	s.res.Shed += total
+	s.lastShed = total
+	s.reconnect(total)
+	for _, i := range s.live {
+		s.nodes[i].shed = 0
+	}
+	return nil
+}
+
+// exactView returns the true average and lowest member of this interval.
+func (s *sim) exactView() rebalance.View {
+	v := rebalance.View{Counted: len(s.live), Lowest: math.Inf(1)}
+	var sum float64
+	for _, i := range s.live {
+		n := s.nodes[i]
+		sum += n.local
+		if n.local < v.Lowest {
+			v.Lowest, v.LowestName = n.local, n.name
+		}
+	}
+	if v.Counted > 0 {
+		v.Average = sum / float64(v.Counted)
+	}
+	return v
+}
+
+// balanced reports whether no node shed in this interval and every live
+// node is within ±Threshold of the average.
+func (s *sim) balanced() bool {
+	return s.lastShed == 0 && s.worst() <= s.p.Threshold
+}
+
+// worst returns the largest deviation of a live node from the average
+// connections, as a fraction of it.
+func (s *sim) worst() float64 {
+	total := 0
+	for _, i := range s.live {
+		total += s.nodes[i].conns
+	}
+	avg := float64(total) / float64(len(s.live))
+	w := 0.0
+	for _, i := range s.live {
+		w = max(w, math.Abs(float64(s.nodes[i].conns)-avg)/avg)
+	}
+	return w
+}
+
+// finish fills in the figures measured at the end.
+func (s *sim) finish() {
+	s.res.Worst = s.worst()
+	s.res.Ratio = math.NaN()
+	if s.res.Ideal > 0 {
+		s.res.Ratio = float64(s.res.Shed) / s.res.Ideal
+	}
+	for _, n := range s.nodes {
+		if n.phases >= 2 {
+			s.res.Oscillating++
+		}
+	}
+	s.res.Nodes = len(s.live)
+	for _, i := range s.live {
+		s.res.Total += s.nodes[i].conns
+	}
+}
+
+// connsBySlot returns every slot's connections.
+func (s *sim) connsBySlot() []int {
+	s.counts = s.counts[:0]
+	for _, n := range s.nodes {
+		s.counts = append(s.counts, n.conns)
+	}
+	return s.counts
+}

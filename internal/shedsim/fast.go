@@ -1,0 +1,202 @@
+package shedsim
+
+import (
+	"math/rand/v2"
+	"slices"
+)
+
+// Balancer is how the outer load balancer places a client that
+// reconnects.
+type Balancer int
+
+const (
+	// Random gives every new connection to a node chosen uniformly at
+	// random among all of them (IdealSheds' balancer).
+	Random Balancer = iota
+	// LeastConn gives every new connection to the node holding the fewest,
+	// ties broken at random.
+	LeastConn
+)
+
+// IdealShedsFor is IdealSheds for fleets of any size and either balancer:
+// the median, over runs simulations, of the connections the perfect
+// rebalancer sheds, taking O(log nodes) per shed rather than O(nodes).
+// With Random it returns exactly what IdealSheds returns for the same
+// arguments (the same random draws, the same node shed from: the lowest
+// index among those holding the most). With LeastConn every shed client
+// reconnects to the node holding the fewest connections at that moment
+// (ties at random), so the perfect rebalancer sheds about the connections
+// that must move and no more.
+func IdealShedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balancer) float64 {
+	if len(counts) == 0 || runs <= 0 {
+		return 0
+	}
+	total := 0
+	for _, c := range counts {
+		total += c
+	}
+	avg := float64(total) / float64(len(counts))
+	lo, hi := avg*(1-threshold), avg*(1+threshold)
+	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	results := make([]int, runs)
+	f := newFleet(len(counts))
+	for r := range runs {
+		f.reset(counts, lo)
+		shed := 0
+		// As in Sheds, the cap only guards against a band too narrow for
+		// whole connections.
+		for limit := 1000 * (total + 1); shed < limit; shed++ {
+			most := f.heap[0]
+			if float64(f.counts[most]) <= hi && f.below == 0 {
+				break
+			}
+			f.add(most, -1, lo)
+			var to int
+			if lb == LeastConn {
+				to = f.least(rng)
+			} else {
+				to = rng.IntN(len(counts))
+			}
+			f.add(to, 1, lo)
+		}
+		results[r] = shed
+	}
+	slices.Sort(results)
+	if runs%2 == 1 {
+		return float64(results[runs/2])
+	}
+	return float64(results[runs/2-1]+results[runs/2]) / 2
+}
+
+// fleet is the perfect rebalancer's state: the counts, a max-heap of the
+// nodes by count (then lowest index first), and the nodes grouped by
+// count for the least-connections balancer.
+type fleet struct {
+	counts []int
+	heap   []int // node indexes; heap[0] holds the most
+	pos    []int // a node's place in heap
+	// below is the number of nodes under the band's low line.
+	below int
+	// byCount[c] holds the nodes with c connections, at[i] node i's place
+	// in its group; min is a count at or below the fewest held.
+	byCount [][]int
+	at      []int
+	min     int
+}
+
+// newFleet returns a fleet of n nodes, to be reset before use.
+func newFleet(n int) *fleet {
+	return &fleet{counts: make([]int, n), heap: make([]int, n), pos: make([]int, n), at: make([]int, n)}
+}
+
+// reset loads counts.
+func (f *fleet) reset(counts []int, lo float64) {
+	copy(f.counts, counts)
+	f.below = 0
+	for i := range f.heap {
+		f.heap[i], f.pos[i] = i, i
+		if float64(counts[i]) < lo {
+			f.below++
+		}
+	}
+	for i := len(f.heap)/2 - 1; i >= 0; i-- {
+		f.down(i)
+	}
+	for c := range f.byCount {
+		f.byCount[c] = f.byCount[c][:0]
+	}
+	f.min = 0
+	for i, c := range counts {
+		f.join(i, c)
+	}
+}
+
+// add changes node i's count by delta (±1).
+func (f *fleet) add(i, delta int, lo float64) {
+	old := f.counts[i]
+	f.leave(i, old)
+	f.counts[i] = old + delta
+	f.join(i, old+delta)
+	wasBelow, isBelow := float64(old) < lo, float64(old+delta) < lo
+	switch {
+	case wasBelow && !isBelow:
+		f.below--
+	case !wasBelow && isBelow:
+		f.below++
+	}
+	if delta > 0 {
+		f.up(f.pos[i])
+	} else {
+		f.down(f.pos[i])
+	}
+}
+
+// least returns a node holding the fewest connections, ties at random.
+func (f *fleet) least(rng *rand.Rand) int {
+	for len(f.byCount[f.min]) == 0 {
+		f.min++
+	}
+	g := f.byCount[f.min]
+	return g[rng.IntN(len(g))]
+}
+
+// join puts node i in the group of count c.
+func (f *fleet) join(i, c int) {
+	for len(f.byCount) <= c {
+		f.byCount = append(f.byCount, nil)
+	}
+	f.at[i] = len(f.byCount[c])
+	f.byCount[c] = append(f.byCount[c], i)
+	f.min = min(f.min, c)
+}
+
+// leave takes node i out of the group of count c.
+func (f *fleet) leave(i, c int) {
+	g := f.byCount[c]
+	last := g[len(g)-1]
+	g[f.at[i]], f.at[last] = last, f.at[i]
+	f.byCount[c] = g[:len(g)-1]
+}
+
+// before orders the heap: more connections first, then the lower index.
+func (f *fleet) before(a, b int) bool {
+	ca, cb := f.counts[a], f.counts[b]
+	return ca > cb || ca == cb && a < b
+}
+
+// swap exchanges heap places i and j.
+func (f *fleet) swap(i, j int) {
+	f.heap[i], f.heap[j] = f.heap[j], f.heap[i]
+	f.pos[f.heap[i]], f.pos[f.heap[j]] = i, j
+}
+
+// up moves heap place i toward the top while it goes before its parent.
+func (f *fleet) up(i int) {
+	for i > 0 {
+		parent := (i - 1) / 2
+		if !f.before(f.heap[i], f.heap[parent]) {
+			return
+		}
+		f.swap(i, parent)
+		i = parent
+	}
+}
+
+// down moves heap place i toward the leaves while a child goes before it.
+func (f *fleet) down(i int) {
+	n := len(f.heap)
+	for {
+		first := i
+		if l := 2*i + 1; l < n && f.before(f.heap[l], f.heap[first]) {
+			first = l
+		}
+		if r := 2*i + 2; r < n && f.before(f.heap[r], f.heap[first]) {
+			first = r
+		}
+		if first == i {
+			return
+		}
+		f.swap(i, first)
+		i = first
+	}
+}
