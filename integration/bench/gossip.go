@@ -131,11 +131,14 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 	}
 	began := time.Now()
 	var results []gossipResult
+	var failed error
 	for _, n := range cfg.sizes {
 		fmt.Fprintf(progress, "gossip: %d members …\n", n)
 		r, err := measureGossip(ctx, cfg, n, progress)
 		if err != nil {
-			return fmt.Errorf("%d members: %w", n, err)
+			// The sizes measured so far are still reported.
+			failed = fmt.Errorf("%d members: %w", n, err)
+			break
 		}
 		results = append(results, r)
 	}
@@ -172,8 +175,13 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 		}
 	}
 	fmt.Fprintf(&b, "\nTotal %v.\n", time.Since(began).Round(time.Second))
-	_, err = io.WriteString(out, b.String())
-	return err
+	if failed != nil {
+		fmt.Fprintf(&b, "\nStopped: %v.\n", failed)
+	}
+	if _, err := io.WriteString(out, b.String()); err != nil {
+		return err
+	}
+	return failed
 }
 
 // gossipMember is one serf member of the harness and what it saw.
@@ -234,20 +242,20 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 			return gossipResult{}, fmt.Errorf("member %d joining: %v", i+1, err)
 		}
 	}
-	deadline := time.Now().Add(30*time.Second + time.Duration(n)*100*time.Millisecond)
+	deadline := time.Now().Add(60*time.Second + time.Duration(n)*200*time.Millisecond)
 	for {
-		converged := true
+		fewest, short := n, 0
 		for _, m := range run.members {
-			if m.serf.NumNodes() != n {
-				converged = false
-				break
+			if k := m.serf.NumNodes(); k != n {
+				fewest, short = min(fewest, k), short+1
 			}
 		}
-		if converged {
+		if short == 0 {
 			break
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			return gossipResult{}, fmt.Errorf("the members did not all see each other before %v", deadline.Format(time.TimeOnly))
+			return gossipResult{}, fmt.Errorf("the members did not all see each other before %v: %d of %d see fewer, the fewest %d",
+				deadline.Format(time.TimeOnly), short, n, fewest)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -424,8 +432,13 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 	if r.reports > 0 {
 		r.neverAll = 100 * float64(never) / float64(r.reports)
 	}
-	fmt.Fprintf(progress, "gossip: %d members: %d reports, reach 50%% %.0f ms, 99%% %.0f ms; stale %.1f%%; %.0f B/s per member; CPU %.2f%% per member\n",
-		n, r.reports, r.reach50.Median, r.reach99.Median, r.stalePct.Median, r.bytesPerSec.Median, r.cpuPct)
+	if cfg.scheme == "flow" {
+		fmt.Fprintf(progress, "gossip: %d members: average error %.2f%% (max %.1f%%), settled %v after %.0f ms, size error %.1f%%; %.0f B/s per member; CPU %.2f%% per member\n",
+			n, r.avgErrPct.Median, r.avgErrPct.Max, r.settled, r.settle, r.sizeErrPct.Median, r.bytesPerSec.Median, r.cpuPct)
+	} else {
+		fmt.Fprintf(progress, "gossip: %d members: %d reports, reach 50%% %.0f ms, 99%% %.0f ms; stale %.1f%%; settled %v after %.0f ms; %.0f B/s per member; CPU %.2f%% per member\n",
+			n, r.reports, r.reach50.Median, r.reach99.Median, r.stalePct.Median, r.settled, r.settle, r.bytesPerSec.Median, r.cpuPct)
+	}
 	return r, nil
 }
 

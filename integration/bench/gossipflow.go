@@ -126,9 +126,9 @@ func (f *flowMember) tickLoop(sf *serf.Serf, tick time.Duration, done <-chan str
 
 // flowView is what one member's averaging node says at a sample.
 type flowView struct {
-	average, size float64 // estimates of the cluster's average load and size
-	lowest        string  // the lowest member it knows
-	age           time.Duration
+	average, size float64       // estimates of the cluster's average load and size
+	lowest        string        // the lowest member it knows
+	age           time.Duration // since the last completed exchange; -1: none yet
 }
 
 // view reads the member's estimates at now.
@@ -136,7 +136,10 @@ func (f *flowMember) view(now time.Time) flowView {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	v := f.node.Estimate(now)
-	out := flowView{average: v.Values[0], size: math.Inf(1), lowest: f.node.Lowest(now).Name, age: max(0, now.Sub(v.LastExchange))}
+	out := flowView{average: v.Values[0], size: math.Inf(1), lowest: f.node.Lowest(now).Name, age: -1}
+	if !v.LastExchange.IsZero() {
+		out.age = max(0, now.Sub(v.LastExchange))
+	}
 	if v.Values[1] > 0 {
 		out.size = 1 / v.Values[1]
 	}
@@ -146,7 +149,8 @@ func (f *flowMember) view(now time.Time) flowView {
 // sampleFlow returns, at now, each member's error of the cluster average
 // and of the cluster size against the truth (in percent), the share of
 // members that know the true lowest member (percent), and the mean time
-// since each member's last completed exchange (ms).
+// since each member's last completed exchange (ms; members that have not
+// completed one yet are left out, NaN when none has).
 func (run *gossipRun) sampleFlow(now time.Time) (avgErr, sizeErr []float64, lowestPct, ageMs float64) {
 	truth := run.truth()
 	var sum float64
@@ -159,7 +163,7 @@ func (run *gossipRun) sampleFlow(now time.Time) (avgErr, sizeErr []float64, lowe
 	}
 	trueAvg := sum / float64(run.n)
 	lowName := run.nameOf(lowest)
-	know := 0
+	know, never := 0, 0
 	var ageSum float64
 	for _, m := range run.members {
 		v := m.flow.view(now)
@@ -170,7 +174,15 @@ func (run *gossipRun) sampleFlow(now time.Time) (avgErr, sizeErr []float64, lowe
 		if v.lowest == lowName {
 			know++
 		}
+		if v.age < 0 {
+			never++
+			continue
+		}
 		ageSum += float64(v.age) / 1e6
 	}
-	return avgErr, sizeErr, 100 * float64(know) / float64(run.n), ageSum / float64(run.n)
+	age := math.NaN() // no member has exchanged yet
+	if never < run.n {
+		age = ageSum / float64(run.n-never)
+	}
+	return avgErr, sizeErr, 100 * float64(know) / float64(run.n), age
 }
