@@ -18,18 +18,22 @@ const (
 	LeastConn
 )
 
-// IdealShedsFor is IdealSheds for fleets of any size and either balancer:
-// the median, over runs simulations, of the connections the perfect
-// rebalancer sheds, taking O(log nodes) per shed rather than O(nodes).
-// With Random it returns exactly what IdealSheds returns for the same
-// arguments (the same random draws, the same node shed from: the lowest
-// index among those holding the most). With LeastConn every shed client
-// reconnects to the node holding the fewest connections at that moment
-// (ties at random), so the perfect rebalancer sheds about the connections
-// that must move and no more.
+// IdealShedsFor is IdealSheds for either balancer: the median, over runs
+// simulations, of the connections the perfect rebalancer sheds, taking
+// O(log nodes) per shed (IdealSheds and Sheds are this simulation behind
+// Random). With LeastConn every shed client reconnects to the node
+// holding the fewest connections at that moment (ties at random), so the
+// perfect rebalancer sheds about the connections that must move and no
+// more.
 func IdealShedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balancer) float64 {
+	return median(shedsFor(counts, threshold, runs, seed, lb))
+}
+
+// shedsFor returns the shed counts of runs simulations behind lb, sorted;
+// nil when there are no counts or no runs.
+func shedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balancer) []int {
 	if len(counts) == 0 || runs <= 0 {
-		return 0
+		return nil
 	}
 	total := 0
 	for _, c := range counts {
@@ -43,8 +47,9 @@ func IdealShedsFor(counts []int, threshold float64, runs int, seed uint64, lb Ba
 	for r := range runs {
 		f.reset(counts, lo)
 		shed := 0
-		// As in Sheds, the cap only guards against a band too narrow for
-		// whole connections.
+		// The loop ends: every shed moves a client toward the band (behind
+		// Random with probability 1); the cap only guards against a band
+		// too narrow for whole connections.
 		for limit := 1000 * (total + 1); shed < limit; shed++ {
 			most := f.heap[0]
 			if float64(f.counts[most]) <= hi && f.below == 0 {
@@ -62,10 +67,7 @@ func IdealShedsFor(counts []int, threshold float64, runs int, seed uint64, lb Ba
 		results[r] = shed
 	}
 	slices.Sort(results)
-	if runs%2 == 1 {
-		return float64(results[runs/2])
-	}
-	return float64(results[runs/2-1]+results[runs/2]) / 2
+	return results
 }
 
 // fleet is the perfect rebalancer's state: the counts, a max-heap of the

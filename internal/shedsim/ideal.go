@@ -1,12 +1,8 @@
 // Package shedsim computes the yardstick for a rebalancer's shed count:
 // how many connections a perfect rebalancer would shed behind an outer
-// load balancer that gives every new connection to a random node.
+// load balancer that gives every new connection to a random node, or to
+// the node holding the fewest (IdealShedsFor).
 package shedsim
-
-import (
-	"math/rand/v2"
-	"slices"
-)
 
 // IdealSheds returns the median, over runs simulations, of the number of
 // connections a perfect rebalancer sheds to bring every node within
@@ -19,14 +15,7 @@ import (
 // node at the start, new nodes included (with 0). The runs are seeded from
 // seed, so a result can be reproduced.
 func IdealSheds(counts []int, threshold float64, runs int, seed uint64) float64 {
-	results := Sheds(counts, threshold, runs, seed)
-	if len(results) == 0 {
-		return 0
-	}
-	if runs%2 == 1 {
-		return float64(results[runs/2])
-	}
-	return float64(results[runs/2-1]+results[runs/2]) / 2
+	return median(Sheds(counts, threshold, runs, seed))
 }
 
 // Sheds returns the shed counts of runs simulations of the perfect
@@ -36,42 +25,18 @@ func IdealSheds(counts []int, threshold float64, runs int, seed uint64) float64 
 // reconnections), and a bound on one run must allow for that. It returns
 // nil when there are no counts or no runs.
 func Sheds(counts []int, threshold float64, runs int, seed uint64) []int {
-	if len(counts) == 0 || runs <= 0 {
-		return nil
+	return shedsFor(counts, threshold, runs, seed, Random)
+}
+
+// median returns the median of sorted (the mean of the middle two for an
+// even count), or 0 for none.
+func median(sorted []int) float64 {
+	n := len(sorted)
+	switch {
+	case n == 0:
+		return 0
+	case n%2 == 1:
+		return float64(sorted[n/2])
 	}
-	total := 0
-	for _, c := range counts {
-		total += c
-	}
-	avg := float64(total) / float64(len(counts))
-	lo, hi := avg*(1-threshold), avg*(1+threshold)
-	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
-	results := make([]int, runs)
-	nodes := make([]int, len(counts))
-	for r := range runs {
-		copy(nodes, counts)
-		shed := 0
-		// The loop ends: every shed moves a client to a uniformly random
-		// node, so the counts reach the band with probability 1; the cap
-		// only guards against a band too narrow for whole connections.
-		for limit := 1000 * (total + 1); shed < limit; shed++ {
-			most, least := 0, 0
-			for i, c := range nodes {
-				if c > nodes[most] {
-					most = i
-				}
-				if c < nodes[least] {
-					least = i
-				}
-			}
-			if float64(nodes[most]) <= hi && float64(nodes[least]) >= lo {
-				break
-			}
-			nodes[most]--
-			nodes[rng.IntN(len(nodes))]++
-		}
-		results[r] = shed
-	}
-	slices.Sort(results)
-	return results
+	return float64(sorted[n/2-1]+sorted[n/2]) / 2
 }
