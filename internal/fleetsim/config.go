@@ -16,6 +16,7 @@ import (
 	"math"
 	"time"
 
+	"github.com/caddy-lbx/lbx/internal/shedsim"
 	"github.com/caddy-lbx/lbx/rebalance"
 )
 
@@ -52,27 +53,18 @@ func (v ViewKind) String() string {
 	return fmt.Sprintf("view(%d)", int(v))
 }
 
-// Balancer is the outer balancer through which shed clients reconnect.
-type Balancer int
+// Balancer is the outer balancer through which shed clients reconnect:
+// shedsim's, so that the ideal is taken behind the same one.
+type Balancer = shedsim.Balancer
 
+// The balancers.
 const (
 	// Random sends a client to a live node drawn uniformly.
-	Random Balancer = iota
+	Random = shedsim.Random
 	// LeastConn sends a client to the live node with the fewest
 	// connections, ties at random.
-	LeastConn
+	LeastConn = shedsim.LeastConn
 )
-
-// String returns the balancer's name as the bench command spells it.
-func (b Balancer) String() string {
-	switch b {
-	case Random:
-		return "random"
-	case LeastConn:
-		return "leastconn"
-	}
-	return fmt.Sprintf("balancer(%d)", int(b))
-}
 
 // Scenario is what happens to the fleet at interval 0.
 type Scenario int

@@ -259,11 +259,7 @@ func (s *sim) ideal() {
 	for _, i := range s.live {
 		counts = append(counts, s.nodes[i].conns)
 	}
-	lb := shedsim.Random
-	if s.cfg.Balancer == LeastConn {
-		lb = shedsim.LeastConn
-	}
-	s.res.Ideal = shedsim.IdealShedsFor(counts, s.p.Threshold, s.cfg.IdealRuns, s.cfg.Seed, lb)
+	s.res.Ideal = shedsim.IdealShedsFor(counts, s.p.Threshold, s.cfg.IdealRuns, s.cfg.Seed, s.cfg.Balancer)
 }
 
 // step runs the current interval: every live node samples its load and

@@ -1,6 +1,7 @@
 package shedsim
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
 )
@@ -17,6 +18,17 @@ const (
 	// ties broken at random.
 	LeastConn
 )
+
+// String returns the balancer's name as the benchmark command spells it.
+func (b Balancer) String() string {
+	switch b {
+	case Random:
+		return "random"
+	case LeastConn:
+		return "leastconn"
+	}
+	return fmt.Sprintf("balancer(%d)", int(b))
+}
 
 // IdealShedsFor is IdealSheds for either balancer: the median, over runs
 // simulations, of the connections the perfect rebalancer sheds, taking
