@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -574,7 +573,7 @@ func TestDirectShutdown(t *testing.T) {
 		}
 	}
 	testutil.WaitFor(t, 10*time.Second, "the transports' goroutines end", func() (bool, string) {
-		left := goroutinesWith("cluster.(*DirectTransport)", "memberlist.(*NetTransport)")
+		left := testutil.Goroutines("cluster.(*DirectTransport)", "memberlist.(*NetTransport)")
 		return len(left) == 0, strings.Join(left, "\n\n")
 	})
 }
@@ -595,26 +594,9 @@ func TestDirectTransportReleasedWhenSerfFails(t *testing.T) {
 	}
 	udp.Close()
 	testutil.WaitFor(t, 10*time.Second, "the transport's goroutines end", func() (bool, string) {
-		left := goroutinesWith("cluster.(*DirectTransport)", "memberlist.(*NetTransport)")
+		left := testutil.Goroutines("cluster.(*DirectTransport)", "memberlist.(*NetTransport)")
 		return len(left) == 0, strings.Join(left, "\n\n")
 	})
-}
-
-// goroutinesWith returns the stacks of the goroutines that contain one of
-// patterns.
-func goroutinesWith(patterns ...string) []string {
-	buf := make([]byte, 1<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	var out []string
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		for _, p := range patterns {
-			if strings.Contains(g, p) {
-				out = append(out, g)
-				break
-			}
-		}
-	}
-	return out
 }
 
 // FuzzDirectDecode: decodeDirect never panics, reports a known result,

@@ -24,7 +24,7 @@ func RunCheckingLeaks(m *testing.M, patterns ...string) {
 		var leaked []string
 		deadline := time.Now().Add(leakGrace)
 		for {
-			leaked = leakedGoroutines(patterns)
+			leaked = Goroutines(patterns...)
 			if len(leaked) == 0 || time.Now().After(deadline) {
 				break
 			}
@@ -38,9 +38,11 @@ func RunCheckingLeaks(m *testing.M, patterns ...string) {
 	os.Exit(code)
 }
 
-// leakedGoroutines returns the stacks of the goroutines, other than the
-// caller's, that contain one of patterns.
-func leakedGoroutines(patterns []string) []string {
+// Goroutines returns the stacks of the goroutines, other than the
+// caller's, that contain one of patterns (package paths, or function names
+// such as "cluster.(*DirectTransport)"): a test counts its own kind of
+// goroutine, which unrelated ones starting or ending do not change.
+func Goroutines(patterns ...string) []string {
 	buf := make([]byte, 1<<20)
 	buf = buf[:runtime.Stack(buf, true)]
 	// The caller's goroutine comes first.
