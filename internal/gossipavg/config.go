@@ -27,12 +27,13 @@ const (
 	// MaxMessageSize is the largest encoded message, in bytes; it fits one
 	// datagram with room for the transport's own framing.
 	MaxMessageSize = 1200
+	// MaxFreshness is the longest Config.Freshness (and RetryTimeout).
+	MaxFreshness = time.Hour
 )
 
 // Bounds of the durations and retries in Config.
 const (
 	minFreshness    = 10 * time.Millisecond
-	maxFreshness    = time.Hour
 	minRetryTimeout = time.Millisecond
 	maxRetries      = 10
 	maxPeers        = 64
@@ -91,8 +92,8 @@ func (c Config) Validate() error {
 		bounds.Int("Dim", c.Dim, 1, MaxDim),
 		bounds.Int("Entries", c.Entries, 1, MaxEntries),
 		bounds.Int("Peers", c.Peers, 1, maxPeers),
-		bounds.Duration("Freshness", c.Freshness, minFreshness, maxFreshness),
-		bounds.Duration("RetryTimeout", c.RetryTimeout, minRetryTimeout, maxFreshness),
+		bounds.Duration("Freshness", c.Freshness, minFreshness, MaxFreshness),
+		bounds.Duration("RetryTimeout", c.RetryTimeout, minRetryTimeout, MaxFreshness),
 		bounds.Int("MaxRetries", c.MaxRetries, 0, maxRetries),
 	} {
 		if err != nil {

@@ -70,12 +70,41 @@
 // # The lowest member
 //
 // Every message also carries up to Config.Entries entries (name, load,
-// origin sequence, age): the sender's own, then the lowest it knows. A
-// receiver merges them by name (a higher origin sequence wins, and for
-// the same sequence the younger copy), ages them by its own clock, keeps
-// the Entries lowest and drops those older than Freshness. Ages travel,
-// not timestamps, so clock skew does not matter; each hop adds
-// RetryTimeout/2 (a bound on one-way delay) so that an entry never looks
-// younger than it is, and an entry its origin no longer sends is gone
-// everywhere within Freshness.
+// origin sequence, age): the sender's own, then the first others it
+// keeps. A receiver merges them by name (a higher origin sequence wins,
+// and for the same sequence the younger copy), ages them by its own
+// clock, keeps Entries of them and drops those older than Freshness.
+// Ages travel, not timestamps, so clock skew does not matter; each hop
+// adds RetryTimeout/2 (a bound on one-way delay) so that an entry never
+// looks younger than it is, and an entry its origin no longer sends is
+// gone everywhere within Freshness.
+//
+// Which entries a node keeps and sends must stay right while loads
+// change, as after a mass join: the joiners start at load 0, and their
+// loads rise as they are filled. A member's older entry is then lower
+// than its newer one; ranked by load alone, the older copies would keep
+// the newer one out of the lowest everywhere, the newer one would be
+// forgotten and the older copies taken in again as new, and when they all
+// expired, a Freshness later, most nodes would know no low member but
+// themselves. Two rules decide which Entries entries a node keeps and
+// sends:
+//
+//   - A newer entry that replaces a lower one keeps the older one's place
+//     (ranks by its load) until every copy of the older one has expired,
+//     Freshness after the newer one's origin: it goes wherever the older
+//     one went and replaces it there, and a node that keeps it refuses
+//     the older copies.
+//   - Current entries, at most Freshness/2 old plus the hop aging of a
+//     trip across the members (log2 of their number hops, see
+//     Config.Freshness), come first, lowest first, then the older ones.
+//     A member's entry that ranks among the lowest reaches every node
+//     within that age while the member still sends it, so an older one
+//     has likely been replaced by one that has not come this way; it
+//     still counts when a node knows no current entry.
+//
+// Memory stays O(Entries) per node, and the wire format is unchanged.
+// Node.Lows lists the entries a node keeps, current ones first, each
+// group by its own load (a held place only decides what is kept and
+// sent), with the node's own entry before the first higher one;
+// Node.Lowest is the first of them.
 package gossipavg

@@ -43,6 +43,12 @@ type lowEntry struct {
 	load   float64
 	seq    uint64
 	origin time.Time
+	// held is the load of an older entry of the member, lower than this
+	// one's, that this one replaced (or that the one it replaced held),
+	// and heldUntil when every copy of that older entry will have
+	// expired: until then this entry ranks by held (see merge).
+	held      float64
+	heldUntil time.Time
 }
 
 // bucketCount is how many buckets count the exchanges of the last
@@ -71,9 +77,12 @@ type Node struct {
 	// seq is the last request sequence number sent; selfSeq the origin
 	// sequence of this node's own entry.
 	seq, selfSeq uint64
-	// low holds other members' entries, lowest load first, at most
-	// cfg.Entries.
+	// low holds other members' entries, at most cfg.Entries, in the
+	// order they are kept and sent (keepBefore) as of the last rankAt.
 	low []lowEntry
+	// members is how many members the last Tick listed, this node
+	// included: how far an entry may travel (see currentAge).
+	members int
 	// start is when the node was made (the origin of the buckets).
 	start        time.Time
 	lastExchange time.Time
@@ -151,7 +160,8 @@ func (n *Node) Forget(peer string) {
 //     Freshness/2 ago or more (a live pair must not expire);
 //   - else, while the node holds fewer than Peers pairs, an exchange with
 //     a member drawn uniformly from peers (the alive members, this node
-//     excluded; drawing an invalid name, or this node's, sends nothing);
+//     excluded, whose number also tells how far an entry travels, see
+//     Lows; drawing an invalid name, or this node's, sends nothing);
 //   - else an exchange with the peer heard from least recently.
 //
 // Call it several times per decision interval.
@@ -162,6 +172,7 @@ func (n *Node) Forget(peer string) {
 // responder, and this node's surplus would be handed out twice, which
 // slows convergence. The node still answers requests meanwhile.
 func (n *Node) Tick(now time.Time, peers []string, rng *rand.Rand) (Message, bool) {
+	n.members = len(peers) + 1
 	n.expire(now)
 	p, waiting := n.overdue(now)
 	switch {

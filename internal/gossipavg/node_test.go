@@ -389,9 +389,12 @@ func TestLowestEntries(t *testing.T) {
 	if got := a.Lowest(t0); got.Name != "b" || got.Load != 40 {
 		t.Fatalf("lowest %+v after c rose, want b at 40", got)
 	}
-	// An entry sent on carries its age, rounded up; this node's own first.
+	// An entry sent on carries its age, rounded up; this node's own first,
+	// then c's newer entry, which keeps its older one's place (see
+	// TestLowestStaleCopyRefused).
 	m := requestTo(t, a, "b", t0.Add(1500*time.Microsecond))
-	if m.NumEntries != 4 || m.Entries[0].Name != "a" || m.Entries[1].Name != "b" || m.Entries[1].AgeMillis != uint32((hop+2*time.Millisecond).Milliseconds()) {
+	if m.NumEntries != 4 || m.Entries[0].Name != "a" || m.Entries[1].Name != "c" || m.Entries[1].Load != 100 ||
+		m.Entries[2].Name != "b" || m.Entries[2].AgeMillis != uint32((hop+2*time.Millisecond).Milliseconds()) {
 		t.Fatalf("a sends entries %+v", m.Entries[:m.NumEntries])
 	}
 	// Entries expire after Freshness; this node's own stays.
@@ -405,6 +408,124 @@ func TestLowestEntries(t *testing.T) {
 	receive(t, a, msg(Entry{Name: "g", Load: 1, Seq: 1, AgeMillis: 5000}, Entry{Name: "a", Load: 0, Seq: 1 << 62}), t0)
 	if got := a.Lowest(t0); got.Name != "a" || got.Load != 50 {
 		t.Fatalf("lowest %+v, want a itself at 50", got)
+	}
+}
+
+// lowMessage returns a reply from z to n carrying entries.
+func lowMessage(n *Node, entries ...Entry) Message {
+	m := Message{Kind: Reply, From: "z", To: n.cfg.Name, FromIncarnation: 5, ToIncarnation: n.inc, Dim: 2, NumEntries: len(entries)}
+	copy(m.Entries[:], entries)
+	return m
+}
+
+// TestLowestStaleCopyRefused: a member's newer entry, with a higher load,
+// must not be forgotten while its older copies are about, or one of them,
+// arriving again from another node, is taken in as new (the bug
+// TestSimMassJoinLowest shows at scale).
+func TestLowestStaleCopyRefused(t *testing.T) {
+	a := newNode(t, "a", 1, 50, 1)
+	receive(t, a, lowMessage(a, Entry{Name: "c", Load: 30, Seq: 1}), t0)
+	// c's load rises above four others'. Its newer entry would sort out of
+	// the Entries lowest; it keeps the older one's place instead.
+	receive(t, a, lowMessage(a, Entry{Name: "c", Load: 100, Seq: 2}), t0)
+	receive(t, a, lowMessage(a, Entry{Name: "b", Load: 40, Seq: 1}, Entry{Name: "d", Load: 41, Seq: 1},
+		Entry{Name: "e", Load: 42, Seq: 1}, Entry{Name: "f", Load: 43, Seq: 1}), t0)
+	if i := a.findEntry("c"); i < 0 || a.low[i].seq != 2 || a.findEntry("f") >= 0 {
+		t.Fatalf("a keeps %+v, want c's newer entry in its older one's place", a.low)
+	}
+	// The older copy, still about, comes back from another node: refused,
+	// and a sends the newer one on.
+	later := t0.Add(time.Second)
+	receive(t, a, lowMessage(a, Entry{Name: "c", Load: 30, Seq: 1}), later)
+	if got := a.Lowest(later); got.Name != "b" {
+		t.Fatalf("lowest %+v after c's older copy came back, want b", got)
+	}
+	if m := requestTo(t, a, "b", later); m.Entries[1].Name != "c" || m.Entries[1].Seq != 2 {
+		t.Fatalf("a sends %+v, want c's newer entry first", m.Entries[:m.NumEntries])
+	}
+	// Four lower entries evict it: the older copy, ranking below them, is
+	// not kept either.
+	receive(t, a, lowMessage(a, Entry{Name: "g", Load: 10, Seq: 1}, Entry{Name: "h", Load: 11, Seq: 1},
+		Entry{Name: "i", Load: 12, Seq: 1}, Entry{Name: "j", Load: 13, Seq: 1}), later)
+	receive(t, a, lowMessage(a, Entry{Name: "c", Load: 30, Seq: 1}), later)
+	if a.findEntry("c") >= 0 {
+		t.Fatalf("a keeps %+v, want g to j", a.low)
+	}
+	// Once every older copy has expired (Freshness after the newer entry's
+	// origin), the newer one, still refreshed, ranks by its own load.
+	b := newNode(t, "b", 2, 50, 1)
+	receive(t, b, lowMessage(b, Entry{Name: "c", Load: 30, Seq: 1}), t0)
+	receive(t, b, lowMessage(b, Entry{Name: "c", Load: 100, Seq: 2}), t0)
+	end := t0.Add(b.cfg.Freshness - b.cfg.hopAge())
+	others := []Entry{{Name: "c", Load: 100, Seq: 2}, {Name: "d", Load: 41, Seq: 1}, {Name: "e", Load: 42, Seq: 1},
+		{Name: "f", Load: 43, Seq: 1}, {Name: "g", Load: 44, Seq: 1}}
+	receive(t, b, lowMessage(b, others...), end.Add(-time.Second))
+	receive(t, b, lowMessage(b, others[1:]...), end.Add(-time.Millisecond))
+	if b.findEntry("c") < 0 || b.findEntry("g") >= 0 {
+		t.Fatalf("b keeps %+v while c's older copies may be about, want c, d, e, f", b.low)
+	}
+	receive(t, b, lowMessage(b, others[1:]...), end)
+	if b.findEntry("c") >= 0 {
+		t.Fatalf("b keeps %+v after c's older copies expired, want d to g", b.low)
+	}
+}
+
+func TestLows(t *testing.T) {
+	a := newNode(t, "a", 1, 50, 1)
+	// No Tick yet: an entry is current up to Freshness/2 (see currentAge).
+	if got := a.currentAge(); got != a.cfg.Freshness/2 {
+		t.Fatalf("current age %v, want %v", got, a.cfg.Freshness/2)
+	}
+	// c is just older than that (a hop ages it too).
+	old := uint32((a.cfg.Freshness/2 - a.cfg.hopAge() + time.Millisecond).Milliseconds())
+	receive(t, a, lowMessage(a, Entry{Name: "b", Load: 40, Seq: 1}, Entry{Name: "c", Load: 20, Seq: 1, AgeMillis: old},
+		Entry{Name: "d", Load: 60, Seq: 1}), t0)
+	names := func(lows []Entry) string {
+		var s []string
+		for _, e := range lows {
+			s = append(s, e.Name)
+		}
+		return strings.Join(s, " ")
+	}
+	for _, tc := range []struct {
+		load float64
+		at   time.Duration
+		want string
+	}{
+		// The current ones, b and d, first; this node's own before the
+		// first with a higher load.
+		{50, 0, "x b a d c"},
+		{30, 0, "x a b d c"},
+		{10, 0, "x a b d c"},
+		// None is current any more: by load.
+		{50, a.cfg.Freshness/2 - a.cfg.hopAge() + 2*time.Millisecond, "x c b a d"},
+		{30, a.cfg.Freshness/2 - a.cfg.hopAge() + 2*time.Millisecond, "x c a b d"},
+	} {
+		if err := a.SetInput([]float64{tc.load, 1}); err != nil {
+			t.Fatal(err)
+		}
+		now := t0.Add(tc.at)
+		lows := a.Lows(now, []Entry{{Name: "x"}})
+		if got := names(lows); got != tc.want {
+			t.Errorf("load %v at %v: Lows %q, want %q", tc.load, tc.at, got, tc.want)
+		}
+		if low := a.Lowest(now); low != lows[1] {
+			t.Errorf("load %v at %v: Lowest %+v, Lows %+v", tc.load, tc.at, low, lows)
+		}
+		for _, e := range lows[1:] {
+			if e.Name == "c" && time.Duration(e.AgeMillis)*time.Millisecond != a.cfg.Freshness/2+time.Millisecond+tc.at {
+				t.Errorf("c's age %dms at %v", e.AgeMillis, tc.at)
+			}
+		}
+	}
+	if allocs := testing.AllocsPerRun(10, func() { a.Lowest(t0) }); allocs != 0 {
+		t.Errorf("Lowest allocates %v times", allocs)
+	}
+	// With the members known (Tick), the hop aging of a trip across them
+	// counts too.
+	a.Tick(t0, []string{"b", "c", "d", "e", "f", "g", "h"}, rand.New(rand.NewPCG(1, 2)))
+	if got, want := a.currentAge(), a.cfg.Freshness/2+3*a.cfg.hopAge(); got != want {
+		t.Fatalf("current age with 8 members %v, want %v", got, want)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -603,4 +604,133 @@ func TestSimDeterministic(t *testing.T) {
 			t.Fatalf("node %d: %+v, then %+v", i, a[i], b[i])
 		}
 	}
+}
+
+// join adds a running node named n<i>, i the number of nodes made so
+// far, with load load.
+func (s *sim) join(load float64) *simNode {
+	sn := &simNode{name: fmt.Sprintf("n%d", len(s.nodes)), up: true}
+	sn.input[0] = load
+	s.nodes = append(s.nodes, sn)
+	s.byName[sn.name] = sn
+	s.pos[sn.name] = len(s.listed)
+	s.listed = append(s.listed, sn.name)
+	s.start(sn)
+	return sn
+}
+
+// lowestLoad is the lowest load of a running node.
+func (s *sim) lowestLoad() float64 {
+	low := math.Inf(1)
+	for _, sn := range s.up() {
+		low = min(low, sn.input[0])
+	}
+	return low
+}
+
+// TestSimMassJoinLowest: a tenth more nodes join with load 0, and every
+// 5 rounds their loads rise while the others' fall, as when the
+// rebalancer fills them. With fleetsim's settings (5 ticks an interval,
+// Freshness 5 intervals), from 15 rounds after the join on, in every
+// round, 99% of the nodes must know, as the lowest member, another one
+// whose entry is at most 16 rounds old (Freshness is 25) and whose load
+// is within 5% of the average of the true lowest load, or be within that
+// of the lowest themselves. With entries ranked by load alone, the
+// joiners' first entries (load 0) outranked their newer ones everywhere,
+// so the lowest-load entries known were up to Freshness old, and when
+// they expired together most nodes knew no joiner at all.
+func TestSimMassJoinLowest(t *testing.T) {
+	t.Parallel()
+	n := 1000
+	if raceEnabled {
+		n = 300
+	}
+	const (
+		interval = 5   // rounds between two load changes
+		settle   = 15  // rounds after the join before the checks
+		rounds   = 100 // rounds after the join: four Freshness
+		maxAge   = 16 * simRound
+	)
+	s := newSim(t, 0, 9, nil)
+	s.cfg = func(name string) Config {
+		c := testConfig(name)
+		c.Freshness, c.RetryTimeout = 25*simRound, simRound/2
+		return c
+	}
+	s.maxDelay = 0
+	s.queue = make([][]Message, 1)
+	loads := uniformLoads(9, 900, 1100)
+	for range n {
+		s.join(loads(0))
+	}
+	for range 30 {
+		s.step()
+	}
+	olds := s.nodes
+	var joined []*simNode
+	for range n / 10 {
+		joined = append(joined, s.join(0))
+	}
+	worst, worstRound, failed := 1.0, 0, 0
+	var worstLog string
+	for r := range rounds {
+		if r > 0 && r%interval == 0 {
+			var rise float64
+			for _, sn := range joined {
+				d := 20 * s.rng.Float64()
+				rise += d
+				s.setInput(sn, sn.input[0]+d)
+			}
+			for _, sn := range olds {
+				s.setInput(sn, max(0, sn.input[0]-2*rise/float64(len(olds))*s.rng.Float64()))
+			}
+		}
+		s.step()
+		if r < settle {
+			continue
+		}
+		now, low, margin := s.now(), s.lowestLoad(), 0.05*s.average(0)
+		good, self := 0, 0
+		var ages, offs []float64
+		for _, sn := range s.nodes {
+			e := sn.node.Lowest(now)
+			age := time.Duration(e.AgeMillis) * time.Millisecond
+			if e.Name == sn.name {
+				self++
+				if e.Load <= low+margin {
+					good++
+				}
+				continue
+			}
+			ages = append(ages, float64(age)/float64(simRound))
+			offs = append(offs, e.Load-low)
+			if age <= maxAge && math.Abs(e.Load-low) <= margin {
+				good++
+			}
+		}
+		frac := float64(good) / float64(len(s.nodes))
+		if frac < 0.99 {
+			failed++
+		}
+		if r == settle || frac < worst {
+			worst, worstRound = frac, r
+			worstLog = fmt.Sprintf("lowest load %.1f; %d nodes name themselves; the others' entries: age in rounds %s, load minus the lowest %s",
+				low, self, quantiles(ages), quantiles(offs))
+		}
+	}
+	t.Logf("N=%d+%d: worst round %d after the join, %.1f%% of the nodes right: %s", n, n/10, worstRound, 100*worst, worstLog)
+	if failed > 0 {
+		t.Fatalf("in %d of %d rounds, fewer than 99%% of the nodes knew a current lowest member (worst: %.1f%%, round %d after the join)",
+			failed, rounds-settle, 100*worst, worstRound)
+	}
+}
+
+// quantiles formats the least, median, 99th percentile and largest of x
+// (which it sorts).
+func quantiles(x []float64) string {
+	if len(x) == 0 {
+		return "none"
+	}
+	slices.Sort(x)
+	return fmt.Sprintf("%.1f/%.1f/%.1f/%.1f (min/median/p99/max)", x[0], x[len(x)/2], x[min(len(x)-1, len(x)*99/100)], x[len(x)-1])
 }
