@@ -43,12 +43,28 @@ type Node struct {
 
 // FreePort returns a TCP port that was free on 127.0.0.1 a moment ago.
 func FreePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ports, err := FreePorts(1)
 	if err != nil {
 		return 0, err
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
+	return ports[0], nil
+}
+
+// FreePorts returns n distinct TCP ports that were free on 127.0.0.1 a
+// moment ago. It holds each until it has them all: a port released at
+// once may be handed out again by the next call (a bench run once gave
+// a node's admin API and its gossip the same port).
+func FreePorts(n int) ([]int, error) {
+	ports := make([]int, 0, n)
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer ln.Close()
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
 }
 
 // Caddyfile returns the node's configuration: the cluster and rebalance
@@ -109,13 +125,9 @@ http://%s {
 // waits up to 20 s for its admin API to answer.
 func StartNode(bin, dir string, spec NodeSpec) (*Node, error) {
 	n := &Node{Name: spec.Name, Spec: spec}
-	var ports [3]int
-	for i := range ports {
-		p, err := FreePort()
-		if err != nil {
-			return nil, err
-		}
-		ports[i] = p
+	ports, err := FreePorts(3)
+	if err != nil {
+		return nil, err
 	}
 	n.Admin = fmt.Sprintf("127.0.0.1:%d", ports[0])
 	n.HTTP = fmt.Sprintf("127.0.0.1:%d", ports[1])
