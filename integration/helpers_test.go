@@ -10,7 +10,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -44,29 +43,7 @@ var (
 	httpPort, httpsPort int
 )
 
-// handedOut are the ports freePort has returned in this test binary: the
-// kernel may offer a closed port again at once, and two listeners of one
-// config on the same port do not load ("ambiguous site definition").
-var handedOut sync.Map
-
-// freePort returns a TCP port free on 127.0.0.1 a moment ago that it has
-// not returned before.
-func freePort(t testing.TB) int {
-	t.Helper()
-	for range 100 {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatalf("finding a free port: %v", err)
-		}
-		port := ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
-		if _, seen := handedOut.LoadOrStore(port, true); !seen {
-			return port
-		}
-	}
-	t.Fatal("no fresh free port in 100 tries")
-	return 0
-}
+var freePort = testutil.FreePort
 
 // env is one test's harness: the caddytest tester, an HTTP client for the
 // proxy, and the backends the test started. Its cleanup unloads the test's

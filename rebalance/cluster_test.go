@@ -369,25 +369,7 @@ func TestClusterWrongKeyCannotJoin(t *testing.T) {
 	}
 }
 
-// freePort returns a TCP and UDP port free on 127.0.0.1 just now.
-func freePort(t *testing.T) int {
-	t.Helper()
-	for range 20 {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := ln.Addr().(*net.TCPAddr).Port
-		pc, err := net.ListenPacket("udp", ln.Addr().String())
-		ln.Close()
-		if err == nil {
-			pc.Close()
-			return port
-		}
-	}
-	t.Fatal("no free port")
-	return 0
-}
+var freePort = testutil.FreePort
 
 // TestAdminMethod: only GET.
 func TestAdminMethod(t *testing.T) {

@@ -11,7 +11,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -28,6 +27,7 @@ import (
 
 	_ "github.com/caddy-lbx/lbx"
 	"github.com/caddy-lbx/lbx/integration/fleet"
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
 // baseline is a config that uses every lbx module with every option it
@@ -233,15 +233,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-}
+func freePort(t *testing.T) string { return strconv.Itoa(testutil.FreePort(t)) }
 
 // backend answers every request with a small JSON object naming itself.
 func backend(t *testing.T, name string) string {

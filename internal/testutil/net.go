@@ -2,6 +2,7 @@ package testutil
 
 import (
 	"net"
+	"sync"
 	"testing"
 	"time"
 )
@@ -45,13 +46,34 @@ func TCPPair(t testing.TB, wrap func(net.Listener) net.Listener) (server, client
 	return server, client
 }
 
-// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+// handedOut holds the ports FreePort has returned in this process. The
+// kernel may offer a port it just released to the next pick, and Caddy's
+// listeners set SO_REUSEPORT, so two of a test's listeners given the same
+// port would share it without an error (CI once saw a test's admin API
+// answer on its site's port).
+var handedOut sync.Map
+
+// FreePort returns a port on 127.0.0.1 that was free for both TCP and UDP
+// a moment ago (serf binds both) and that it has not returned before in
+// this process.
 func FreePort(t testing.TB) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("finding a free port: %v", err)
+	for range 100 {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatalf("finding a free port: %v", err)
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		pc, err := net.ListenPacket("udp", ln.Addr().String())
+		ln.Close()
+		if err != nil {
+			continue
+		}
+		pc.Close()
+		if _, seen := handedOut.LoadOrStore(port, true); !seen {
+			return port
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	t.Fatal("no fresh free port in 100 tries")
+	return 0
 }
