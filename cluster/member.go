@@ -212,7 +212,7 @@ func (m *member) wake() {
 }
 
 // publishLoop publishes the tags when a config is attached or detached
-// (its configured tags change).
+// (its configured tags change) or a module publishes a tag.
 func (m *member) publishLoop() {
 	defer m.done.Done()
 	retry := time.NewTimer(time.Hour)
@@ -235,9 +235,8 @@ var errResolving = errors.New("not publishing while serf resolves a name conflic
 
 // setTags sets the member's tags to the driving config's and the
 // published ones, and waits for serf's broadcast of them (up to
-// broadcastTimeout). A module that publishes a tag every interval is
-// thereby paced by the gossip: it does not decide again on reports its
-// own last one has not reached.
+// broadcastTimeout); publishLoop calls it, so that no module waits on the
+// gossip.
 func (m *member) setTags() error {
 	m.pubMu.Lock()
 	defer m.pubMu.Unlock()
@@ -266,7 +265,7 @@ func (m *member) setTags() error {
 }
 
 // publish sets (or, with value "", removes) a tag other modules publish,
-// and publishes the tags.
+// and has publishLoop publish the tags.
 func (m *member) publish(key, value string) {
 	m.mu.Lock()
 	if value == "" {
@@ -275,7 +274,7 @@ func (m *member) publish(key, value string) {
 		m.published[key] = value
 	}
 	m.mu.Unlock()
-	_ = m.setTags() // logged; a tag serf refused is published again next time
+	m.wake()
 }
 
 // watchShutdown notices serf shutting the member down on its own.

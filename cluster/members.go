@@ -99,9 +99,11 @@ func (a *App) Members() ([]Member, error) {
 
 // Publish sets this node's member tag key (which must start with
 // reservedTagPrefix) to value, or removes it when value is empty, and
-// gossips the member's tags: it waits for serf's broadcast, up to 2s when
-// no peer acknowledges (serf's errors are logged at debug level). The tag
-// stays across reloads until removed. It returns ErrNotRunning, or the
+// has the member's tags gossiped in the background: it does not wait for
+// serf's broadcast (up to 2s when no peer acknowledges; serf's errors are
+// logged at debug level), and values set while one is under way are
+// published together after it. The tag stays across reloads until
+// removed. It returns ErrNotRunning, or the
 // name conflict, when the member does not run.
 func (a *App) Publish(key, value string) error {
 	m := a.runningMember()
