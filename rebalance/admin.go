@@ -26,7 +26,8 @@ func init() {
 // returns, for each rebalance node in the process (normally one), the
 // cluster's members with status, load and report age, whether each counts toward the
 // average, this node's own load, connections by state, the bytes counted
-// by the rebalance listener wrapper, its last decision, its shed totals,
+// by the rebalance listener wrapper, the gossip average and whether the
+// last decision used it, its last decision, its shed totals,
 // forced closes (boundary_timeout) and how shed WebSockets closed. Fields
 // ending in _human repeat numbers for people (loads in their metric's
 // unit: "12 MB/s" for throughput).
@@ -103,6 +104,57 @@ type decisionView struct {
 	// boundary_timeout.
 	Forced int    `json:"forced_closes"`
 	Reason string `json:"reason"`
+	// AverageFrom says where the average came from: "gossip" (the gossip
+	// average) or "tags" (the members' load tags; gossip_average says why).
+	AverageFrom string `json:"average_from"`
+}
+
+// gossipAverageView is the gossip averaging as of a node's last decision.
+type gossipAverageView struct {
+	// Used is true when the decision used the gossip average; Why says
+	// why not.
+	Used bool   `json:"used"`
+	Why  string `json:"unused_because,omitempty"`
+	// Average and Size are the estimates of the cluster's average load
+	// and of its number of members (0 before any exchange), and Members
+	// the alive members in this node's metric serf lists, this node
+	// included: what Size should be.
+	Average float64 `json:"average"`
+	Size    float64 `json:"size_estimate"`
+	Members int     `json:"members_in_metric"`
+	// Peers is the number of members this node exchanges with, Exchanges
+	// the exchanges it completed within freshness, and
+	// LastExchangeAgeMs how long before the decision it completed one
+	// last (-1: never).
+	Peers             int   `json:"peers"`
+	Exchanges         int   `json:"exchanges"`
+	LastExchangeAgeMs int64 `json:"last_exchange_age_ms"`
+	// Lowest are the lowest-load members the averaging told this node
+	// of, lowest first, with their loads and the age of what it knows.
+	Lowest []lowEntryView `json:"lowest"`
+}
+
+// lowEntryView is a lowest-load member the gossip averaging knows of.
+type lowEntryView struct {
+	Name  string  `json:"name"`
+	Load  float64 `json:"load"`
+	AgeMs uint32  `json:"age_ms"`
+}
+
+// viewAverage returns the admin view of avg, as of a decision at at.
+func viewAverage(avg averageView, at time.Time) gossipAverageView {
+	v := gossipAverageView{
+		Used: avg.Used, Why: avg.Why, Average: finite(avg.Average), Size: finite(avg.Size),
+		Members: avg.Members, Peers: avg.Peers, Exchanges: avg.Exchanges,
+		LastExchangeAgeMs: -1, Lowest: []lowEntryView{},
+	}
+	if !avg.LastExchange.IsZero() {
+		v.LastExchangeAgeMs = max(0, at.Sub(avg.LastExchange).Milliseconds())
+	}
+	for _, e := range avg.Lows {
+		v.Lowest = append(v.Lowest, lowEntryView{Name: e.Name, Load: e.Load, AgeMs: e.AgeMillis})
+	}
+	return v
 }
 
 // nodeView is one rebalance node in the admin API's output.
@@ -126,6 +178,8 @@ type nodeView struct {
 	NameConflict string       `json:"name_conflict,omitempty"`
 	Members      []memberView `json:"members"`
 	Decision     decisionView `json:"last_decision"`
+	// GossipAverage is the gossip averaging as of the last decision.
+	GossipAverage gossipAverageView `json:"gossip_average"`
 	// Connections are this process's HTTP connections by state.
 	Connections conntrack.Counts `json:"connections"`
 	// Bytes are this process's byte totals, as the rebalance listener
@@ -207,7 +261,9 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 			Stale: n.last.Stale, NotAlive: n.last.NotAlive, Invalid: n.last.Invalid, OtherMetric: n.last.OtherMetric, Ignored: n.last.Ignored,
 			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: finite(n.last.Lowest), LowestName: n.last.LowestName,
 			Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
+			AverageFrom: fromTags,
 		},
+		GossipAverage:   viewAverage(n.average, n.lastAt),
 		Connections:     cs.conns,
 		Bytes:           viewBytes(cs),
 		ShedTotal:       n.shed,
@@ -224,6 +280,9 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 		v.ShedRate = s.params.ShedRate * 100
 		v.MinConns = s.params.MinConnections
 		v.BoundaryTimeout = s.boundary.Milliseconds()
+	}
+	if n.average.Used {
+		v.Decision.AverageFrom = fromGossip
 	}
 	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded); %s forced closed at boundary_timeout",
 		humanize.Comma(int64(n.shed.Total())), humanize.Comma(int64(n.shed.Idle)),

@@ -40,14 +40,20 @@ const (
 )
 
 // App gossips this Caddy node's load through the cluster app (by default
-// the connections its HTTP servers hold, smoothed over `history`, in the
-// member tag lbx_load), and sheds a share of its connections every interval while it
-// holds far more than the cluster average, so that clients reconnect
-// through the outer load balancer to another node.
+// the connections its HTTP servers hold, smoothed over `history`), and
+// sheds a share of its connections every interval while it holds far more
+// than the cluster average, so that clients reconnect through the outer
+// load balancer to another node.
 //
-// The cluster average counts only members that serf sees alive and whose
-// load report changed within `freshness`: a failed, left or silent member
-// never skews it. A node starts shedding above average × (1 + threshold)
+// The cluster average travels by gossip averaging: a few exchanges per
+// interval with other members over the cluster's direct messages, whose
+// cost per node does not grow with the cluster. A decision uses it when
+// this node exchanged within `freshness` and the averaging's estimate of
+// the number of members agrees with serf's (within 10%); otherwise it
+// uses the members' load tags (lbx_load, published on a change of more
+// than 5% and at least every freshness/2), counting only members that
+// serf sees alive and whose tag changed within `freshness`: a failed,
+// left or silent member never skews the average. A node starts shedding above average × (1 + threshold)
 // and keeps shedding down to average × (1 + stop_band); while a member is
 // below average × (1 − threshold) (one that joined), every node above the
 // average sheds toward the average until that member reaches
@@ -91,9 +97,11 @@ type App struct {
 	// 24h and 3600 intervals. Default: 10s.
 	History caddy.Duration `json:"history,omitempty"`
 
-	// Freshness is how recently a member's load report must have changed
-	// for the member to count toward the average, from interval to 24h.
-	// Default: 5 × interval, at least 3s.
+	// Freshness is how recently a member's load tag must have changed
+	// for the member to count, and how long the gossip average may go
+	// without an exchange (and a peer stay silent) before the decision
+	// falls back to the tags, from interval to 24h. Default: 5 ×
+	// interval, at least 3s.
 	Freshness caddy.Duration `json:"freshness,omitempty"`
 
 	// Threshold is the percentage above the cluster average at which a

@@ -84,21 +84,30 @@ type node struct {
 	name   string // the member's node name
 	logger *zap.Logger
 
-	mu       sync.Mutex
-	owners   []*settings // oldest first; the last one drives
-	window   *Window
-	seq      uint64
-	shedding bool      // the high rule's hysteresis state
-	lift     LiftState // the lift rule's state
-	seen     map[string]seenReport
-	members  []memberReport // as of the last decision
-	last     Decision
-	lastAt   time.Time
-	local    float64
-	current  float64
-	held     int
-	shed     ShedResult // totals since the node started
-	forced   uint64     // shed connections closed at boundary_timeout, since the node started
+	mu     sync.Mutex
+	owners []*settings // oldest first; the last one drives
+	window *Window
+	// recentSheds holds the connections shed at each of the last
+	// `history` steps (withShedInFlight).
+	recentSheds *Window
+	seq         uint64
+	// published is the load in the last load tag published, and
+	// sincePublished the steps since, that step included (0: none yet;
+	// see LoadTagDue).
+	published      float64
+	sincePublished int
+	shedding       bool      // the high rule's hysteresis state
+	lift           LiftState // the lift rule's state
+	seen           map[string]seenReport
+	members        []memberReport // as of the last decision
+	average        averageView    // the gossip average as of the last decision
+	last           Decision
+	lastAt         time.Time
+	local          float64
+	current        float64
+	held           int
+	shed           ShedResult // totals since the node started
+	forced         uint64     // shed connections closed at boundary_timeout, since the node started
 	// lastForced is the number forced in the last interval.
 	lastForced int
 	// shedDecisions counts the intervals that shed since the node started.
@@ -111,6 +120,10 @@ type node struct {
 	// clock per request.
 	steps atomic.Int64
 
+	// avg is the node's part in the gossip averaging; its exchanges run
+	// in their own loop (node.loop), AverageTicks per interval.
+	avg *averager
+
 	stop chan struct{}
 	done sync.WaitGroup
 }
@@ -118,16 +131,19 @@ type node struct {
 // newNode creates the shedding state for s and starts its loop.
 func newNode(key, name string, s *settings) *node {
 	n := &node{
-		key:    key,
-		name:   name,
-		logger: s.logger.With(zap.String("node", name)),
-		seen:   make(map[string]seenReport),
-		window: NewWindow(windowSize(s.history, s.interval)),
-		stop:   make(chan struct{}),
-		owners: []*settings{s},
+		key:         key,
+		name:        name,
+		logger:      s.logger.With(zap.String("node", name)),
+		seen:        make(map[string]seenReport),
+		window:      NewWindow(windowSize(s.history, s.interval)),
+		recentSheds: NewWindow(windowSize(s.history, s.interval)),
+		stop:        make(chan struct{}),
+		owners:      []*settings{s},
 	}
-	n.done.Add(1)
-	go n.run()
+	n.avg = newAverager(n.logger)
+	n.done.Add(2)
+	go n.loop(func(s *settings) time.Duration { return s.interval }, n.safeStep)
+	go n.loop(func(s *settings) time.Duration { return s.interval / AverageTicks }, n.safeTick)
 	return n
 }
 
@@ -145,6 +161,7 @@ func windowSize(history, interval time.Duration) int {
 func (n *node) Destruct() error {
 	close(n.stop)
 	n.done.Wait()
+	n.avg.close()
 	n.mu.Lock()
 	last := n.owners
 	n.mu.Unlock()
@@ -160,6 +177,7 @@ func (n *node) attach(s *settings) {
 	defer n.mu.Unlock()
 	n.owners = append(n.owners, s)
 	n.window.Resize(windowSize(s.history, s.interval))
+	n.recentSheds.Resize(windowSize(s.history, s.interval))
 }
 
 // detach removes the settings of a config that stopped; it returns the
@@ -177,6 +195,7 @@ func (n *node) detach(owner *App) {
 	n.owners = slices.Delete(n.owners, gone, gone+1)
 	s := n.owners[len(n.owners)-1]
 	n.window.Resize(windowSize(s.history, s.interval))
+	n.recentSheds.Resize(windowSize(s.history, s.interval))
 }
 
 // driver returns the driving settings, or nil.
@@ -189,8 +208,11 @@ func (n *node) driver() *settings {
 	return n.owners[len(n.owners)-1]
 }
 
-// run is the decision loop: every interval, sample, publish, decide, shed.
-func (n *node) run() {
+// loop calls do with the driving settings every period of them until the
+// node stops (every second while no config drives it): the decision
+// loop, every interval, and the gossip averaging's, AverageTicks times
+// per interval.
+func (n *node) loop(period func(*settings) time.Duration, do func(*settings)) {
 	defer n.done.Done()
 	timer := time.NewTimer(0)
 	defer timer.Stop()
@@ -205,9 +227,16 @@ func (n *node) run() {
 			timer.Reset(time.Second)
 			continue
 		}
-		n.safeStep(s)
-		timer.Reset(s.interval)
+		do(s)
+		timer.Reset(period(s))
 	}
+}
+
+// safeTick starts the next exchange of the gossip averaging, logging a
+// panic instead of crashing Caddy.
+func (n *node) safeTick(*settings) {
+	defer n.logPanic("gossip averaging tick panicked")
+	n.avg.tick(time.Now())
 }
 
 // noMembers records a step that could not read or publish through the
@@ -231,30 +260,45 @@ func (n *node) noMembers(s *settings, err error, now time.Time) {
 
 // safeStep runs one step, logging a panic instead of crashing Caddy.
 func (n *node) safeStep(s *settings) {
-	defer func() {
-		if r := recover(); r != nil {
-			n.logger.Error("rebalance step panicked", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
-		}
-	}()
+	defer n.logPanic("rebalance step panicked")
 	n.step(s, time.Now())
 }
 
+// logPanic, deferred, logs a panic of its caller with msg instead of
+// crashing Caddy.
+func (n *node) logPanic(msg string) {
+	if r := recover(); r != nil {
+		n.logger.Error(msg, zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+	}
+}
+
 // step sweeps the connections, samples the load, gossips it, reads the
-// others' reports, decides and sheds.
+// others' reports and the gossip average, decides and sheds. Nothing in
+// it waits on the network: the load tag is published in the background,
+// and the averaging's messages are single datagrams.
 func (n *node) step(s *settings, now time.Time) {
 	sw := s.source.Sweep(s.history, s.boundary)
 	load, held := s.source.Sample(s.metric)
 
 	n.mu.Lock()
-	local := n.window.Add(load)
-	n.seq++
-	tag := FormatLoadReport(s.metric, local, n.seq)
+	inFlight := int(math.Round(n.recentSheds.Mean() * float64(n.recentSheds.Len())))
+	local := n.window.Add(withShedInFlight(s.metric, load, held, inFlight))
+	var tag string
+	if LoadTagDue(n.sincePublished, n.published, local, s.interval, s.params.Freshness) {
+		n.seq++
+		tag = FormatLoadReport(s.metric, local, n.seq)
+	}
 	shedding, lift := n.shedding, n.lift
 	n.mu.Unlock()
 
-	if err := s.cluster.Publish(LoadTag, tag); err != nil {
-		n.noMembers(s, err, now)
-		return
+	if tag != "" {
+		if err := s.cluster.Publish(LoadTag, tag); err != nil {
+			n.noMembers(s, err, now)
+			return
+		}
+		n.mu.Lock()
+		n.published, n.sincePublished = local, 0
+		n.mu.Unlock()
 	}
 
 	members, err := s.cluster.Members()
@@ -262,9 +306,14 @@ func (n *node) step(s *settings, now time.Time) {
 		n.noMembers(s, err, now)
 		return
 	}
+	if err := n.avg.prepare(s, n.name, now); err != nil {
+		n.logger.Debug("gossip averaging not running", zap.Error(err))
+	}
 	n.mu.Lock()
+	n.sincePublished++
 	reports := make([]memberReport, 0, len(members))
 	present := make(map[string]bool, len(members))
+	var peers []string // alive members averaging in this node's metric
 	for _, m := range members {
 		present[m.Name] = true
 		r := memberReport{Name: m.Name, Status: m.Status}
@@ -285,6 +334,9 @@ func (n *node) step(s *settings, now time.Time) {
 		// An invalid tag gives load NaN: Decide does not count it.
 		r.Metric, r.Load, _ = parseLoadTag(raw)
 		reports = append(reports, r)
+		if !m.Self && m.Status == cluster.StatusAlive && tagMetric(raw) == s.metric {
+			peers = append(peers, m.Name)
+		}
 	}
 	for name := range n.seen {
 		if !present[name] {
@@ -292,11 +344,18 @@ func (n *node) step(s *settings, now time.Time) {
 		}
 	}
 	n.mu.Unlock()
+	slices.Sort(peers)
 
-	d := Decide(s.params, Input{
+	in := Input{
 		Self: n.name, Local: local, Current: load, Held: held,
 		Members: reports, Shedding: shedding, Lift: lift, Now: now,
-	})
+	}
+	avg := n.avg.step(n.name, peers, local, s.params.Freshness, now)
+	view := summarize(s.params, in)
+	if avg.Used {
+		view = avg.decisionView(in, view)
+	}
+	d := DecideView(s.params, in, view)
 	var res ShedResult
 	if d.Shed > 0 {
 		res = s.source.Shed(d.Shed)
@@ -305,9 +364,11 @@ func (n *node) step(s *settings, now time.Time) {
 	n.mu.Lock()
 	n.shedding, n.lift = d.Shedding, d.Lift
 	n.members = reports
+	n.average = avg
 	n.last, n.lastAt = d, now
 	n.steps.Store(monoclock.At(now))
 	n.local, n.current, n.held = local, load, held
+	n.recentSheds.Add(float64(res.Total()))
 	n.shed.Idle += res.Idle
 	n.shed.Active += res.Active
 	n.shed.Hijacked += res.Hijacked
@@ -318,15 +379,66 @@ func (n *node) step(s *settings, now time.Time) {
 	n.lastForced = sw.Forced
 	n.mu.Unlock()
 
-	n.logDecision(s, d, shedding || lift.Lifting, local, res, sw)
+	n.logDecision(s, d, shedding || lift.Lifting, local, res, sw, avg)
 	if res.Total() > 0 || sw.Forced > 0 {
 		s.events.emitShed(n.name, s.metric, local, d, res, sw.Forced)
 	}
 }
 
+// withShedInFlight returns load, in metric's unit, with the connections
+// this node shed over the last `history` (inFlight) counted as if still
+// held: a shed connection counts toward its node's load while it closes
+// and its client reconnects elsewhere, up to `history` after the shed
+// (when one still open counts again anyway: conntrack's overdue). Without
+// them the cluster average would be short of the clients in flight, and
+// every node shedding toward it would shed too many. held is the
+// connections the node holds; other metrics than connections are scaled
+// as if the load were spread evenly over them (as the shed is sized).
+func withShedInFlight(metric string, load float64, held, inFlight int) float64 {
+	switch {
+	case inFlight <= 0:
+		return load
+	case metric == metricConnections:
+		return load + float64(inFlight)
+	case held > 0:
+		return load * float64(held+inFlight) / float64(held)
+	}
+	return load
+}
+
+// tagChange is the relative change of the smoothed load that publishes
+// the load tag before its keep-alive is due.
+const tagChange = 0.05
+
+// LoadTagDue reports whether a node publishes its load tag at this step:
+// since is the number of steps since its last tag, this one included
+// (1: the previous step published; 0: it has published none), published
+// the load that tag carried and local its smoothed load now. A tag is due
+// the first time, when the load moved by more than 5% since the last
+// tag, and at least every freshness/2 (every interval when freshness is
+// under two intervals), so that a live member's tag keeps changing within
+// freshness wherever gossip takes under freshness/2 to arrive. The tags
+// carry each member's load (lb_policy cluster_load, the admin view, and
+// the decision when the gossip average is not usable); the decision's
+// average travels by gossip averaging, so the tags need not follow every
+// step. It is exported for the gossip benchmark.
+func LoadTagDue(since int, published, local float64, interval, freshness time.Duration) bool {
+	keepAlive := max(1, int(freshness/2/interval))
+	return since == 0 || since >= keepAlive || math.Abs(local-published) > tagChange*max(local, published)
+}
+
+// tagMetric returns the metric a load tag names, or "".
+func tagMetric(raw string) string {
+	metric, _, ok := parseLoadTag(raw)
+	if !ok {
+		return ""
+	}
+	return metric
+}
+
 // logDecision writes one line per decision that sheds, changes state or
 // forces shed connections closed, and a debug line otherwise.
-func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw conntrack.SweepResult) {
+func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw conntrack.SweepResult, avg averageView) {
 	lvl := zapcore.DebugLevel
 	msg := "rebalance decision"
 	switch {
@@ -347,6 +459,7 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 		zap.String("metric", s.metric),
 		zap.String("local", formatLoad(s.metric, local)),
 		zap.String("average", formatLoad(s.metric, d.Average)),
+		zap.String("average_from", avg.source()),
 		zap.String("balance", fmt.Sprintf("%.2fx", d.Balance)),
 		zap.Int("members_counted", d.Counted),
 		zap.String("lowest", humanize.FormatFloat("#,###.#", d.Lowest)),
