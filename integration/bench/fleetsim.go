@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-lbx/lbx/internal/fleetsim"
+	"github.com/caddy-lbx/lbx/rebalance"
 )
 
 // bench fleetsim: the rebalance decision at fleet scale, simulated
@@ -276,22 +277,22 @@ func fleetsimReport(cfg *fleetsimConfig, cmdline string, cases []*fleetsimCase, 
 	p := fleetsim.DefaultParams()
 	fmt.Fprintf(&b, "# bench fleetsim\n\n`%s` (%v): a simulated fleet, one decision interval at a time, deciding with the rebalance app's defaults "+
 		"(threshold %.0f%%, stop band %.0f%%, shed rate %.1f%% per interval, min_connections %d, freshness %d intervals, history 10 intervals). "+
-		"Views: flow, every node's own gossipavg estimate (5 exchanges per interval, 0.5%% of messages lost); tags, every other node's smoothed load late by a lag per (observer, member) "+
+		"Views: flow, as the rebalance app decides: every node's own gossipavg estimate (the app's settings, %d exchanges per interval, 0.5%% of messages lost) when the app's rule finds it usable, else the tags as below; tags, every other node's smoothed load late by a lag per (observer, member) "+
 		"drawn from a lognormal (median and p99 in intervals: %s; measured at 16 and 128 members, extrapolated in log N beyond); exact, the true average. "+
 		"Shed clients reconnect through the outer balancer: random (uniform) or leastconn (fewest connections).\n\n",
-		cmdline, took.Round(time.Second), 100*p.Threshold, 50*p.Threshold, 100*p.ShedRate, p.MinConnections, int(p.Freshness/fleetsim.Interval), lagNote(cfg))
+		cmdline, took.Round(time.Second), 100*p.Threshold, 50*p.Threshold, 100*p.ShedRate, p.MinConnections, int(p.Freshness/fleetsim.Interval), rebalance.AverageTicks, lagNote(cfg))
 	b.WriteString("Medians [min–max] over seeds. Converged: every node within ±threshold of the average and none shedding for 10 intervals (the first of them counted from the scenario's start; — when some seed did not within 3000 intervals). " +
 		"Shed/conn: connections shed over the connections in the fleet. Shed/ideal: connections shed over the median of a perfect rebalancer's behind the same balancer (shedsim.IdealShedsFor), from the fleet right after the event (rolling restart: after the last restart, so the restarts' own repair is not in the ideal). " +
-		"Worst node: largest deviation from the average at the end. Oscillating: nodes that shed in two shedding phases separated by a quiet interval. Relanded: share of the shed connections that reconnected to a node shedding in the same interval.\n")
+		"Worst node: largest deviation from the average at the end. Oscillating: nodes that shed in two shedding phases separated by a quiet interval. Relanded: share of the shed connections that reconnected to a node shedding in the same interval. From tags: flow's decisions taken from the tags (its average not usable), per node.\n")
 	for _, sc := range cfg.scenarios {
 		fmt.Fprintf(&b, "\n## %s\n\n", sc)
-		b.WriteString("| nodes | conns/node | view | balancer | converged | intervals to converge | shed/conn | shed/ideal | worst node | oscillating nodes | relanded |\n")
-		b.WriteString("| --: | --: | :-- | :-- | --: | --: | --: | --: | --: | --: | --: |\n")
+		b.WriteString("| nodes | conns/node | view | balancer | converged | intervals to converge | shed/conn | shed/ideal | worst node | oscillating nodes | relanded | from tags |\n")
+		b.WriteString("| --: | --: | :-- | :-- | --: | --: | --: | --: | --: | --: | --: | --: |\n")
 		for _, c := range cases {
 			if c.scenario != sc {
 				continue
 			}
-			var iv, perConn, ratio, worst, osc, reland []float64
+			var iv, perConn, ratio, worst, osc, reland, fromTags []float64
 			conv := 0
 			for _, r := range c.results {
 				if r.Converged {
@@ -307,17 +308,19 @@ func fleetsimReport(cfg *fleetsimConfig, cmdline string, cases []*fleetsimCase, 
 					rl = 100 * float64(r.Relanded) / float64(r.Shed)
 				}
 				reland = append(reland, rl)
+				fromTags = append(fromTags, float64(r.TagDecisions)/float64(max(r.Nodes, 1)))
 			}
 			ivs := "—"
 			if conv == len(c.results) {
 				ivs = fmtStat(statOf(iv), func(v float64) string { return fmt.Sprintf("%.0f", v) })
 			}
-			fmt.Fprintf(&b, "| %d | %d | %s | %s | %d/%d | %s | %s | %s | %s | %s | %s |\n", c.size, c.conns, c.view, c.balancer, conv, len(c.results), ivs,
+			fmt.Fprintf(&b, "| %d | %d | %s | %s | %d/%d | %s | %s | %s | %s | %s | %s | %s |\n", c.size, c.conns, c.view, c.balancer, conv, len(c.results), ivs,
 				fmtStat(statOf(perConn), func(v float64) string { return fmt.Sprintf("%.2f", v) }),
 				fmtStat(statOf(ratio), func(v float64) string { return fmt.Sprintf("%.2f", v) }),
 				fmtStat(statOf(worst), func(v float64) string { return fmt.Sprintf("%.1f%%", v) }),
 				fmtStat(statOf(osc), func(v float64) string { return fmt.Sprintf("%.0f", v) }),
-				fmtStat(statOf(reland), func(v float64) string { return fmt.Sprintf("%.0f%%", v) }))
+				fmtStat(statOf(reland), func(v float64) string { return fmt.Sprintf("%.0f%%", v) }),
+				fmtStat(statOf(fromTags), func(v float64) string { return fmt.Sprintf("%.1f", v) }))
 		}
 	}
 	return b.String()

@@ -36,12 +36,19 @@ import (
 // long SetTags blocked.
 //
 // With -scheme flow the loads travel otherwise: each member averages them
-// with gossipavg over direct messages (gossipflow.go), exchanging with one
-// peer every -tick, and the tags carry no load. It reports each member's
-// error of the cluster average and size, whether it knows the lowest
-// member, and the same traffic and CPU figures.
+// with gossipavg over direct messages (gossipflow.go) with the app's
+// settings (rebalance.AverageConfig, rebalance.AverageTicks exchanges per
+// interval), and the tags carry no load. It reports each member's error
+// of the cluster average and size, whether it knows the lowest member,
+// and the same traffic and CPU figures.
 //
-// In both schemes the loads drift (a sine of ±40% over 20–60 s per
+// -scheme app is what the rebalance app does: the flow scheme's
+// averaging, plus load tags published by the app's rule
+// (rebalance.LoadTagDue: on a change of more than 5%, else every
+// freshness/2). It reports the averaging's figures, the tags' reach and
+// staleness, and the traffic of both together.
+//
+// In every scheme the loads drift (a sine of ±40% over 20–60 s per
 // member) for the first half of the window; then they stop drifting and
 // half the members lose 20% at once: the step, which each member takes
 // in at its next publication (within an interval, as the app samples its
@@ -57,8 +64,7 @@ type gossipConfig struct {
 	warmup    time.Duration
 	duration  time.Duration
 	seed      uint64
-	scheme    string        // "tags" or "flow"
-	tick      time.Duration // flow: the time between a member's exchanges
+	scheme    string // "tags", "flow" or "app"
 }
 
 func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
@@ -71,8 +77,7 @@ func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
 	fs.DurationVar(&cfg.warmup, "warmup", 5*time.Second, "unmeasured time after the cluster converged")
 	fs.DurationVar(&cfg.duration, "duration", 20*time.Second, "measured window per size")
 	fs.Uint64Var(&cfg.seed, "seed", 1, "seed of the loads and publication phases")
-	fs.StringVar(&cfg.scheme, "scheme", "tags", "how loads travel: tags (serf tags, as the app does now) or flow (gossipavg over direct messages)")
-	fs.DurationVar(&cfg.tick, "tick", 100*time.Millisecond, "flow: time between a member's exchanges")
+	fs.StringVar(&cfg.scheme, "scheme", "tags", "how loads travel: tags (serf tags every interval, as the app did before the gossip average), flow (gossipavg over direct messages), or app (flow, plus tags by the app's rule)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -92,10 +97,8 @@ func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
 		return nil, fmt.Errorf("-duration %v: want 2 intervals to 1h", cfg.duration)
 	case cfg.warmup < 0 || cfg.warmup > time.Hour:
 		return nil, fmt.Errorf("-warmup %v: want 0 to 1h", cfg.warmup)
-	case cfg.scheme != "tags" && cfg.scheme != "flow":
-		return nil, fmt.Errorf("-scheme %q: want tags or flow", cfg.scheme)
-	case cfg.tick < 10*time.Millisecond || cfg.tick > cfg.freshness/8:
-		return nil, fmt.Errorf("-tick %v: want 10ms to freshness/8", cfg.tick)
+	case cfg.scheme != "tags" && cfg.scheme != "flow" && cfg.scheme != "app":
+		return nil, fmt.Errorf("-scheme %q: want tags, flow or app", cfg.scheme)
 	}
 	return cfg, nil
 }
@@ -153,8 +156,20 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 		}
 		return msf(r.settle)
 	}
-	if cfg.scheme == "flow" {
-		fmt.Fprintf(&b, "Scheme flow: gossipavg over direct messages, an exchange every %v per member; the tags carry no load.\n\n", cfg.tick)
+	switch cfg.scheme {
+	case "app":
+		fmt.Fprintf(&b, "Scheme app: the gossip average as in scheme flow (an exchange every %v per member), plus load tags on a change of more than 5%%, else every freshness/2, as the rebalance app publishes them.\n\n", cfg.interval/rebalance.AverageTicks)
+		b.WriteString("Medians [min–max]. Average error is of the gossip average while the loads drift; settle is after the step. Tag reach and stale are of the load tags, as in scheme tags.\n\n")
+		b.WriteString("| members | average error | settle after the step | size error | lowest known | tag reports | tag reach 99% | tags stale | bytes/s sent | packets/s sent | CPU per member |\n")
+		b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
+		for _, r := range results {
+			fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %d | %s | %s | %s | %s | %.2f%% |\n",
+				r.n, fmtStat(r.avgErrPct, pct), settle(r), fmtStat(r.sizeErrPct, pct), fmtStat(r.lowestPct, pct),
+				r.reports, fmtStat(r.reach99, msf), fmtStat(r.stalePct, pct),
+				fmtStat(r.bytesPerSec, num), fmtStat(r.pktsPerSec, num), r.cpuPct)
+		}
+	case "flow":
+		fmt.Fprintf(&b, "Scheme flow: gossipavg over direct messages, with the rebalance app's settings (an exchange every %v per member); the tags carry no load.\n\n", cfg.interval/rebalance.AverageTicks)
 		b.WriteString("Medians [min–max] over samples × members (errors), samples (lowest known, view age) or members (traffic). Average error is while the loads drift; settle is after the step.\n\n")
 		b.WriteString("| members | average error | settle after the step | size error | lowest known | last exchange age | bytes/s sent | packets/s sent | CPU per member |\n")
 		b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
@@ -163,7 +178,7 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 				r.n, fmtStat(r.avgErrPct, pct), settle(r), fmtStat(r.sizeErrPct, pct), fmtStat(r.lowestPct, pct), fmtStat(r.viewAge, msf),
 				fmtStat(r.bytesPerSec, num), fmtStat(r.pktsPerSec, num), r.cpuPct)
 		}
-	} else {
+	default:
 		b.WriteString("Medians [min–max] over reports (reach), samples (stale, view age, average error) or members (traffic). Reach: time from SetTags to the other members' first sight of that report or a newer one. Average error is while the loads drift; settle is after the step.\n\n")
 		b.WriteString("| members | reports | reach 50% | reach 99% | reach 100% | never all | stale | view age | average error | settle after the step | bytes/s sent | packets/s sent | CPU per member | SetTags | SetTags timeouts |\n")
 		b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
@@ -205,7 +220,8 @@ type gossipRun struct {
 
 	mu        sync.Mutex
 	pubAt     [][]time.Time // [member][seq]: when SetTags was called
-	pubLoad   [][]float64
+	pubLoad   [][]float64   // [member][seq]: the load that report carried
+	latest    []float64     // [member]: its load now
 	arrivals  [][][]float64 // [member][seq]: ms to each observer that saw it (or a newer one) first
 	measureAt time.Time     // reports published from then on are measured
 	setTags   []float64
@@ -213,7 +229,8 @@ type gossipRun struct {
 }
 
 func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Writer) (gossipResult, error) {
-	run := &gossipRun{cfg: cfg, n: n, names: map[string]int{}, pubAt: make([][]time.Time, n), pubLoad: make([][]float64, n), arrivals: make([][][]float64, n)}
+	run := &gossipRun{cfg: cfg, n: n, names: map[string]int{}, pubAt: make([][]time.Time, n), pubLoad: make([][]float64, n),
+		latest: make([]float64, n), arrivals: make([][][]float64, n)}
 	stopEvents := make(chan struct{})
 	var events sync.WaitGroup
 	defer func() {
@@ -293,7 +310,8 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 			defer pubs.Done()
 			t := time.NewTimer(time.Duration(float64(cfg.interval) * float64(i) / float64(n)))
 			defer t.Stop()
-			for seq := 1; ; seq++ {
+			since, published := 0, 0.0 // the app's tag rule (rebalance.LoadTagDue)
+			for {
 				select {
 				case <-pubCtx.Done():
 					return
@@ -302,14 +320,25 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 				t.Reset(cfg.interval)
 				load := loadAt(i, time.Now())
 				run.mu.Lock()
-				run.pubAt[i] = append(run.pubAt[i], time.Now())
-				run.pubLoad[i] = append(run.pubLoad[i], load)
-				run.arrivals[i] = append(run.arrivals[i], nil)
+				run.latest[i] = load
 				run.mu.Unlock()
 				if m.flow != nil {
 					m.flow.setLoad(i, load)
+				}
+				switch {
+				case cfg.scheme == "flow":
+					continue
+				case cfg.scheme == "app" && !rebalance.LoadTagDue(since, published, load, cfg.interval, cfg.freshness):
+					since++
 					continue
 				}
+				since, published = 1, load
+				run.mu.Lock()
+				run.pubAt[i] = append(run.pubAt[i], time.Now())
+				run.pubLoad[i] = append(run.pubLoad[i], load)
+				run.arrivals[i] = append(run.arrivals[i], nil)
+				seq := len(run.pubAt[i])
+				run.mu.Unlock()
 				began := time.Now()
 				err := m.serf.SetTags(map[string]string{"role": "edge", rebalance.LoadTag: rebalance.FormatLoadReport("conns", load, uint64(seq))})
 				if time.Now().After(run.measureAt) && time.Now().Before(end) {
@@ -324,12 +353,12 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 		}()
 	}
 
-	if cfg.scheme == "flow" {
+	if cfg.scheme != "tags" {
 		for _, m := range run.members {
 			pubs.Add(1)
 			go func() {
 				defer pubs.Done()
-				m.flow.tickLoop(m.serf, cfg.tick, pubCtx.Done())
+				m.flow.tickLoop(m.serf, cfg.interval/rebalance.AverageTicks, pubCtx.Done())
 			}()
 		}
 	}
@@ -348,15 +377,19 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 	tick := time.NewTicker(250 * time.Millisecond)
 	for now := time.Now(); now.Before(end) && ctx.Err() == nil; now = <-tick.C {
 		var e []float64
-		if cfg.scheme == "flow" {
+		if cfg.scheme != "flow" {
+			var s, a float64
+			s, a, e = run.sample(now, cfg.freshness)
+			stale = append(stale, s)
+			if cfg.scheme == "tags" {
+				ages = append(ages, a)
+			}
+		}
+		if cfg.scheme != "tags" {
 			var se []float64
 			var low, a float64
 			e, se, low, a = run.sampleFlow(now)
 			sizeErrs, lowest, ages = append(sizeErrs, se...), append(lowest, low), append(ages, a)
-		} else {
-			var s, a float64
-			s, a, e = run.sample(now, cfg.freshness)
-			stale, ages = append(stale, s), append(ages, a)
 		}
 		if now.Before(stepAt) {
 			errs = append(errs, e...)
@@ -432,7 +465,7 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 	if r.reports > 0 {
 		r.neverAll = 100 * float64(never) / float64(r.reports)
 	}
-	if cfg.scheme == "flow" {
+	if cfg.scheme != "tags" {
 		fmt.Fprintf(progress, "gossip: %d members: average error %.2f%% (max %.1f%%), settled %v after %.0f ms, size error %.1f%%; %.0f B/s per member; CPU %.2f%% per member\n",
 			n, r.avgErrPct.Median, r.avgErrPct.Max, r.settled, r.settle, r.sizeErrPct.Median, r.bytesPerSec.Median, r.cpuPct)
 	} else {
@@ -459,7 +492,7 @@ func (run *gossipRun) start(i int, stop <-chan struct{}, events *sync.WaitGroup)
 	ch := make(chan serf.Event, 4096)
 	conf.EventCh = ch
 	m := &gossipMember{net: ct, seenSeq: make([]int, run.n), seenLoad: make([]float64, run.n), seenAt: make([]time.Time, run.n)}
-	if run.cfg.scheme == "flow" {
+	if run.cfg.scheme != "tags" {
 		if m.flow, err = newFlowMember(i, run, conf, ct, run.cfg); err != nil {
 			_ = nt.Shutdown()
 			return nil, err
@@ -570,13 +603,7 @@ func (run *gossipRun) sample(now time.Time, freshness time.Duration) (stalePct, 
 func (run *gossipRun) truth() []float64 {
 	run.mu.Lock()
 	defer run.mu.Unlock()
-	out := make([]float64, run.n)
-	for j := range run.n {
-		if k := len(run.pubLoad[j]); k > 0 {
-			out[j] = run.pubLoad[j][k-1]
-		}
-	}
-	return out
+	return slices.Clone(run.latest)
 }
 
 // nameOf returns member j's node name.

@@ -49,40 +49,57 @@ func TestGossipSmall(t *testing.T) {
 	}
 }
 
-// TestGossipFlowSmall runs the flow scheme on 6 real serf members for a
-// few seconds: every member's cluster average and size come out right,
-// every member knows the lowest member, the step settles, and every
-// member's traffic is counted. It checks that the harness measures the
-// averaging, never how fast it is on a loaded machine.
+// TestGossipFlowSmall runs the flow and app schemes on 6 real serf
+// members for a few seconds: every member's cluster average and size
+// come out right, every member knows the lowest member, the step
+// settles, and every member's traffic is counted; with the app's scheme,
+// load tags are published (by the app's rule: fewer than one per member
+// per interval) and reach every member. It checks that the harness
+// measures the averaging, never how fast it is on a loaded machine.
 func TestGossipFlowSmall(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs serf members for several seconds")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	cfg, err := parseGossipFlags([]string{"-scheme", "flow", "-sizes", "6", "-interval", "200ms", "-freshness", "2s", "-tick", "50ms",
-		"-warmup", "1s", "-duration", "4s"}, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := measureGossip(ctx, cfg, 6, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.avgErrPct.N == 0 || r.avgErrPct.Median > 5 {
-		t.Errorf("average error: %+v; want measured, and within 5%% at the median", r.avgErrPct)
-	}
-	if !r.settled || r.settle > 1500 {
-		t.Errorf("settled %v after %.0f ms; want 99%% of members within 1%% of the new average well within the 2 s after the step", r.settled, r.settle)
-	}
-	if r.sizeErrPct.N == 0 || r.sizeErrPct.Median > 5 {
-		t.Errorf("size error: %+v; want the 6 members counted within 5%% at the median", r.sizeErrPct)
-	}
-	if r.lowestPct.N == 0 || r.lowestPct.Median < 100 {
-		t.Errorf("lowest member known by %+v%% of members; want all at the median", r.lowestPct)
-	}
-	if r.bytesPerSec.Min <= 0 || r.pktsPerSec.Min <= 0 {
-		t.Errorf("traffic per member: %+v B/s, %+v packets/s; want every member counted sending", r.bytesPerSec, r.pktsPerSec)
+	for _, scheme := range []string{"flow", "app"} {
+		t.Run(scheme, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cfg, err := parseGossipFlags([]string{"-scheme", scheme, "-sizes", "6", "-interval", "200ms", "-freshness", "2s",
+				"-warmup", "1s", "-duration", "4s"}, testWriter{t})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, err := measureGossip(ctx, cfg, 6, testWriter{t})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r.avgErrPct.N == 0 || r.avgErrPct.Median > 5 {
+				t.Errorf("average error: %+v; want measured, and within 5%% at the median", r.avgErrPct)
+			}
+			if !r.settled || r.settle > 1500 {
+				t.Errorf("settled %v after %.0f ms; want 99%% of members within 1%% of the new average well within the 2 s after the step", r.settled, r.settle)
+			}
+			if r.sizeErrPct.N == 0 || r.sizeErrPct.Median > 5 {
+				t.Errorf("size error: %+v; want the 6 members counted within 5%% at the median", r.sizeErrPct)
+			}
+			if r.lowestPct.N == 0 || r.lowestPct.Median < 100 {
+				t.Errorf("lowest member known by %+v%% of members; want all at the median", r.lowestPct)
+			}
+			if r.bytesPerSec.Min <= 0 || r.pktsPerSec.Min <= 0 {
+				t.Errorf("traffic per member: %+v B/s, %+v packets/s; want every member counted sending", r.bytesPerSec, r.pktsPerSec)
+			}
+			if scheme != "app" {
+				return
+			}
+			// 4 s of 200 ms intervals: 20 steps per member, a keep-alive
+			// every 5 at least.
+			if perMember := float64(r.reports) / 6; perMember < 4 || perMember >= 20 {
+				t.Errorf("%d tag reports in the window, %.1f per member; want at least the keep-alives (4) and fewer than one per interval (20)", r.reports, perMember)
+			}
+			if r.reach1.N == 0 || r.neverAll > 0 {
+				t.Errorf("tags: reach to all %+v, %.1f%% never reached all; want every report to reach every member", r.reach1, r.neverAll)
+			}
+		})
 	}
 }
 
@@ -98,8 +115,6 @@ func TestParseGossipFlags(t *testing.T) {
 		{[]string{"-freshness", "100ms"}, "-freshness"},
 		{[]string{"-duration", "1s"}, "-duration"},
 		{[]string{"-scheme", "udp"}, "-scheme"},
-		{[]string{"-tick", "1ms"}, "-tick"},
-		{[]string{"-tick", "1s"}, "-tick"},
 	} {
 		_, err := parseGossipFlags(c.args, &bytes.Buffer{})
 		if err == nil || !strings.Contains(err.Error(), c.want) {

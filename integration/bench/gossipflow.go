@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/gossipavg"
+	"github.com/caddy-lbx/lbx/rebalance"
 )
 
 // The flow scheme of bench gossip: the members' loads are averaged by
@@ -35,18 +36,6 @@ type flowMember struct {
 	rng  *rand.Rand
 }
 
-// flowConfig is the averaging node's configuration for member name: the
-// load and an anchor indicator (1 at member 0), whose average is 1/N, so
-// that every member also estimates the cluster's size.
-func flowConfig(name string, cfg *gossipConfig) gossipavg.Config {
-	return gossipavg.Config{
-		Name: name, Dim: 2, Entries: 4, Peers: 4,
-		Freshness:    cfg.freshness,
-		RetryTimeout: max(cfg.tick/2, 20*time.Millisecond),
-		MaxRetries:   2,
-	}
-}
-
 // newFlowMember wraps the member's counting transport with the direct
 // transport and makes its averaging node; conf is the serf config the
 // member is about to be created with.
@@ -54,7 +43,7 @@ func newFlowMember(i int, run *gossipRun, conf *serf.Config, inner *countingTran
 	var seed [16]byte
 	_, _ = crand.Read(seed[:])
 	rng := rand.New(rand.NewPCG(binary.LittleEndian.Uint64(seed[:8]), binary.LittleEndian.Uint64(seed[8:])))
-	node, err := gossipavg.New(flowConfig(conf.NodeName, cfg), time.Now(), rng)
+	node, err := gossipavg.New(rebalance.AverageConfig(conf.NodeName, cfg.interval, cfg.freshness), time.Now(), rng)
 	if err != nil {
 		return nil, err
 	}

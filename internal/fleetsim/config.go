@@ -28,8 +28,10 @@ type ViewKind int
 
 const (
 	// Flow: every node runs a gossipavg.Node over [smoothed load, anchor
-	// indicator], a few exchanges per interval, and decides from its own
-	// estimate (FlowView).
+	// indicator] with the rebalance app's settings (AverageConfig,
+	// AverageTicks exchanges per interval) and decides as the app does:
+	// from its own estimate when the app's rule finds it usable
+	// (rebalance.AveragedView), else from the tags, as Tags sees them.
 	Flow ViewKind = iota
 	// Tags: every node sees every other node's last published smoothed
 	// load, late by a lag drawn per (observer, member) pair (Config.LagMedian
@@ -123,9 +125,6 @@ type Config struct {
 	// History is the smoothing window, in intervals. Default: 10 (the
 	// app's 10s history at a 1s interval).
 	History int
-	// GossipTicks is the number of gossipavg ticks per interval (Flow).
-	// Default: 5.
-	GossipTicks int
 	// Loss is the probability that a gossipavg message is lost (Flow).
 	// Default (0): 0.005; negative means none.
 	Loss float64
@@ -180,9 +179,6 @@ func (cfg Config) resolved() (Config, error) {
 	}
 	if cfg.History <= 0 {
 		cfg.History = 10
-	}
-	if cfg.GossipTicks <= 0 {
-		cfg.GossipTicks = 5
 	}
 	switch {
 	case cfg.Loss == 0:

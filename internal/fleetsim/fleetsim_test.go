@@ -5,8 +5,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"testing"
-
-	"github.com/caddy-lbx/lbx/internal/gossipavg"
 )
 
 // run runs cfg and fails the test on an error.
@@ -116,23 +114,6 @@ func TestScaleInAndRestartConverge(t *testing.T) {
 					t.Errorf("%s: %d nodes at the end; want %d", sc, r.Nodes, want)
 				}
 			}
-		}
-	}
-}
-
-// TestFlowView: the members counted are the inverse of the anchor
-// indicator's average, rounded, and none before the node has mixed.
-func TestFlowView(t *testing.T) {
-	low := gossipavg.Entry{Name: "n00003", Load: 12}
-	for _, tc := range []struct {
-		ind  float64
-		want int
-	}{{1.0 / 40, 40}, {1 / 39.6, 40}, {1 / 40.4, 40}, {0, 0}, {-0.01, 0}, {1e-12, 0}} {
-		var e gossipavg.View
-		e.Values[0], e.Values[1] = 500, tc.ind
-		v := FlowView(e, low)
-		if v.Counted != tc.want || v.Average != 500 || v.Lowest != 12 || v.LowestName != "n00003" {
-			t.Errorf("indicator %v: %+v; want %d counted, average 500, lowest n00003 at 12", tc.ind, v, tc.want)
 		}
 	}
 }

@@ -40,6 +40,9 @@ type Result struct {
 	// Relanded is the number of shed connections that reconnected to a
 	// node that shed in the same interval (itself included).
 	Relanded int
+	// TagDecisions counts the decisions a Flow node took from the tags
+	// because its gossip average was not usable (rebalance.AveragedView).
+	TagDecisions int
 	// Nodes is the fleet's size at the end, and Total the connections it
 	// holds (all along: a shed client, or one whose node left, reconnects).
 	Nodes, Total int
@@ -76,6 +79,7 @@ type sim struct {
 	// Flow.
 	gcfg  gossipavg.Config
 	queue []gossipavg.Message
+	lows  []gossipavg.Entry // a node's Lows, reused
 	perm  []int
 	// Tags: lag[o*cap+m] is how many intervals late observer o sees member
 	// m's reports; pub[(t mod len(pub))*cap+m] is what m published at t
@@ -112,10 +116,9 @@ func Run(cfg Config) (Result, error) {
 		rng:    rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x6a09e667f3bcc909)),
 		byName: make(map[string]int),
 	}
-	tick := Interval / time.Duration(cfg.GossipTicks)
-	s.gcfg = gossipavg.Config{Dim: 2, Entries: 4, Peers: 4, Freshness: s.p.Freshness, RetryTimeout: tick / 2, MaxRetries: 2}
+	s.gcfg = rebalance.AverageConfig("", Interval, s.p.Freshness)
 	size := cfg.maxSize()
-	if cfg.View == Tags {
+	if cfg.View != Exact { // Flow falls back to the tags
 		s.drawLags(size)
 	}
 	s.t = -warmup
@@ -163,9 +166,9 @@ func Run(cfg Config) (Result, error) {
 }
 
 // now returns the time of gossip tick j of the current interval; tick
-// GossipTicks is the decision.
+// rebalance.AverageTicks is the decision.
 func (s *sim) now(j int) time.Time {
-	return t0.Add(time.Duration(s.t)*Interval + time.Duration(j)*Interval/time.Duration(s.cfg.GossipTicks))
+	return t0.Add(time.Duration(s.t)*Interval + time.Duration(j)*Interval/rebalance.AverageTicks)
 }
 
 // join adds a new node holding conns connections.
@@ -283,37 +286,43 @@ func (s *sim) step(decide bool) error {
 			}
 		}
 	}
-	switch s.cfg.View {
-	case Flow:
-		for j := range s.cfg.GossipTicks {
+	if s.cfg.View == Flow {
+		for j := range rebalance.AverageTicks {
 			if err := s.gossip(s.now(j)); err != nil {
 				return err
 			}
 		}
-	case Tags:
+	}
+	if s.cfg.View != Exact {
 		s.publish()
 	}
 	if !decide {
 		return nil
 	}
-	now := s.now(s.cfg.GossipTicks)
+	now := s.now(rebalance.AverageTicks)
 	exact := s.exactView()
 	total := 0
 	for _, i := range s.live {
 		n := s.nodes[i]
+		in := rebalance.Input{
+			Self: n.name, Local: n.local, Current: float64(n.conns), Held: n.conns,
+			Shedding: n.shedding, Lift: n.lift, Now: now,
+		}
 		var v rebalance.View
 		switch s.cfg.View {
 		case Flow:
-			v = FlowView(n.gossip.Estimate(now), n.gossip.Lowest(now))
+			var ok bool
+			s.lows = n.gossip.Lows(now, s.lows[:0])
+			if v, ok = rebalance.AveragedView(s.p, in, n.gossip.Estimate(now), s.lows, len(s.live), rebalance.View{}); !ok {
+				v = s.tagView(i)
+				s.res.TagDecisions++
+			}
 		case Tags:
 			v = s.tagView(i)
 		default:
 			v = exact
 		}
-		d := rebalance.DecideView(s.p, rebalance.Input{
-			Self: n.name, Local: n.local, Current: float64(n.conns), Held: n.conns,
-			Shedding: n.shedding, Lift: n.lift, Now: now,
-		}, v)
+		d := rebalance.DecideView(s.p, in, v)
 		n.shedding, n.lift, n.shed = d.Shedding, d.Lift, d.Shed
 		n.conns -= d.Shed
 		total += d.Shed

@@ -4,23 +4,8 @@ import (
 	"math"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/gossipavg"
 	"github.com/caddy-lbx/lbx/rebalance"
 )
-
-// FlowView converts a node's gossipavg estimate of the average input
-// [load, anchor indicator] and the lowest member it knows into the
-// decision's View: the average load is the estimate's first value, the
-// members counted the inverse of the anchor indicator's average, rounded
-// (none while that is not positive, so a node that has not mixed yet does
-// not decide).
-func FlowView(e gossipavg.View, low gossipavg.Entry) rebalance.View {
-	v := rebalance.View{Average: e.Values[0], Lowest: low.Load, LowestName: low.Name}
-	if inv := 1 / e.Values[1]; e.Values[1] > 0 && inv < 1e9 {
-		v.Counted = int(math.Round(inv))
-	}
-	return v
-}
 
 // gossip runs one gossipavg tick at now: every live node, in a random
 // order, makes its request; the requests are delivered in a random
