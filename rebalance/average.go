@@ -1,8 +1,6 @@
 package rebalance
 
 import (
-	crand "crypto/rand"
-	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -143,12 +141,7 @@ func (v averageView) source() string {
 
 // newAverager returns an averager that starts at the node's first step.
 func newAverager(logger *zap.Logger) *averager {
-	var seed [16]byte
-	_, _ = crand.Read(seed[:])
-	return &averager{
-		logger: logger,
-		rng:    rand.New(rand.NewPCG(binary.LittleEndian.Uint64(seed[:8]), binary.LittleEndian.Uint64(seed[8:]))),
-	}
+	return &averager{logger: logger, rng: rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))}
 }
 
 // prepare makes sure the averaging runs with s's settings through s's

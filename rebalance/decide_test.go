@@ -211,6 +211,9 @@ func TestWindow(t *testing.T) {
 		if got := w.Add(tc.add); got != tc.mean {
 			t.Fatalf("step %d: Add(%v) = %v; want %v", i, tc.add, got, tc.mean)
 		}
+		if got, want := w.Sum(), tc.mean*float64(w.Len()); got != want {
+			t.Fatalf("step %d: Sum() = %v; want %v", i, got, want)
+		}
 	}
 	// Resize keeps the most recent samples.
 	w = NewWindow(4)

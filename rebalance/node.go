@@ -281,7 +281,7 @@ func (n *node) step(s *settings, now time.Time) {
 	load, held := s.source.Sample(s.metric)
 
 	n.mu.Lock()
-	inFlight := int(math.Round(n.recentSheds.Mean() * float64(n.recentSheds.Len())))
+	inFlight := int(n.recentSheds.Sum())
 	local := n.window.Add(withShedInFlight(s.metric, load, held, inFlight))
 	var tag string
 	if LoadTagDue(n.sincePublished, n.published, local, s.interval, s.params.Freshness) {
@@ -334,7 +334,7 @@ func (n *node) step(s *settings, now time.Time) {
 		// An invalid tag gives load NaN: Decide does not count it.
 		r.Metric, r.Load, _ = parseLoadTag(raw)
 		reports = append(reports, r)
-		if !m.Self && m.Status == cluster.StatusAlive && tagMetric(raw) == s.metric {
+		if !m.Self && m.Status == cluster.StatusAlive && r.Metric == s.metric { // "" when the tag holds no valid load
 			peers = append(peers, m.Name)
 		}
 	}
@@ -425,15 +425,6 @@ const tagChange = 0.05
 func LoadTagDue(since int, published, local float64, interval, freshness time.Duration) bool {
 	keepAlive := max(1, int(freshness/2/interval))
 	return since == 0 || since >= keepAlive || math.Abs(local-published) > tagChange*max(local, published)
-}
-
-// tagMetric returns the metric a load tag names, or "".
-func tagMetric(raw string) string {
-	metric, _, ok := parseLoadTag(raw)
-	if !ok {
-		return ""
-	}
-	return metric
 }
 
 // logDecision writes one line per decision that sheds, changes state or

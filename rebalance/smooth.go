@@ -52,6 +52,9 @@ func (w *Window) Mean() float64 {
 	return w.sum / float64(w.n)
 }
 
+// Sum returns the sum of the samples in the window.
+func (w *Window) Sum() float64 { return w.sum }
+
 // Len returns the number of samples in the window.
 func (w *Window) Len() int { return w.n }
 

@@ -1,8 +1,6 @@
 package main
 
 import (
-	crand "crypto/rand"
-	"encoding/binary"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -40,9 +38,7 @@ type flowMember struct {
 // transport and makes its averaging node; conf is the serf config the
 // member is about to be created with.
 func newFlowMember(i int, run *gossipRun, conf *serf.Config, inner *countingTransport, cfg *gossipConfig) (*flowMember, error) {
-	var seed [16]byte
-	_, _ = crand.Read(seed[:])
-	rng := rand.New(rand.NewPCG(binary.LittleEndian.Uint64(seed[:8]), binary.LittleEndian.Uint64(seed[8:])))
+	rng := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
 	node, err := gossipavg.New(rebalance.AverageConfig(conf.NodeName, cfg.interval, cfg.freshness), time.Now(), rng)
 	if err != nil {
 		return nil, err
