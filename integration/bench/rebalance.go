@@ -171,15 +171,16 @@ func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult) {
 		median(conv), median(slices.Clone(ratio)), verdict, median(ratio2))
 
 	fmt.Fprintf(w, "**6 → 8 nodes, a reload and a kill -9 while the fleet sheds**\n\n")
-	fmt.Fprintf(w, "| run | reload: new tag everywhere | not-alive sightings | join/leave events | bind errors | kill: out of the averages | marked failed | survivors stable | final | failed requests (phase 2) |\n")
+	fmt.Fprintf(w, "| run | reload: new tag everywhere | not-alive sightings | join/leave events | bind errors | kill: out of the averages | marked failed | survivors stable | final | failed requests (phase 2): at the reload / after the kill / other |\n")
 	fmt.Fprintf(w, "|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|\n")
 	var excl, failed, stable []float64
 	for i, r := range results {
 		k := r.Kill
 		excl, failed, stable = append(excl, k.Excluded.Seconds()), append(failed, k.MarkedFailed.Seconds()), append(stable, k.Stable.Seconds())
-		fmt.Fprintf(w, "| %d | %.2f s | %d | %d | %d | %.1f s | %.1f s | %.1f s | %v | %d |\n",
+		atReload, afterKill, others := r.Phase2Split()
+		fmt.Fprintf(w, "| %d | %.2f s | %d | %d | %d | %.1f s | %.1f s | %.1f s | %v | %d / %d / %d |\n",
 			i+1, r.Reload.TagSeen.Seconds(), len(r.Reload.NotAlive), r.Reload.Rejoins, r.Reload.BindErrors,
-			k.Excluded.Seconds(), k.MarkedFailed.Seconds(), k.Stable.Seconds(), k.Final, len(r.Phase2Errors))
+			k.Excluded.Seconds(), k.MarkedFailed.Seconds(), k.Stable.Seconds(), k.Final, len(atReload), len(afterKill), len(others))
 	}
 	fmt.Fprintf(w, "\nMedians after the kill: out of every survivor's average after %.1f s, marked failed by serf after %.1f s, survivors stable after %.1f s.\n",
 		median(excl), median(failed), median(stable))

@@ -25,8 +25,30 @@ type Clients struct {
 
 	mu      sync.Mutex
 	reqs    int
-	errs    []string
+	errs    []ClientError
 	retried int
+}
+
+// ClientError is one failed request.
+type ClientError struct {
+	// At is when the request returned.
+	At time.Time
+	// Fresh is true when the request's last attempt went out on a new
+	// connection. Go's transport writes an idempotent request again on a
+	// new connection when a reused one closes under it, so a failure on
+	// a reused connection is not the ordinary keep-alive race.
+	Fresh bool
+	// Err is the error, or the unexpected status and body.
+	Err string
+}
+
+// String returns the error with its time and connection.
+func (e ClientError) String() string {
+	conn := "reused connection"
+	if e.Fresh {
+		conn = "new connection"
+	}
+	return fmt.Sprintf("%s: %s (%s)", e.At.Format("15:04:05.000"), e.Err, conn)
 }
 
 // StartClients starts n clients sending GET / to addr every period, each
@@ -71,16 +93,18 @@ func (cs *Clients) Close() {
 // requests Go's transport wrote twice: it retries an idempotent request
 // transparently when a keep-alive connection's close crossed it on the
 // wire (RFC 9112 §9.3.1), before any of it reached the server.
-func (cs *Clients) Stats() (requests int, errs []string, retried int) {
+func (cs *Clients) Stats() (requests int, errs []ClientError, retried int) {
 	cs.mu.Lock()
 	defer cs.mu.Unlock()
-	return cs.reqs, append([]string(nil), cs.errs...), cs.retried
+	return cs.reqs, append([]ClientError(nil), cs.errs...), cs.retried
 }
 
 func (cs *Clients) one(ctx context.Context, cl *http.Client, url string) {
 	var writes atomic.Int32
+	var fresh atomic.Bool
 	tctx := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		GotConn: func(i httptrace.GotConnInfo) {
+			fresh.Store(!i.Reused)
 			if !i.Reused {
 				cs.Connects.Add(1)
 			}
@@ -103,10 +127,14 @@ func (cs *Clients) one(ctx context.Context, cl *http.Client, url string) {
 	if writes.Load() > 1 {
 		cs.retried++
 	}
+	failed := ClientError{At: time.Now(), Fresh: fresh.Load()}
 	switch {
 	case err != nil:
-		cs.errs = append(cs.errs, fmt.Sprintf("%s: %v", time.Now().Format("15:04:05.000"), err))
+		failed.Err = err.Error()
 	case res.StatusCode != http.StatusOK || string(body) != "ok":
-		cs.errs = append(cs.errs, fmt.Sprintf("%s: status %d, body %.40q", time.Now().Format("15:04:05.000"), res.StatusCode, body))
+		failed.Err = fmt.Sprintf("status %d, body %.40q", res.StatusCode, body)
+	default:
+		return
 	}
+	cs.errs = append(cs.errs, failed)
 }

@@ -50,7 +50,7 @@ type ScaleOutResult struct {
 	Reconnections int
 	// Requests, Errors and Retried are the clients' totals for phase 1.
 	Requests int
-	Errors   []string
+	Errors   []ClientError
 	Retried  int
 
 	// WrongKey is the node that tried to join with another gossip key.
@@ -63,6 +63,9 @@ type ScaleOutResult struct {
 	// Phase 2, 6 → 8 nodes with a reload and a kill.
 	Reload struct {
 		Node string
+		// Start is when the POST /load went out, End when it returned
+		// (the old config stopped).
+		Start, End time.Time
 		// NotAlive lists every sighting of the node in another status
 		// than alive by another node during the reload (none).
 		NotAlive []string
@@ -87,6 +90,8 @@ type ScaleOutResult struct {
 	}
 	Kill struct {
 		Node string
+		// At is when the SIGKILL was sent.
+		At time.Time
 		// HeldAtKill is what the node held when it was killed, and
 		// ActiveAtKill whether the fleet was shedding then.
 		HeldAtKill   int
@@ -103,9 +108,35 @@ type ScaleOutResult struct {
 	}
 	// Phase2Requests and Phase2Errors are the clients' totals for phase 2.
 	Phase2Requests int
-	Phase2Errors   []string
+	Phase2Errors   []ClientError
 
 	Timeline *Timeline
+}
+
+// reloadLossWindow is how long after the reload's POST /load returned a
+// failure on a new connection still counts as the reload's: the client
+// records it when its request returns, which a loaded machine delays.
+const reloadLossWindow = time.Second
+
+// Phase2Split sorts the phase-2 failures into those at the reload, those
+// from the kill on, and the rest. A failure at the reload is one on a new
+// connection between the reload's start and reloadLossWindow after its
+// end: stock Caddy loses such requests on every reload under a stream of
+// new connections (docs/rebalance.md, "Reloads"), since Go's http.Server
+// drops a request it reads after its Shutdown began and Linux resets the
+// connections still queued on the old SO_REUSEPORT socket when it closes.
+func (r *ScaleOutResult) Phase2Split() (atReload, afterKill, others []ClientError) {
+	for _, e := range r.Phase2Errors {
+		switch {
+		case !r.Kill.At.IsZero() && !e.At.Before(r.Kill.At):
+			afterKill = append(afterKill, e)
+		case e.Fresh && !e.At.Before(r.Reload.Start) && !e.At.After(r.Reload.End.Add(reloadLossWindow)):
+			atReload = append(atReload, e)
+		default:
+			others = append(others, e)
+		}
+	}
+	return atReload, afterKill, others
 }
 
 func (so ScaleOut) logf(format string, args ...any) {
@@ -296,7 +327,9 @@ func (so ScaleOut) reload(f *Fleet, res *ScaleOutResult) error {
 	f.Timeline.Mark("reload " + target.Name)
 	tReload := time.Now()
 	so.logf("reloading %s (fleet shedding: %v, %d connections on it)", target.Name, r.ActiveAtReload, r.ConnectionsBeforeReload)
+	r.Start = tReload
 	loadErr := target.Reload(spec)
+	r.End = time.Now()
 	if loadErr == nil {
 		_, loadErr = f.WaitFor(10*time.Second, "every node sees "+target.Name+"'s new tag", func(s Snapshot) (bool, string) {
 			for i, v := range s.Views {
@@ -361,9 +394,9 @@ func (so ScaleOut) kill(f *Fleet, res *ScaleOutResult, clients *Clients) error {
 			k.HeldAtKill = s.Views[i].Held()
 		}
 	}
-	_, errsAtKill, _ := clients.Stats()
 	f.Timeline.Mark("kill -9 " + dead.Name)
 	tKill := time.Now()
+	k.At = tKill
 	if err := f.Kill(dead); err != nil {
 		return err
 	}
@@ -408,7 +441,11 @@ func (so ScaleOut) kill(f *Fleet, res *ScaleOutResult, clients *Clients) error {
 	k.Final = s.Held()
 	k.ShedAfter = s.Shed() - shedAtKill
 	_, errs, _ := clients.Stats()
-	k.ErrorsAfter = len(errs) - len(errsAtKill)
+	for _, e := range errs {
+		if !e.At.Before(tKill) {
+			k.ErrorsAfter++
+		}
+	}
 	f.Timeline.Mark("stable")
 	so.logf("survivors stable %v after the kill at %v; %s out of the averages after %v, marked failed after %v",
 		k.Stable.Round(time.Millisecond), k.Final, dead.Name, k.Excluded.Round(time.Millisecond), k.MarkedFailed.Round(time.Millisecond))
