@@ -234,11 +234,18 @@ func (n *Node) View() (View, error) {
 // Reload loads spec through the node's admin API (POST /load with a
 // Caddyfile): a real config reload of the running process.
 func (n *Node) Reload(spec NodeSpec) error {
-	if err := n.admin(http.MethodPost, "/load", "text/caddyfile", strings.NewReader(n.Caddyfile(spec)), nil); err != nil {
+	if err := n.Load(n.Caddyfile(spec)); err != nil {
 		return err
 	}
 	n.Spec = spec
 	return nil
+}
+
+// Load posts caddyfile to the node's admin API (/load), a reload, and
+// returns once Caddy has answered: the new config runs and the old one
+// has stopped.
+func (n *Node) Load(caddyfile string) error {
+	return n.admin(http.MethodPost, "/load", "text/caddyfile", strings.NewReader(caddyfile), nil)
 }
 
 // admin sends one request to the admin API and decodes a JSON answer

@@ -21,11 +21,22 @@ import (
 // go command run in dir (the current directory when empty), which must be
 // inside the lbx module.
 func BuildCaddy(ctx context.Context, dir, path string) error {
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", path, "github.com/caddy-lbx/lbx/cmd/caddy")
+	return goBuild(ctx, dir, path, "github.com/caddy-lbx/lbx/cmd/caddy")
+}
+
+// BuildStockCaddy builds stock Caddy (github.com/caddyserver/caddy/v2/cmd/caddy,
+// the version the lbx module requires, without lbx) to path, with the go
+// command run in dir as for BuildCaddy.
+func BuildStockCaddy(ctx context.Context, dir, path string) error {
+	return goBuild(ctx, dir, path, "github.com/caddyserver/caddy/v2/cmd/caddy")
+}
+
+func goBuild(ctx context.Context, dir, path, pkg string) error {
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", path, pkg)
 	cmd.Dir = dir
 	out, err := cmd.CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("go build cmd/caddy: %v\n%s", err, out)
+		return fmt.Errorf("go build %s: %v\n%s", pkg, err, out)
 	}
 	return nil
 }

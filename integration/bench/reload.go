@@ -1,0 +1,295 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddy-lbx/lbx/integration/fleet"
+)
+
+// reloadConfig is the configuration of `bench reload`.
+type reloadConfig struct {
+	caddyBin, stockBin string
+	runs, reloads      int
+	clients            int
+	gap                time.Duration
+}
+
+func parseReloadFlags(args []string, stderr io.Writer) (*reloadConfig, error) {
+	fs := flag.NewFlagSet("bench reload", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: "+benchCommand+" reload [flags]\n\n"+
+			"Counts the requests a config reload loses under a stream of new\n"+
+			"connections, stock Caddy and an lbx node (cluster, rebalance and\n"+
+			"rebalance_close) side by side in each run. Every client opens a new\n"+
+			"connection for each request; each reload changes the config, so Caddy\n"+
+			"starts new servers and stops the old ones. Prints a Markdown table.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	c := &reloadConfig{}
+	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
+	fs.StringVar(&c.stockBin, "stock", "", "use this stock Caddy binary instead of building the version lbx requires")
+	fs.IntVar(&c.runs, "runs", 3, "runs; each runs both builds, in alternating order")
+	fs.IntVar(&c.reloads, "reloads", 20, "reloads per build and run")
+	fs.IntVar(&c.clients, "clients", 64, "clients, each sending its next request on a new connection as soon as the last returns")
+	fs.DurationVar(&c.gap, "gap", 300*time.Millisecond, "time between reloads")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	switch {
+	case fs.NArg() > 0:
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	case c.runs < 1 || c.runs > 100:
+		return nil, fmt.Errorf("-runs %d: want 1 to 100", c.runs)
+	case c.reloads < 1 || c.reloads > 1000:
+		return nil, fmt.Errorf("-reloads %d: want 1 to 1000", c.reloads)
+	case c.clients < 1 || c.clients > 1000:
+		return nil, fmt.Errorf("-clients %d: want 1 to 1000", c.clients)
+	case c.gap < 50*time.Millisecond || c.gap > time.Minute:
+		return nil, fmt.Errorf("-gap %v: want 50ms to 1m", c.gap)
+	}
+	return c, nil
+}
+
+// reloadRun is one build's result in one run.
+type reloadRun struct {
+	requests, failed int
+	kinds            map[string]int // failures by the error's last part
+}
+
+// reloadTarget is a running Caddy the benchmark reloads.
+type reloadTarget struct {
+	node   *fleet.Node
+	reload func(gen int) error
+}
+
+// runReload is `bench reload`; it returns each build's runs.
+func runReload(ctx context.Context, args []string, cmdline string, out, progress io.Writer) (map[string][]reloadRun, error) {
+	cfg, err := parseReloadFlags(args, progress)
+	if err != nil {
+		return nil, err
+	}
+	tmp, err := os.MkdirTemp("", "lbx-bench-reload-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	root, err := moduleRoot(ctx)
+	if err != nil {
+		return nil, err
+	}
+	lbxBin, source := cfg.caddyBin, "Caddy binary given with -caddy"
+	if lbxBin == "" {
+		if lbxBin, err = buildCaddy(ctx, root, tmp, progress); err != nil {
+			return nil, err
+		}
+		source = "./cmd/caddy built from " + gitState(ctx, root)
+	}
+	stockBin, stockSource := cfg.stockBin, "stock Caddy given with -stock"
+	if stockBin == "" {
+		stockBin = filepath.Join(tmp, "stock-caddy")
+		fmt.Fprintf(progress, "building stock Caddy …\n")
+		if err := fleet.BuildStockCaddy(ctx, root, stockBin); err != nil {
+			return nil, err
+		}
+		stockSource = "stock Caddy as lbx's go.mod requires it, built"
+	}
+	fmt.Fprintf(out, "# Requests lost to reloads\n\n`%s`; %s; %s; %d clients, each request on a new connection; %d reloads %v apart per build and run; load average %s at the start.\n\n",
+		cmdline, source, stockSource, cfg.clients, cfg.reloads, cfg.gap, loadAverage())
+
+	builds := []string{"stock Caddy", "lbx"}
+	results := map[string][]reloadRun{}
+	for i := range cfg.runs {
+		order := slices.Clone(builds)
+		if i%2 == 1 {
+			slices.Reverse(order)
+		}
+		for _, b := range order {
+			if ctx.Err() != nil {
+				return results, ctx.Err()
+			}
+			fmt.Fprintf(progress, "run %d of %d: %s …\n", i+1, cfg.runs, b)
+			dir := filepath.Join(tmp, fmt.Sprintf("run%d-%d", i+1, len(results[b])))
+			var target *reloadTarget
+			if b == "lbx" {
+				target, err = startLbxReloadTarget(lbxBin, dir)
+			} else {
+				target, err = startStockReloadTarget(stockBin, dir)
+			}
+			if err != nil {
+				return results, fmt.Errorf("run %d, %s: %w", i+1, b, err)
+			}
+			r, err := measureReloads(ctx, target, cfg)
+			if kerr := target.node.Proc.Kill(); err == nil {
+				err = kerr
+			}
+			if err != nil {
+				return results, fmt.Errorf("run %d, %s: %w", i+1, b, err)
+			}
+			results[b] = append(results[b], r)
+		}
+	}
+
+	fmt.Fprintf(out, "| build | run | requests | failed | failed per reload | by error |\n|---|--:|--:|--:|--:|---|\n")
+	perReload := map[string][]float64{}
+	for _, b := range builds {
+		for i, r := range results[b] {
+			per := float64(r.failed) / float64(cfg.reloads)
+			perReload[b] = append(perReload[b], per)
+			var kinds []string
+			for k, n := range r.kinds {
+				kinds = append(kinds, fmt.Sprintf("%d %s", n, k))
+			}
+			slices.Sort(kinds)
+			fmt.Fprintf(out, "| %s | %d | %d | %d | %.1f | %s |\n", b, i+1, r.requests, r.failed, per, strings.Join(kinds, ", "))
+		}
+	}
+	fmt.Fprintf(out, "\nMedian failed per reload: ")
+	for i, b := range builds {
+		v := slices.Clone(perReload[b])
+		slices.Sort(v)
+		if i > 0 {
+			fmt.Fprintf(out, "; ")
+		}
+		fmt.Fprintf(out, "%s %.1f [%.1f–%.1f]", b, median(slices.Clone(v)), v[0], v[len(v)-1])
+	}
+	fmt.Fprintf(out, ".\n")
+	return results, nil
+}
+
+// startStockReloadTarget starts stock Caddy serving "ok", and reloads it
+// with a header that changes, so that every load is a new config.
+func startStockReloadTarget(bin, dir string) (*reloadTarget, error) {
+	ports, err := fleet.FreePorts(2)
+	if err != nil {
+		return nil, err
+	}
+	n := &fleet.Node{Name: "stock", Admin: fmt.Sprintf("127.0.0.1:%d", ports[0]), HTTP: fmt.Sprintf("127.0.0.1:%d", ports[1])}
+	caddyfile := func(gen int) string {
+		return fmt.Sprintf("{\n\tadmin %s\n\tpersist_config off\n\tauto_https off\n\tdefault_bind 127.0.0.1\n}\n\nhttp://%s {\n\theader X-Config-Generation %d\n\trespond \"ok\"\n}\n", n.Admin, n.HTTP, gen)
+	}
+	if n.Proc, err = fleet.StartProc(bin, dir, caddyfile(0)); err != nil {
+		return nil, err
+	}
+	if err := waitServing(n); err != nil {
+		_ = n.Proc.Kill()
+		return nil, err
+	}
+	return &reloadTarget{node: n, reload: func(gen int) error { return n.Load(caddyfile(gen)) }}, nil
+}
+
+// startLbxReloadTarget starts an lbx node (a one-member cluster, the
+// rebalance app, rebalance_close in the site), and reloads it with a tag
+// that changes.
+func startLbxReloadTarget(bin, dir string) (*reloadTarget, error) {
+	spec := fleet.NodeSpec{Name: "lbx", Settings: fleet.Settings{
+		Interval: "1s", History: "5s", Freshness: "5s", Threshold: 20, ShedRate: 0.5, MinConnections: 5,
+	}}
+	n, err := fleet.StartNode(bin, dir, spec)
+	if err != nil {
+		return nil, err
+	}
+	if err := waitServing(n); err != nil {
+		_ = n.Proc.Kill()
+		return nil, err
+	}
+	return &reloadTarget{node: n, reload: func(gen int) error {
+		s := spec
+		s.Tags = map[string]string{"generation": fmt.Sprint(gen)}
+		return n.Reload(s)
+	}}, nil
+}
+
+// waitServing waits up to 20 s for n's site to answer.
+func waitServing(n *fleet.Node) error {
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		res, err := http.Get("http://" + n.HTTP + "/")
+		if err == nil {
+			res.Body.Close()
+			if res.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s did not serve within 20s: %v\n%s", n.Name, err, n.Proc.Log())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// measureReloads runs the clients against target for cfg.reloads reloads
+// and counts the requests that failed.
+func measureReloads(ctx context.Context, target *reloadTarget, cfg *reloadConfig) (reloadRun, error) {
+	r := reloadRun{kinds: map[string]int{}}
+	var mu sync.Mutex
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range cfg.clients {
+		wg.Go(func() {
+			cl := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				err := getOK(cl, "http://"+target.node.HTTP+"/")
+				mu.Lock()
+				r.requests++
+				if err != nil {
+					r.failed++
+					r.kinds[errorKind(err)]++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	var err error
+	for gen := 1; gen <= cfg.reloads && err == nil && ctx.Err() == nil; gen++ {
+		time.Sleep(cfg.gap)
+		err = target.reload(gen)
+	}
+	time.Sleep(cfg.gap)
+	close(stop)
+	wg.Wait()
+	return r, errors.Join(err, ctx.Err())
+}
+
+// getOK sends one GET and wants 200 "ok".
+func getOK(cl *http.Client, url string) error {
+	res, err := cl.Get(url)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	body, err := io.ReadAll(res.Body)
+	if err != nil {
+		return err
+	}
+	if res.StatusCode != http.StatusOK || string(body) != "ok" {
+		return fmt.Errorf("status %d", res.StatusCode)
+	}
+	return nil
+}
+
+// errorKind names an error by its last part ("EOF", "connection reset by
+// peer"), without the addresses.
+func errorKind(err error) string {
+	s := err.Error()
+	if i := strings.LastIndex(s, ": "); i >= 0 {
+		s = s[i+2:]
+	}
+	return s
+}

@@ -1,0 +1,64 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseReloadFlags(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-runs", "0"}, "-runs"},
+		{[]string{"-reloads", "1001"}, "-reloads"},
+		{[]string{"-clients", "0"}, "-clients"},
+		{[]string{"-gap", "1ms"}, "-gap"},
+		{[]string{"extra"}, "unexpected"},
+	} {
+		_, err := parseReloadFlags(c.args, &bytes.Buffer{})
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v; want an error with %q", c.args, err, c.want)
+		}
+	}
+	cfg, err := parseReloadFlags(nil, &bytes.Buffer{})
+	if err != nil || cfg.runs != 3 || cfg.reloads != 20 || cfg.clients != 64 {
+		t.Fatalf("defaults: %+v, %v", cfg, err)
+	}
+}
+
+// TestReloadSmall runs `bench reload` briefly: both builds start, serve,
+// take every reload, and the table has a row for each.
+func TestReloadSmall(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy processes")
+	}
+	bin := testCaddy(t)
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	results, err := runReload(ctx, []string{"-caddy", bin, "-runs", "1", "-reloads", "3", "-clients", "4", "-gap", "100ms"}, "bench reload", &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Log(out.String())
+	for _, build := range []string{"| stock Caddy | 1 |", "| lbx | 1 |"} {
+		if !strings.Contains(out.String(), build) {
+			t.Errorf("no row %q", build)
+		}
+	}
+	for build, runs := range results {
+		if len(runs) != 1 || runs[0].requests == 0 {
+			t.Errorf("%s: %+v; want one run with requests", build, runs)
+		}
+	}
+	if len(results) != 2 {
+		t.Errorf("%d builds; want stock Caddy and lbx", len(results))
+	}
+	if !strings.Contains(out.String(), "Median failed per reload: stock Caddy") {
+		t.Error("no summary line")
+	}
+}
