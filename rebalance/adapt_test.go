@@ -33,6 +33,9 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rebalance {\n boundary_timeout soon\n}", `boundary_timeout "soon"`},
 		{"rebalance {\n boundary_timeout 1s 2s\n}", `boundary_timeout: one value expected, got another: "2s"`},
 		{"rebalance {\n boundary_timeout 1s\n boundary_timeout 2s\n}", "boundary_timeout specified more than once"},
+		{"rebalance {\n join_settle 0\n}", `join_settle "0": want a positive duration such as 5s, or off`},
+		{"rebalance {\n join_settle never\n}", `join_settle "never"`},
+		{"rebalance {\n join_settle 25h\n}", "join_settle 25h0m0s is above the maximum 24h0m0s, at Testfile:2"},
 		{"rebalance {\n bogus 1\n}", `unknown option "bogus"`},
 		{"rebalance {\n join 127.0.0.1:7946\n}", "rebalance: join is an option of the cluster global option now"},
 	} {

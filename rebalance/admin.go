@@ -165,12 +165,14 @@ type nodeView struct {
 	Metric    string `json:"metric"`
 	// BoundaryTimeout is boundary_timeout in milliseconds; 0: never
 	// forced.
-	BoundaryTimeout int64   `json:"boundary_timeout_ms"`
-	Threshold       float64 `json:"threshold_percent"`
-	StopBand        float64 `json:"stop_band_percent"`
-	ShedRate        float64 `json:"shed_rate_percent"`
-	MinConns        int     `json:"min_connections"`
-	JoinError       string  `json:"join_error,omitempty"`
+	BoundaryTimeout int64 `json:"boundary_timeout_ms"`
+	// JoinSettle is join_settle in effect, in milliseconds; 0: off.
+	JoinSettle int64   `json:"join_settle_ms"`
+	Threshold  float64 `json:"threshold_percent"`
+	StopBand   float64 `json:"stop_band_percent"`
+	ShedRate   float64 `json:"shed_rate_percent"`
+	MinConns   int     `json:"min_connections"`
+	JoinError  string  `json:"join_error,omitempty"`
 	// NameConflict is set when this node's serf member shut down because
 	// another member uses its node_name (serf's name conflict vote): the
 	// node then neither gossips, sees the cluster nor sheds, and Members
@@ -280,6 +282,7 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 		v.ShedRate = s.params.ShedRate * 100
 		v.MinConns = s.params.MinConnections
 		v.BoundaryTimeout = s.boundary.Milliseconds()
+		v.JoinSettle = s.params.joinSettle().Milliseconds()
 	}
 	if n.average.Used {
 		v.Decision.AverageFrom = fromGossip

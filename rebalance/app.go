@@ -135,6 +135,17 @@ type App struct {
 	// flight is not cut unless the operator asks.
 	BoundaryTimeout caddy.Duration `json:"boundary_timeout,omitempty"`
 
+	// JoinSettle is how long no node sheds after a member joins (became
+	// alive), so that nodes added one after another, as autoscalers and
+	// deploys add them, are filled once: connections shed before the last
+	// of them is in land on the nodes there, which must shed them again.
+	// Joins less than JoinSettle apart make one burst, which holds
+	// shedding for at most 4 × JoinSettle from its first join, so steady
+	// churn in a large fleet cannot stop it. At most 24h; a negative
+	// value (the Caddyfile's `off`) turns the wait off. Default:
+	// freshness.
+	JoinSettle caddy.Duration `json:"join_settle,omitempty"`
+
 	params   Params
 	interval time.Duration
 	history  time.Duration
@@ -246,6 +257,7 @@ func (a *App) resolve() {
 		MinConnections: minConns,
 		Freshness:      freshness,
 		Metric:         a.Metric,
+		JoinSettle:     time.Duration(a.JoinSettle),
 	}
 }
 
@@ -344,12 +356,14 @@ const (
 	maxThreshold       = 1000.0
 	maxMinConnections  = 10_000_000
 	maxBoundaryTimeout = 24 * time.Hour
+	maxJoinSettle      = 24 * time.Hour
 )
 
 // appOptions are the app's options, in the order checkOption checks them.
 var appOptions = []string{
 	"metric", "interval", "history", "freshness",
 	"threshold", "stop_band", "shed_rate", "min_connections", "boundary_timeout",
+	"join_settle",
 }
 
 // validate checks every option, then the options against each other, once
@@ -383,6 +397,11 @@ func (a *App) checkOption(opt string) error {
 		return checkDuration(opt, a.Freshness, minInterval, maxFreshness)
 	case "boundary_timeout":
 		return checkDuration(opt, a.BoundaryTimeout, 0, maxBoundaryTimeout)
+	case "join_settle":
+		if a.JoinSettle < 0 {
+			return nil // off
+		}
+		return checkDuration(opt, a.JoinSettle, 0, maxJoinSettle)
 	case "threshold":
 		return checkPercent(opt, a.Threshold, maxThreshold)
 	case "stop_band":
@@ -476,7 +495,7 @@ func (a *App) Start() error {
 		zap.String("metric", a.Metric), zap.Float64("threshold_percent", a.params.Threshold*100),
 		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
 		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history),
-		zap.Duration("boundary_timeout", a.boundary))
+		zap.Duration("boundary_timeout", a.boundary), zap.Duration("join_settle", a.params.joinSettle()))
 	return nil
 }
 

@@ -236,7 +236,7 @@ func TestWithShedInFlight(t *testing.T) {
 		{metricCPU, 45, 900, 100, 50},
 		{metricCPU, 45, 0, 100, 45}, // nothing to scale by
 	} {
-		if got := withShedInFlight(tc.metric, tc.load, tc.held, tc.inFlight); math.Abs(got-tc.want) > 1e-9*tc.want {
+		if got := WithShedInFlight(tc.metric, tc.load, tc.held, tc.inFlight); math.Abs(got-tc.want) > 1e-9*tc.want {
 			t.Errorf("%s %v with %d held, %d in flight: %v, want %v", tc.metric, tc.load, tc.held, tc.inFlight, got, tc.want)
 		}
 	}

@@ -65,6 +65,7 @@ func TestAppBoundsJSON(t *testing.T) {
 		{`"boundary_timeout": "-1s"`, "boundary_timeout -1s is below the minimum 0s"},
 		{`"boundary_timeout": "25h"`, "boundary_timeout 25h0m0s is above the maximum 24h0m0s"},
 		{`"boundary_timeout": "x"`, "boundary_timeout: time: invalid duration"},
+		{`"join_settle": "25h"`, "join_settle 25h0m0s is above the maximum 24h0m0s"},
 		{`"metric": "ram"`, `metric "ram": want`},
 		{`"bogus": 1`, `unknown field "bogus"`},
 	} {
@@ -93,7 +94,7 @@ func TestAppBoundsJSON(t *testing.T) {
 	a := new(App)
 	err := caddy.StrictUnmarshalJSON([]byte(`{"interval": "100ms",
 		"history": "360s", "freshness": "24h", "threshold": 1000, "stop_band": 1000, "shed_rate": 100,
-		"min_connections": 10000000, "boundary_timeout": "24h"}`), a)
+		"min_connections": 10000000, "boundary_timeout": "24h", "join_settle": "24h"}`), a)
 	if err == nil {
 		a.source = &fakeSource{}
 		a.cluster = &cluster.App{NodeName: "bounds"}

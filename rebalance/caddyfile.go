@@ -29,12 +29,14 @@ func init() {
 //		shed_rate       <percent>
 //		min_connections <n>
 //		boundary_timeout <duration>
+//		join_settle     <duration>|off
 //	}
 //
 // Every option is optional and may appear once; percentages may be
 // written with or without the % sign (20% or 20). boundary_timeout may be
-// 0 (the default: never forced). Each value is checked against the bounds
-// of its JSON field as it is read, so errors name their line.
+// 0 (the default: never forced); join_settle off turns that wait off.
+// Each value is checked against the bounds of its JSON field as it is
+// read, so errors name their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "rebalance"
 	d.Next() // the option's name
@@ -92,6 +94,20 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			a.BoundaryTimeout = caddy.Duration(dur)
+		case "join_settle":
+			val, err := caddyopt.OneArg(d, what)
+			if err != nil {
+				return err
+			}
+			if val == "off" {
+				a.JoinSettle = -1
+				break
+			}
+			dur, err := caddy.ParseDuration(val)
+			if err != nil || dur <= 0 {
+				return caddyopt.Invalid(d, what, opt, val, "a positive duration such as 5s, or off")
+			}
+			a.JoinSettle = caddy.Duration(dur)
 		case "min_connections":
 			n, err := caddyopt.Int(d, what)
 			if err != nil {

@@ -58,6 +58,50 @@ type Params struct {
 	// outer balancer does not send to, must not keep the others
 	// shedding). 0 means 2 × Freshness.
 	LiftPatience time.Duration
+	// JoinSettle is how long no node sheds after a member joins, so that
+	// nodes added one after another are filled once: connections shed
+	// before the last of them is in land on nodes that must shed them
+	// again. Joins less than JoinSettle apart make one burst, and a burst
+	// holds shedding for at most maxJoinHolds × JoinSettle from its first
+	// join, so steady churn in a large fleet cannot stop it. 0 means
+	// Freshness; negative turns the wait off.
+	JoinSettle time.Duration
+}
+
+// joinSettle returns the effective join settle time (0: off).
+func (p Params) joinSettle() time.Duration {
+	switch {
+	case p.JoinSettle < 0:
+		return 0
+	case p.JoinSettle == 0:
+		return p.Freshness
+	}
+	return p.JoinSettle
+}
+
+// maxJoinHolds bounds a burst of joins' hold on shedding, in JoinSettles.
+const maxJoinHolds = 4
+
+// JoinBurst is the members joining the cluster that hold shedding back
+// (Params.JoinSettle): the first and the latest join of the current
+// burst. The zero value is "no join seen".
+type JoinBurst struct {
+	First, Last time.Time
+}
+
+// Joined returns the burst with a member joining at now: p's join settle
+// or more after the last one starts a new burst.
+func (b JoinBurst) Joined(now time.Time, p Params) JoinBurst {
+	if b.Last.IsZero() || now.Sub(b.Last) >= p.joinSettle() {
+		b.First = now
+	}
+	b.Last = now
+	return b
+}
+
+// holds reports whether the burst holds shedding back at now.
+func (b JoinBurst) holds(now time.Time, settle time.Duration) bool {
+	return settle > 0 && !b.Last.IsZero() && now.Sub(b.Last) < settle && now.Sub(b.First) < maxJoinHolds*settle
 }
 
 // stopBand returns the effective stop band.
@@ -153,6 +197,8 @@ type Input struct {
 	Shedding bool
 	// Lift is the previous decision's Lift.
 	Lift LiftState
+	// Joins are the members joining lately (JoinBurst.Joined for each).
+	Joins JoinBurst
 	// Now is the decision's time, for freshness.
 	Now time.Time
 }
@@ -354,6 +400,13 @@ func DecideView(p Params, in Input, v View) Decision {
 		return d
 	}
 
+	if settle := p.joinSettle(); in.Joins.holds(in.Now, settle) {
+		if d.Lift.Lifting {
+			d.Lift.Since = in.Now // the lowest member cannot rise while nobody sheds
+		}
+		d.Reason = fmt.Sprintf("a member joined %v ago: waiting join_settle (%v) for more", in.Now.Sub(in.Joins.Last).Round(time.Millisecond), settle)
+		return d
+	}
 	if in.Held <= p.MinConnections {
 		d.Reason = fmt.Sprintf("at or below min_connections (%d)", p.MinConnections)
 		return d

@@ -392,3 +392,64 @@ func TestDecideLiftPatience(t *testing.T) {
 		t.Fatalf("after the pause: ignored %d shed %d %+v", d.Ignored, d.Shed, d.Lift)
 	}
 }
+
+// TestDecideJoinSettle: no node sheds for join_settle after a member
+// joins, a burst of joins holds it for at most maxJoinHolds settles, and
+// join_settle off turns the wait off.
+func TestDecideJoinSettle(t *testing.T) {
+	p := defaultParams() // settle: freshness, 5s
+	peers := []memberReport{alive("b", 0), alive("c", 0)}
+	joined := func(ago ...time.Duration) JoinBurst {
+		var b JoinBurst
+		for _, a := range ago {
+			b = b.Joined(t0.Add(-a), p)
+		}
+		return b
+	}
+	off := p
+	off.JoinSettle = -1
+	short := p
+	short.JoinSettle = time.Second
+	for _, tc := range []struct {
+		name   string
+		p      Params
+		joins  JoinBurst
+		shed   bool
+		reason string
+	}{
+		{"no join", p, JoinBurst{}, true, "shed_rate"},
+		{"joined 1s ago", p, joined(time.Second), false, "a member joined 1s ago: waiting join_settle (5s) for more"},
+		{"joined 5s ago", p, joined(5 * time.Second), true, "shed_rate"},
+		{"join_settle 1s, joined 2s ago", short, joined(2 * time.Second), true, "shed_rate"},
+		{"join_settle off", off, joined(time.Second), true, "shed_rate"},
+		// Joins 4 s apart from 19 s ago: one burst, still holding.
+		{"a burst under 4 settles", p, joined(19*time.Second, 15*time.Second, 11*time.Second, 7*time.Second, 3*time.Second), false, "waiting join_settle"},
+		// From 23 s ago: the burst is past 4 × 5 s; shedding goes on.
+		{"a burst past 4 settles", p, joined(23*time.Second, 19*time.Second, 15*time.Second, 11*time.Second, 7*time.Second, 3*time.Second), true, "shed_rate"},
+		// A 6 s gap starts a new burst.
+		{"a new burst after a gap", p, joined(30*time.Second, 26*time.Second, 22*time.Second, 18*time.Second, 12*time.Second, 2*time.Second), false, "waiting join_settle"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := Decide(tc.p, Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: peers, Joins: tc.joins})
+			if (d.Shed > 0) != tc.shed || !strings.Contains(d.Reason, tc.reason) {
+				t.Errorf("shed %d, reason %q; want shedding %v, reason with %q", d.Shed, d.Reason, tc.shed, tc.reason)
+			}
+			if !d.Shedding {
+				t.Error("not in a shedding phase: the hold must keep the hysteresis state")
+			}
+		})
+	}
+
+	// Lifting: the hold keeps the lift on and restarts its patience, since
+	// the lowest member cannot rise while nobody sheds.
+	addOne := []memberReport{alive("new", 0)}
+	for i := range 9 {
+		addOne = append(addOne, alive(fmt.Sprintf("old%d", i), 1000))
+	}
+	now := t0
+	d := Decide(p, Input{Self: "a", Local: 1000, Held: 1000, Now: now, Members: addOne,
+		Lift: LiftState{Lifting: true, Member: "new", Low: 0, Since: now.Add(-8 * time.Second)}, Joins: JoinBurst{}.Joined(now.Add(-time.Second), p)})
+	if d.Shed != 0 || !d.Lift.Lifting || !d.Lift.Since.Equal(now) {
+		t.Errorf("held lift: shed %d, lift %+v; want 0, lifting since %v", d.Shed, d.Lift, now)
+	}
+}

@@ -71,6 +71,9 @@ func TestNodeForcedCloses(t *testing.T) {
 	if v.ForcedCloses != 1 || v.BoundaryTimeout != 300 || !strings.Contains(v.ShedTotalHuman, "1 forced") {
 		t.Errorf("admin view: forced_closes_total %d, boundary_timeout_ms %d, %q", v.ForcedCloses, v.BoundaryTimeout, v.ShedTotalHuman)
 	}
+	if v.JoinSettle != 3000 { // freshness: 5 × 100ms, at least 3s
+		t.Errorf("admin view: join_settle_ms %d; want the default, freshness, 3000", v.JoinSettle)
+	}
 	reg := prometheus.NewPedanticRegistry()
 	reg.MustRegister(metricsCollector{})
 	if got, ok := metricValue(t, reg, "caddy_lbx_rebalance_forced_closes_total", map[string]string{"node": "forcing"}); !ok || got != 1 {

@@ -88,7 +88,7 @@ type node struct {
 	owners []*settings // oldest first; the last one drives
 	window *Window
 	// recentSheds holds the connections shed at each of the last
-	// `history` steps (withShedInFlight).
+	// `history` steps (WithShedInFlight).
 	recentSheds *Window
 	seq         uint64
 	// published is the load in the last load tag published, and
@@ -112,6 +112,12 @@ type node struct {
 	lastForced int
 	// shedDecisions counts the intervals that shed since the node started.
 	shedDecisions uint64
+
+	// alive are the other members alive at the last step, and joins
+	// those that became alive after the node's first step
+	// (Params.JoinSettle).
+	alive map[string]bool
+	joins JoinBurst
 
 	// steps is the node's coarse clock: when its last decision step
 	// took in the members' reports, as a monoclock reading. It advances
@@ -282,7 +288,7 @@ func (n *node) step(s *settings, now time.Time) {
 
 	n.mu.Lock()
 	inFlight := int(n.recentSheds.Sum())
-	local := n.window.Add(withShedInFlight(s.metric, load, held, inFlight))
+	local := n.window.Add(WithShedInFlight(s.metric, load, held, inFlight))
 	var tag string
 	if LoadTagDue(n.sincePublished, n.published, local, s.interval, s.params.Freshness) {
 		n.seq++
@@ -313,6 +319,7 @@ func (n *node) step(s *settings, now time.Time) {
 	n.sincePublished++
 	reports := make([]memberReport, 0, len(members))
 	present := make(map[string]bool, len(members))
+	alive := make(map[string]bool, len(members))
 	var peers []string // alive members averaging in this node's metric
 	for _, m := range members {
 		present[m.Name] = true
@@ -337,7 +344,15 @@ func (n *node) step(s *settings, now time.Time) {
 		if !m.Self && m.Status == cluster.StatusAlive && r.Metric == s.metric { // "" when the tag holds no valid load
 			peers = append(peers, m.Name)
 		}
+		if !m.Self && m.Status == cluster.StatusAlive {
+			alive[m.Name] = true
+			if n.alive != nil && !n.alive[m.Name] {
+				n.joins = n.joins.Joined(now, s.params)
+			}
+		}
 	}
+	n.alive = alive
+	joins := n.joins
 	for name := range n.seen {
 		if !present[name] {
 			delete(n.seen, name)
@@ -348,7 +363,7 @@ func (n *node) step(s *settings, now time.Time) {
 
 	in := Input{
 		Self: n.name, Local: local, Current: load, Held: held,
-		Members: reports, Shedding: shedding, Lift: lift, Now: now,
+		Members: reports, Shedding: shedding, Lift: lift, Joins: joins, Now: now,
 	}
 	avg := n.avg.step(n.name, peers, local, s.params.Freshness, now)
 	view := summarize(s.params, in)
@@ -385,16 +400,16 @@ func (n *node) step(s *settings, now time.Time) {
 	}
 }
 
-// withShedInFlight returns load, in metric's unit, with the connections
-// this node shed over the last `history` (inFlight) counted as if still
-// held: a shed connection counts toward its node's load while it closes
+// WithShedInFlight returns load, in metric's unit ("connections" or
+// "cpu"), with the connections this node shed over the last `history`
+// (inFlight) counted as if still held: a shed connection counts toward its node's load while it closes
 // and its client reconnects elsewhere, up to `history` after the shed
 // (when one still open counts again anyway: conntrack's overdue). Without
 // them the cluster average would be short of the clients in flight, and
 // every node shedding toward it would shed too many. held is the
 // connections the node holds; other metrics than connections are scaled
 // as if the load were spread evenly over them (as the shed is sized).
-func withShedInFlight(metric string, load float64, held, inFlight int) float64 {
+func WithShedInFlight(metric string, load float64, held, inFlight int) float64 {
 	switch {
 	case inFlight <= 0:
 		return load
