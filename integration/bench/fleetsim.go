@@ -36,6 +36,12 @@ type fleetsimConfig struct {
 	firstSeed uint64
 	parallel  int
 	timeline  string
+	// params are the decision's settings, history the smoothing window
+	// (intervals), joinEvery and reconnectDelay fleetsim.Config's.
+	params         rebalance.Params
+	history        int
+	joinEvery      int
+	reconnectDelay int
 }
 
 // parseFleetsimFlags reads bench fleetsim's configuration from args.
@@ -56,8 +62,40 @@ func parseFleetsimFlags(args []string, stderr io.Writer) (*fleetsimConfig, error
 	fs.Uint64Var(&cfg.firstSeed, "seed", 1, "first seed")
 	fs.IntVar(&cfg.parallel, "parallel", runtime.GOMAXPROCS(0), "runs at once")
 	fs.StringVar(&cfg.timeline, "timeline", "", "write the connections of every node per interval of the 1000-node ×2 flow run behind random (first seed, most connections) to this CSV file")
+	cfg.params = fleetsim.DefaultParams()
+	shedRate, threshold := 100*cfg.params.ShedRate, 100*cfg.params.Threshold
+	freshness, joinSettle := int(cfg.params.Freshness/fleetsim.Interval), 0
+	fs.Float64Var(&threshold, "threshold", threshold, "threshold, percent")
+	fs.Float64Var(&shedRate, "shed-rate", shedRate, "shed_rate, percent per interval")
+	fs.IntVar(&cfg.params.MinConnections, "min-connections", cfg.params.MinConnections, "min_connections")
+	fs.IntVar(&freshness, "freshness", freshness, "freshness, intervals")
+	fs.IntVar(&joinSettle, "join-settle", 0, "join_settle, intervals (0: freshness; -1: off)")
+	fs.IntVar(&cfg.history, "history", 10, "history, intervals")
+	fs.IntVar(&cfg.joinEvery, "join-every", 0, "intervals between two nodes a scale-out adds (0: all at once)")
+	fs.IntVar(&cfg.reconnectDelay, "reconnect-delay", 1, "the most intervals a shed client takes to reconnect (uniform from 1)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	cfg.params.Threshold, cfg.params.ShedRate = threshold/100, shedRate/100
+	cfg.params.Freshness = time.Duration(freshness) * fleetsim.Interval
+	cfg.params.JoinSettle = time.Duration(joinSettle) * fleetsim.Interval
+	switch {
+	case threshold <= 0 || threshold > 1000:
+		return nil, fmt.Errorf("-threshold %v: want above 0 and at most 1000", threshold)
+	case shedRate <= 0 || shedRate > 100:
+		return nil, fmt.Errorf("-shed-rate %v: want above 0 and at most 100", shedRate)
+	case cfg.params.MinConnections < 0:
+		return nil, fmt.Errorf("-min-connections %d: want at least 0", cfg.params.MinConnections)
+	case freshness < 1 || freshness > 3600:
+		return nil, fmt.Errorf("-freshness %d: want 1 to 3600 intervals", freshness)
+	case joinSettle < -1 || joinSettle > 3600:
+		return nil, fmt.Errorf("-join-settle %d: want -1 to 3600 intervals", joinSettle)
+	case cfg.history < 1 || cfg.history > 3600:
+		return nil, fmt.Errorf("-history %d: want 1 to 3600 intervals", cfg.history)
+	case cfg.joinEvery < 0 || cfg.joinEvery > 60:
+		return nil, fmt.Errorf("-join-every %d: want 0 to 60 intervals", cfg.joinEvery)
+	case cfg.reconnectDelay < 1 || cfg.reconnectDelay > 60:
+		return nil, fmt.Errorf("-reconnect-delay %d: want 1 to 60 intervals", cfg.reconnectDelay)
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
@@ -170,7 +208,8 @@ func runFleetsim(ctx context.Context, args []string, cmdline string, out, progre
 				c := cases[j.c]
 				fc := fleetsim.Config{
 					Nodes: c.size, Conns: c.conns, Scenario: c.scenario, View: c.view, Balancer: c.balancer,
-					Seed: cfg.firstSeed + uint64(j.seed),
+					Seed: cfg.firstSeed + uint64(j.seed), Params: cfg.params, History: cfg.history,
+					JoinEvery: cfg.joinEvery, ReconnectDelay: cfg.reconnectDelay,
 				}
 				var finish func() error
 				if j.c == timelineCase && j.seed == 0 {
@@ -232,6 +271,14 @@ feed:
 	return nil
 }
 
+// joinNote says how a scale-out adds its nodes.
+func joinNote(every int) string {
+	if every == 0 {
+		return "all at once"
+	}
+	return fmt.Sprintf("one every %d interval(s)", every)
+}
+
 // timelineWriter returns a Timeline callback that writes one CSV line per
 // interval (the interval, then every node's connections) to path, and the
 // function that flushes and closes it.
@@ -274,15 +321,21 @@ func timelineWriter(path string) (func(int, []int), func() error, error) {
 // fleetsimReport renders the tables: one per scenario.
 func fleetsimReport(cfg *fleetsimConfig, cmdline string, cases []*fleetsimCase, took time.Duration) string {
 	var b strings.Builder
-	p := fleetsim.DefaultParams()
-	fmt.Fprintf(&b, "# bench fleetsim\n\n`%s` (%v): a simulated fleet, one decision interval at a time, deciding with the rebalance app's defaults "+
-		"(threshold %.0f%%, stop band %.0f%%, shed rate %.1f%% per interval, min_connections %d, freshness %d intervals, history 10 intervals). "+
+	p := cfg.params
+	settle := "freshness"
+	if p.JoinSettle != 0 {
+		settle = fmt.Sprintf("%d intervals", int(p.JoinSettle/fleetsim.Interval))
+	}
+	fmt.Fprintf(&b, "# bench fleetsim\n\n`%s` (%v): a simulated fleet, one decision interval at a time, deciding with the rebalance app's rule "+
+		"(threshold %.0f%%, stop band %.0f%%, shed rate %.1f%% per interval, min_connections %d, freshness %d intervals, history %d intervals, join_settle %s). "+
+		"A scale-out adds its nodes %s; a shed client reconnects within %d interval(s). "+
 		"Views: flow, as the rebalance app decides: every node's own gossipavg estimate (the app's settings, %d exchanges per interval, 0.5%% of messages lost) when the app's rule finds it usable, else the tags as below; tags, every other node's smoothed load late by a lag per (observer, member) "+
 		"drawn from a lognormal (median and p99 in intervals: %s; measured at 16 and 128 members, extrapolated in log N beyond); exact, the true average. "+
 		"Shed clients reconnect through the outer balancer: random (uniform) or leastconn (fewest connections).\n\n",
-		cmdline, took.Round(time.Second), 100*p.Threshold, 50*p.Threshold, 100*p.ShedRate, p.MinConnections, int(p.Freshness/fleetsim.Interval), rebalance.AverageTicks, lagNote(cfg))
+		cmdline, took.Round(time.Second), 100*p.Threshold, 50*p.Threshold, 100*p.ShedRate, p.MinConnections, int(p.Freshness/fleetsim.Interval), cfg.history, settle,
+		joinNote(cfg.joinEvery), cfg.reconnectDelay, rebalance.AverageTicks, lagNote(cfg))
 	b.WriteString("Medians [min–max] over seeds. Converged: every node within ±threshold of the average and none shedding for 10 intervals (the first of them counted from the scenario's start; — when some seed did not within 3000 intervals). " +
-		"Shed/conn: connections shed over the connections in the fleet. Shed/ideal: connections shed over the median of a perfect rebalancer's behind the same balancer (shedsim.IdealShedsFor), from the fleet right after the event (rolling restart: after the last restart, so the restarts' own repair is not in the ideal). " +
+		"Shed/conn: connections shed over the connections in the fleet. Shed/ideal: connections shed over the median of a perfect rebalancer's behind the same balancer (shedsim.IdealShedsFor), from the fleet right after the event (a scale-out: all its nodes in, empty, however they join; rolling restart: after the last restart, so the restarts' own repair is not in the ideal). " +
 		"Worst node: largest deviation from the average at the end. Oscillating: nodes that shed in two shedding phases separated by a quiet interval. Relanded: share of the shed connections that reconnected to a node shedding in the same interval. From tags: flow's decisions taken from the tags (its average not usable), per node.\n")
 	for _, sc := range cfg.scenarios {
 		fmt.Fprintf(&b, "\n## %s\n\n", sc)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -50,6 +51,7 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	fs.Float64Var(&c.settings.Threshold, "threshold", 20, "rebalance threshold, percent")
 	fs.Float64Var(&c.settings.ShedRate, "shed-rate", 5, "rebalance shed_rate, percent per interval (raised from 0.5 for speed)")
 	fs.IntVar(&c.settings.MinConnections, "min-connections", 5, "rebalance min_connections")
+	fs.StringVar(&c.settings.JoinSettle, "join-settle", "", "rebalance join_settle: a duration, or off (empty: the default, freshness)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -90,9 +92,9 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		}
 		source = "./cmd/caddy built from " + gitState(ctx, root)
 	}
-	fmt.Fprintf(out, "# Rebalance scale-out\n\n`%s`; %s; %d clients, a request every %v each; interval %s, history %s, freshness %s, threshold %g%%, shed_rate %g%%, min_connections %d; load average %s at the start.\n\n",
+	fmt.Fprintf(out, "# Rebalance scale-out\n\n`%s`; %s; %d clients, a request every %v each; interval %s, history %s, freshness %s, threshold %g%%, shed_rate %g%%, min_connections %d, join_settle %s; load average %s at the start.\n\n",
 		cmdline, source, cfg.clients, cfg.every, cfg.settings.Interval, cfg.settings.History, cfg.settings.Freshness,
-		cfg.settings.Threshold, cfg.settings.ShedRate, cfg.settings.MinConnections, loadAverage())
+		cfg.settings.Threshold, cfg.settings.ShedRate, cfg.settings.MinConnections, cmp.Or(cfg.settings.JoinSettle, "default"), loadAverage())
 
 	var results []*fleet.ScaleOutResult
 	for i := range cfg.runs {

@@ -17,6 +17,9 @@ type Settings struct {
 	Threshold                    float64 // percent
 	ShedRate                     float64 // percent
 	MinConnections               int
+	// JoinSettle is join_settle ("off", a Caddy duration, or empty for
+	// the default).
+	JoinSettle string
 }
 
 // NodeSpec is one node's configuration.
@@ -90,6 +93,10 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 		opts = append(opts, tags+"\t\t}")
 	}
 	s := spec.Settings
+	joinSettle := ""
+	if s.JoinSettle != "" {
+		joinSettle = "\n\t\tjoin_settle " + s.JoinSettle
+	}
 	return fmt.Sprintf(`{
 	admin %s
 	persist_config off
@@ -109,7 +116,7 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 		freshness %s
 		threshold %g%%
 		shed_rate %g%%
-		min_connections %d
+		min_connections %d%s
 	}
 }
 
@@ -118,7 +125,7 @@ http://%s {
 	respond "ok"
 }
 `, n.Admin, spec.Name, n.Serf, strings.Join(opts, "\n\t\t"), s.Interval, s.History, s.Freshness,
-		s.Threshold, s.ShedRate, s.MinConnections, n.HTTP)
+		s.Threshold, s.ShedRate, s.MinConnections, joinSettle, n.HTTP)
 }
 
 // StartNode starts a node on free loopback ports, its files in dir, and

@@ -132,6 +132,16 @@ type Config struct {
 	// lag, in intervals, fitted by a lognormal (Tags). Default: TagLag of
 	// the largest fleet size of the run.
 	LagMedian, LagP99 float64
+	// JoinEvery is the intervals between two nodes a scale-out adds, the
+	// first at interval 0, as autoscalers and deploys add them one after
+	// another. Default: 0, all at interval 0.
+	JoinEvery int
+	// ReconnectDelay is the most intervals a shed client takes to
+	// reconnect: each lands before the sample of an interval drawn
+	// uniformly from the next ReconnectDelay (a client that sends a
+	// request every second, at a 200 ms interval: 5). Default: 1, every
+	// shed client back before the next sample.
+	ReconnectDelay int
 	// RestartEvery is the intervals between two restarts
 	// (RollingRestart). Default: 2.
 	RestartEvery int
@@ -186,6 +196,15 @@ func (cfg Config) resolved() (Config, error) {
 	case cfg.Loss < 0:
 		cfg.Loss = 0
 	}
+	switch {
+	case cfg.ReconnectDelay == 0:
+		cfg.ReconnectDelay = 1
+	case cfg.ReconnectDelay < 0 || cfg.ReconnectDelay > maxLag:
+		return cfg, fmt.Errorf("fleetsim: ReconnectDelay %d, want 1 to %d", cfg.ReconnectDelay, maxLag)
+	}
+	if cfg.JoinEvery < 0 || cfg.JoinEvery > maxLag {
+		return cfg, fmt.Errorf("fleetsim: JoinEvery %d, want 0 to %d", cfg.JoinEvery, maxLag)
+	}
 	if cfg.RestartEvery <= 0 {
 		cfg.RestartEvery = 2
 	}
@@ -231,10 +250,23 @@ func (cfg Config) removed() int {
 // maxSize returns the most nodes the fleet ever has.
 func (cfg Config) maxSize() int { return cfg.Nodes + cfg.added() }
 
+// idealAt returns the interval at whose start (after its event) the
+// ideal is taken: a scale-out's first, before anything is shed, with the
+// nodes still to join counted empty; the other scenarios' last event.
+func (cfg Config) idealAt() int {
+	if cfg.added() > 0 {
+		return 0
+	}
+	return cfg.lastEvent()
+}
+
 // lastEvent returns the interval of the scenario's last event.
 func (cfg Config) lastEvent() int {
 	if cfg.Scenario == RollingRestart {
 		return (cfg.Nodes-1)*cfg.RestartEvery + 1
+	}
+	if cfg.JoinEvery > 0 && cfg.added() > 0 {
+		return (cfg.added() - 1) * cfg.JoinEvery
 	}
 	return 0
 }

@@ -4,7 +4,10 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
+
+	"github.com/caddy-lbx/lbx/rebalance"
 )
 
 // run runs cfg and fails the test on an error.
@@ -193,5 +196,41 @@ func TestTagView(t *testing.T) {
 	copy(s.lag[0:4], []uint8{0, 1, 2, 2})
 	if v := s.tagView(0); v.Counted != 3 || v.Average != (50+22+5)/3.0 {
 		t.Errorf("node 3 out of the fleet when published: view %+v; want 3 counted", v)
+	}
+}
+
+// TestStaggeredJoinsSettle: the multi-process scale-out's settings (3
+// nodes of 1000 doubling, shed rate 5% per interval, clients back within
+// 5 intervals), its three new nodes joining 6 intervals apart. Holding
+// shedding back for join_settle after a join sheds at most 1.3× the
+// ideal of a simultaneous join (the median of 5 seeds); without the hold
+// the sheds before the last join land where they must be shed again, and
+// it sheds a tenth more at least. Every connection is held by a node at
+// the end.
+func TestStaggeredJoinsSettle(t *testing.T) {
+	p := DefaultParams()
+	p.ShedRate, p.MinConnections = 0.05, 5
+	off := p
+	off.JoinSettle = -1
+	median := func(params rebalance.Params) float64 {
+		var ratios []float64
+		for seed := uint64(1); seed <= 5; seed++ {
+			r := run(t, Config{Nodes: 3, Conns: 1000, Scenario: Double, View: Exact, Balancer: Random, Seed: seed,
+				Params: params, History: 5, JoinEvery: 6, ReconnectDelay: 5, IdealRuns: 21})
+			if !r.Converged || r.Total != 3000 || r.Oscillating != 0 {
+				t.Errorf("seed %d: converged %v, %d connections held, %d oscillating; want converged, 3000, none", seed, r.Converged, r.Total, r.Oscillating)
+			}
+			ratios = append(ratios, r.Ratio)
+		}
+		slices.Sort(ratios)
+		return ratios[2]
+	}
+	held, free := median(p), median(off)
+	t.Logf("shed/ideal, median of 5: %.2f with join_settle, %.2f without", held, free)
+	if held > 1.3 {
+		t.Errorf("with join_settle: %.2f× the ideal; want at most 1.3×", held)
+	}
+	if free < 1.1*held {
+		t.Errorf("without join_settle: %.2f× the ideal, not a tenth above %.2f× with it; the test no longer shows what the hold is for", free, held)
 	}
 }

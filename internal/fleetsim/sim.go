@@ -24,7 +24,8 @@ type Result struct {
 	Shed int
 	// Ideal is the median shed count of a perfect rebalancer behind the
 	// same balancer (shedsim.IdealShedsFor) from the fleet right after the
-	// scenario's (last) event, and Ratio is Shed/Ideal (NaN when Ideal is
+	// scenario's (last) event (a scale-out's nodes all in at once, empty,
+	// even when they join JoinEvery apart), and Ratio is Shed/Ideal (NaN when Ideal is
 	// 0). For RollingRestart that is the end state only: the restarts
 	// themselves are not part of the ideal, so Ratio is not comparable
 	// with the other scenarios'.
@@ -50,14 +51,18 @@ type Result struct {
 
 // node is one simulated Caddy node.
 type node struct {
-	name     string
-	live     bool
-	conns    int
-	window   *rebalance.Window
-	local    float64
-	shedding bool
-	lift     rebalance.LiftState
-	gossip   *gossipavg.Node
+	name   string
+	live   bool
+	conns  int
+	window *rebalance.Window
+	// recentSheds holds what the node shed in each of the last History
+	// intervals: the app counts them toward its load until its clients
+	// are back (rebalance.WithShedInFlight).
+	recentSheds *rebalance.Window
+	local       float64
+	shedding    bool
+	lift        rebalance.LiftState
+	gossip      *gossipavg.Node
 	// shed is what the node shed in this interval.
 	shed int
 	// phaseShed is true once the node shed in its current shedding
@@ -91,7 +96,13 @@ type sim struct {
 	counts  []int
 	// lastShed is what the fleet shed in the last interval.
 	lastShed int
-	res      Result
+	// joins are the nodes joining lately, as every node sees them.
+	joins rebalance.JoinBurst
+	// landing[t mod len] is the shed clients that reconnect before the
+	// sample of interval t; pending is their sum.
+	landing []int
+	pending int
+	res     Result
 }
 
 // t0 is the simulated clock's origin.
@@ -116,6 +127,7 @@ func Run(cfg Config) (Result, error) {
 		rng:    rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x6a09e667f3bcc909)),
 		byName: make(map[string]int),
 	}
+	s.landing = make([]int, cfg.ReconnectDelay+1)
 	s.gcfg = rebalance.AverageConfig("", Interval, s.p.Freshness)
 	size := cfg.maxSize()
 	if cfg.View != Exact { // Flow falls back to the tags
@@ -138,7 +150,7 @@ func Run(cfg Config) (Result, error) {
 		if err := s.event(); err != nil {
 			return Result{}, err
 		}
-		if s.t == last {
+		if s.t == s.cfg.idealAt() {
 			s.ideal()
 		}
 		if err := s.step(true); err != nil {
@@ -184,6 +196,8 @@ func (s *sim) join(conns int) error {
 func (s *sim) start(i, conns int) error {
 	n := s.nodes[i]
 	n.live, n.conns, n.window = true, conns, rebalance.NewWindow(s.cfg.History)
+	n.recentSheds = rebalance.NewWindow(s.cfg.History)
+	s.joins = s.joins.Joined(s.now(0), s.p)
 	n.local, n.shedding, n.lift = 0, false, rebalance.LiftState{}
 	if s.cfg.View == Flow {
 		c := s.gcfg
@@ -229,7 +243,13 @@ func (s *sim) relist() {
 func (s *sim) event() error {
 	switch cfg := s.cfg; cfg.Scenario {
 	case ScaleOut10, ScaleOut50, Double:
-		if s.t == 0 {
+		if cfg.JoinEvery > 0 {
+			if s.t%cfg.JoinEvery == 0 && s.t/cfg.JoinEvery < cfg.added() {
+				if err := s.join(0); err != nil {
+					return err
+				}
+			}
+		} else if s.t == 0 {
 			for range cfg.added() {
 				if err := s.join(0); err != nil {
 					return err
@@ -256,11 +276,15 @@ func (s *sim) event() error {
 	return nil
 }
 
-// ideal computes the perfect rebalancer's shed count from the fleet now.
+// ideal computes the perfect rebalancer's shed count from the fleet now,
+// with the nodes a scale-out has still to add, empty.
 func (s *sim) ideal() {
 	counts := make([]int, 0, len(s.live))
 	for _, i := range s.live {
 		counts = append(counts, s.nodes[i].conns)
+	}
+	for range s.cfg.added() - (len(s.nodes) - s.cfg.Nodes) {
+		counts = append(counts, 0)
 	}
 	s.res.Ideal = shedsim.IdealShedsFor(counts, s.p.Threshold, s.cfg.IdealRuns, s.cfg.Seed, s.cfg.Balancer)
 }
@@ -269,13 +293,18 @@ func (s *sim) ideal() {
 // publishes it, gossip runs, and (when decide) every node decides and
 // sheds and the shed clients reconnect.
 func (s *sim) step(decide bool) error {
+	slot := s.landingAt(s.t)
+	s.pending -= *slot
+	s.reconnect(*slot)
+	*slot = 0
 	anchor := ""
 	if len(s.live) > 0 {
 		anchor = s.names[0]
 	}
 	for _, i := range s.live {
 		n := s.nodes[i]
-		n.local = n.window.Add(float64(n.conns))
+		inFlight := int(n.recentSheds.Sum())
+		n.local = n.window.Add(rebalance.WithShedInFlight("connections", float64(n.conns), n.conns, inFlight))
 		if n.gossip != nil {
 			ind := 0.0
 			if n.name == anchor {
@@ -306,7 +335,7 @@ func (s *sim) step(decide bool) error {
 		n := s.nodes[i]
 		in := rebalance.Input{
 			Self: n.name, Local: n.local, Current: float64(n.conns), Held: n.conns,
-			Shedding: n.shedding, Lift: n.lift, Now: now,
+			Shedding: n.shedding, Lift: n.lift, Joins: s.joins, Now: now,
 		}
 		var v rebalance.View
 		switch s.cfg.View {
@@ -325,6 +354,7 @@ func (s *sim) step(decide bool) error {
 		d := rebalance.DecideView(s.p, in, v)
 		n.shedding, n.lift, n.shed = d.Shedding, d.Lift, d.Shed
 		n.conns -= d.Shed
+		n.recentSheds.Add(float64(d.Shed))
 		total += d.Shed
 		switch {
 		case d.Shed > 0 && !n.phaseShed:
@@ -336,11 +366,32 @@ func (s *sim) step(decide bool) error {
 	}
 	s.res.Shed += total
 	s.lastShed = total
-	s.reconnect(total)
+	s.schedule(total)
 	for _, i := range s.live {
 		s.nodes[i].shed = 0
 	}
 	return nil
+}
+
+// schedule schedules k shed clients to reconnect, each before the sample of
+// one of the next ReconnectDelay intervals, drawn uniformly.
+func (s *sim) schedule(k int) {
+	d := len(s.landing) - 1
+	if d == 1 {
+		*s.landingAt(s.t + 1) += k
+	} else {
+		for range k {
+			*s.landingAt(s.t + 1 + s.rng.IntN(d))++
+		}
+	}
+	s.pending += k
+}
+
+// landingAt returns the count of the clients landing before interval t's
+// sample (t may be negative: the warm-up).
+func (s *sim) landingAt(t int) *int {
+	l := len(s.landing)
+	return &s.landing[(t%l+l)%l]
 }
 
 // exactView returns the true average and lowest member of this interval.
@@ -363,7 +414,7 @@ func (s *sim) exactView() rebalance.View {
 // balanced reports whether no node shed in this interval and every live
 // node is within ±Threshold of the average.
 func (s *sim) balanced() bool {
-	return s.lastShed == 0 && s.worst() <= s.p.Threshold
+	return s.lastShed == 0 && s.pending == 0 && s.worst() <= s.p.Threshold
 }
 
 // worst returns the largest deviation of a live node from the average
