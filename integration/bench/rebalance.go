@@ -23,6 +23,7 @@ type rebalanceConfig struct {
 	caddyBin string
 	converge time.Duration
 	settings fleet.Settings
+	from     int
 }
 
 // parseRebalanceFlags reads `bench rebalance`'s flags.
@@ -40,6 +41,7 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	}
 	c := &rebalanceConfig{}
 	fs.IntVar(&c.clients, "clients", 3000, "long-lived keep-alive clients")
+	fs.IntVar(&c.from, "from", 3, "nodes before the scale-out, which doubles them, then adds 2 (3 to 8)")
 	fs.DurationVar(&c.every, "every", time.Second, "each client's request period")
 	fs.IntVar(&c.runs, "runs", 3, "runs; the summary shows the median of each measure")
 	fs.StringVar(&c.plot, "plot", "docs/rebalance-scaleout.png", "write the median run's plot to this PNG file, relative to the lbx module's root (empty: none)")
@@ -66,6 +68,8 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 		return nil, fmt.Errorf("-runs must be at least 1, got %d", c.runs)
 	case c.converge <= 0:
 		return nil, fmt.Errorf("-converge must be positive, got %v", c.converge)
+	case c.from < 3 || c.from > 8:
+		return nil, fmt.Errorf("-from must be from 3 to 8, got %d", c.from)
 	}
 	return c, nil
 }
@@ -104,7 +108,7 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		fmt.Fprintf(progress, "run %d of %d …\n", i+1, cfg.runs)
 		res, err := fleet.ScaleOut{
 			Bin: bin, Dir: filepath.Join(tmp, fmt.Sprintf("run%d", i+1)),
-			Clients: cfg.clients, Every: cfg.every, Settings: cfg.settings, Converge: cfg.converge,
+			Clients: cfg.clients, Every: cfg.every, Settings: cfg.settings, Converge: cfg.converge, From: cfg.from,
 			Logf: func(format string, args ...any) { fmt.Fprintf(progress, "  "+format+"\n", args...) },
 		}.Run()
 		if err != nil {
@@ -112,7 +116,7 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		}
 		results = append(results, res)
 	}
-	writeRebalanceReport(out, results)
+	writeRebalanceReport(out, results, cfg.from)
 
 	if cfg.plot != "" {
 		median := medianRun(results)
@@ -127,8 +131,8 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		if err != nil {
 			return results, err
 		}
-		title := fmt.Sprintf("lbx rebalance: %d long-lived clients, 3 -> 6 -> 8 nodes, random outer balancer (run %d of %d)",
-			cfg.clients, slices.Index(results, median)+1, len(results))
+		title := fmt.Sprintf("lbx rebalance: %d long-lived clients, %d -> %d -> %d nodes, random outer balancer (run %d of %d)",
+			cfg.clients, cfg.from, 2*cfg.from, 2*cfg.from+2, slices.Index(results, median)+1, len(results))
 		err = median.Timeline.WritePNG(f, title, cfg.settings.Threshold/100)
 		if cerr := f.Close(); err == nil {
 			err = cerr
@@ -149,8 +153,8 @@ func medianRun(results []*fleet.ScaleOutResult) *fleet.ScaleOutResult {
 }
 
 // writeRebalanceReport prints one row per run and the medians.
-func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult) {
-	fmt.Fprintf(w, "**3 → 6 nodes** (and a node with the wrong key)\n\n")
+func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult, from int) {
+	fmt.Fprintf(w, "**%d → %d nodes** (and a node with the wrong key)\n\n", from, 2*from)
 	fmt.Fprintf(w, "| run | before | after | converged | shed | moved | ideal | shed / ideal | shed / (2 × moved) | requests | failed | reconnections | wrong key joined |\n")
 	fmt.Fprintf(w, "|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|\n")
 	var conv, ratio, ratio2 []float64
@@ -172,7 +176,7 @@ func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult) {
 	fmt.Fprintf(w, "\nMedians: converged after %.1f s; shed %.2f× the ideal (target ≤ 1.3×: %s), %.2f× twice the moved count.\n\n",
 		median(conv), median(slices.Clone(ratio)), verdict, median(ratio2))
 
-	fmt.Fprintf(w, "**6 → 8 nodes, a reload and a kill -9 while the fleet sheds**\n\n")
+	fmt.Fprintf(w, "**%d → %d nodes, a reload and a kill -9 while the fleet sheds**\n\n", 2*from, 2*from+2)
 	fmt.Fprintf(w, "| run | reload: new tag everywhere | not-alive sightings | join/leave events | bind errors | kill: out of the averages | marked failed | survivors stable | final | failed requests (phase 2): at the reload / after the kill / other |\n")
 	fmt.Fprintf(w, "|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|\n")
 	var excl, failed, stable []float64

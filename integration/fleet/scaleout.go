@@ -1,6 +1,7 @@
 package fleet
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"strings"
@@ -11,7 +12,7 @@ import (
 )
 
 // ScaleOut is the rebalance acceptance run (issue 5): a fleet scales out
-// from 3 to 6 nodes under long-lived clients, a node with the wrong
+// from 3 to 6 nodes (From to 2 × From) under long-lived clients, a node with the wrong
 // gossip key tries to join, then 2 more nodes join and, while the fleet
 // rebalances, one node is reloaded through its admin API and another is
 // killed with SIGKILL.
@@ -28,14 +29,17 @@ type ScaleOut struct {
 	Converge time.Duration
 	// Logf, when set, reports progress.
 	Logf func(format string, args ...any)
+	// From is the nodes the fleet starts with; phase 1 doubles it and
+	// phase 2 adds two more. Default: 3.
+	From int
 }
 
 // ScaleOutResult is what a ScaleOut run measured.
 type ScaleOutResult struct {
 	Clients int
-	// Phase 1, 3 → 6 nodes.
+	// Phase 1, From → 2 × From nodes (3 → 6 by default).
 	Before, After []int // connections per node before the new nodes joined, and once converged
-	// Joined is when every node saw 6 alive members, and Converged when
+	// Joined is when every node saw all the members alive, and Converged when
 	// every node was within ±threshold and none was shedding, both from
 	// the moment the first new node started.
 	Joined, Converged time.Duration
@@ -164,16 +168,17 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 		}
 	}()
 	threshold := so.Settings.Threshold / 100
+	from := cmp.Or(so.From, 3)
 
-	for i := range 3 {
+	for i := range from {
 		if _, err := f.AddNode(fmt.Sprintf("n%d", i+1), true); err != nil {
 			return res, err
 		}
 	}
-	if err := f.waitAlive(3); err != nil {
+	if err := f.waitAlive(from); err != nil {
 		return res, err
 	}
-	f.Timeline.Mark("3 nodes")
+	f.Timeline.Mark(fmt.Sprintf("%d nodes", from))
 	clients = StartClients(f.LB.Addr, so.Clients, so.Every)
 	s, err := f.WaitFor(60*time.Second, "every client connected", func(s Snapshot) (bool, string) {
 		_, errs, _ := clients.Stats()
@@ -184,12 +189,12 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 		return res, err
 	}
 	res.Before = s.Held()
-	so.logf("3 nodes: %v connections", res.Before)
+	so.logf("%d nodes: %v connections", from, res.Before)
 
-	// Phase 1: three more nodes, and one with the wrong key.
+	// Phase 1: as many nodes again, and one with the wrong key.
 	t0 := time.Now()
-	f.Timeline.Mark("n4-n6 join")
-	for i := 3; i < 6; i++ {
+	f.Timeline.Mark(fmt.Sprintf("n%d-n%d join", from+1, 2*from))
+	for i := from; i < 2*from; i++ {
 		if _, err := f.AddNode(fmt.Sprintf("n%d", i+1), true); err != nil {
 			return res, err
 		}
@@ -200,11 +205,11 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	if err != nil {
 		return res, err
 	}
-	if err := f.waitAlive(6); err != nil {
+	if err := f.waitAlive(2 * from); err != nil {
 		return res, err
 	}
 	res.Joined = time.Since(t0)
-	s, err = f.WaitFor(so.Converge, "6 nodes converged", func(s Snapshot) (bool, string) {
+	s, err = f.WaitFor(so.Converge, fmt.Sprintf("%d nodes converged", 2*from), func(s Snapshot) (bool, string) {
 		return s.Total() == so.Clients && !s.Active() && s.Within(so.Clients, threshold), ""
 	})
 	if err != nil {
@@ -212,13 +217,13 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	}
 	res.Converged = time.Since(t0)
 	res.After, res.Shed = s.Held(), s.Shed()
-	for i := range 3 {
+	for i := range from {
 		res.Moved += res.Before[i] - res.After[i]
 	}
-	sheds := shedsim.Sheds(append(slices.Clone(res.Before), 0, 0, 0), threshold, 201, 1)
+	sheds := shedsim.Sheds(append(slices.Clone(res.Before), make([]int, from)...), threshold, 201, 1)
 	res.Ideal, res.IdealP99 = float64(sheds[100]), float64(sheds[198])
 	f.Timeline.Mark("converged")
-	so.logf("6 nodes after %v: %v; shed %d to move %d (ideal %.0f)", res.Converged.Round(time.Millisecond), res.After, res.Shed, res.Moved, res.Ideal)
+	so.logf("%d nodes after %v: %v; shed %d to move %d (ideal %.0f)", 2*from, res.Converged.Round(time.Millisecond), res.After, res.Shed, res.Moved, res.Ideal)
 	// Every shed connection comes back as one reconnection.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
@@ -247,13 +252,13 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 
 	// Phase 2: two more nodes; a reload and a kill while they fill.
 	reqsBefore, errsBefore, _ := clients.Stats()
-	f.Timeline.Mark("n7, n8 join")
-	for i := 6; i < 8; i++ {
+	f.Timeline.Mark(fmt.Sprintf("n%d, n%d join", 2*from+1, 2*from+2))
+	for i := 2 * from; i < 2*from+2; i++ {
 		if _, err := f.AddNode(fmt.Sprintf("n%d", i+1), true); err != nil {
 			return res, err
 		}
 	}
-	if err := f.waitAlive(8); err != nil {
+	if err := f.waitAlive(2*from + 2); err != nil {
 		return res, err
 	}
 	if err := so.reload(f, res); err != nil {
