@@ -224,10 +224,11 @@ func TestAveragedView(t *testing.T) {
 // load of the node that shed them, in the metric's unit.
 func TestWithShedInFlight(t *testing.T) {
 	for _, tc := range []struct {
-		metric         string
-		load           float64
-		held, inFlight int
-		want           float64
+		metric   string
+		load     float64
+		held     int
+		inFlight float64
+		want     float64
 	}{
 		{metricConnections, 900, 900, 100, 1000},
 		{metricConnections, 900, 900, 0, 900},
@@ -237,7 +238,7 @@ func TestWithShedInFlight(t *testing.T) {
 		{metricCPU, 45, 0, 100, 45}, // nothing to scale by
 	} {
 		if got := WithShedInFlight(tc.metric, tc.load, tc.held, tc.inFlight); math.Abs(got-tc.want) > 1e-9*tc.want {
-			t.Errorf("%s %v with %d held, %d in flight: %v, want %v", tc.metric, tc.load, tc.held, tc.inFlight, got, tc.want)
+			t.Errorf("%s %v with %d held, %v in flight: %v, want %v", tc.metric, tc.load, tc.held, tc.inFlight, got, tc.want)
 		}
 	}
 }

@@ -2,6 +2,7 @@ package rebalance
 
 import (
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -213,6 +214,17 @@ func TestWindow(t *testing.T) {
 		}
 		if got, want := w.Sum(), tc.mean*float64(w.Len()); got != want {
 			t.Fatalf("step %d: Sum() = %v; want %v", i, got, want)
+		}
+	}
+	// Fading: the newest counts whole, the oldest by 1/size; a sample
+	// that left the window not at all.
+	w = NewWindow(4)
+	for i, tc := range []struct{ add, fading float64 }{
+		{8, 8}, {0, 6}, {4, 4 + 4}, {0, 3 + 2}, {0, 2}, {0, 1}, {0, 0},
+	} {
+		w.Add(tc.add)
+		if got := w.Fading(); math.Abs(got-tc.fading) > 1e-12 {
+			t.Fatalf("fading step %d: %v; want %v", i, got, tc.fading)
 		}
 	}
 	// Resize keeps the most recent samples.

@@ -287,8 +287,7 @@ func (n *node) step(s *settings, now time.Time) {
 	load, held := s.source.Sample(s.metric)
 
 	n.mu.Lock()
-	inFlight := int(n.recentSheds.Sum())
-	local := n.window.Add(WithShedInFlight(s.metric, load, held, inFlight))
+	local := n.window.Add(WithShedInFlight(s.metric, load, held, n.recentSheds.Fading()))
 	var tag string
 	if LoadTagDue(n.sincePublished, n.published, local, s.interval, s.params.Freshness) {
 		n.seq++
@@ -401,22 +400,24 @@ func (n *node) step(s *settings, now time.Time) {
 }
 
 // WithShedInFlight returns load, in metric's unit ("connections" or
-// "cpu"), with the connections this node shed over the last `history`
-// (inFlight) counted as if still held: a shed connection counts toward its node's load while it closes
-// and its client reconnects elsewhere, up to `history` after the shed
-// (when one still open counts again anyway: conntrack's overdue). Without
-// them the cluster average would be short of the clients in flight, and
-// every node shedding toward it would shed too many. held is the
-// connections the node holds; other metrics than connections are scaled
-// as if the load were spread evenly over them (as the shed is sized).
-func WithShedInFlight(metric string, load float64, held, inFlight int) float64 {
+// "cpu"), with inFlight, the connections this node shed and whose clients
+// have likely not reconnected yet, counted as if still held. Without them
+// the cluster average would be short of the clients in flight, and every
+// node shedding toward it would shed too many. The caller fades each
+// shed out over `history` (Window.Fading): a client reconnects at its
+// next request, some time within that window, and a shed connection still
+// open `history` later counts again anyway (conntrack's overdue). held is
+// the connections the node holds; other metrics than connections are
+// scaled as if the load were spread evenly over them (as the shed is
+// sized).
+func WithShedInFlight(metric string, load float64, held int, inFlight float64) float64 {
 	switch {
 	case inFlight <= 0:
 		return load
 	case metric == metricConnections:
-		return load + float64(inFlight)
+		return load + inFlight
 	case held > 0:
-		return load * float64(held+inFlight) / float64(held)
+		return load * (float64(held) + inFlight) / float64(held)
 	}
 	return load
 }

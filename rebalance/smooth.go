@@ -55,6 +55,21 @@ func (w *Window) Mean() float64 {
 // Sum returns the sum of the samples in the window.
 func (w *Window) Sum() float64 { return w.sum }
 
+// Fading returns the sum of the samples in the window, each weighted by
+// how much of the window it has still to go: the newest by 1, the one
+// before by 1 − 1/size, the oldest by 1/size. It is what is still out of
+// what was sent at each sample, when each returns at a time drawn
+// uniformly over the window (WithShedInFlight).
+func (w *Window) Fading() float64 {
+	size := len(w.samples)
+	var sum float64
+	for age := range w.n {
+		v := w.samples[(w.next-1-age+2*size)%size]
+		sum += v * float64(size-age) / float64(size)
+	}
+	return sum
+}
+
 // Len returns the number of samples in the window.
 func (w *Window) Len() int { return w.n }
 

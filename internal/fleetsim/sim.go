@@ -303,8 +303,7 @@ func (s *sim) step(decide bool) error {
 	}
 	for _, i := range s.live {
 		n := s.nodes[i]
-		inFlight := int(n.recentSheds.Sum())
-		n.local = n.window.Add(rebalance.WithShedInFlight("connections", float64(n.conns), n.conns, inFlight))
+		n.local = n.window.Add(rebalance.WithShedInFlight("connections", float64(n.conns), n.conns, n.recentSheds.Fading()))
 		if n.gossip != nil {
 			ind := 0.0
 			if n.name == anchor {
