@@ -5,6 +5,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"image/color"
 	"io"
 	"math"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-lbx/lbx/integration/fleet"
 	"github.com/caddy-lbx/lbx/internal/fleetsim"
 	"github.com/caddy-lbx/lbx/rebalance"
 )
@@ -35,7 +37,10 @@ type fleetsimConfig struct {
 	seeds     int
 	firstSeed uint64
 	parallel  int
-	timeline  string
+	// timeline and plot are the -timeline CSV file and the -plot PNG file
+	// (empty: none): both of the run recordedCase picks.
+	timeline string
+	plot     string
 	// params are the decision's settings, history the smoothing window
 	// (intervals), joinEvery and reconnectDelay fleetsim.Config's.
 	params         rebalance.Params
@@ -62,6 +67,7 @@ func parseFleetsimFlags(args []string, stderr io.Writer) (*fleetsimConfig, error
 	fs.Uint64Var(&cfg.firstSeed, "seed", 1, "first seed")
 	fs.IntVar(&cfg.parallel, "parallel", runtime.GOMAXPROCS(0), "runs at once")
 	fs.StringVar(&cfg.timeline, "timeline", "", "write the connections of every node per interval of the 1000-node ×2 flow run behind random (first seed, most connections) to this CSV file")
+	fs.StringVar(&cfg.plot, "plot", "", "draw the connections per node per interval of the run -timeline records (min, median and max of the old nodes and of the added ones; the average and ±threshold) to this PNG file, relative to the lbx module's root")
 	cfg.params = fleetsim.DefaultParams()
 	shedRate, threshold := 100*cfg.params.ShedRate, 100*cfg.params.Threshold
 	freshness, joinSettle := int(cfg.params.Freshness/fleetsim.Interval), 0
@@ -121,6 +127,8 @@ func parseFleetsimFlags(args []string, stderr io.Writer) (*fleetsimConfig, error
 		return nil, fmt.Errorf("-seeds %d: want 1 to 100", cfg.seeds)
 	case cfg.parallel < 1:
 		return nil, fmt.Errorf("-parallel %d: want at least 1", cfg.parallel)
+	case cfg.plot != "" && !isPNGPath(cfg.plot):
+		return nil, fmt.Errorf("-plot %q: want a .png file", cfg.plot)
 	}
 	return cfg, nil
 }
@@ -166,12 +174,9 @@ type fleetsimCase struct {
 	results  []fleetsim.Result
 }
 
-// runFleetsim runs bench fleetsim and prints its tables to out.
-func runFleetsim(ctx context.Context, args []string, cmdline string, out, progress io.Writer) error {
-	cfg, err := parseFleetsimFlags(args, progress)
-	if err != nil {
-		return err
-	}
+// fleetsimCases returns every case cfg asks for, in report order, each
+// with room for its seeds' results.
+func fleetsimCases(cfg *fleetsimConfig) []*fleetsimCase {
 	var cases []*fleetsimCase
 	for _, sc := range cfg.scenarios {
 		for _, n := range cfg.sizes {
@@ -184,16 +189,25 @@ func runFleetsim(ctx context.Context, args []string, cmdline string, out, progre
 			}
 		}
 	}
-	timelineCase := -1
-	if cfg.timeline != "" {
-		timelineCase = slices.IndexFunc(cases, func(c *fleetsimCase) bool {
-			return c.scenario == fleetsim.Double && c.size == 1000 && c.conns == slices.Max(cfg.conns) &&
-				c.view == fleetsim.Flow && c.balancer == fleetsim.Random
-		})
-		if timelineCase < 0 {
-			return fmt.Errorf("-timeline needs the run it records: size 1000, scenario %s, view flow, balancer random", fleetsim.Double)
-		}
+	return cases
+}
+
+// runFleetsim runs bench fleetsim and prints its tables to out.
+func runFleetsim(ctx context.Context, args []string, cmdline string, out, progress io.Writer) error {
+	cfg, err := parseFleetsimFlags(args, progress)
+	if err != nil {
+		return err
 	}
+	cases := fleetsimCases(cfg)
+	recorded, err := recordedCase(cfg, cases)
+	if err != nil {
+		return err
+	}
+	plotFile, err := plotPath(ctx, cfg.plot)
+	if err != nil {
+		return err
+	}
+	var record *runRecord
 
 	began := time.Now()
 	type job struct{ c, seed int }
@@ -211,17 +225,18 @@ func runFleetsim(ctx context.Context, args []string, cmdline string, out, progre
 					Seed: cfg.firstSeed + uint64(j.seed), Params: cfg.params, History: cfg.history,
 					JoinEvery: cfg.joinEvery, ReconnectDelay: cfg.reconnectDelay,
 				}
-				var finish func() error
-				if j.c == timelineCase && j.seed == 0 {
+				var rec *runRecord
+				if j.c == recorded && j.seed == 0 {
 					var err error
-					if fc.Timeline, finish, err = timelineWriter(cfg.timeline); err != nil {
+					if rec, err = newRunRecord(cfg, c.size); err != nil {
 						errs <- err
 						return
 					}
+					fc.Timeline, record = rec.interval, rec
 				}
 				r, err := fleetsim.Run(fc)
-				if err == nil && finish != nil {
-					err = finish()
+				if err == nil && rec != nil {
+					err = rec.finish()
 				}
 				if err != nil {
 					errs <- fmt.Errorf("%s, %d nodes × %d, %s, %s, seed %d: %w", c.scenario, c.size, c.conns, c.view, c.balancer, fc.Seed, err)
@@ -268,7 +283,162 @@ feed:
 		return runErr
 	}
 	fmt.Fprint(out, fleetsimReport(cfg, cmdline, cases, time.Since(began)))
+	if plotFile != "" {
+		c := cases[recorded]
+		if err := writePNGFile(plotFile, fleetsimChart(cfg, c, c.results[0], record.spreads).WritePNG); err != nil {
+			return err
+		}
+		fmt.Fprintf(out, "\nPlot of the %d-node %s run, %d connections per node, %s view, %s balancer, seed %d: %s\n",
+			c.size, c.scenario, c.conns, c.view, c.balancer, cfg.firstSeed, cfg.plot)
+	}
 	return nil
+}
+
+// recordedCase returns the index of the case whose first seed's run
+// -timeline and -plot record: 1000 nodes, scale-out-double, the most
+// connections of the run, flow view, random balancer; -1 when neither
+// flag is given, and an error when the run lacks that case.
+func recordedCase(cfg *fleetsimConfig, cases []*fleetsimCase) (int, error) {
+	if cfg.timeline == "" && cfg.plot == "" {
+		return -1, nil
+	}
+	i := slices.IndexFunc(cases, func(c *fleetsimCase) bool {
+		return c.scenario == fleetsim.Double && c.size == 1000 && c.conns == slices.Max(cfg.conns) &&
+			c.view == fleetsim.Flow && c.balancer == fleetsim.Random
+	})
+	if i < 0 {
+		return -1, fmt.Errorf("-timeline and -plot need the run they record: size 1000, scenario %s, view flow, balancer random", fleetsim.Double)
+	}
+	return i, nil
+}
+
+// runRecord is what -timeline and -plot record of their run, interval by
+// interval.
+type runRecord struct {
+	nodes   int              // the fleet's size before the scenario
+	csv     func(int, []int) // -timeline's writer; nil without it
+	done    func() error     // flushes and closes -timeline's file
+	plot    bool
+	spreads []connSpread // -plot's, one per interval
+}
+
+// newRunRecord returns the record of a run of a fleet of nodes for cfg's
+// -timeline and -plot, creating -timeline's file.
+func newRunRecord(cfg *fleetsimConfig, nodes int) (*runRecord, error) {
+	rec := &runRecord{nodes: nodes, plot: cfg.plot != ""}
+	if cfg.timeline != "" {
+		var err error
+		if rec.csv, rec.done, err = timelineWriter(cfg.timeline); err != nil {
+			return nil, err
+		}
+	}
+	return rec, nil
+}
+
+// interval is the run's fleetsim.Config.Timeline.
+func (rec *runRecord) interval(t int, conns []int) {
+	if rec.csv != nil {
+		rec.csv(t, conns)
+	}
+	if rec.plot {
+		rec.spreads = append(rec.spreads, spreadOf(t, conns, rec.nodes))
+	}
+}
+
+// finish ends the record once the run is over.
+func (rec *runRecord) finish() error {
+	if rec.done == nil {
+		return nil
+	}
+	return rec.done()
+}
+
+// connSpread is one interval of a run, summed up: the min, median and
+// max connections of the nodes there before the scenario (the slots
+// below fleetsim.Config.Nodes) and of the nodes it added (NaN while there
+// are none), and the average over every node.
+type connSpread struct {
+	t          int
+	old, added [3]float64
+	avg        float64
+}
+
+// spreadOf sums up interval t's connections per node, conns, of a fleet
+// of nodes before the scenario.
+func spreadOf(t int, conns []int, nodes int) connSpread {
+	nodes = min(nodes, len(conns))
+	s := connSpread{t: t, old: minMedianMax(conns[:nodes]), added: minMedianMax(conns[nodes:]), avg: math.NaN()}
+	if len(conns) > 0 {
+		sum := 0
+		for _, c := range conns {
+			sum += c
+		}
+		s.avg = float64(sum) / float64(len(conns))
+	}
+	return s
+}
+
+// minMedianMax returns the min, median and max of v; NaNs for none.
+func minMedianMax(v []int) [3]float64 {
+	if len(v) == 0 {
+		return [3]float64{math.NaN(), math.NaN(), math.NaN()}
+	}
+	f := make([]float64, len(v))
+	for i, c := range v {
+		f[i] = float64(c)
+	}
+	slices.Sort(f)
+	return [3]float64{f[0], median(f), f[len(f)-1]}
+}
+
+// Colours of -plot's lines: the old nodes blue, the added ones orange,
+// their min and max paler than their median.
+var (
+	oldMedian   = color.RGBA{0x1f, 0x77, 0xb4, 0xff}
+	oldRange    = color.RGBA{0x6f, 0xa8, 0xd6, 0xff}
+	addedMedian = color.RGBA{0xff, 0x7f, 0x0e, 0xff}
+	addedRange  = color.RGBA{0xff, 0xb5, 0x70, 0xff}
+)
+
+// fleetsimChart is -plot's chart of case c's recorded run, r, from its
+// spreads: the old and the added nodes' min, median and max connections
+// per interval, the average (dashed) and ±threshold around it, and a
+// mark where the run converged (and, when the scale-out adds its nodes
+// one after another, where the last one joined).
+func fleetsimChart(cfg *fleetsimConfig, c *fleetsimCase, r fleetsim.Result, spreads []connSpread) fleet.Chart {
+	x, avg := make([]float64, len(spreads)), make([]float64, len(spreads))
+	var lines [6][]float64 // old min, median, max, then the added nodes'
+	for i, s := range spreads {
+		x[i], avg[i] = float64(s.t), s.avg
+		for k := range 3 {
+			lines[k] = append(lines[k], s.old[k])
+			lines[3+k] = append(lines[3+k], s.added[k])
+		}
+	}
+	ch := fleet.Chart{
+		Title: fmt.Sprintf("%d nodes × %d connections, ×2 behind a %s balancer, %s view: connections per node",
+			c.size, c.conns, c.balancer, c.view),
+		XLabel: fmt.Sprintf("interval (%v each)", fleetsim.Interval), YLabel: "connections per node",
+		Band: fleet.RelativeBand(x, avg, cfg.params.Threshold), BandLabel: fmt.Sprintf("±%g%% (threshold)", 100*cfg.params.Threshold),
+	}
+	for _, g := range []struct {
+		name           string
+		first          int
+		median, bounds color.RGBA
+	}{{"old", 0, oldMedian, oldRange}, {"added", 3, addedMedian, addedRange}} {
+		ch.Series = append(ch.Series,
+			fleet.Series{Name: g.name + " nodes: max", X: x, Y: lines[g.first+2], Color: g.bounds},
+			fleet.Series{Name: g.name + " nodes: median", X: x, Y: lines[g.first+1], Color: g.median},
+			fleet.Series{Name: g.name + " nodes: min", X: x, Y: lines[g.first], Color: g.bounds})
+	}
+	ch.Series = append(ch.Series, fleet.Series{Name: "average", X: x, Y: avg, Dashed: true})
+	if cfg.joinEvery > 0 && c.size > 1 {
+		ch.Marks = append(ch.Marks, fleet.ChartMark{X: float64((c.size - 1) * cfg.joinEvery), Label: "last node joins"})
+	}
+	if r.Converged {
+		ch.Marks = append(ch.Marks, fleet.ChartMark{X: float64(r.Intervals), Label: fmt.Sprintf("converged (interval %d)", r.Intervals)})
+	}
+	return ch
 }
 
 // joinNote says how a scale-out adds its nodes.

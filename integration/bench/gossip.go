@@ -19,6 +19,7 @@ import (
 	"github.com/hashicorp/serf/serf"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/integration/fleet"
 	"github.com/caddy-lbx/lbx/rebalance"
 )
 
@@ -55,6 +56,9 @@ import (
 // load once per interval). Settle is the time from the step until 99% of
 // the members' cluster averages are within 1% of the true one, and stays
 // so.
+//
+// With -plot it also draws these times (tag reach, settle) against the
+// cluster size, as a PNG.
 
 // gossipConfig is the command's flags.
 type gossipConfig struct {
@@ -65,6 +69,7 @@ type gossipConfig struct {
 	duration  time.Duration
 	seed      uint64
 	scheme    string // "tags", "flow" or "app"
+	plot      string // the -plot PNG file, as given (empty: none)
 }
 
 func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
@@ -78,6 +83,7 @@ func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
 	fs.DurationVar(&cfg.duration, "duration", 20*time.Second, "measured window per size")
 	fs.Uint64Var(&cfg.seed, "seed", 1, "seed of the loads and publication phases")
 	fs.StringVar(&cfg.scheme, "scheme", "tags", "how loads travel: tags (serf tags every interval, as the app did before the gossip average), flow (gossipavg over direct messages), or app (flow, plus tags by the app's rule)")
+	fs.StringVar(&cfg.plot, "plot", "", "draw the report age (tag reach, settle) against the cluster size to this PNG file, relative to the lbx module's root (empty: none)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -99,6 +105,8 @@ func parseGossipFlags(args []string, stderr io.Writer) (*gossipConfig, error) {
 		return nil, fmt.Errorf("-warmup %v: want 0 to 1h", cfg.warmup)
 	case cfg.scheme != "tags" && cfg.scheme != "flow" && cfg.scheme != "app":
 		return nil, fmt.Errorf("-scheme %q: want tags, flow or app", cfg.scheme)
+	case cfg.plot != "" && !isPNGPath(cfg.plot):
+		return nil, fmt.Errorf("-plot %q: want a .png file", cfg.plot)
 	}
 	return cfg, nil
 }
@@ -129,6 +137,10 @@ type gossipResult struct {
 
 func runGossip(ctx context.Context, args []string, cmdline string, out, progress io.Writer) error {
 	cfg, err := parseGossipFlags(args, progress)
+	if err != nil {
+		return err
+	}
+	plotFile, err := plotPath(ctx, cfg.plot)
 	if err != nil {
 		return err
 	}
@@ -196,7 +208,48 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 	if _, err := io.WriteString(out, b.String()); err != nil {
 		return err
 	}
+	if plotFile != "" && len(results) > 0 {
+		if err := writePNGFile(plotFile, gossipChart(cfg, results).WritePNG); err != nil {
+			return err
+		}
+		fmt.Fprintf(out, "\nPlot: %s\n", cfg.plot)
+	}
 	return failed
+}
+
+// gossipChart is -plot's chart: the report age against the cluster size,
+// a line per figure the scheme measures: the tag reports' reach to 50%
+// and 99% of the other members (and 100%, with tags), medians; and, with
+// flow and app, the gossip average's settle time after the step (left
+// out at the sizes where it did not settle within the window).
+func gossipChart(cfg *gossipConfig, results []gossipResult) fleet.Chart {
+	c := fleet.Chart{
+		Title:  fmt.Sprintf("bench gossip, scheme %s, interval %v: report age against cluster size", cfg.scheme, cfg.interval),
+		XLabel: "members (log scale)", YLabel: "milliseconds", LogX: true,
+	}
+	add := func(name string, y func(gossipResult) float64) {
+		s := fleet.Series{Name: name, Points: true}
+		for _, r := range results {
+			s.X, s.Y = append(s.X, float64(r.n)), append(s.Y, y(r))
+		}
+		c.Series = append(c.Series, s)
+	}
+	if cfg.scheme != "flow" {
+		add("tag reach 50% (median)", func(r gossipResult) float64 { return r.reach50.Median })
+		add("tag reach 99% (median)", func(r gossipResult) float64 { return r.reach99.Median })
+	}
+	if cfg.scheme == "tags" {
+		add("tag reach 100% (median)", func(r gossipResult) float64 { return r.reach1.Median })
+	}
+	if cfg.scheme != "tags" {
+		add("settle after the step", func(r gossipResult) float64 {
+			if !r.settled {
+				return math.NaN()
+			}
+			return r.settle
+		})
+	}
+	return c
 }
 
 // gossipMember is one serf member of the harness and what it saw.

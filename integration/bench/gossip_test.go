@@ -3,6 +3,12 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -115,6 +121,7 @@ func TestParseGossipFlags(t *testing.T) {
 		{[]string{"-freshness", "100ms"}, "-freshness"},
 		{[]string{"-duration", "1s"}, "-duration"},
 		{[]string{"-scheme", "udp"}, "-scheme"},
+		{[]string{"-plot", "age.csv"}, "-plot"},
 	} {
 		_, err := parseGossipFlags(c.args, &bytes.Buffer{})
 		if err == nil || !strings.Contains(err.Error(), c.want) {
@@ -122,7 +129,80 @@ func TestParseGossipFlags(t *testing.T) {
 		}
 	}
 	cfg, err := parseGossipFlags(nil, &bytes.Buffer{})
-	if err != nil || len(cfg.sizes) != 4 || cfg.interval != time.Second || cfg.freshness != 5*time.Second {
+	if err != nil || len(cfg.sizes) != 4 || cfg.interval != time.Second || cfg.freshness != 5*time.Second || cfg.plot != "" {
 		t.Fatalf("defaults: %+v, %v", cfg, err)
+	}
+	cfg, err = parseGossipFlags([]string{"-scheme", "app", "-plot", "docs/age.PNG"}, &bytes.Buffer{})
+	if err != nil || cfg.scheme != "app" || cfg.plot != "docs/age.PNG" {
+		t.Fatalf("-plot: %+v, %v", cfg, err)
+	}
+}
+
+// TestGossipPlot: the chart has a line per figure the scheme measures,
+// a point per size, the settle time left out where it did not settle;
+// and it draws.
+func TestGossipPlot(t *testing.T) {
+	results := []gossipResult{
+		{n: 16, reach50: stat{Median: 100}, reach99: stat{Median: 200}, reach1: stat{Median: 300}, settle: 1500, settled: true},
+		{n: 32, reach50: stat{Median: 150}, reach99: stat{Median: 300}, reach1: stat{Median: 450}, settle: 10000},
+		{n: 64, reach50: stat{Median: 200}, reach99: stat{Median: 400}, reach1: stat{Median: math.NaN()}, settle: 2500, settled: true},
+	}
+	for _, c := range []struct {
+		scheme string
+		names  []string
+	}{
+		{"tags", []string{"tag reach 50% (median)", "tag reach 99% (median)", "tag reach 100% (median)"}},
+		{"flow", []string{"settle after the step"}},
+		{"app", []string{"tag reach 50% (median)", "tag reach 99% (median)", "settle after the step"}},
+	} {
+		ch := gossipChart(&gossipConfig{scheme: c.scheme, interval: time.Second}, results)
+		var names []string
+		for _, s := range ch.Series {
+			names = append(names, s.Name)
+			if !slices.Equal(s.X, []float64{16, 32, 64}) || !s.Points {
+				t.Errorf("%s, %s: x %v, points %v; want the sizes, with points", c.scheme, s.Name, s.X, s.Points)
+			}
+		}
+		if !slices.Equal(names, c.names) || !ch.LogX || !strings.Contains(ch.Title, "scheme "+c.scheme) || !strings.Contains(ch.Title, "interval 1s") {
+			t.Errorf("%s: series %q, log x %v, title %q", c.scheme, names, ch.LogX, ch.Title)
+		}
+		last := ch.Series[len(ch.Series)-1].Y
+		switch c.scheme {
+		case "tags":
+			if last[0] != 300 || !math.IsNaN(last[2]) {
+				t.Errorf("tags: reach 100%% %v; want the medians, NaN where none reached all", last)
+			}
+		default:
+			if last[0] != 1500 || !math.IsNaN(last[1]) || last[2] != 2500 {
+				t.Errorf("%s: settle %v; want 1500, none (it did not settle), 2500", c.scheme, last)
+			}
+		}
+		if err := ch.WritePNG(io.Discard); err != nil {
+			t.Errorf("%s: %v", c.scheme, err)
+		}
+	}
+}
+
+// TestPlotPath: -plot's relative paths are under the lbx module's root,
+// absolute ones stay, and writePNGFile makes the missing directories.
+func TestPlotPath(t *testing.T) {
+	root, err := moduleRoot(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	abs := filepath.Join(t.TempDir(), "a", "b", "p.png")
+	for in, want := range map[string]string{"": "", "docs/p.png": filepath.Join(root, "docs", "p.png"), abs: abs} {
+		if got, err := plotPath(context.Background(), in); err != nil || got != want {
+			t.Errorf("%q: %q, %v; want %q", in, got, err, want)
+		}
+	}
+	if err := writePNGFile(abs, func(w io.Writer) error { _, err := w.Write([]byte("png")); return err }); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(abs); err != nil || string(b) != "png" {
+		t.Errorf("%s: %q, %v", abs, b, err)
+	}
+	if err := writePNGFile(abs, func(io.Writer) error { return errors.New("no points") }); err == nil || !strings.Contains(err.Error(), abs) {
+		t.Errorf("a failed drawing: %v; want an error naming the file", err)
 	}
 }

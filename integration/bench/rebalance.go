@@ -120,25 +120,16 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 
 	if cfg.plot != "" {
 		median := medianRun(results)
-		path := cfg.plot
-		if !filepath.IsAbs(path) {
-			path = filepath.Join(root, path)
-		}
-		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-			return results, err
-		}
-		f, err := os.Create(path)
+		path, err := plotPath(ctx, cfg.plot)
 		if err != nil {
 			return results, err
 		}
 		title := fmt.Sprintf("lbx rebalance: %d long-lived clients, %d -> %d -> %d nodes, random outer balancer (run %d of %d)",
 			cfg.clients, cfg.from, 2*cfg.from, 2*cfg.from+2, slices.Index(results, median)+1, len(results))
-		err = median.Timeline.WritePNG(f, title, cfg.settings.Threshold/100)
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			return results, fmt.Errorf("writing %s: %v", path, err)
+		if err := writePNGFile(path, func(w io.Writer) error {
+			return median.Timeline.WritePNG(w, title, cfg.settings.Threshold/100)
+		}); err != nil {
+			return results, err
 		}
 		fmt.Fprintf(out, "\nPlot of run %d (the median convergence time): %s\n", slices.Index(results, median)+1, cfg.plot)
 	}
