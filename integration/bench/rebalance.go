@@ -24,6 +24,11 @@ type rebalanceConfig struct {
 	converge time.Duration
 	settings fleet.Settings
 	from     int
+	// scenario is scale-out or rolling-restart; nodes and down are the
+	// rolling restart's fleet size and downtime per node.
+	scenario string
+	nodes    int
+	down     time.Duration
 }
 
 // parseRebalanceFlags reads `bench rebalance`'s flags.
@@ -42,6 +47,9 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	c := &rebalanceConfig{}
 	fs.IntVar(&c.clients, "clients", 3000, "long-lived keep-alive clients")
 	fs.IntVar(&c.from, "from", 3, "nodes before the scale-out, which doubles them, then adds 2 (3 to 8)")
+	fs.StringVar(&c.scenario, "scenario", "scale-out", "scale-out, or rolling-restart (every node drained, down for -down, started again, in turn)")
+	fs.IntVar(&c.nodes, "nodes", 6, "rolling-restart: the fleet's size (2 to 12)")
+	fs.DurationVar(&c.down, "down", 2*time.Second, "rolling-restart: how long each node stays stopped")
 	fs.DurationVar(&c.every, "every", time.Second, "each client's request period")
 	fs.IntVar(&c.runs, "runs", 3, "runs; the summary shows the median of each measure")
 	fs.StringVar(&c.plot, "plot", "docs/rebalance-scaleout.png", "write the median run's plot to this PNG file, relative to the lbx module's root (empty: none)")
@@ -70,6 +78,12 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 		return nil, fmt.Errorf("-converge must be positive, got %v", c.converge)
 	case c.from < 3 || c.from > 8:
 		return nil, fmt.Errorf("-from must be from 3 to 8, got %d", c.from)
+	case c.scenario != "scale-out" && c.scenario != "rolling-restart":
+		return nil, fmt.Errorf("-scenario %q: want scale-out or rolling-restart", c.scenario)
+	case c.nodes < 2 || c.nodes > 12:
+		return nil, fmt.Errorf("-nodes must be from 2 to 12, got %d", c.nodes)
+	case c.down < 0 || c.down > 10*time.Minute:
+		return nil, fmt.Errorf("-down must be from 0 to 10m, got %v", c.down)
 	}
 	return c, nil
 }
@@ -96,10 +110,17 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		}
 		source = "./cmd/caddy built from " + gitState(ctx, root)
 	}
-	fmt.Fprintf(out, "# Rebalance scale-out\n\n`%s`; %s; %d clients, a request every %v each; interval %s, history %s, freshness %s, threshold %g%%, shed_rate %g%%, min_connections %d, join_settle %s; load average %s at the start.\n\n",
-		cmdline, source, cfg.clients, cfg.every, cfg.settings.Interval, cfg.settings.History, cfg.settings.Freshness,
+	title := "Rebalance scale-out"
+	if cfg.scenario == "rolling-restart" {
+		title = "Rolling restart"
+	}
+	fmt.Fprintf(out, "# %s\n\n`%s`; %s; %d clients, a request every %v each; interval %s, history %s, freshness %s, threshold %g%%, shed_rate %g%%, min_connections %d, join_settle %s; load average %s at the start.\n\n",
+		title, cmdline, source, cfg.clients, cfg.every, cfg.settings.Interval, cfg.settings.History, cfg.settings.Freshness,
 		cfg.settings.Threshold, cfg.settings.ShedRate, cfg.settings.MinConnections, cmp.Or(cfg.settings.JoinSettle, "default"), loadAverage())
 
+	if cfg.scenario == "rolling-restart" {
+		return nil, runRolling(ctx, cfg, bin, tmp, out, progress)
+	}
 	var results []*fleet.ScaleOutResult
 	for i := range cfg.runs {
 		if ctx.Err() != nil {

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
@@ -124,6 +125,48 @@ func (f *Fleet) Kill(n *Node) error {
 	f.dead[n.Name] = true
 	f.mu.Unlock()
 	return n.Proc.Kill()
+}
+
+// Stop drains n as the operations guide's recipe has it: the balancer
+// takes it out first (no new connection reaches it), then SIGTERM lets
+// Caddy finish the requests in flight and close its connections, whose
+// clients reconnect through the balancer. It waits up to timeout for the
+// process to exit. n is out of Nodes until Restart.
+func (f *Fleet) Stop(n *Node, timeout time.Duration) error {
+	f.LB.Remove(n.HTTP)
+	f.mu.Lock()
+	f.dead[n.Name] = true
+	f.mu.Unlock()
+	if err := n.Proc.Signal(syscall.SIGTERM); err != nil {
+		return err
+	}
+	select {
+	case <-n.Proc.Done():
+		return nil
+	case <-time.After(timeout):
+		return fmt.Errorf("%s still running %v after SIGTERM", n.Name, timeout)
+	}
+}
+
+// Restart starts n again, a new process with its spec on its own ports,
+// joining the cluster through the first other live node (the first node
+// of a fleet has nobody to join when it first starts), and puts it back
+// behind the balancer once its admin API answers.
+func (f *Fleet) Restart(n *Node) error {
+	for _, o := range f.Nodes() {
+		if o != n {
+			n.Spec.Join = o.Serf
+			break
+		}
+	}
+	if err := n.start(f.bin, filepath.Join(f.dir, n.Name)); err != nil {
+		return err
+	}
+	f.mu.Lock()
+	delete(f.dead, n.Name) // already in f.all: Close kills its new process
+	f.mu.Unlock()
+	f.LB.Add(n.HTTP)
+	return nil
 }
 
 // Snapshot is every live node's view at one moment.

@@ -139,27 +139,36 @@ func StartNode(bin, dir string, spec NodeSpec) (*Node, error) {
 	n.Admin = fmt.Sprintf("127.0.0.1:%d", ports[0])
 	n.HTTP = fmt.Sprintf("127.0.0.1:%d", ports[1])
 	n.Serf = fmt.Sprintf("127.0.0.1:%d", ports[2])
-	var env []string
-	if spec.Key != "" {
-		env = append(env, "LBX_GOSSIP_KEY="+spec.Key)
-	}
-	proc, err := StartProc(bin, dir, n.Caddyfile(spec), env...)
-	if err != nil {
+	if err := n.start(bin, dir); err != nil {
 		return nil, err
+	}
+	return n, nil
+}
+
+// start runs the node's process from its spec on its ports, its files in
+// dir, and waits up to 20 s for its admin API to answer.
+func (n *Node) start(bin, dir string) error {
+	var env []string
+	if n.Spec.Key != "" {
+		env = append(env, "LBX_GOSSIP_KEY="+n.Spec.Key)
+	}
+	proc, err := StartProc(bin, dir, n.Caddyfile(n.Spec), env...)
+	if err != nil {
+		return err
 	}
 	n.Proc = proc
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		if proc.Exited() {
-			return nil, fmt.Errorf("%s exited: %v\n%s", spec.Name, proc.WaitErr(), proc.Log())
+			return fmt.Errorf("%s exited: %v\n%s", n.Name, proc.WaitErr(), proc.Log())
 		}
 		_, err := n.View()
 		if err == nil {
-			return n, nil
+			return nil
 		}
 		if time.Now().After(deadline) {
 			_ = proc.Kill()
-			return nil, fmt.Errorf("%s's admin API did not answer within 20s: %v\n%s", spec.Name, err, proc.Log())
+			return fmt.Errorf("%s's admin API did not answer within 20s: %v\n%s", n.Name, err, proc.Log())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -272,6 +272,26 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	return res, nil
 }
 
+// settledFor is how long the fleet must shed nothing, converged, to be
+// settled (waitSettled).
+const settledFor = 2 * time.Second
+
+// waitSettled waits up to timeout until the live nodes hold all clients'
+// connections, each within ±band of the average, none is in a shedding
+// phase, and nothing was shed for settledFor. who names the nodes in the
+// error.
+func (f *Fleet) waitSettled(timeout time.Duration, clients int, band float64, who string) (Snapshot, error) {
+	prev, stable := -1, time.Now()
+	return f.WaitFor(timeout, who+" converged and not shedding for "+settledFor.String(), func(s Snapshot) (bool, string) {
+		ok := s.Total() == clients && !s.Active() && s.Within(clients, band)
+		if !ok || s.Shed() != prev {
+			prev, stable = s.Shed(), time.Now()
+			return false, ""
+		}
+		return time.Since(stable) >= settledFor, "stable for " + time.Since(stable).String()
+	})
+}
+
 // waitAlive waits until every live node sees want alive members.
 func (f *Fleet) waitAlive(want int) error {
 	_, err := f.WaitFor(30*time.Second, fmt.Sprintf("%d alive members on every node", want), func(s Snapshot) (bool, string) {
@@ -425,20 +445,8 @@ func (so ScaleOut) kill(f *Fleet, res *ScaleOutResult, clients *Clients) error {
 	if err != nil {
 		return err
 	}
-	threshold := so.Settings.Threshold / 100
-	shedAtKill := 0
-	prev, stable := -1, time.Now()
-	s, err = f.WaitFor(so.Converge, "the survivors converged and not shedding for 2s", func(s Snapshot) (bool, string) {
-		if shedAtKill == 0 {
-			shedAtKill = s.Shed()
-		}
-		ok := s.Total() == so.Clients && !s.Active() && s.Within(so.Clients, threshold)
-		if !ok || s.Shed() != prev {
-			prev, stable = s.Shed(), time.Now()
-			return false, ""
-		}
-		return time.Since(stable) >= 2*time.Second, "stable for " + time.Since(stable).String()
-	})
+	shedAtKill := f.Snapshot().Shed()
+	s, err = f.waitSettled(so.Converge, so.Clients, so.Settings.Threshold/100, "the survivors")
 	if err != nil {
 		return err
 	}
