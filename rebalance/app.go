@@ -1,6 +1,7 @@
 package rebalance
 
 import (
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"math"
@@ -28,6 +29,19 @@ const (
 	metricConnections = "connections"
 	metricThroughput  = "throughput"
 	metricCPU         = "cpu"
+	// metricNodeCPU is the metric of `metric cpu` with `cpu node`, as the
+	// node reports it: the node's CPU, in percent of all its CPUs. Its own
+	// name keeps it apart from this process's CPU ("cpu") wherever metrics
+	// are told apart (the load tags, the gossip average's message kinds,
+	// the policy's loads): the two are never averaged together. It is not
+	// an option's value.
+	metricNodeCPU = "node_cpu"
+)
+
+// What metric cpu measures (App.CPU).
+const (
+	cpuNode    = "node"
+	cpuProcess = "process"
 )
 
 // Defaults. DefaultInterval is also lb_policy cluster_load's refresh.
@@ -73,8 +87,8 @@ type App struct {
 	// Metric is the load to balance: "connections" (the HTTP connections
 	// held, in any state), "throughput" (bytes per second read from and
 	// written to this process's HTTP connections over the last interval,
-	// TLS records included), or "cpu" (this process's CPU use, percent of
-	// one core).
+	// TLS records included), or "cpu" (the node's CPU or this process's,
+	// as CPU says).
 	//
 	// Throughput needs the `rebalance` listener wrapper
 	// (caddy.listeners.rebalance) before `tls` in the listener_wrappers of
@@ -87,6 +101,17 @@ type App struct {
 	// until the measured load falls into the stop band. Default:
 	// connections.
 	Metric string `json:"metric,omitempty"`
+
+	// CPU is what metric cpu measures: "node", the node's CPU
+	// utilisation over the last interval in percent of all its CPUs (0 to
+	// 100, from /proc/stat: the other work on the node counts, as it does
+	// for OneFS SmartConnect's CPU balancing), or "process", this
+	// process's CPU use in percent of one core. Only with metric cpu.
+	// Nodes measuring one do not average with nodes measuring the other:
+	// they report different metrics. Asking for node where /proc/stat
+	// cannot be read fails. Default: node where /proc/stat can be read
+	// (Linux), else process.
+	CPU string `json:"cpu,omitempty"`
 
 	// Interval is how often the node samples its load, gossips it,
 	// decides and sheds, from 100ms to 10m. Default: 1s.
@@ -156,6 +181,18 @@ type App struct {
 	events   emitter
 	node     *node // set by Start, cleared by Stop (Caddy calls them in turn)
 
+	// metric is the metric the node reports: Metric, or metricNodeCPU
+	// for the node's CPU.
+	metric string
+	// cpuScope is what metric cpu measures (cpuNode or cpuProcess); empty
+	// with the other metrics.
+	cpuScope string
+	// procStat is the /proc/stat file to read the node's CPU from; empty:
+	// procStatPath. Tests set it.
+	procStat string
+	// nodeCPU samples the node's CPU (cpu node), primed by Provision.
+	nodeCPU *nodeCPUSampler
+
 	// conns are the process's connections (one process is one cluster
 	// node: connections of servers from an earlier config stay counted
 	// until they close), from Provision to Cleanup.
@@ -195,6 +232,9 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := a.validate(); err != nil {
 		return err
 	}
+	if err := a.resolveCPU(); err != nil {
+		return err
+	}
 
 	if a.cluster == nil { // tests set their own
 		clusterApp, err := cluster.Lookup(ctx, "rebalance")
@@ -204,12 +244,12 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.cluster = clusterApp
 	}
 	a.cluster.Provide(requireRebalance)
-	if err := a.cluster.CheckTagsFit(map[string]string{LoadTag: longestLoadTag(a.Metric)}); err != nil {
+	if err := a.cluster.CheckTagsFit(map[string]string{LoadTag: longestLoadTag(a.metric)}); err != nil {
 		return fmt.Errorf("rebalance: cluster %v", err)
 	}
 
 	if a.source == nil {
-		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters}
+		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters, nodeCPU: a.nodeCPU}
 		src.bytes.prime(src.counters.Totals().Total(), time.Now())
 		a.source = src
 		a.registerServers(ctx)
@@ -223,8 +263,11 @@ func (a *App) Provision(ctx caddy.Context) error {
 const requireRebalance = "the rebalance app (the `rebalance` global option, or the \"rebalance\" app in JSON), which publishes the loads"
 
 // resolve sets the effective settings from the options and their
-// defaults. It allocates nothing.
+// defaults. It allocates nothing and reads nothing: what metric cpu
+// measures by default depends on the machine the config runs on, which
+// resolveCPU reads.
 func (a *App) resolve() {
+	a.metric = a.Metric
 	a.interval = time.Duration(a.Interval)
 	if a.interval == 0 {
 		a.interval = DefaultInterval
@@ -256,9 +299,45 @@ func (a *App) resolve() {
 		ShedRate:       shedRate / 100,
 		MinConnections: minConns,
 		Freshness:      freshness,
-		Metric:         a.Metric,
+		Metric:         a.metric,
 		JoinSettle:     time.Duration(a.JoinSettle),
 	}
+}
+
+// resolveCPU settles what metric cpu measures, once the options are valid
+// (Provision): cpu as configured, by default node where the node's CPU
+// can be read from /proc/stat, else process; with node, the node reports
+// metricNodeCPU. It reads /proc/stat once, which is the node sampler's
+// first reading, and fails when cpu node was asked for and /proc/stat
+// cannot be read.
+func (a *App) resolveCPU() error {
+	a.cpuScope, a.nodeCPU = "", nil
+	if a.Metric != metricCPU {
+		return nil
+	}
+	scope := a.CPU
+	if scope != cpuProcess {
+		path := cmp.Or(a.procStat, procStatPath)
+		s := newNodeCPUSampler(path)
+		_, err := s.sample()
+		switch {
+		case err == nil:
+			scope, a.nodeCPU = cpuNode, s
+		case scope == cpuNode:
+			return fmt.Errorf("cpu %s: the node's CPU cannot be read from %s (%v); cpu %s measures this process's CPU instead",
+				cpuNode, path, err, cpuProcess)
+		default:
+			a.logger.Debug("the node's CPU cannot be read: metric cpu measures this process's CPU",
+				zap.String("file", path), zap.Error(err))
+			scope = cpuProcess
+		}
+	}
+	a.cpuScope = scope
+	if scope == cpuNode {
+		a.metric = metricNodeCPU
+		a.params.Metric = a.metric
+	}
+	return nil
 }
 
 // UnmarshalJSON decodes the app's JSON as Caddy does, naming the field
@@ -361,7 +440,7 @@ const (
 
 // appOptions are the app's options, in the order checkOption checks them.
 var appOptions = []string{
-	"metric", "interval", "history", "freshness",
+	"metric", "cpu", "interval", "history", "freshness",
 	"threshold", "stop_band", "shed_rate", "min_connections", "boundary_timeout",
 	"join_settle",
 }
@@ -388,6 +467,12 @@ func (a *App) checkOption(opt string) error {
 		case "", metricConnections, metricThroughput, metricCPU:
 		default:
 			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, metricConnections, metricThroughput, metricCPU)
+		}
+	case "cpu":
+		switch a.CPU {
+		case "", cpuNode, cpuProcess:
+		default:
+			return fmt.Errorf("cpu %q: want %s or %s", a.CPU, cpuNode, cpuProcess)
 		}
 	case "interval":
 		return checkDuration(opt, a.Interval, minInterval, maxInterval)
@@ -420,6 +505,8 @@ func (a *App) checkOption(opt string) error {
 // other.
 func (a *App) checkRelations() error {
 	switch {
+	case a.CPU != "" && a.Metric != metricCPU:
+		return fmt.Errorf("cpu %q: cpu is only used with metric %s, and metric is %s", a.CPU, metricCPU, cmp.Or(a.Metric, metricConnections))
 	case a.history < a.interval:
 		return fmt.Errorf("history (%v) must be at least interval (%v)", a.history, a.interval)
 	case windowSize(a.history, a.interval) > maxWindowSamples:
@@ -467,7 +554,7 @@ func (a *App) settings() *settings {
 		interval: a.interval,
 		history:  a.history,
 		boundary: a.boundary,
-		metric:   a.Metric,
+		metric:   a.metric,
 		source:   a.source,
 		logger:   a.logger,
 		events:   a.events,
@@ -490,9 +577,13 @@ func (a *App) Start() error {
 		n.attach(s)
 	}
 	a.node = n
+	cpu := zap.Skip()
+	if a.cpuScope != "" {
+		cpu = zap.String("cpu", a.cpuScope)
+	}
 	a.logger.Info("rebalance started",
 		zap.String("node_name", n.name), zap.Bool("reused_state", loaded),
-		zap.String("metric", a.Metric), zap.Float64("threshold_percent", a.params.Threshold*100),
+		zap.String("metric", a.Metric), cpu, zap.Float64("threshold_percent", a.params.Threshold*100),
 		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
 		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history),
 		zap.Duration("boundary_timeout", a.boundary), zap.Duration("join_settle", a.params.joinSettle()))
@@ -529,10 +620,11 @@ func (a *App) Cleanup() error {
 type ShedResult = conntrack.ShedResult
 
 // processSource measures this process: its tracked connections, the
-// bytes its listener wrappers count, and its CPU.
+// bytes its listener wrappers count, and its CPU or the node's.
 type processSource struct {
 	tracker  *conntrack.Tracker
 	counters *conntrack.ByteCounters
+	nodeCPU  *nodeCPUSampler // cpu node; nil otherwise
 
 	mu      sync.Mutex
 	lastCPU time.Duration
@@ -551,6 +643,8 @@ func (p *processSource) Sample(metric string) (float64, int) {
 	switch metric {
 	case metricCPU:
 		return p.cpuPercent(), held
+	case metricNodeCPU:
+		return p.nodeCPUPercent(), held
 	case metricThroughput:
 		return p.bytesPerSecond(p.counters.Totals().Total(), time.Now()), held
 	}
@@ -585,6 +679,16 @@ func (p *processSource) cpuPercent() float64 {
 		}
 	}
 	p.lastCPU, p.lastAt = cpu, now
+	return pct
+}
+
+// nodeCPUPercent returns the node's CPU utilisation since the previous
+// call, in percent of all its CPUs (0 when it cannot be read).
+func (p *processSource) nodeCPUPercent() float64 {
+	if p.nodeCPU == nil {
+		return 0
+	}
+	pct, _ := p.nodeCPU.sample()
 	return pct
 }
 

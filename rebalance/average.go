@@ -79,11 +79,13 @@ func AverageConfig(name string, interval, freshness time.Duration) gossipavg.Con
 }
 
 // averageKinds are the direct-message kinds of the averaging, one per
-// metric: members balancing different metrics never average together.
+// metric: members balancing different metrics never average together
+// (the node's CPU and this process's among them).
 var averageKinds = map[string]byte{
 	metricConnections: 1,
 	metricThroughput:  2,
 	metricCPU:         3,
+	metricNodeCPU:     4,
 }
 
 // averager is a node's part in the gossip averaging. Its state machine
@@ -147,14 +149,16 @@ func newAverager(logger *zap.Logger) *averager {
 // prepare makes sure the averaging runs with s's settings through s's
 // cluster member: it registers the message handler (through a config's
 // new cluster app, superseding the old registration, as a reload does)
-// and makes a new state machine when the settings changed (a new
-// incarnation to the peers, which drop the old one's pairs).
+// and makes a new state machine when the settings or the metric changed
+// (a new incarnation to the peers, which drop the old one's pairs: an
+// estimate in one metric never flows into another's averaging).
 func (a *averager) prepare(s *settings, name string, now time.Time) error {
 	kind := averageKinds[s.metric]
 	cfg := AverageConfig(name, s.interval, s.params.Freshness)
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.cluster != s.cluster || a.kind != kind {
+	newKind := a.kind != kind
+	if a.cluster != s.cluster || newKind {
 		cancel, err := s.cluster.HandleDirect(kind, a.receive)
 		if err != nil {
 			return err
@@ -164,7 +168,7 @@ func (a *averager) prepare(s *settings, name string, now time.Time) error {
 		}
 		a.cluster, a.cancel, a.kind = s.cluster, cancel, kind
 	}
-	if a.state == nil || a.cfg != cfg {
+	if a.state == nil || a.cfg != cfg || newKind {
 		st, err := gossipavg.New(cfg, now, a.rng)
 		if err != nil {
 			// The app's bounds keep AverageConfig valid; say so if not.

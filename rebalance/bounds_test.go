@@ -67,6 +67,12 @@ func TestAppBoundsJSON(t *testing.T) {
 		{`"boundary_timeout": "x"`, "boundary_timeout: time: invalid duration"},
 		{`"join_settle": "25h"`, "join_settle 25h0m0s is above the maximum 24h0m0s"},
 		{`"metric": "ram"`, `metric "ram": want`},
+		{`"metric": "node_cpu"`, `metric "node_cpu": want connections, throughput or cpu`},
+		{`"metric": "cpu", "cpu": "bogus"`, `cpu "bogus": want node or process`},
+		{`"cpu": "NODE"`, `cpu "NODE": want node or process`},
+		{`"cpu": "node"`, `cpu "node": cpu is only used with metric cpu, and metric is connections`},
+		{`"metric": "throughput", "cpu": "process"`, `cpu "process": cpu is only used with metric cpu, and metric is throughput`},
+		{`"cpu": 1`, "appJSON.cpu of type string"},
 		{`"bogus": 1`, `unknown field "bogus"`},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
@@ -145,6 +151,14 @@ func TestAppBoundsCaddyfile(t *testing.T) {
 		{"rebalance {\n min_connections 99999999999\n}", "min_connections 99999999999: want a whole number from 0 to 10000000, at Testfile:2"},
 		{"rebalance {\n boundary_timeout 25h\n}", "boundary_timeout 25h0m0s is above the maximum 24h0m0s, at Testfile:2"},
 		{"rebalance {\n metric ram\n}", `metric "ram": want connections, throughput or cpu, at Testfile:2`},
+		{"rebalance {\n metric cpu\n cpu bogus\n}", `cpu "bogus": want node or process, at Testfile:3`},
+		{"rebalance {\n cpu bogus\n metric cpu\n}", `cpu "bogus": want node or process, at Testfile:2`},
+		{"rebalance {\n metric connections\n cpu node\n}", `cpu "node": cpu is only used with metric cpu, and metric is connections, at Testfile:`},
+		{"rebalance {\n cpu process\n}", `cpu "process": cpu is only used with metric cpu, and metric is connections, at Testfile:`},
+		{"rebalance {\n metric throughput\n cpu node\n}", `cpu "node": cpu is only used with metric cpu, and metric is throughput`},
+		{"rebalance {\n metric cpu\n cpu\n}", "cpu: missing value"},
+		{"rebalance {\n metric cpu\n cpu node process\n}", `cpu: one value expected, got another: "process"`},
+		{"rebalance {\n metric cpu\n cpu node\n cpu node\n}", "cpu specified more than once"},
 	} {
 		err := new(App).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
@@ -322,6 +336,8 @@ func FuzzAppJSON(f *testing.F) {
 		`{"min_connections": -9223372036854775808}`,
 		`{"freshness": "-9223372036854775807ns", "boundary_timeout": "2562047h"}`,
 		`{"metric": "cpu", "interval": 9223372036854775807}`,
+		`{"metric": "cpu", "cpu": "node"}`,
+		`{"metric": "throughput", "cpu": "process"}`,
 	} {
 		f.Add([]byte(seed))
 	}

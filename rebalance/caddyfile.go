@@ -21,6 +21,7 @@ func init() {
 //
 //	rebalance {
 //		metric          connections|throughput|cpu
+//		cpu             node|process
 //		interval        <duration>
 //		history         <duration>
 //		freshness       <duration>
@@ -33,8 +34,9 @@ func init() {
 //	}
 //
 // Every option is optional and may appear once; percentages may be
-// written with or without the % sign (20% or 20). boundary_timeout may be
-// 0 (the default: never forced); join_settle off turns that wait off.
+// written with or without the % sign (20% or 20). cpu goes with metric
+// cpu only. boundary_timeout may be 0 (the default: never forced);
+// join_settle off turns that wait off.
 // Each value is checked against the bounds of its JSON field as it is
 // read, so errors name their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -56,6 +58,14 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			a.Metric = val
+		case "cpu":
+			// Its values are checkOption's, and that it goes with metric
+			// cpu checkRelations'.
+			val, err := caddyopt.OneArg(d, what)
+			if err != nil {
+				return err
+			}
+			a.CPU = val
 		case "interval", "history", "freshness":
 			dur, err := caddyopt.PositiveDuration(d, what)
 			if err != nil {

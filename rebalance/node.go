@@ -181,9 +181,27 @@ func (n *node) Destruct() error {
 func (n *node) attach(s *settings) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	prev := n.owners[len(n.owners)-1]
 	n.owners = append(n.owners, s)
-	n.window.Resize(windowSize(s.history, s.interval))
-	n.recentSheds.Resize(windowSize(s.history, s.interval))
+	n.follow(prev, s)
+}
+
+// follow adapts the node's state to s, the settings that drive it after
+// prev: the windows take s's size, keeping their most recent samples,
+// but when the metric changed (a reload that changed metric or cpu) the
+// load's samples and the decision's state, in the old metric's unit, are
+// dropped, and the next step publishes a tag in the new metric. The
+// caller holds n.mu.
+func (n *node) follow(prev, s *settings) {
+	size := windowSize(s.history, s.interval)
+	n.recentSheds.Resize(size)
+	if prev.metric == s.metric {
+		n.window.Resize(size)
+		return
+	}
+	n.window = NewWindow(size)
+	n.shedding, n.lift = false, LiftState{}
+	n.sincePublished = 0
 }
 
 // detach removes the settings of a config that stopped; it returns the
@@ -198,10 +216,9 @@ func (n *node) detach(owner *App) {
 	if len(n.owners) == 1 {
 		return // Destruct withdraws the tag through it
 	}
+	prev := n.owners[len(n.owners)-1]
 	n.owners = slices.Delete(n.owners, gone, gone+1)
-	s := n.owners[len(n.owners)-1]
-	n.window.Resize(windowSize(s.history, s.interval))
-	n.recentSheds.Resize(windowSize(s.history, s.interval))
+	n.follow(prev, n.owners[len(n.owners)-1])
 }
 
 // driver returns the driving settings, or nil.
@@ -399,17 +416,17 @@ func (n *node) step(s *settings, now time.Time) {
 	}
 }
 
-// WithShedInFlight returns load, in metric's unit ("connections" or
-// "cpu"), with inFlight, the connections this node shed and whose clients
-// have likely not reconnected yet, counted as if still held. Without them
-// the cluster average would be short of the clients in flight, and every
-// node shedding toward it would shed too many. The caller fades each
-// shed out over `history` (Window.Fading): a client reconnects at its
-// next request, some time within that window, and a shed connection still
-// open `history` later counts again anyway (conntrack's overdue). held is
-// the connections the node holds; other metrics than connections are
-// scaled as if the load were spread evenly over them (as the shed is
-// sized).
+// WithShedInFlight returns load, in metric's unit (connections, bytes per
+// second or CPU percent), with inFlight, the connections this node shed
+// and whose clients have likely not reconnected yet, counted as if still
+// held. Without them the cluster average would be short of the clients in
+// flight, and every node shedding toward it would shed too many. The
+// caller fades each shed out over `history` (Window.Fading): a client
+// reconnects at its next request, some time within that window, and a
+// shed connection still open `history` later counts again anyway
+// (conntrack's overdue). held is the connections the node holds; other
+// metrics than connections are scaled as if the load were spread evenly
+// over them (as the shed is sized).
 func WithShedInFlight(metric string, load float64, held int, inFlight float64) float64 {
 	switch {
 	case inFlight <= 0:
@@ -485,7 +502,7 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 // formatLoad writes a load for people in its metric's unit: bytes per
 // second in SI units for throughput ("12 MB/s", as network rates are
 // quoted), otherwise the number ("1,234" connections, "45.1" percent of a
-// core).
+// core for cpu, of the node's CPUs for node_cpu).
 func formatLoad(metric string, v float64) string {
 	if metric == metricThroughput {
 		if !(v > 0) {
