@@ -426,6 +426,23 @@ func declaresModule(gomod, module string) bool {
 	return false
 }
 
+// caddyBinary returns the lbx Caddy binary a benchmark runs, and where it
+// came from: given (a -caddy flag) when set, else ./cmd/caddy of the lbx
+// module built into dir.
+func caddyBinary(ctx context.Context, given, dir string, progress io.Writer) (bin, source string, err error) {
+	if given != "" {
+		return given, "Caddy binary given with -caddy", nil
+	}
+	root, err := moduleRoot(ctx)
+	if err != nil {
+		return "", "", err
+	}
+	if bin, err = buildCaddy(ctx, root, dir, progress); err != nil {
+		return "", "", err
+	}
+	return bin, "./cmd/caddy built from " + gitState(ctx, root), nil
+}
+
 // buildCaddy builds ./cmd/caddy of the module at root into dir and
 // returns the binary's path.
 func buildCaddy(ctx context.Context, root, dir string, progress io.Writer) (string, error) {

@@ -99,16 +99,9 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		return nil, err
 	}
 	defer os.RemoveAll(tmp)
-	root, err := moduleRoot(ctx)
+	bin, source, err := caddyBinary(ctx, cfg.caddyBin, tmp, progress)
 	if err != nil {
 		return nil, err
-	}
-	bin, source := cfg.caddyBin, "Caddy binary given with -caddy"
-	if bin == "" {
-		if bin, err = buildCaddy(ctx, root, tmp, progress); err != nil {
-			return nil, err
-		}
-		source = "./cmd/caddy built from " + gitState(ctx, root)
 	}
 	title := "Rebalance scale-out"
 	if cfg.scenario == "rolling-restart" {

@@ -85,19 +85,16 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 		return nil, err
 	}
 	defer os.RemoveAll(tmp)
-	root, err := moduleRoot(ctx)
+	lbxBin, source, err := caddyBinary(ctx, cfg.caddyBin, tmp, progress)
 	if err != nil {
 		return nil, err
 	}
-	lbxBin, source := cfg.caddyBin, "Caddy binary given with -caddy"
-	if lbxBin == "" {
-		if lbxBin, err = buildCaddy(ctx, root, tmp, progress); err != nil {
-			return nil, err
-		}
-		source = "./cmd/caddy built from " + gitState(ctx, root)
-	}
 	stockBin, stockSource := cfg.stockBin, "stock Caddy given with -stock"
 	if stockBin == "" {
+		root, err := moduleRoot(ctx)
+		if err != nil {
+			return nil, err
+		}
 		stockBin = filepath.Join(tmp, "stock-caddy")
 		fmt.Fprintf(progress, "building stock Caddy …\n")
 		if err := fleet.BuildStockCaddy(ctx, root, stockBin); err != nil {

@@ -98,17 +98,8 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 // versions, notes on the policies skipped because their proxy is not
 // installed, and the policies that can run.
 func setupTools(ctx context.Context, caddyBin string, policies []policy, tmp string, progress io.Writer) (t tools, source string, versions map[string]string, notes []string, pols []policy, err error) {
-	t = tools{caddy: caddyBin}
-	source = "Caddy binary given with -caddy"
-	if t.caddy == "" {
-		root, err := moduleRoot(ctx)
-		if err != nil {
-			return t, "", nil, nil, nil, err
-		}
-		if t.caddy, err = buildCaddy(ctx, root, tmp, progress); err != nil {
-			return t, "", nil, nil, nil, err
-		}
-		source = "./cmd/caddy built from " + gitState(ctx, root)
+	if t.caddy, source, err = caddyBinary(ctx, caddyBin, tmp, progress); err != nil {
+		return t, "", nil, nil, nil, err
 	}
 	versions = map[string]string{"go": runtime.Version(), "caddy": toolVersion(ctx, t.caddy, "version")}
 	// Keep only the policies that can run here; note the others.
