@@ -57,6 +57,9 @@ func (s *server) namedCases() []badCase {
 		s.jsonCase("rebalance interval 1ns", "interval", setApp("rebalance", "interval", 1)),
 		s.jsonCase("rebalance history 1000000h", "history", setApp("rebalance", "history", "1000000h")),
 		s.jsonCase("rebalance threshold 1e18", "threshold", setApp("rebalance", "threshold", 1e18)),
+		s.jsonCase("rebalance join_settle 1000000h", "join_settle", setApp("rebalance", "join_settle", "1000000h")),
+		s.jsonCase("rebalance cpu bogus", "cpu", setApp("rebalance", "cpu", "bogus")),
+		s.jsonCase("rebalance cpu node with metric connections", "only used with metric cpu", setApp("rebalance", "cpu", "node")),
 		s.jsonCase("cluster tags over 512 bytes", "tag", setApp("cluster", "tags.big", strings.Repeat("x", 600))),
 		s.jsonCase("partition poll_interval 1ns", "poll_interval", func(cfg map[string]any) {
 			for _, o := range find(cfg, func(o map[string]any) bool { return o["handler"] == "partition" && o["naming_file"] != nil }) {
@@ -76,6 +79,8 @@ func (s *server) namedCases() []badCase {
 			"\trebalance {\n\t\tmetric", "\trebalance {\n\t}\n\trebalance {\n\t\tmetric"),
 		s.caddyfileCase("Caddyfile rebalance interval 1ns", "Caddyfile:", "interval 1s\n\t\thistory", "interval 1ns\n\t\thistory"),
 		s.caddyfileCase("Caddyfile rebalance history 1000000h", "Caddyfile:", "history 10s", "history 1000000h"),
+		s.caddyfileCase("Caddyfile rebalance join_settle 0", `join_settle \"0\": want a positive duration such as 5s, or off, at Caddyfile:`, "boundary_timeout 30s", "boundary_timeout 30s\n\t\tjoin_settle 0"),
+		s.caddyfileCase("Caddyfile rebalance cpu bogus", "Caddyfile:", "boundary_timeout 30s", "boundary_timeout 30s\n\t\tcpu bogus"),
 	}
 }
 
