@@ -94,8 +94,8 @@ func TestProvisionDefaults(t *testing.T) {
 	if err := a.Provision(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if a.NodeName != host || a.Bind != "0.0.0.0:7946" || a.Key() != "0.0.0.0:7946" || a.keyBytes != nil {
-		t.Errorf("defaults: node_name %q (host %q), bind %q, key %q, encrypted %v", a.NodeName, host, a.Bind, a.Key(), a.keyBytes != nil)
+	if a.NodeName != host || a.Bind != "0.0.0.0:7946" || a.Key() != "0.0.0.0:7946" || a.keys != nil {
+		t.Errorf("defaults: node_name %q (host %q), bind %q, key %q, encrypted %v", a.NodeName, host, a.Bind, a.Key(), a.keys != nil)
 	}
 	if a.pooledMember() != nil {
 		t.Error("Provision started a serf member")

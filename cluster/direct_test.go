@@ -296,7 +296,10 @@ func TestDirectHostileDatagrams(t *testing.T) {
 			apps := directCluster(t, fmt.Sprintf("hostile%d", i), 2, key)
 			a, b := apps[0], apps[1]
 			box := listenDirectKind(t, b, 1)
-			k := b.keyBytes // nil without a key
+			var k []byte // nil without a key
+			if len(b.keys) > 0 {
+				k = b.keys[0]
+			}
 			conn, err := net.Dial("udp", b.gossipAddr())
 			if err != nil {
 				t.Fatal(err)
@@ -404,7 +407,7 @@ func TestDirectHostileDatagrams(t *testing.T) {
 // mustDecodeKey decodes a base64 gossip key.
 func mustDecodeKey(t *testing.T, key string) []byte {
 	t.Helper()
-	k, err := decodeKey(key)
+	k, err := parseKey(key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -584,7 +587,7 @@ func TestDirectShutdown(t *testing.T) {
 func TestDirectTransportReleasedWhenSerfFails(t *testing.T) {
 	port := freePort(t)
 	s := &settings{name: "refused", logger: zap.NewNop(), tags: map[string]string{"big": strings.Repeat("x", 600)}}
-	if m, err := newMember("refused", s, nil, "127.0.0.1", port); err == nil {
+	if m, err := newMember("refused", s, "127.0.0.1", port); err == nil {
 		m.Destruct()
 		t.Fatal("serf started with 600 bytes of tags")
 	}
