@@ -70,8 +70,9 @@ type App struct {
 	// EncryptKey is the base64 gossip encryption key (16, 24 or 32 bytes
 	// decoded; e.g. `head -c32 /dev/urandom | base64`), the same on every
 	// node; placeholders such as {env.LBX_GOSSIP_KEY} are replaced. A node
-	// with another key cannot join. Default: none, gossip in clear text (a
-	// warning is logged).
+	// with another key cannot join. For several keys (a rotation), see
+	// EncryptKeys. Default: none, gossip in clear text (a warning is
+	// logged).
 	EncryptKey string `json:"encrypt_key,omitempty"`
 
 	// EncryptKeys are several gossip keys, primary first, instead of
@@ -161,10 +162,11 @@ func (a *App) configuredKeys() ([]string, string) {
 	return a.EncryptKeys, "encrypt_keys"
 }
 
-// decodeKeys decodes the configured keys, primary first. With replace
-// false (the Caddyfile, read before the environment is the server's), a
-// key with a placeholder is only checked to be non-empty and is left out
-// of the result; Provision decodes with replace true.
+// decodeKeys decodes the configured keys, primary first, and checks
+// their count and that none is there twice. With replace false (the
+// Caddyfile, adapted where the server's environment may not be), a key
+// with a placeholder is left unchecked and out of the result; Provision
+// decodes with replace true.
 func (a *App) decodeKeys(replace bool) ([][]byte, error) {
 	if a.EncryptKey != "" && len(a.EncryptKeys) > 0 {
 		return nil, errors.New("encrypt_key and encrypt_keys are both set; use encrypt_keys alone for several keys, primary first")
@@ -368,7 +370,9 @@ func (a *App) Start() error {
 		}
 	}
 	a.member = m
-	if a.keys == nil {
+	if m.keyring == nil {
+		// The member's state, not this config's: a reload cannot turn
+		// encryption on (attach warns).
 		a.logger.Warn("gossip is not encrypted: anyone who can reach the bind address can join the cluster and read its traffic; set encrypt_key",
 			zap.String("bind", a.Bind))
 	}

@@ -52,19 +52,11 @@ func TestAppBoundsJSON(t *testing.T) {
 // TestAppBoundsCaddyfile: the same bounds from the Caddyfile, each error
 // with its line.
 func TestAppBoundsCaddyfile(t *testing.T) {
-	for _, tc := range []struct{ in, want string }{
+	checkCaddyfileErrors(t, []caddyfileCase{
 		{"cluster {\n join 10.0.0.1:7946 10.0.0.2:0\n}", `join "10.0.0.2:0": port 0 cannot be joined`},
 		{"cluster {\n bind 127.0.0.1:70000\n}", `bind "127.0.0.1:70000": invalid port`},
 		{"cluster {\n tags {\n  a " + strings.Repeat("x", 300) + "\n  b " + strings.Repeat("y", 300) + "\n }\n}", "above serf's limit of 512"},
-	} {
-		err := new(App).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
-		}
-		if err != nil && !strings.Contains(err.Error(), "Testfile:") {
-			t.Errorf("%q: error %q does not name its line", tc.in, err)
-		}
-	}
+	})
 }
 
 // TestRefreshBounds: refresh of dynamic serf, in JSON (the field named

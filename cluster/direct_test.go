@@ -13,8 +13,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
@@ -156,24 +154,10 @@ func dropped(a *App) uint64 {
 // collector; -1 when there is no such series.
 func directSeries(t *testing.T, node, direction, result string) float64 {
 	t.Helper()
-	ch := make(chan prometheus.Metric, 1000)
-	collector{}.Collect(ch)
-	close(ch)
 	value := -1.0
-	for m := range ch {
-		if m.Desc() != descDirectMessages {
-			continue
-		}
-		var pb dto.Metric
-		if err := m.Write(&pb); err != nil {
-			t.Fatal(err)
-		}
-		labels := map[string]string{}
-		for _, l := range pb.GetLabel() {
-			labels[l.GetName()] = l.GetValue()
-		}
-		if labels["node"] == node && labels["direction"] == direction && labels["result"] == result {
-			value = pb.GetCounter().GetValue()
+	for _, s := range collect(t, descDirectMessages) {
+		if s.labels["node"] == node && s.labels["direction"] == direction && s.labels["result"] == result {
+			value = s.value
 		}
 	}
 	return value

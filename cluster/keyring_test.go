@@ -18,8 +18,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/hashicorp/memberlist"
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
@@ -94,22 +92,14 @@ func TestKeysCaddyfile(t *testing.T) {
 	if want := []string{otherGossipKey, "{env.LBX_NEXT}", testGossipKey}; a.EncryptKey != "" || !slices.Equal(a.EncryptKeys, want) {
 		t.Errorf("several keys: encrypt_key %q, encrypt_keys %q; want %q", a.EncryptKey, a.EncryptKeys, want)
 	}
-	for _, tc := range []struct{ in, want string }{
+	checkCaddyfileErrors(t, []caddyfileCase{
 		{"cluster {\n encrypt_key\n}", "encrypt_key: missing value"},
 		{"cluster {\n encrypt_key " + testGossipKey + " bad!\n}", "encrypt_keys[1]: not valid base64"},
 		{"cluster {\n encrypt_key c2hvcnQ=\n}", "encrypt_key: decodes to 5 bytes"},
 		{"cluster {\n encrypt_key " + testGossipKey + " " + testGossipKey + "\n}", "encrypt_keys[1]: the same key as encrypt_keys[0]"},
 		{"cluster {\n encrypt_key " + strings.Repeat(testGossipKey+" ", 17) + "\n}", "encrypt_keys: 17 keys; at most 16"},
 		{"cluster {\n encrypt_key " + testGossipKey + "\n encrypt_key " + otherGossipKey + "\n}", "encrypt_key specified more than once"},
-	} {
-		err := new(App).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%.60q: error %v; want one containing %q", tc.in, err, tc.want)
-		}
-		if err != nil && !strings.Contains(err.Error(), "Testfile:") {
-			t.Errorf("%.60q: error %q does not name its line", tc.in, err)
-		}
-	}
+	})
 }
 
 // TestReconcileKeys: a changed key list installs its new keys on the
@@ -511,23 +501,9 @@ func TestKeyringReloadEncryptionToggle(t *testing.T) {
 // "op/result", from one collection of the metrics collector.
 func keyringSeries(t *testing.T) map[string]float64 {
 	t.Helper()
-	ch := make(chan prometheus.Metric, 1000)
-	collector{}.Collect(ch)
-	close(ch)
 	out := map[string]float64{}
-	for m := range ch {
-		if m.Desc() != descKeyringOps {
-			continue
-		}
-		var pb dto.Metric
-		if err := m.Write(&pb); err != nil {
-			t.Fatal(err)
-		}
-		labels := map[string]string{}
-		for _, l := range pb.GetLabel() {
-			labels[l.GetName()] = l.GetValue()
-		}
-		out[labels["op"]+"/"+labels["result"]] = pb.GetCounter().GetValue()
+	for _, s := range collect(t, descKeyringOps) {
+		out[s.labels["op"]+"/"+s.labels["result"]] = s.value
 	}
 	return out
 }
