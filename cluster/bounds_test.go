@@ -35,18 +35,24 @@ func TestAppBoundsJSON(t *testing.T) {
 			if strings.HasPrefix(tc.json, `"node_name"`) {
 				raw = []byte(`{` + tc.json + `}`)
 			}
-			a := new(App)
-			err := caddy.StrictUnmarshalJSON(raw, a)
-			if err == nil {
-				ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-				err = a.Provision(ctx)
-				cancel()
-			}
+			err := provisionJSON(raw)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("error %v; want one containing %q", err, tc.want)
 			}
 		})
 	}
+}
+
+// provisionJSON decodes the app from raw as Caddy does, and provisions
+// it.
+func provisionJSON(raw []byte) error {
+	a := new(App)
+	if err := caddy.StrictUnmarshalJSON(raw, a); err != nil {
+		return err
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	return a.Provision(ctx)
 }
 
 // TestAppBoundsCaddyfile: the same bounds from the Caddyfile, each error

@@ -44,13 +44,7 @@ func TestKeysBoundsJSON(t *testing.T) {
 		{`"encrypt_keys": "` + testGossipKey + `"`, "appJSON.encrypt_keys of type []string"},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
-			a := new(App)
-			err := caddy.StrictUnmarshalJSON([]byte(`{"node_name": "keys", `+tc.json+`}`), a)
-			if err == nil {
-				ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-				err = a.Provision(ctx)
-				cancel()
-			}
+			err := provisionJSON([]byte(`{"node_name": "keys", ` + tc.json + `}`))
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("error %v; want one containing %q", err, tc.want)
 			}
