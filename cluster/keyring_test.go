@@ -275,6 +275,17 @@ func TestKeyringRotationAdmin(t *testing.T) {
 		}
 	}
 
+	// A key no node has cannot be used: every node says so, by name.
+	code, rep, msg = keyringCall(t, apps[1], http.MethodPost, opUse, keyBody(otherGossipKey))
+	if code != http.StatusBadGateway || rep.Responses != 3 || len(rep.Errors) != 3 || !strings.Contains(msg, "use key "+newID+": 3/3 nodes reported failure") {
+		t.Errorf("use before install: %d %+v; want 502 with the 3 nodes' errors", code, rep)
+	}
+	for i, e := range rep.Errors {
+		if want := fmt.Sprintf("rot-%d", i); e.Node != want || !strings.Contains(e.Message, "not in the keyring") {
+			t.Errorf("use before install: error %d %+v; want %s's saying the key is not in the keyring", i, e, want)
+		}
+	}
+
 	step(apps[0], opInstall, otherGossipKey, newID)
 	list(apps[1], 2, oldID)
 	exchangeAll(t, apps, boxes, "installed")
@@ -319,7 +330,7 @@ func TestKeyringRotationAdmin(t *testing.T) {
 	counts := keyringSeries(t)
 	for series, want := range map[string]float64{
 		"list/ok": 4, "install/ok": 1, "use/ok": 1, "remove/ok": 1,
-		"remove/refused": 1, "install/refused": 4, "use/refused": 1,
+		"remove/refused": 1, "install/refused": 4, "use/refused": 1, "use/failed": 1,
 	} {
 		if got := counts[series] - counts0[series]; got != want {
 			t.Errorf("caddy_lbx_cluster_keyring_operations_total{%s} rose by %v; want %v", series, got, want)
@@ -348,6 +359,21 @@ func TestKeyringRotationAdmin(t *testing.T) {
 				t.Errorf("%s lists the stale node (%s)", a.NodeName, m.Status)
 			}
 		}
+	}
+}
+
+// TestDescribeKeys: the join error's account of this node's keys.
+func TestDescribeKeys(t *testing.T) {
+	if got := describeKeys(nil); !strings.Contains(got, "clear text") {
+		t.Errorf("no keyring: %q", got)
+	}
+	kr, err := memberlist.NewKeyring([][]byte{mustDecodeKey(t, otherGossipKey)}, mustDecodeKey(t, testGossipKey))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "this node's gossip keys: primary " + keyID(mustDecodeKey(t, testGossipKey)) + ", also " + keyID(mustDecodeKey(t, otherGossipKey)) + ";"
+	if got := describeKeys(kr); !strings.HasPrefix(got, want) {
+		t.Errorf("two keys: %q; want it to start %q", got, want)
 	}
 }
 
