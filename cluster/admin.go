@@ -1,10 +1,14 @@
 package cluster
 
 import (
+	"encoding/json"
+	"errors"
 	"fmt"
+	"net/http"
 	"sort"
 
 	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/adminjson"
 )
@@ -22,6 +26,19 @@ func init() {
 // address, whether gossip is encrypted, the last join error, a name
 // conflict if serf shut it down over one, and every member serf knows
 // with its status and tags.
+//
+// It also manages the gossip keyring across the cluster, through serf's
+// key queries (like `consul keyring`):
+//
+//	GET  /lbx/cluster/keys          the keys the nodes have
+//	POST /lbx/cluster/keys/install  {"key": "<base64>"}: every node adds it
+//	POST /lbx/cluster/keys/use      {"key": "<base64>"}: every node's primary
+//	POST /lbx/cluster/keys/remove   {"key": "<base64>"}: every node drops it
+//
+// Each answers a keyringReport: the nodes asked, their answers and
+// errors by node, and for the list each key's fingerprint with how many
+// nodes have it and use it as primary; never a key. Add `?bind=<host:port>`
+// when the process runs more than one member (see the view's bind).
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -34,10 +51,117 @@ func (adminAPI) CaddyModule() caddy.ModuleInfo {
 
 // Routes returns the admin routes.
 func (adminAPI) Routes() []caddy.AdminRoute {
-	return []caddy.AdminRoute{{
+	routes := []caddy.AdminRoute{{
 		Pattern: "/lbx/cluster",
 		Handler: adminjson.Handler(buildClusterView),
 	}}
+	for op := range keyringOps {
+		routes = append(routes, caddy.AdminRoute{Pattern: keyringPath(op), Handler: keyringHandler(op)})
+	}
+	return routes
+}
+
+// keyringPath is the admin path of a keyring operation.
+func keyringPath(op keyringOp) string {
+	if op == opList {
+		return "/lbx/cluster/keys"
+	}
+	return "/lbx/cluster/keys/" + op.String()
+}
+
+// maxKeyringBody bounds a keyring request's body: a key is at most 44
+// bytes of base64.
+const maxKeyringBody = 1 << 10
+
+// keyringHandler serves op: GET for the list, POST with {"key": ...}
+// for the others. A bad request is refused (and counted) before any
+// query; the answer is 200 when every node succeeded, else 502 with the
+// report, whose error field says what failed.
+func keyringHandler(op keyringOp) caddy.AdminHandlerFunc {
+	method := http.MethodPost
+	if op == opList {
+		method = http.MethodGet
+	}
+	return func(w http.ResponseWriter, r *http.Request) error {
+		if r.Method != method {
+			return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; %s takes %s", r.Method, keyringPath(op), method)}
+		}
+		m, err := keyringMember(r.URL.Query().Get("bind"))
+		if err != nil {
+			return err
+		}
+		var key []byte
+		if op != opList {
+			if key, err = readKeyRequest(w, r); err != nil {
+				keyringCounts[op][resultRefused].Add(1)
+				m.logger.Warn("gossip keyring operation", zap.String("op", op.String()), zap.String("result", "refused"), zap.Error(err))
+				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
+			}
+		}
+		rep, err := m.keyringOp(op, key)
+		var refused errKeyringRefused
+		if errors.As(err, &refused) {
+			return caddy.APIError{HTTPStatus: http.StatusConflict, Err: refused.error}
+		}
+		w.Header().Set("Content-Type", "application/json")
+		if err != nil {
+			w.WriteHeader(http.StatusBadGateway)
+		}
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	}
+}
+
+// readKeyRequest reads {"key": "<base64>"} and decodes the key; its
+// errors name the problem, never the key.
+func readKeyRequest(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	var body struct {
+		Key string `json:"key"`
+	}
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxKeyringBody))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&body); err != nil {
+		return nil, fmt.Errorf(`request body: want {"key": "<base64 key>"}: %v`, err)
+	}
+	if body.Key == "" {
+		return nil, errors.New(`request body: key is missing or empty; want {"key": "<base64 key>"}`)
+	}
+	key, err := parseKey(body.Key)
+	if err != nil {
+		return nil, fmt.Errorf("key: %v", err)
+	}
+	return key, nil
+}
+
+// keyringMember returns the running serf member a keyring request is
+// for: the process's only one, or the one bound to bind.
+func keyringMember(bind string) (*member, error) {
+	var running []*member
+	var binds []string
+	members.Range(func(_, v any) bool {
+		if m := v.(*member); m.running() {
+			running = append(running, m)
+			binds = append(binds, m.key)
+		}
+		return true
+	})
+	sort.Strings(binds)
+	if bind != "" {
+		for _, m := range running {
+			if m.key == bind {
+				return m, nil
+			}
+		}
+		return nil, caddy.APIError{HTTPStatus: http.StatusNotFound, Err: fmt.Errorf("bind %q: no running serf member binds it; running: %v", bind, binds)}
+	}
+	switch len(running) {
+	case 0:
+		return nil, caddy.APIError{HTTPStatus: http.StatusServiceUnavailable, Err: ErrNotRunning}
+	case 1:
+		return running[0], nil
+	}
+	return nil, caddy.APIError{HTTPStatus: http.StatusConflict, Err: fmt.Errorf("%d serf members run in this process (binds %v); choose one with ?bind=<host:port>", len(running), binds)}
 }
 
 // nodeView is one serf member of this process in the admin view.

@@ -70,9 +70,23 @@ type App struct {
 	// EncryptKey is the base64 gossip encryption key (16, 24 or 32 bytes
 	// decoded; e.g. `head -c32 /dev/urandom | base64`), the same on every
 	// node; placeholders such as {env.LBX_GOSSIP_KEY} are replaced. A node
-	// with another key cannot join. Default: none, gossip in clear text (a
-	// warning is logged).
+	// with another key cannot join. For several keys (a rotation), see
+	// EncryptKeys. Default: none, gossip in clear text (a warning is
+	// logged).
 	EncryptKey string `json:"encrypt_key,omitempty"`
+
+	// EncryptKeys are several gossip keys, primary first, instead of
+	// EncryptKey (setting both is an error): the primary encrypts what
+	// this node sends, and every key decrypts what it receives, so that a
+	// key can be rotated with no restart by rolling configs ([old, new]
+	// on every node, then [new, old], then [new]). Each is checked as
+	// EncryptKey is; at most 16, no duplicates. When a reload keeps the
+	// running member and changes this list, the new keys are installed on
+	// this node, the new primary used, and the keys the list dropped
+	// removed; a reload that keeps the list leaves the keyring as it is
+	// (keys installed through the admin API stay). Turning encryption on
+	// or off still needs a restart. Default: none.
+	EncryptKeys []string `json:"encrypt_keys,omitempty"`
 
 	// Tags are serf tags this node publishes for discovery (e.g. role,
 	// zone, the port it serves on). Keys starting with "lbx_" are
@@ -80,8 +94,7 @@ type App struct {
 	// the ones lbx publishes: a config whose tags do not fit is refused.
 	Tags map[string]string `json:"tags,omitempty"`
 
-	keyBytes []byte
-	keyID    string
+	keys     [][]byte // the decoded gossip keys, primary first; nil: none
 	bindHost string
 	bindPort int
 	poolKey  string
@@ -122,15 +135,11 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := a.Validate(); err != nil {
 		return err
 	}
-	if a.EncryptKey != "" {
-		key, err := decodeKey(a.EncryptKey)
-		if err != nil {
-			return err
-		}
-		a.keyBytes = key
-		sum := sha256.Sum256(key)
-		a.keyID = hex.EncodeToString(sum[:4])
+	keys, err := a.decodeKeys(true)
+	if err != nil {
+		return err
 	}
+	a.keys = keys
 	a.bindHost, a.bindPort, _ = splitHostPort(a.Bind, "bind")
 	a.poolKey = net.JoinHostPort(a.bindHost, strconv.Itoa(a.bindPort))
 	if a.bindPort == 0 {
@@ -140,20 +149,83 @@ func (a *App) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// decodeKey replaces placeholders in the configured key and decodes it.
-func decodeKey(configured string) ([]byte, error) {
-	raw := caddy.NewReplacer().ReplaceAll(configured, "")
-	if raw == "" {
-		return nil, fmt.Errorf("encrypt_key %q is empty once placeholders are replaced (is the environment variable set?)", configured)
+// maxKeys is the most gossip keys a config may carry: a rotation needs
+// two or three, and every received packet may be tried with each.
+const maxKeys = 16
+
+// configuredKeys returns the configured keys, primary first, and the
+// option that carries them.
+func (a *App) configuredKeys() ([]string, string) {
+	if a.EncryptKey != "" {
+		return []string{a.EncryptKey}, "encrypt_key"
 	}
-	key, err := base64.StdEncoding.DecodeString(raw)
+	return a.EncryptKeys, "encrypt_keys"
+}
+
+// decodeKeys decodes the configured keys, primary first, and checks
+// their count and that none is there twice. With replace false (the
+// Caddyfile, adapted where the server's environment may not be), a key
+// with a placeholder is left unchecked and out of the result; Provision
+// decodes with replace true.
+func (a *App) decodeKeys(replace bool) ([][]byte, error) {
+	if a.EncryptKey != "" && len(a.EncryptKeys) > 0 {
+		return nil, errors.New("encrypt_key and encrypt_keys are both set; use encrypt_keys alone for several keys, primary first")
+	}
+	raw, opt := a.configuredKeys()
+	if len(raw) > maxKeys {
+		return nil, fmt.Errorf("%s: %d keys; at most %d", opt, len(raw), maxKeys)
+	}
+	var keys [][]byte
+	seen := make(map[string]int, len(raw))
+	for i, configured := range raw {
+		name := opt
+		if opt == "encrypt_keys" {
+			name = fmt.Sprintf("encrypt_keys[%d]", i)
+		}
+		value := configured
+		if strings.Contains(configured, "{") {
+			if !replace {
+				continue
+			}
+			value = caddy.NewReplacer().ReplaceAll(configured, "")
+		}
+		if configured == "" {
+			return nil, fmt.Errorf("%s is empty; want a base64 key", name)
+		}
+		if value == "" {
+			return nil, fmt.Errorf("%s %q is empty once placeholders are replaced (is the environment variable set?)", name, configured)
+		}
+		key, err := parseKey(value)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %v", name, err)
+		}
+		if j, dup := seen[string(key)]; dup {
+			return nil, fmt.Errorf("%s: the same key as encrypt_keys[%d] (fingerprint %s); list each key once", name, j, keyID(key))
+		}
+		seen[string(key)] = i
+		keys = append(keys, key)
+	}
+	return keys, nil
+}
+
+// parseKey decodes a base64 gossip key and checks its length. Its errors
+// never quote the key.
+func parseKey(b64 string) ([]byte, error) {
+	key, err := base64.StdEncoding.DecodeString(b64)
 	if err != nil {
-		return nil, fmt.Errorf("encrypt_key: not valid base64: %v", err)
+		return nil, fmt.Errorf("not valid base64: %v", err)
 	}
 	if err := memberlist.ValidateKey(key); err != nil {
-		return nil, fmt.Errorf("encrypt_key: decodes to %d bytes; want 16, 24 or 32 (AES-128, -192 or -256)", len(key))
+		return nil, fmt.Errorf("decodes to %d bytes; want 16, 24 or 32 (AES-128, -192 or -256)", len(key))
 	}
 	return key, nil
+}
+
+// keyID is a gossip key's fingerprint, which logs, errors and the admin
+// API show instead of the key: the first 4 bytes of its SHA-256, in hex.
+func keyID(key []byte) string {
+	sum := sha256.Sum256(key)
+	return hex.EncodeToString(sum[:4])
 }
 
 // UnmarshalJSON decodes the app's JSON as Caddy does, naming the field
@@ -168,7 +240,7 @@ func (a *App) UnmarshalJSON(b []byte) error {
 const maxNodeName = 128
 
 // options are the app's options, in the order checkOption checks them.
-var options = []string{"node_name", "bind", "advertise", "join", "tags"}
+var options = []string{"node_name", "bind", "advertise", "join", "encrypt_key", "tags"}
 
 // Validate checks every option. Provision runs it before anything sized
 // by the options exists; the Caddyfile checks each option as it is read.
@@ -208,6 +280,9 @@ func (a *App) checkOption(opt string) error {
 				return fmt.Errorf("join %q: port 0 cannot be joined; want 1 to 65535", j)
 			}
 		}
+	case "encrypt_key", "encrypt_keys":
+		_, err := a.decodeKeys(false)
+		return err
 	case "tags":
 		for k, v := range a.Tags {
 			if strings.HasPrefix(k, reservedTagPrefix) {
@@ -281,7 +356,7 @@ func (a *App) Start() error {
 	}
 	s := a.settings()
 	val, loaded, err := members.LoadOrNew(a.poolKey, func() (caddy.Destructor, error) {
-		return newMember(a.poolKey, s, a.keyBytes, a.bindHost, a.bindPort)
+		return newMember(a.poolKey, s, a.bindHost, a.bindPort)
 	})
 	if err != nil {
 		return fmt.Errorf("cluster: %v", err)
@@ -295,7 +370,9 @@ func (a *App) Start() error {
 		}
 	}
 	a.member = m
-	if a.keyBytes == nil {
+	if m.keyring == nil {
+		// The member's state, not this config's: a reload cannot turn
+		// encryption on (attach warns).
 		a.logger.Warn("gossip is not encrypted: anyone who can reach the bind address can join the cluster and read its traffic; set encrypt_key",
 			zap.String("bind", a.Bind))
 	}
@@ -309,7 +386,7 @@ func (a *App) Start() error {
 func (a *App) settings() *settings {
 	return &settings{
 		owner: a, tags: maps.Clone(a.Tags), join: a.Join, logger: a.logger,
-		name: a.NodeName, keyID: a.keyID, advertise: a.Advertise,
+		name: a.NodeName, keys: a.keys, advertise: a.Advertise,
 	}
 }
 

@@ -35,13 +35,7 @@ func TestAppBoundsJSON(t *testing.T) {
 			if strings.HasPrefix(tc.json, `"node_name"`) {
 				raw = []byte(`{` + tc.json + `}`)
 			}
-			a := new(App)
-			err := caddy.StrictUnmarshalJSON(raw, a)
-			if err == nil {
-				ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-				err = a.Provision(ctx)
-				cancel()
-			}
+			err := provisionJSON(raw)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("error %v; want one containing %q", err, tc.want)
 			}
@@ -49,22 +43,26 @@ func TestAppBoundsJSON(t *testing.T) {
 	}
 }
 
+// provisionJSON decodes the app from raw as Caddy does, and provisions
+// it.
+func provisionJSON(raw []byte) error {
+	a := new(App)
+	if err := caddy.StrictUnmarshalJSON(raw, a); err != nil {
+		return err
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	return a.Provision(ctx)
+}
+
 // TestAppBoundsCaddyfile: the same bounds from the Caddyfile, each error
 // with its line.
 func TestAppBoundsCaddyfile(t *testing.T) {
-	for _, tc := range []struct{ in, want string }{
+	checkCaddyfileErrors(t, []caddyfileCase{
 		{"cluster {\n join 10.0.0.1:7946 10.0.0.2:0\n}", `join "10.0.0.2:0": port 0 cannot be joined`},
 		{"cluster {\n bind 127.0.0.1:70000\n}", `bind "127.0.0.1:70000": invalid port`},
 		{"cluster {\n tags {\n  a " + strings.Repeat("x", 300) + "\n  b " + strings.Repeat("y", 300) + "\n }\n}", "above serf's limit of 512"},
-	} {
-		err := new(App).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
-		}
-		if err != nil && !strings.Contains(err.Error(), "Testfile:") {
-			t.Errorf("%q: error %q does not name its line", tc.in, err)
-		}
-	}
+	})
 }
 
 // TestRefreshBounds: refresh of dynamic serf, in JSON (the field named

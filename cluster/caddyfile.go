@@ -19,11 +19,14 @@ func init() {
 //		bind        <host:port>
 //		advertise   <host:port>
 //		join        <host:port>...
-//		encrypt_key <base64 key>
+//		encrypt_key <base64 key>...
 //		tags {
 //			<key> <value>
 //		}
 //	}
+//
+// encrypt_key takes one key (JSON encrypt_key) or several, primary
+// first (JSON encrypt_keys).
 //
 // Every option is optional and may appear once. Each value is checked
 // against the bounds of its JSON field as it is read, so errors name
@@ -41,7 +44,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return err
 		}
 		switch opt {
-		case "node_name", "bind", "advertise", "encrypt_key":
+		case "node_name", "bind", "advertise":
 			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
 				return err
@@ -53,8 +56,17 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.Bind = val
 			case "advertise":
 				a.Advertise = val
-			case "encrypt_key":
-				a.EncryptKey = val
+			}
+		case "encrypt_key":
+			keys, err := caddyopt.Args(d, what)
+			if err != nil {
+				return err
+			}
+			a.EncryptKey, a.EncryptKeys = "", nil
+			if len(keys) == 1 {
+				a.EncryptKey = keys[0]
+			} else {
+				a.EncryptKeys = keys
 			}
 		case "join":
 			join, err := caddyopt.Args(d, what)

@@ -13,7 +13,7 @@ import (
 // TestUnmarshalCaddyfileErrors covers every error path of the global
 // option, each with the line it names.
 func TestUnmarshalCaddyfileErrors(t *testing.T) {
-	for _, tc := range []struct{ in, want string }{
+	checkCaddyfileErrors(t, []caddyfileCase{
 		{"cluster extra", `cluster: unexpected argument "extra"; options go in a block`},
 		{"cluster {\n node_name\n}", "node_name: missing value"},
 		{"cluster {\n node_name a b\n}", `node_name: one value expected, got another: "b"`},
@@ -25,13 +25,24 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"cluster {\n tags {\n  lbx_load 1\n }\n}", `tag "lbx_load": keys starting with lbx_ are reserved`},
 		{"cluster {\n bind 127.0.0.1:1\n bind 127.0.0.1:2\n}", "cluster: bind specified more than once"},
 		{"cluster {\n metric cpu\n}", `cluster: unknown option "metric" (want node_name, bind, advertise, join, encrypt_key or tags)`},
-	} {
+	})
+}
+
+// caddyfileCase is a `cluster` global option the Caddyfile refuses, and
+// what the error must contain.
+type caddyfileCase struct{ in, want string }
+
+// checkCaddyfileErrors reads each case's option: each must be refused
+// with its error, which names its line.
+func checkCaddyfileErrors(t *testing.T, cases []caddyfileCase) {
+	t.Helper()
+	for _, tc := range cases {
 		err := new(App).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.in))
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%q: error %v; want one containing %q", tc.in, err, tc.want)
+			t.Errorf("%.80q: error %v; want one containing %q", tc.in, err, tc.want)
 		}
 		if err != nil && !strings.Contains(err.Error(), "Testfile:") {
-			t.Errorf("%q: error %q does not name its line", tc.in, err)
+			t.Errorf("%.80q: error %q does not name its line", tc.in, err)
 		}
 	}
 }
@@ -94,8 +105,8 @@ func TestProvisionDefaults(t *testing.T) {
 	if err := a.Provision(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if a.NodeName != host || a.Bind != "0.0.0.0:7946" || a.Key() != "0.0.0.0:7946" || a.keyBytes != nil {
-		t.Errorf("defaults: node_name %q (host %q), bind %q, key %q, encrypted %v", a.NodeName, host, a.Bind, a.Key(), a.keyBytes != nil)
+	if a.NodeName != host || a.Bind != "0.0.0.0:7946" || a.Key() != "0.0.0.0:7946" || a.keys != nil {
+		t.Errorf("defaults: node_name %q (host %q), bind %q, key %q, encrypted %v", a.NodeName, host, a.Bind, a.Key(), a.keys != nil)
 	}
 	if a.pooledMember() != nil {
 		t.Error("Provision started a serf member")

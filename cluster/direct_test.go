@@ -13,8 +13,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/testutil"
@@ -156,24 +154,10 @@ func dropped(a *App) uint64 {
 // collector; -1 when there is no such series.
 func directSeries(t *testing.T, node, direction, result string) float64 {
 	t.Helper()
-	ch := make(chan prometheus.Metric, 1000)
-	collector{}.Collect(ch)
-	close(ch)
 	value := -1.0
-	for m := range ch {
-		if m.Desc() != descDirectMessages {
-			continue
-		}
-		var pb dto.Metric
-		if err := m.Write(&pb); err != nil {
-			t.Fatal(err)
-		}
-		labels := map[string]string{}
-		for _, l := range pb.GetLabel() {
-			labels[l.GetName()] = l.GetValue()
-		}
-		if labels["node"] == node && labels["direction"] == direction && labels["result"] == result {
-			value = pb.GetCounter().GetValue()
+	for _, s := range collect(t, descDirectMessages) {
+		if s.labels["node"] == node && s.labels["direction"] == direction && s.labels["result"] == result {
+			value = s.value
 		}
 	}
 	return value
@@ -296,7 +280,10 @@ func TestDirectHostileDatagrams(t *testing.T) {
 			apps := directCluster(t, fmt.Sprintf("hostile%d", i), 2, key)
 			a, b := apps[0], apps[1]
 			box := listenDirectKind(t, b, 1)
-			k := b.keyBytes // nil without a key
+			var k []byte // nil without a key
+			if len(b.keys) > 0 {
+				k = b.keys[0]
+			}
 			conn, err := net.Dial("udp", b.gossipAddr())
 			if err != nil {
 				t.Fatal(err)
@@ -404,7 +391,7 @@ func TestDirectHostileDatagrams(t *testing.T) {
 // mustDecodeKey decodes a base64 gossip key.
 func mustDecodeKey(t *testing.T, key string) []byte {
 	t.Helper()
-	k, err := decodeKey(key)
+	k, err := parseKey(key)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -584,7 +571,7 @@ func TestDirectShutdown(t *testing.T) {
 func TestDirectTransportReleasedWhenSerfFails(t *testing.T) {
 	port := freePort(t)
 	s := &settings{name: "refused", logger: zap.NewNop(), tags: map[string]string{"big": strings.Repeat("x", 600)}}
-	if m, err := newMember("refused", s, nil, "127.0.0.1", port); err == nil {
+	if m, err := newMember("refused", s, "127.0.0.1", port); err == nil {
 		m.Destruct()
 		t.Fatal("serf started with 600 bytes of tags")
 	}

@@ -74,21 +74,42 @@ func TestNameConflictIsLoud(t *testing.T) {
 // TestNameConflictIsLoud make a registry refuse the gathering).
 func conflictSeries(t *testing.T) []string {
 	t.Helper()
+	var out []string
+	for _, s := range collect(t, descNameConflict) {
+		if s.value == 1 {
+			out = append(out, s.labels["node"])
+		}
+	}
+	return out
+}
+
+// sample is one series of a metric: its labels and value.
+type sample struct {
+	labels map[string]string
+	value  float64
+}
+
+// collect returns the series of desc from one collection of the metrics
+// collector (not a registry's gathering: see conflictSeries).
+func collect(t *testing.T, desc *prometheus.Desc) []sample {
+	t.Helper()
 	ch := make(chan prometheus.Metric, 1000)
 	collector{}.Collect(ch)
 	close(ch)
-	var out []string
+	var out []sample
 	for m := range ch {
-		if m.Desc() != descNameConflict {
+		if m.Desc() != desc {
 			continue
 		}
 		var pb dto.Metric
 		if err := m.Write(&pb); err != nil {
 			t.Fatal(err)
 		}
-		if pb.GetGauge().GetValue() == 1 {
-			out = append(out, pb.GetLabel()[0].GetValue())
+		s := sample{labels: map[string]string{}, value: pb.GetCounter().GetValue() + pb.GetGauge().GetValue()}
+		for _, l := range pb.GetLabel() {
+			s.labels[l.GetName()] = l.GetValue()
 		}
+		out = append(out, s)
 	}
 	return out
 }

@@ -33,8 +33,8 @@ type settings struct {
 	tags      map[string]string
 	join      []string
 	logger    *zap.Logger
-	name      string // node name: fixed for the member's life
-	keyID     string // fingerprint of the gossip key: fixed too
+	name      string   // node name: fixed for the member's life
+	keys      [][]byte // configured gossip keys, primary first; nil: none
 	advertise string
 }
 
@@ -45,12 +45,21 @@ type member struct {
 	serf   *serf.Serf
 	direct *DirectTransport // serf's transport, and the direct messages
 	logger *zap.Logger
+	// keyring is memberlist's, which serf's key queries (the admin API)
+	// and a reload's key list change; nil when the member started without
+	// a key: memberlist cannot turn encryption on later.
+	keyring *memberlist.Keyring
 
-	mu        sync.Mutex
-	owners    []*settings       // oldest first; the last one drives
-	published map[string]string // tags other modules publish (Publish)
-	joined    bool
-	joinErr   string
+	mu sync.Mutex
+	// configured is the key list of the last config that changed it (or
+	// started the member): a reload changes the keyring only when its
+	// list differs from this one, so that an unrelated reload does not
+	// undo keys installed through the admin API.
+	configured [][]byte
+	owners     []*settings       // oldest first; the last one drives
+	published  map[string]string // tags other modules publish (Publish)
+	joined     bool
+	joinErr    string
 	// conflict is set once serf shut this member down because another
 	// member claims its name (see lost).
 	conflict string
@@ -91,15 +100,16 @@ func SerfConfig(name, bindHost string, bindPort int) *serf.Config {
 
 // newMember creates the serf member for s and starts its loops. It binds
 // the gossip port.
-func newMember(key string, s *settings, key32 []byte, bindHost string, bindPort int) (*member, error) {
+func newMember(key string, s *settings, bindHost string, bindPort int) (*member, error) {
 	m := &member{
-		key:       key,
-		name:      s.name,
-		logger:    s.logger.With(zap.String("node", s.name)),
-		owners:    []*settings{s},
-		published: make(map[string]string),
-		kick:      make(chan struct{}, 1),
-		stop:      make(chan struct{}),
+		key:        key,
+		name:       s.name,
+		logger:     s.logger.With(zap.String("node", s.name)),
+		owners:     []*settings{s},
+		configured: s.keys,
+		published:  make(map[string]string),
+		kick:       make(chan struct{}, 1),
+		stop:       make(chan struct{}),
 	}
 	conf := SerfConfig(m.name, bindHost, bindPort)
 	conf.Tags = m.tagsFor(s)
@@ -117,12 +127,13 @@ func newMember(key string, s *settings, key32 []byte, bindHost string, bindPort 
 		ml.AdvertiseAddr = host
 		ml.AdvertisePort = port
 	}
-	if key32 != nil {
-		kr, err := memberlist.NewKeyring(nil, key32)
+	if len(s.keys) > 0 {
+		kr, err := memberlist.NewKeyring(s.keys[1:], s.keys[0])
 		if err != nil {
 			return nil, fmt.Errorf("encrypt_key: %v", err)
 		}
 		ml.Keyring = kr
+		m.keyring = kr
 	}
 	// The member's own transport, which carries direct messages besides
 	// serf's gossip (direct.go).
@@ -161,16 +172,36 @@ func (m *member) Destruct() error {
 }
 
 // attach makes s the settings that drive the member (a newer config).
-// The name, key and advertise address are the member's for its life.
+// The name and advertise address are the member's for its life, and so
+// is whether gossip is encrypted; the keys change when s configures
+// another list than the last config that changed them (reconcileKeys).
 func (m *member) attach(s *settings) {
 	m.mu.Lock()
-	if old := m.owners[len(m.owners)-1]; old.name != s.name || old.keyID != s.keyID || old.advertise != s.advertise {
-		s.logger.Warn("node_name, encrypt_key and advertise cannot change while the cluster member runs; they keep their previous values until Caddy restarts",
+	if old := m.owners[len(m.owners)-1]; old.name != s.name || old.advertise != s.advertise {
+		s.logger.Warn("node_name and advertise cannot change while the cluster member runs; they keep their previous values until Caddy restarts",
 			zap.String("node_name", old.name))
-		s.name, s.keyID, s.advertise = old.name, old.keyID, old.advertise
+		s.name, s.advertise = old.name, old.advertise
+	}
+	var change keyChange
+	changed := false
+	switch {
+	case (m.keyring != nil) != (len(s.keys) > 0):
+		state := "in clear text"
+		if m.keyring != nil {
+			state = "encrypted, with the keys it has"
+		}
+		s.logger.Warn("encrypt_key cannot turn gossip encryption on or off while the cluster member runs (memberlist has a keyring only when the member starts with a key); gossip stays "+state+" until Caddy restarts",
+			zap.String("node_name", m.name))
+	case !sameKeys(m.configured, s.keys):
+		change = reconcileKeys(m.keyring, m.configured, s.keys)
+		m.configured = s.keys
+		changed = true
 	}
 	m.owners = append(m.owners, s)
 	m.mu.Unlock()
+	if changed {
+		change.log(s.logger.With(zap.String("node", m.name)))
+	}
 	m.wake()
 }
 
@@ -346,8 +377,8 @@ func (m *member) joinLoop() {
 			_, err := m.serf.Join(s.join, true)
 			if err != nil {
 				// serf returns a multierror spread over lines.
-				err = fmt.Errorf("joining %s: %s (a peer with another encrypt_key, or none, cannot be joined either)",
-					strings.Join(s.join, ", "), strings.Join(strings.Fields(err.Error()), " "))
+				err = fmt.Errorf("joining %s: %s (a peer with another encrypt_key, or none, cannot be joined either; %s)",
+					strings.Join(s.join, ", "), strings.Join(strings.Fields(err.Error()), " "), describeKeys(m.keyring))
 			}
 			m.mu.Lock()
 			m.joined = err == nil
@@ -410,10 +441,7 @@ func (m *member) list() []Member {
 func (m *member) status() Status {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	st := Status{Name: m.name, Joined: m.joined, JoinError: m.joinErr, Conflict: m.conflict}
-	if len(m.owners) > 0 {
-		st.Encrypted = m.owners[len(m.owners)-1].keyID != ""
-	}
+	st := Status{Name: m.name, Joined: m.joined, JoinError: m.joinErr, Conflict: m.conflict, Encrypted: m.keyring != nil}
 	if m.serf != nil {
 		if a := m.serf.Memberlist().LocalNode(); a != nil {
 			st.Addr = net.JoinHostPort(a.Addr.String(), fmt.Sprint(a.Port))

@@ -22,11 +22,13 @@ var (
 		"Warning and error lines of the gossip library not written because of the rate limit (at most 5 of a kind per 10 s).", nil, nil)
 	descDirectMessages = prometheus.NewDesc("caddy_lbx_cluster_direct_messages_total",
 		"Direct messages this node's member sent and received, by result: ok, send_error, handler_panic, or why a received one was dropped (dropped_*).", []string{"node", "direction", "result"}, nil)
+	descKeyringOps = prometheus.NewDesc("caddy_lbx_cluster_keyring_operations_total",
+		"Gossip keyring operations asked through this node's admin API (op: list, install, use, remove), by result: ok (every node succeeded), failed (a node failed or did not answer), refused (before any query: a bad key, the primary key to remove, no encryption).", []string{"op", "result"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed, descDirectMessages} {
+	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed, descDirectMessages, descKeyringOps} {
 		ch <- d
 	}
 }
@@ -35,6 +37,11 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 func (collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descGossipLogLines, prometheus.CounterValue, float64(gossipLogs.lines.Load()))
 	ch <- prometheus.MustNewConstMetric(descGossipLogSuppressed, prometheus.CounterValue, float64(gossipLogs.suppressed.Load()))
+	for op := range keyringOps {
+		for res := range keyringResults {
+			ch <- prometheus.MustNewConstMetric(descKeyringOps, prometheus.CounterValue, float64(keyringCounts[op][res].Load()), op.String(), keyringResultNames[res])
+		}
+	}
 	// One member per process, except briefly when a reload changes the
 	// bind address (and in tests): the node label keeps them apart.
 	members.Range(func(_, v any) bool {

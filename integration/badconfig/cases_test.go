@@ -61,6 +61,19 @@ func (s *server) namedCases() []badCase {
 		s.jsonCase("rebalance cpu bogus", "cpu", setApp("rebalance", "cpu", "bogus")),
 		s.jsonCase("rebalance cpu node with metric connections", "only used with metric cpu", setApp("rebalance", "cpu", "node")),
 		s.jsonCase("cluster tags over 512 bytes", "tag", setApp("cluster", "tags.big", strings.Repeat("x", 600))),
+		s.jsonCase("cluster encrypt_keys not base64", "encrypt_keys[1]: not valid base64",
+			setApp("cluster", "encrypt_keys", []any{gossipKey, "not base64!"})),
+		s.jsonCase("cluster encrypt_keys 5 bytes", "encrypt_keys[0]: decodes to 5 bytes; want 16, 24 or 32",
+			setApp("cluster", "encrypt_keys", []any{"c2hvcnQ="})),
+		s.jsonCase("cluster encrypt_keys duplicated", "encrypt_keys[1]: the same key as encrypt_keys[0]",
+			setApp("cluster", "encrypt_keys", []any{gossipKey, gossipKey})),
+		s.jsonCase("cluster encrypt_keys 17 keys", "encrypt_keys: 17 keys; at most 16",
+			setApp("cluster", "encrypt_keys", slices.Repeat([]any{gossipKey}, 17))),
+		s.jsonCase("cluster encrypt_keys with encrypt_key", "encrypt_key and encrypt_keys are both set", func(cfg map[string]any) {
+			setApp("cluster", "encrypt_key", gossipKey)(cfg)
+			setApp("cluster", "encrypt_keys", []any{gossipKey})(cfg)
+		}),
+		s.jsonCase("cluster encrypt_keys as a string", "encrypt_keys", setApp("cluster", "encrypt_keys", gossipKey)),
 		s.jsonCase("partition poll_interval 1ns", "poll_interval", func(cfg map[string]any) {
 			for _, o := range find(cfg, func(o map[string]any) bool { return o["handler"] == "partition" && o["naming_file"] != nil }) {
 				o["poll_interval"] = 1
@@ -80,9 +93,17 @@ func (s *server) namedCases() []badCase {
 		s.caddyfileCase("Caddyfile rebalance interval 1ns", "Caddyfile:", "interval 1s\n\t\thistory", "interval 1ns\n\t\thistory"),
 		s.caddyfileCase("Caddyfile rebalance history 1000000h", "Caddyfile:", "history 10s", "history 1000000h"),
 		s.caddyfileCase("Caddyfile rebalance join_settle 0", `join_settle \"0\": want a positive duration such as 5s, or off, at Caddyfile:`, "boundary_timeout 30s", "boundary_timeout 30s\n\t\tjoin_settle 0"),
+		s.caddyfileCase("Caddyfile encrypt_key twice the same key", "encrypt_keys[1]: the same key as encrypt_keys[0]", "node_name badconfig",
+			"node_name badconfig\n\t\tencrypt_key "+gossipKey+" "+gossipKey),
+		s.caddyfileCase("Caddyfile encrypt_key of 5 bytes", "encrypt_keys[1]: decodes to 5 bytes; want 16, 24 or 32 (AES-128, -192 or -256), at Caddyfile:", "node_name badconfig",
+			"node_name badconfig\n\t\tencrypt_key "+gossipKey+" c2hvcnQ="),
 		s.caddyfileCase("Caddyfile rebalance cpu bogus", "Caddyfile:", "boundary_timeout 30s", "boundary_timeout 30s\n\t\tcpu bogus"),
 	}
 }
+
+// gossipKey is a valid gossip key (32 bytes, base64) for the encrypt_key
+// cases: each case is refused for another reason.
+const gossipKey = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 
 // find returns every object in v (depth first) for which pred holds.
 func find(v any, pred func(map[string]any) bool) []map[string]any {

@@ -31,6 +31,10 @@ type NodeSpec struct {
 	// Key is the base64 gossip key, passed in the environment as
 	// LBX_GOSSIP_KEY and read by the Caddyfile's {env.LBX_GOSSIP_KEY}.
 	Key string
+	// Keys, when not empty, are the gossip keys, primary first, written
+	// into the Caddyfile's encrypt_key instead of {env.LBX_GOSSIP_KEY}:
+	// a reload can change them, not the process's environment.
+	Keys []string
 	// Tags are extra serf tags.
 	Tags map[string]string
 	Settings
@@ -77,7 +81,10 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 	if spec.Join != "" {
 		opts = append(opts, "join "+spec.Join)
 	}
-	if spec.Key != "" {
+	switch {
+	case len(spec.Keys) > 0:
+		opts = append(opts, "encrypt_key "+strings.Join(spec.Keys, " "))
+	case spec.Key != "":
 		opts = append(opts, "encrypt_key {env.LBX_GOSSIP_KEY}")
 	}
 	if len(spec.Tags) > 0 {

@@ -1,0 +1,434 @@
+package integration
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddy-lbx/lbx/integration/fleet"
+)
+
+// keyringReport is the part of a keyring admin answer the test reads.
+type keyringReport struct {
+	Op        string `json:"op"`
+	Key       string `json:"key"`
+	Nodes     int    `json:"nodes"`
+	Responses int    `json:"responses"`
+	Errors    []struct {
+		Node, Message string
+	} `json:"errors"`
+	Keys []struct {
+		Fingerprint string `json:"fingerprint"`
+		Nodes       int    `json:"nodes"`
+		PrimaryOn   int    `json:"primary_on"`
+	} `json:"keys"`
+	Primary string `json:"primary"`
+	Error   string `json:"error"`
+}
+
+// clusterNodeView is the part of a node's GET /lbx/cluster the test
+// reads.
+type clusterNodeView struct {
+	Name      string `json:"node_name"`
+	JoinError string `json:"join_error"`
+	Members   []struct {
+		Name, Status string
+		Tags         map[string]string
+	} `json:"members"`
+}
+
+var keyringAdmin = &http.Client{Timeout: 15 * time.Second}
+
+// statusError is an admin answer other than 200.
+type statusError struct {
+	node, method, path string
+	code               int
+	body               []byte
+}
+
+func (e *statusError) Error() string {
+	return fmt.Sprintf("%s %s %s: %d %s", e.node, e.method, e.path, e.code, e.body)
+}
+
+// adminJSON sends method path (with body, JSON, when not empty) to n's
+// admin API and decodes the answer into out; any status but 200 is a
+// *statusError.
+func adminJSON(n *fleet.Node, method, path, body string, out any) error {
+	req, err := http.NewRequest(method, "http://"+n.Admin+path, strings.NewReader(body))
+	if err != nil {
+		return err
+	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	res, err := keyringAdmin.Do(req)
+	if err != nil {
+		return err
+	}
+	defer res.Body.Close()
+	data, err := io.ReadAll(res.Body)
+	if err != nil {
+		return err
+	}
+	if res.StatusCode != http.StatusOK {
+		return &statusError{n.Name, method, path, res.StatusCode, data}
+	}
+	return json.Unmarshal(data, out)
+}
+
+// nodeClusterView reads n's GET /lbx/cluster (one member per process).
+func nodeClusterView(n *fleet.Node) (clusterNodeView, error) {
+	var body struct {
+		Nodes []clusterNodeView `json:"nodes"`
+	}
+	if err := adminJSON(n, http.MethodGet, "/lbx/cluster", "", &body); err != nil {
+		return clusterNodeView{}, err
+	}
+	if len(body.Nodes) != 1 {
+		return clusterNodeView{}, fmt.Errorf("%s: %d members in /lbx/cluster; want 1", n.Name, len(body.Nodes))
+	}
+	return body.Nodes[0], nil
+}
+
+// fingerprint is the key's fingerprint as lbx shows it: the first 4
+// bytes of the SHA-256 of the decoded key, in hex.
+func fingerprint(t *testing.T, b64 string) string {
+	t.Helper()
+	raw, err := base64.StdEncoding.DecodeString(b64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(raw)
+	return hex.EncodeToString(sum[:4])
+}
+
+// TestKeyringRotationFleet is the gossip-key rotation's acceptance run
+// with 5 real cmd/caddy nodes behind a TCP balancer, under client
+// traffic, while a watcher reads every node's /lbx/cluster:
+//
+//   - through the admin API, one call on one node each: install a new
+//     key (every node then lists 2 keys), use it, remove the old one;
+//     then a reload of one node with a new tag (its config still says
+//     the old key: an unrelated reload must not undo the admin API's
+//     keys) reaches every node;
+//   - through rolling config reloads, each node in turn (out of the
+//     balancer while it reloads): [new, third], [third, new], [third];
+//
+// no node ever sees a member other than alive, and no request fails (but
+// on a new connection at a reload, which stock Caddy's reloads lose too:
+// fleet.Phase2Split; never during the admin API's rotation).
+// Then a 6th node configured with the old key only cannot join: it sees
+// itself alone, no node lists it, and its join error names the old key
+// by fingerprint.
+func TestKeyringRotationFleet(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs 6 cmd/caddy processes")
+	}
+	bin := drainBuildCaddy(t)
+	f, err := fleet.New(bin, t.TempDir(), rbSettings, 250*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := f.Close(); err != nil {
+			t.Errorf("stopping the fleet: %v", err)
+		}
+	}()
+	const size = 5
+	for i := range size {
+		if _, err := f.AddNode(fmt.Sprintf("k%d", i+1), true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	nodes := f.Nodes()
+	waitAllAlive := func(what string) {
+		t.Helper()
+		if _, err := f.WaitFor(30*time.Second, what, func(s fleet.Snapshot) (bool, string) {
+			for i, v := range s.Views {
+				if v.Alive() != size {
+					return false, fmt.Sprintf("%s sees %d alive", s.Nodes[i].Name, v.Alive())
+				}
+			}
+			return true, ""
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitAllAlive("every node sees 5 alive")
+
+	clientCount := 200
+	if raceEnabled {
+		clientCount = 50
+	}
+	clients := fleet.StartClients(f.LB.Addr, clientCount, 200*time.Millisecond)
+	clientsClosed := false
+	defer func() {
+		if !clientsClosed {
+			clients.Close()
+		}
+	}()
+	if _, err := f.WaitFor(30*time.Second, "every client connected", func(fleet.Snapshot) (bool, string) {
+		return clients.Connects.Load() >= int64(clientCount), fmt.Sprintf("%d connects", clients.Connects.Load())
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	// The watcher: every node's view of every member, every 100 ms.
+	var mu sync.Mutex
+	var notAlive []string
+	polls := 0
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			for _, n := range nodes {
+				v, err := nodeClusterView(n)
+				mu.Lock()
+				polls++
+				if err != nil {
+					notAlive = append(notAlive, err.Error())
+				}
+				for _, m := range v.Members {
+					if m.Status != "alive" {
+						notAlive = append(notAlive, fmt.Sprintf("%s: %s sees %s %s", time.Now().Format("15:04:05.000"), n.Name, m.Name, m.Status))
+					}
+				}
+				mu.Unlock()
+			}
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	stopWatch := func() {
+		select {
+		case <-stop:
+		default:
+			close(stop)
+		}
+		<-done
+	}
+	defer stopWatch()
+
+	// phases mark when each step began, to place a failed request.
+	type phase struct {
+		name string
+		at   time.Time
+	}
+	phases := []phase{{"traffic", time.Now()}}
+	mark := func(name string) { phases = append(phases, phase{name, time.Now()}) }
+	phaseOf := func(at time.Time) string {
+		name := ""
+		for _, p := range phases {
+			if !at.Before(p.at) {
+				name = p.name
+			}
+		}
+		return name
+	}
+
+	oldKey, newKey, thirdKey := f.Key, fleet.NewKey(), fleet.NewKey()
+	oldID, newID, thirdID := fingerprint(t, oldKey), fingerprint(t, newKey), fingerprint(t, thirdKey)
+	t.Logf("keys: old %s, new %s, third %s", oldID, newID, thirdID)
+
+	// keyringDo sends a keyring request to n. A 502 in which no member
+	// failed but some member's answer did not arrive (UDP, on a machine
+	// loaded many times over) is sent again, up to 15 s: each step may
+	// be repeated (docs/operations.md). Every retry is logged and counted.
+	retries := 0
+	keyringDo := func(n *fleet.Node, method, path, body string) keyringReport {
+		t.Helper()
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			var rep keyringReport
+			err := adminJSON(n, method, path, body, &rep)
+			if err == nil {
+				return rep
+			}
+			se, ok := err.(*statusError)
+			if !ok || se.code != http.StatusBadGateway || json.Unmarshal(se.body, &rep) != nil ||
+				len(rep.Errors) > 0 || rep.Responses >= rep.Nodes || time.Now().After(deadline) {
+				t.Fatal(err)
+			}
+			retries++
+			t.Logf("%s %s through %s: %d of %d members answered (%s); again", method, path, n.Name, rep.Responses, rep.Nodes, rep.Error)
+		}
+	}
+	op := func(n *fleet.Node, name, key, wantID string) {
+		t.Helper()
+		start := time.Now()
+		rep := keyringDo(n, http.MethodPost, "/lbx/cluster/keys/"+name, `{"key": "`+key+`"}`)
+		t.Logf("%s %s through %s: %d nodes, %d responses, %d errors, in %v", name, rep.Key, n.Name, rep.Nodes, rep.Responses, len(rep.Errors), time.Since(start).Round(time.Millisecond))
+		if rep.Nodes != size || rep.Responses != size || len(rep.Errors) != 0 || rep.Error != "" || rep.Key != wantID {
+			t.Fatalf("%s through %s: %+v; want %d nodes answering, no error, key %s", name, n.Name, rep, size, wantID)
+		}
+	}
+	// list checks, through every node, that the cluster has exactly want
+	// (each on every node) and primary on every node.
+	list := func(want []string, primary string) {
+		t.Helper()
+		for _, n := range nodes {
+			rep := keyringDo(n, http.MethodGet, "/lbx/cluster/keys", "")
+			var got []string
+			for _, k := range rep.Keys {
+				got = append(got, k.Fingerprint)
+				if k.Nodes != size {
+					t.Errorf("list through %s: key %s on %d nodes; want %d", n.Name, k.Fingerprint, k.Nodes, size)
+				}
+			}
+			slices.Sort(got)
+			if !slices.Equal(got, slices.Sorted(slices.Values(want))) || rep.Primary != primary || rep.Responses != size {
+				t.Fatalf("list through %s: keys %v, primary %q, %d responses; want %v, primary %s, %d", n.Name, got, rep.Primary, rep.Responses, want, primary, size)
+			}
+		}
+	}
+
+	// Through the admin API.
+	mark("admin API rotation")
+	list([]string{oldID}, oldID)
+	op(nodes[0], "install", newKey, newID)
+	list([]string{oldID, newID}, oldID)
+	op(nodes[2], "use", newKey, newID)
+	list([]string{oldID, newID}, newID)
+	op(nodes[4], "remove", oldKey, oldID)
+	list([]string{newID}, newID)
+
+	// reload loads spec on n out of the balancer, and records when.
+	// Stock Caddy loses the requests of new connections that reach a node
+	// while it reloads (fleet.Phase2Split): out of the balancer, only
+	// those it had dialed just before, still in the old listener's queue.
+	// Those are the reload's, not the rotation's.
+	var reloads [][2]time.Time
+	reload := func(n *fleet.Node, spec fleet.NodeSpec) {
+		t.Helper()
+		f.LB.Remove(n.HTTP)
+		defer f.LB.Add(n.HTTP)
+		start := time.Now()
+		if err := n.Reload(spec); err != nil {
+			t.Fatal(err)
+		}
+		reloads = append(reloads, [2]time.Time{start, time.Now()})
+	}
+	// atReload reports whether e is such a loss: on a new connection,
+	// from a reload's start to a second after its end (the client
+	// records it when its request returns, which a loaded machine
+	// delays), as fleet.Phase2Split counts them.
+	atReload := func(e fleet.ClientError) bool {
+		for _, w := range reloads {
+			if e.Fresh && !e.At.Before(w[0]) && !e.At.After(w[1].Add(time.Second)) {
+				return true
+			}
+		}
+		return false
+	}
+
+	// An unrelated reload (a tag; the config still says the old key)
+	// keeps the keyring, and its gossip reaches every node.
+	mark("unrelated reload")
+	spec := nodes[1].Spec
+	spec.Tags = map[string]string{"rotated": "1"}
+	reload(nodes[1], spec)
+	if _, err := f.WaitFor(20*time.Second, "every node sees k2's new tag", func(s fleet.Snapshot) (bool, string) {
+		for i, v := range s.Views {
+			if _, _, tags, ok := v.Member(nodes[1].Name); !ok || tags["rotated"] != "1" {
+				return false, s.Nodes[i].Name + " does not see it yet"
+			}
+		}
+		return true, ""
+	}); err != nil {
+		t.Fatal(err)
+	}
+	list([]string{newID}, newID)
+
+	// Through rolling config reloads, each node in turn.
+	for _, keys := range [][]string{{newKey, thirdKey}, {thirdKey, newKey}, {thirdKey}} {
+		for _, n := range nodes {
+			mark(fmt.Sprintf("reload %s with %d keys", n.Name, len(keys)))
+			spec := n.Spec
+			spec.Keys = keys
+			reload(n, spec)
+		}
+		mark("after reloads")
+		var ids []string
+		for _, k := range keys {
+			ids = append(ids, fingerprint(t, k))
+		}
+		list(ids, ids[0])
+	}
+	waitAllAlive("every node sees 5 alive after the rotations")
+
+	// A node with the old key only.
+	mark("stale node")
+	staleSpec := f.Spec("k6-stale")
+	staleSpec.Key = oldKey
+	stale, err := f.AddNode("k6-stale", false, staleSpec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sv clusterNodeView
+	if _, err := f.WaitFor(20*time.Second, "the stale node reports a join error", func(fleet.Snapshot) (bool, string) {
+		sv, err = nodeClusterView(stale)
+		return err == nil && sv.JoinError != "", fmt.Sprint(err)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("stale node's join error: %s", sv.JoinError)
+	if !strings.Contains(sv.JoinError, "primary "+oldID) {
+		t.Errorf("the stale node's join error %q does not name its key %s", sv.JoinError, oldID)
+	}
+	alive := 0
+	for _, m := range sv.Members {
+		if m.Status == "alive" {
+			alive++
+		}
+	}
+	if alive != 1 {
+		t.Errorf("the stale node sees %d alive; want itself alone", alive)
+	}
+	for _, n := range nodes {
+		v, err := nodeClusterView(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range v.Members {
+			if m.Name == stale.Name {
+				t.Errorf("%s lists the stale node (%s)", n.Name, m.Status)
+			}
+		}
+	}
+
+	stopWatch()
+	clients.Close()
+	clientsClosed = true
+	reqs, errs, retried := clients.Stats()
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("clients: %d requests, %d failed, %d written twice by Go's transport; watcher: %d reads, %d not-alive sightings; %d keyring requests sent again",
+		reqs, len(errs), retried, polls, len(notAlive), retries)
+	for _, e := range errs {
+		if atReload(e) {
+			t.Logf("a request on a new connection lost at a reload, as stock Caddy's reloads lose them (%s): %v", phaseOf(e.At), e)
+			continue
+		}
+		t.Errorf("a request failed during %q: %v", phaseOf(e.At), e)
+	}
+	if len(notAlive) > 0 {
+		t.Errorf("members seen other than alive (or views not read) during the rotation: %v", notAlive[:min(len(notAlive), 10)])
+	}
+	if reqs < clientCount || polls < size {
+		t.Errorf("%d requests, %d watcher reads: the run did not exercise the fleet", reqs, polls)
+	}
+}
