@@ -23,7 +23,7 @@ func runRolling(ctx context.Context, cfg *rebalanceConfig, bin, tmp string, out,
 		res, err := fleet.RollingRestart{
 			Bin: bin, Dir: filepath.Join(tmp, fmt.Sprintf("run%d", i+1)),
 			Nodes: cfg.nodes, Clients: cfg.clients, Every: cfg.every, Down: cfg.down,
-			Settings: cfg.settings, Converge: cfg.converge,
+			Settings: cfg.settings, Converge: cfg.converge, Front: cfg.front,
 			Logf: func(format string, args ...any) { fmt.Fprintf(progress, "  "+format+"\n", args...) },
 		}.Run()
 		if err != nil {
@@ -39,8 +39,8 @@ func runRolling(ctx context.Context, cfg *rebalanceConfig, bin, tmp string, out,
 	if err != nil {
 		return err
 	}
-	title := fmt.Sprintf("lbx rebalance: %d long-lived clients, rolling restart of %d nodes (each down %v), random outer balancer (run %d)",
-		cfg.clients, cfg.nodes, cfg.down, cfg.runs)
+	title := fmt.Sprintf("lbx rebalance: %d long-lived clients, rolling restart of %d nodes (each down %v), outer balancer %s (run %d)",
+		cfg.clients, cfg.nodes, cfg.down, cfg.front, cfg.runs)
 	if err := writePNGFile(path, func(w io.Writer) error {
 		return last.Timeline.WritePNG(w, title, cfg.settings.Threshold/100)
 	}); err != nil {

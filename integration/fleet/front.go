@@ -73,6 +73,20 @@ func frontOrDefault(name string) string {
 	return name
 }
 
+// FrontAvailable returns an error wrapping ErrNoHAProxy when the front
+// named name runs haproxy and haproxy is not installed, so that a caller
+// can say so before it starts anything.
+func FrontAvailable(name string) error {
+	if err := CheckFront(name); err != nil {
+		return err
+	}
+	if !strings.HasPrefix(name, "haproxy-") {
+		return nil
+	}
+	_, err := haproxyBinary()
+	return err
+}
+
 // StartFront starts the front named name (one of FrontNames; empty is
 // FrontRandom) on loopback, with no nodes; an HAProxy front keeps its
 // files in dir. Without haproxy installed the error wraps ErrNoHAProxy.
