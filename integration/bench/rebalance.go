@@ -205,4 +205,14 @@ func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult, from int
 	}
 	fmt.Fprintf(w, "\nMedians after the kill: out of every survivor's average after %.1f s, marked failed by serf after %.1f s, survivors stable after %.1f s.\n",
 		median(excl), median(failed), median(stable))
+	// The failures no known cause accounts for, so that a reader can see
+	// what they were without running again.
+	for i, r := range results {
+		if len(r.Errors) > 0 {
+			fmt.Fprintf(w, "\nRun %d, phase 1 failures, first %d: %s\n", i+1, min(len(r.Errors), 3), failureList(r.Errors, 3))
+		}
+		if _, _, others := r.Phase2Split(); len(others) > 0 {
+			fmt.Fprintf(w, "\nRun %d, phase 2 failures neither at the reload nor after the kill, first %d: %s\n", i+1, min(len(others), 3), failureList(others, 3))
+		}
+	}
 }

@@ -64,12 +64,18 @@ func writeRollingReport(w io.Writer, run int, res *fleet.RollingResult, down fmt
 	}
 	fmt.Fprintf(w, "| all | | | | | %d | %.0f | %s | %d |\n\n", shed, ideal, ratio(float64(shed), ideal), len(res.Errors))
 	if len(res.Errors) > 0 {
-		var lines []string
-		for _, e := range res.Errors[:min(len(res.Errors), 5)] {
-			lines = append(lines, e.String())
-		}
-		fmt.Fprintf(w, "Failures, first %d: %s\n\n", len(lines), strings.Join(lines, "; "))
+		fmt.Fprintf(w, "Failures, first %d: %s\n\n", min(len(res.Errors), 5), failureList(res.Errors, 5))
 	}
+}
+
+// failureList returns the first n of errs, each with its time and
+// connection, separated by "; ".
+func failureList(errs []fleet.ClientError, n int) string {
+	var lines []string
+	for _, e := range errs[:min(len(errs), n)] {
+		lines = append(lines, e.String())
+	}
+	return strings.Join(lines, "; ")
 }
 
 // ratio formats a/b as "1.23×", or "—" when b is 0.
