@@ -135,8 +135,8 @@ func (f *Fleet) Kill(n *Node) error {
 // Caddy finish the requests in flight and close its connections, whose
 // clients reconnect through the balancer. It waits up to timeout for the
 // process to exit. n is out of Nodes until Restart. If the front fails
-// to take n out, n is not stopped: its clients would have nowhere else to
-// go than back to it.
+// to take n out, n is not stopped: new connections would still reach it
+// while it shuts down.
 func (f *Fleet) Stop(n *Node, timeout time.Duration) error {
 	if err := f.Front.Remove(n.HTTP); err != nil {
 		return err
