@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"io"
 	"testing"
 
 	"github.com/caddy-lbx/lbx/integration/fleet"
@@ -23,7 +24,7 @@ func TestParseRebalanceFlags(t *testing.T) {
 			t.Errorf("-front %s -runs 2: %+v, %v", name, c, err)
 		}
 	}
-	for _, bad := range [][]string{
+	refusesAll(t, "parseRebalanceFlags", parseRebalanceFlags, [][]string{
 		{"-front", "haproxy"},
 		{"-front", ""},
 		{"-front", "leastconn"},
@@ -33,9 +34,16 @@ func TestParseRebalanceFlags(t *testing.T) {
 		{"-clients", "59"},
 		{"-down", "-1s"},
 		{"extra"},
-	} {
-		if _, err := parseRebalanceFlags(bad, &bytes.Buffer{}); err == nil {
-			t.Errorf("parseRebalanceFlags(%q) accepted", bad)
+	})
+}
+
+// refusesAll checks that parse, a command's flag parser named name,
+// refuses every argument list in bad.
+func refusesAll[C any](t *testing.T, name string, parse func([]string, io.Writer) (C, error), bad [][]string) {
+	t.Helper()
+	for _, args := range bad {
+		if _, err := parse(args, &bytes.Buffer{}); err == nil {
+			t.Errorf("%s(%q) accepted", name, args)
 		}
 	}
 }
