@@ -24,6 +24,8 @@ type greeter struct {
 	conns    []net.Conn
 }
 
+// startGreeter starts a greeter named name on a free loopback port, closed
+// with every connection it accepted when the test ends.
 func startGreeter(t *testing.T, name string) *greeter {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
