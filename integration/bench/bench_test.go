@@ -76,18 +76,14 @@ func TestParseFlags(t *testing.T) {
 	if got := strings.Join(keys, ","); got != "ewma,random_choose_2,nginx" {
 		t.Errorf("policies %s", got)
 	}
-	for _, bad := range [][]string{
+	refusesAll(t, "parseFlags", parseFlags, [][]string{
 		{"-policies", "fastest"},
 		{"-scenarios", "D"},
 		{"-rate", "0"},
 		{"-runs", "0"},
 		{"-jitter", "2"},
 		{"extra"},
-	} {
-		if _, err := parseFlags(bad, &bytes.Buffer{}); err == nil {
-			t.Errorf("parseFlags(%q) accepted", bad)
-		}
-	}
+	})
 }
 
 func TestMedian(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/caddy-lbx/lbx/integration/fleet"
@@ -29,6 +30,8 @@ type rebalanceConfig struct {
 	scenario string
 	nodes    int
 	down     time.Duration
+	// front is the outer balancer, one of fleet.FrontNames.
+	front string
 }
 
 // parseRebalanceFlags reads `bench rebalance`'s flags.
@@ -38,7 +41,7 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: "+benchCommand+" rebalance [flags]\n\n"+
 			"Runs the rebalance scale-out with real Caddy processes: 3 nodes under\n"+
-			"long-lived clients behind a random TCP balancer, 3 more join (and one with\n"+
+			"long-lived clients behind an outer balancer (-front), 3 more join (and one with\n"+
 			"the wrong gossip key), then 2 more while one node is reloaded and one is\n"+
 			"killed. Prints a Markdown table per run and the medians, and draws the\n"+
 			"connections per node over time of the median run as a PNG.\n\nFlags:\n")
@@ -62,6 +65,7 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	fs.Float64Var(&c.settings.ShedRate, "shed-rate", 5, "rebalance shed_rate, percent per interval (raised from 0.5 for speed)")
 	fs.IntVar(&c.settings.MinConnections, "min-connections", 5, "rebalance min_connections")
 	fs.StringVar(&c.settings.JoinSettle, "join-settle", "", "rebalance join_settle: a duration, or off (empty: the default, freshness)")
+	fs.StringVar(&c.front, "front", fleet.FrontRandom, "the outer balancer: "+strings.Join(fleet.FrontNames, ", ")+" (the haproxy ones run the haproxy binary)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -85,6 +89,9 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	case c.down < 0 || c.down > 10*time.Minute:
 		return nil, fmt.Errorf("-down must be from 0 to 10m, got %v", c.down)
 	}
+	if err := fleet.CheckFront(c.front); err != nil || c.front == "" {
+		return nil, fmt.Errorf("-front %q: want one of %s", c.front, strings.Join(fleet.FrontNames, ", "))
+	}
 	return c, nil
 }
 
@@ -93,6 +100,9 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 	cfg, err := parseRebalanceFlags(args, progress)
 	if err != nil {
 		return nil, err
+	}
+	if err := fleet.FrontAvailable(cfg.front); err != nil {
+		return nil, fmt.Errorf("-front %s: %w", cfg.front, err)
 	}
 	tmp, err := os.MkdirTemp("", "lbx-bench-rebalance-")
 	if err != nil {
@@ -107,8 +117,8 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 	if cfg.scenario == "rolling-restart" {
 		title = "Rolling restart"
 	}
-	fmt.Fprintf(out, "# %s\n\n`%s`; %s; %d clients, a request every %v each; interval %s, history %s, freshness %s, threshold %g%%, shed_rate %g%%, min_connections %d, join_settle %s; load average %s at the start.\n\n",
-		title, cmdline, source, cfg.clients, cfg.every, cfg.settings.Interval, cfg.settings.History, cfg.settings.Freshness,
+	fmt.Fprintf(out, "# %s\n\n`%s`; %s; outer balancer %s (ideal simulated behind %s); %d clients, a request every %v each; interval %s, history %s, freshness %s, threshold %g%%, shed_rate %g%%, min_connections %d, join_settle %s; load average %s at the start.\n\n",
+		title, cmdline, source, cfg.front, fleet.IdealBalancer(cfg.front), cfg.clients, cfg.every, cfg.settings.Interval, cfg.settings.History, cfg.settings.Freshness,
 		cfg.settings.Threshold, cfg.settings.ShedRate, cfg.settings.MinConnections, cmp.Or(cfg.settings.JoinSettle, "default"), loadAverage())
 
 	if cfg.scenario == "rolling-restart" {
@@ -122,7 +132,7 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		fmt.Fprintf(progress, "run %d of %d …\n", i+1, cfg.runs)
 		res, err := fleet.ScaleOut{
 			Bin: bin, Dir: filepath.Join(tmp, fmt.Sprintf("run%d", i+1)),
-			Clients: cfg.clients, Every: cfg.every, Settings: cfg.settings, Converge: cfg.converge, From: cfg.from,
+			Clients: cfg.clients, Every: cfg.every, Settings: cfg.settings, Converge: cfg.converge, From: cfg.from, Front: cfg.front,
 			Logf: func(format string, args ...any) { fmt.Fprintf(progress, "  "+format+"\n", args...) },
 		}.Run()
 		if err != nil {
@@ -138,8 +148,8 @@ func runRebalance(ctx context.Context, args []string, cmdline string, out, progr
 		if err != nil {
 			return results, err
 		}
-		title := fmt.Sprintf("lbx rebalance: %d long-lived clients, %d -> %d -> %d nodes, random outer balancer (run %d of %d)",
-			cfg.clients, cfg.from, 2*cfg.from, 2*cfg.from+2, slices.Index(results, median)+1, len(results))
+		title := fmt.Sprintf("lbx rebalance: %d long-lived clients, %d -> %d -> %d nodes, outer balancer %s (run %d of %d)",
+			cfg.clients, cfg.from, 2*cfg.from, 2*cfg.from+2, cfg.front, slices.Index(results, median)+1, len(results))
 		if err := writePNGFile(path, func(w io.Writer) error {
 			return median.Timeline.WritePNG(w, title, cfg.settings.Threshold/100)
 		}); err != nil {
@@ -159,9 +169,9 @@ func medianRun(results []*fleet.ScaleOutResult) *fleet.ScaleOutResult {
 
 // writeRebalanceReport prints one row per run and the medians.
 func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult, from int) {
-	fmt.Fprintf(w, "**%d → %d nodes** (and a node with the wrong key)\n\n", from, 2*from)
-	fmt.Fprintf(w, "| run | before | after | converged | shed | moved | ideal | shed / ideal | shed / (2 × moved) | requests | failed | reconnections | wrong key joined |\n")
-	fmt.Fprintf(w, "|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|\n")
+	fmt.Fprintf(w, "**%d → %d nodes** (and a node with the wrong key; all joined and converged are from the first new node's start: new nodes that come up far apart shed more)\n\n", from, 2*from)
+	fmt.Fprintf(w, "| run | before | after | all joined | converged | shed | moved | ideal | shed / ideal | shed / (2 × moved) | requests | failed | reconnections | wrong key joined |\n")
+	fmt.Fprintf(w, "|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|\n")
 	var conv, ratio, ratio2 []float64
 	for i, r := range results {
 		ri := float64(r.Shed) / r.Ideal
@@ -171,8 +181,8 @@ func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult, from int
 		if len(r.WrongKey.SeenBy) > 0 || r.WrongKey.Alive != 1 {
 			joined = fmt.Sprintf("**yes** (%v)", r.WrongKey.SeenBy)
 		}
-		fmt.Fprintf(w, "| %d | %v | %v | %.1f s | %d | %d | %.0f | %.2f× | %.2f× | %d | %d | %d | %s |\n",
-			i+1, r.Before, r.After, r.Converged.Seconds(), r.Shed, r.Moved, r.Ideal, ri, r2, r.Requests, len(r.Errors), r.Reconnections, joined)
+		fmt.Fprintf(w, "| %d | %v | %v | %.1f s | %.1f s | %d | %d | %.0f | %.2f× | %.2f× | %d | %d | %d | %s |\n",
+			i+1, r.Before, r.After, r.Joined.Seconds(), r.Converged.Seconds(), r.Shed, r.Moved, r.Ideal, ri, r2, r.Requests, len(r.Errors), r.Reconnections, joined)
 	}
 	verdict := "met"
 	if median(slices.Clone(ratio)) > 1.3 {
@@ -195,4 +205,14 @@ func writeRebalanceReport(w io.Writer, results []*fleet.ScaleOutResult, from int
 	}
 	fmt.Fprintf(w, "\nMedians after the kill: out of every survivor's average after %.1f s, marked failed by serf after %.1f s, survivors stable after %.1f s.\n",
 		median(excl), median(failed), median(stable))
+	// The failures no known cause accounts for, so that a reader can see
+	// what they were without running again.
+	for i, r := range results {
+		if len(r.Errors) > 0 {
+			fmt.Fprintf(w, "\nRun %d, phase 1 failures, first %d: %s\n", i+1, min(len(r.Errors), 3), failureList(r.Errors, 3))
+		}
+		if _, _, others := r.Phase2Split(); len(others) > 0 {
+			fmt.Fprintf(w, "\nRun %d, phase 2 failures neither at the reload nor after the kill, first %d: %s\n", i+1, min(len(others), 3), failureList(others, 3))
+		}
+	}
 }

@@ -23,7 +23,7 @@ func runRolling(ctx context.Context, cfg *rebalanceConfig, bin, tmp string, out,
 		res, err := fleet.RollingRestart{
 			Bin: bin, Dir: filepath.Join(tmp, fmt.Sprintf("run%d", i+1)),
 			Nodes: cfg.nodes, Clients: cfg.clients, Every: cfg.every, Down: cfg.down,
-			Settings: cfg.settings, Converge: cfg.converge,
+			Settings: cfg.settings, Converge: cfg.converge, Front: cfg.front,
 			Logf: func(format string, args ...any) { fmt.Fprintf(progress, "  "+format+"\n", args...) },
 		}.Run()
 		if err != nil {
@@ -39,8 +39,8 @@ func runRolling(ctx context.Context, cfg *rebalanceConfig, bin, tmp string, out,
 	if err != nil {
 		return err
 	}
-	title := fmt.Sprintf("lbx rebalance: %d long-lived clients, rolling restart of %d nodes (each down %v), random outer balancer (run %d)",
-		cfg.clients, cfg.nodes, cfg.down, cfg.runs)
+	title := fmt.Sprintf("lbx rebalance: %d long-lived clients, rolling restart of %d nodes (each down %v), outer balancer %s (run %d)",
+		cfg.clients, cfg.nodes, cfg.down, cfg.front, cfg.runs)
 	if err := writePNGFile(path, func(w io.Writer) error {
 		return last.Timeline.WritePNG(w, title, cfg.settings.Threshold/100)
 	}); err != nil {
@@ -64,12 +64,18 @@ func writeRollingReport(w io.Writer, run int, res *fleet.RollingResult, down fmt
 	}
 	fmt.Fprintf(w, "| all | | | | | %d | %.0f | %s | %d |\n\n", shed, ideal, ratio(float64(shed), ideal), len(res.Errors))
 	if len(res.Errors) > 0 {
-		var lines []string
-		for _, e := range res.Errors[:min(len(res.Errors), 5)] {
-			lines = append(lines, e.String())
-		}
-		fmt.Fprintf(w, "Failures, first %d: %s\n\n", len(lines), strings.Join(lines, "; "))
+		fmt.Fprintf(w, "Failures, first %d: %s\n\n", min(len(res.Errors), 5), failureList(res.Errors, 5))
 	}
+}
+
+// failureList returns the first n of errs, each with its time and
+// connection, separated by "; ".
+func failureList(errs []fleet.ClientError, n int) string {
+	var lines []string
+	for _, e := range errs[:min(len(errs), n)] {
+		lines = append(lines, e.String())
+	}
+	return strings.Join(lines, "; ")
 }
 
 // ratio formats a/b as "1.23×", or "—" when b is 0.

@@ -311,7 +311,7 @@ func TestParseScenarioFlags(t *testing.T) {
 	if c.seeds != 2 || c.duration != 2*time.Second || c.warmup != 500*time.Millisecond || len(c.policies) != 2 || c.policies[1].key != "nginx" {
 		t.Errorf("quick with explicit flags: %+v", c)
 	}
-	for _, bad := range [][]string{
+	refusesAll(t, "parseScenarioFlags", parseScenarioFlags, [][]string{
 		{"-classes", "stall"},
 		{"-classes", ","},
 		{"-seeds", "0"},
@@ -321,11 +321,7 @@ func TestParseScenarioFlags(t *testing.T) {
 		{"-timeout", "0s"},
 		{"-policies", "fastest"},
 		{"extra"},
-	} {
-		if _, err := parseScenarioFlags(bad, &bytes.Buffer{}); err == nil {
-			t.Errorf("parseScenarioFlags(%q) accepted", bad)
-		}
-	}
+	})
 }
 
 // TestVariants checks every variant's definition: valid models for every

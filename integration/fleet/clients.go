@@ -15,7 +15,7 @@ import (
 // Clients are long-lived HTTP/1.1 clients: each holds one keep-alive
 // connection through the balancer and sends a request every period; when
 // the connection closes, the next request opens a new one (through the
-// balancer, to a random node).
+// balancer).
 type Clients struct {
 	// Connects counts the connections opened (not reused).
 	Connects atomic.Int64

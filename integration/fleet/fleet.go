@@ -11,19 +11,17 @@ import (
 	"sync"
 	"syscall"
 	"time"
-
-	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
 )
 
-// Fleet is a set of Caddy nodes in one serf cluster behind one
-// tcplb.Balancer, with a Timeline of every node's connections.
+// Fleet is a set of Caddy nodes in one serf cluster behind one Front,
+// with a Timeline of every node's connections.
 type Fleet struct {
 	bin, dir string
 	settings Settings
 	// Key is the fleet's gossip key.
 	Key string
-	// LB is the outer load balancer.
-	LB *tcplb.Balancer
+	// Front is the outer load balancer.
+	Front Front
 	// Timeline records every node's held connections over time.
 	Timeline *Timeline
 
@@ -36,16 +34,17 @@ type Fleet struct {
 	sampling     sync.WaitGroup
 }
 
-// New starts a balancer and the timeline's sampler (every sampleEvery);
-// nodes are added with AddNode. bin is a cmd/caddy binary, dir a
-// directory for the nodes' files.
-func New(bin, dir string, s Settings, sampleEvery time.Duration) (*Fleet, error) {
-	lb, err := tcplb.Start()
+// New starts the front named front (one of FrontNames; empty is
+// FrontRandom) and the timeline's sampler (every sampleEvery); nodes are
+// added with AddNode. bin is a cmd/caddy binary, dir a directory for the
+// nodes' and the front's files.
+func New(bin, dir, front string, s Settings, sampleEvery time.Duration) (*Fleet, error) {
+	fr, err := StartFront(front, dir)
 	if err != nil {
 		return nil, err
 	}
 	f := &Fleet{
-		bin: bin, dir: dir, settings: s, Key: NewKey(), LB: lb,
+		bin: bin, dir: dir, settings: s, Key: NewKey(), Front: fr,
 		Timeline: NewTimeline(), dead: map[string]bool{}, stopSampling: make(chan struct{}),
 	}
 	f.sampling.Add(1)
@@ -64,11 +63,10 @@ func NewKey() string {
 func (f *Fleet) Close() error {
 	close(f.stopSampling)
 	f.sampling.Wait()
-	f.LB.Close()
+	errs := []error{f.Front.Close()}
 	f.mu.Lock()
 	all := slices.Clone(f.all)
 	f.mu.Unlock()
-	var errs []error
 	for _, n := range all {
 		errs = append(errs, n.Proc.Kill())
 	}
@@ -88,7 +86,8 @@ func (f *Fleet) Spec(name string) NodeSpec {
 }
 
 // AddNode starts a node named name from Spec(name), or from spec when
-// given, and, when behind is true, puts it behind the balancer.
+// given, and, when behind is true, puts it behind the balancer (on an
+// error from the front the node runs on, out of Nodes, until Close).
 func (f *Fleet) AddNode(name string, behind bool, spec ...NodeSpec) (*Node, error) {
 	s := f.Spec(name)
 	if len(spec) > 0 {
@@ -100,13 +99,16 @@ func (f *Fleet) AddNode(name string, behind bool, spec ...NodeSpec) (*Node, erro
 	}
 	f.mu.Lock()
 	f.all = append(f.all, n)
-	if behind {
-		f.nodes = append(f.nodes, n)
-	}
 	f.mu.Unlock()
-	if behind {
-		f.LB.Add(n.HTTP)
+	if !behind {
+		return n, nil
 	}
+	if err := f.Front.Add(n.HTTP); err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	f.nodes = append(f.nodes, n)
+	f.mu.Unlock()
 	return n, nil
 }
 
@@ -118,22 +120,27 @@ func (f *Fleet) Nodes() []*Node {
 	return slices.DeleteFunc(slices.Clone(f.nodes), func(n *Node) bool { return f.dead[n.Name] })
 }
 
-// Kill sends n SIGKILL and takes it out of the balancer.
+// Kill takes n out of the balancer and sends it SIGKILL, even when the
+// front failed to take it out.
 func (f *Fleet) Kill(n *Node) error {
-	f.LB.Remove(n.HTTP)
+	rmErr := f.Front.Remove(n.HTTP)
 	f.mu.Lock()
 	f.dead[n.Name] = true
 	f.mu.Unlock()
-	return n.Proc.Kill()
+	return errors.Join(rmErr, n.Proc.Kill())
 }
 
 // Stop drains n as the operations guide's recipe has it: the balancer
 // takes it out first (no new connection reaches it), then SIGTERM lets
 // Caddy finish the requests in flight and close its connections, whose
 // clients reconnect through the balancer. It waits up to timeout for the
-// process to exit. n is out of Nodes until Restart.
+// process to exit. n is out of Nodes until Restart. If the front fails
+// to take n out, n is not stopped: new connections would still reach it
+// while it shuts down.
 func (f *Fleet) Stop(n *Node, timeout time.Duration) error {
-	f.LB.Remove(n.HTTP)
+	if err := f.Front.Remove(n.HTTP); err != nil {
+		return err
+	}
 	f.mu.Lock()
 	f.dead[n.Name] = true
 	f.mu.Unlock()
@@ -165,8 +172,7 @@ func (f *Fleet) Restart(n *Node) error {
 	f.mu.Lock()
 	delete(f.dead, n.Name) // already in f.all: Close kills its new process
 	f.mu.Unlock()
-	f.LB.Add(n.HTTP)
-	return nil
+	return f.Front.Add(n.HTTP)
 }
 
 // Snapshot is every live node's view at one moment.

@@ -1,8 +1,9 @@
 // Package fleet runs a fleet of real Caddy processes (this repository's
 // cmd/caddy) on loopback, for the rebalance acceptance test and the
-// benchmark command: nodes joined in a serf cluster, a TCP balancer in
-// front that gives each new connection to a random node, long-lived HTTP
-// clients, a record of every node's connections over time, and a plot of
+// benchmark command: nodes joined in a serf cluster, an outer balancer in
+// front (a Front: a TCP balancer that gives each new connection to a
+// random node, or HAProxy round robin or least connections), long-lived
+// HTTP clients, a record of every node's connections over time, and a plot of
 // it. Everything it starts is stopped by Close; every wait has a deadline.
 package fleet
 
@@ -41,7 +42,7 @@ func goBuild(ctx context.Context, dir, path, pkg string) error {
 	return nil
 }
 
-// Proc is one `caddy run` process.
+// Proc is one child process: a node's `caddy run`, or the HAProxy front.
 type Proc struct {
 	cmd    *exec.Cmd
 	log    *syncBuffer
@@ -69,11 +70,17 @@ func StartProc(bin, dir, caddyfile string, env ...string) (*Proc, error) {
 		"XDG_DATA_HOME="+filepath.Join(dir, "data"),
 	)
 	cmd.Env = append(cmd.Env, env...)
+	return startCmd(cmd)
+}
+
+// startCmd starts cmd, its output in the Proc's log, and reaps it when it
+// exits.
+func startCmd(cmd *exec.Cmd) (*Proc, error) {
 	p := &Proc{cmd: cmd, log: new(syncBuffer), exited: make(chan struct{})}
 	cmd.Stdout = p.log
 	cmd.Stderr = p.log
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("starting caddy: %v", err)
+		return nil, fmt.Errorf("starting %s: %v", cmd.Path, err)
 	}
 	go func() {
 		p.waitErr = cmd.Wait()
@@ -116,7 +123,7 @@ func (p *Proc) Kill() error {
 	case <-p.exited:
 		return nil
 	case <-time.After(10 * time.Second):
-		return fmt.Errorf("caddy (pid %d) still running 10s after SIGKILL", p.Pid())
+		return fmt.Errorf("%s (pid %d) still running 10s after SIGKILL", filepath.Base(p.cmd.Path), p.Pid())
 	}
 }
 

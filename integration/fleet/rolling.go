@@ -10,8 +10,8 @@ import (
 )
 
 // RollingRestart is issue 15's rolling restart, a Caddy upgrade done one
-// node at a time: Nodes nodes under long-lived clients behind the random
-// TCP balancer, converged; then each node in turn is drained as the
+// node at a time: Nodes nodes under long-lived clients behind the outer
+// balancer (Front), converged; then each node in turn is drained as the
 // operations guide says (out of the balancer, then SIGTERM: Fleet.Stop),
 // stays down for Down, is started again on its ports (Fleet.Restart), and
 // the fleet refills it before the next node goes.
@@ -33,6 +33,9 @@ type RollingRestart struct {
 	Converge time.Duration
 	// Logf, when set, reports progress.
 	Logf func(format string, args ...any)
+	// Front is the outer balancer, one of FrontNames (empty: random); the
+	// ideal is simulated behind the matching shedsim balancer.
+	Front string
 }
 
 // RestartResult is what one node's restart measured.
@@ -49,7 +52,7 @@ type RestartResult struct {
 	// within ±threshold, none shedding, nothing shed for 2 s).
 	Refilled time.Duration
 	// Shed is what the fleet shed from the restart to Refilled, and Ideal
-	// the median of a perfect rebalancer's count behind the same random
+	// the median of a perfect rebalancer's count behind the same kind of
 	// balancer from the fleet as it was at the restart (this node empty).
 	Shed  int
 	Ideal float64
@@ -83,7 +86,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 	size := cmp.Or(rr.Nodes, 6)
 	down := cmp.Or(rr.Down, 2*time.Second)
 	band := rr.Settings.Threshold / 100
-	f, err := New(rr.Bin, rr.Dir, rr.Settings, 250*time.Millisecond)
+	f, err := New(rr.Bin, rr.Dir, rr.Front, rr.Settings, 250*time.Millisecond)
 	if err != nil {
 		return res, err
 	}
@@ -106,7 +109,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 	if err := f.waitAlive(size); err != nil {
 		return res, err
 	}
-	clients = StartClients(f.LB.Addr, rr.Clients, rr.Every)
+	clients = StartClients(f.Front.Addr(), rr.Clients, rr.Every)
 	s, err := f.waitSettled(rr.Converge, rr.Clients, band, fmt.Sprintf("%d nodes", size))
 	if err != nil {
 		return res, err
@@ -143,7 +146,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 		if err != nil {
 			return res, err
 		}
-		r.Ideal = float64(shedsim.Sheds(back.Held(), band, 201, 1)[100])
+		r.Ideal = shedsim.IdealShedsFor(back.Held(), band, 201, 1, IdealBalancer(rr.Front))
 		tBack := time.Now()
 		settled, err := f.waitSettled(rr.Converge, rr.Clients, band, fmt.Sprintf("the fleet refilling %s", n.Name))
 		if err != nil {

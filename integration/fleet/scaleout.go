@@ -32,6 +32,9 @@ type ScaleOut struct {
 	// From is the nodes the fleet starts with; phase 1 doubles it and
 	// phase 2 adds two more. Default: 3.
 	From int
+	// Front is the outer balancer, one of FrontNames (empty: random); the
+	// ideal is simulated behind the matching shedsim balancer.
+	Front string
 }
 
 // ScaleOutResult is what a ScaleOut run measured.
@@ -45,7 +48,7 @@ type ScaleOutResult struct {
 	Joined, Converged time.Duration
 	// Shed is the connections shed until Converged; Moved the
 	// connections the old nodes lost; Ideal the median shed count of a
-	// perfect rebalancer behind the same random balancer (shedsim), and
+	// perfect rebalancer behind the same kind of balancer (shedsim), and
 	// IdealP99 its 99th percentile over the simulated runs.
 	Shed, Moved     int
 	Ideal, IdealP99 float64
@@ -153,7 +156,7 @@ func (so ScaleOut) logf(format string, args ...any) {
 // returns; on error the result holds what was measured so far.
 func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	res = &ScaleOutResult{Clients: so.Clients}
-	f, err := New(so.Bin, so.Dir, so.Settings, 250*time.Millisecond)
+	f, err := New(so.Bin, so.Dir, so.Front, so.Settings, 250*time.Millisecond)
 	if err != nil {
 		return res, err
 	}
@@ -179,7 +182,7 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 		return res, err
 	}
 	f.Timeline.Mark(fmt.Sprintf("%d nodes", from))
-	clients = StartClients(f.LB.Addr, so.Clients, so.Every)
+	clients = StartClients(f.Front.Addr(), so.Clients, so.Every)
 	s, err := f.WaitFor(60*time.Second, "every client connected", func(s Snapshot) (bool, string) {
 		_, errs, _ := clients.Stats()
 		return s.Total() == so.Clients && clients.Connects.Load() >= int64(so.Clients),
@@ -220,7 +223,7 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	for i := range from {
 		res.Moved += res.Before[i] - res.After[i]
 	}
-	sheds := shedsim.Sheds(append(slices.Clone(res.Before), make([]int, from)...), threshold, 201, 1)
+	sheds := shedsim.ShedsFor(append(slices.Clone(res.Before), make([]int, from)...), threshold, 201, 1, IdealBalancer(so.Front))
 	res.Ideal, res.IdealP99 = float64(sheds[100]), float64(sheds[198])
 	f.Timeline.Mark("converged")
 	so.logf("%d nodes after %v: %v; shed %d to move %d (ideal %.0f)", 2*from, res.Converged.Round(time.Millisecond), res.After, res.Shed, res.Moved, res.Ideal)

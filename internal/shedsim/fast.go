@@ -17,6 +17,10 @@ const (
 	// LeastConn gives every new connection to the node holding the fewest,
 	// ties broken at random.
 	LeastConn
+	// RoundRobin gives new connections to the nodes in turn, starting at a
+	// random one (HAProxy's balance roundrobin with equal weights, whose
+	// place in the rotation when the rebalancing starts is unknown).
+	RoundRobin
 )
 
 // String returns the balancer's name as the benchmark command spells it.
@@ -26,24 +30,28 @@ func (b Balancer) String() string {
 		return "random"
 	case LeastConn:
 		return "leastconn"
+	case RoundRobin:
+		return "roundrobin"
 	}
 	return fmt.Sprintf("balancer(%d)", int(b))
 }
 
-// IdealShedsFor is IdealSheds for either balancer: the median, over runs
+// IdealShedsFor is IdealSheds for any balancer: the median, over runs
 // simulations, of the connections the perfect rebalancer sheds, taking
 // O(log nodes) per shed (IdealSheds and Sheds are this simulation behind
 // Random). With LeastConn every shed client reconnects to the node
 // holding the fewest connections at that moment (ties at random), so the
 // perfect rebalancer sheds about the connections that must move and no
-// more.
+// more. With RoundRobin the shed clients go round the nodes, old ones
+// included, so it sheds about as many as behind Random but scatters less.
 func IdealShedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balancer) float64 {
-	return median(shedsFor(counts, threshold, runs, seed, lb))
+	return median(ShedsFor(counts, threshold, runs, seed, lb))
 }
 
-// shedsFor returns the shed counts of runs simulations behind lb, sorted;
-// nil when there are no counts or no runs.
-func shedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balancer) []int {
+// ShedsFor is Sheds behind lb: the shed counts of runs simulations,
+// sorted, for a caller that reads quantiles; nil when there are no counts
+// or no runs.
+func ShedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balancer) []int {
 	if len(counts) == 0 || runs <= 0 {
 		return nil
 	}
@@ -59,6 +67,10 @@ func shedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balance
 	for r := range runs {
 		f.reset(counts, lo)
 		shed := 0
+		next := 0 // RoundRobin's next node
+		if lb == RoundRobin {
+			next = rng.IntN(len(counts))
+		}
 		// The loop ends: every shed moves a client toward the band (behind
 		// Random with probability 1); the cap only guards against a band
 		// too narrow for whole connections.
@@ -69,9 +81,12 @@ func shedsFor(counts []int, threshold float64, runs int, seed uint64, lb Balance
 			}
 			f.add(most, -1, lo)
 			var to int
-			if lb == LeastConn {
+			switch lb {
+			case LeastConn:
 				to = f.least(rng)
-			} else {
+			case RoundRobin:
+				to, next = next, (next+1)%len(counts)
+			default:
 				to = rng.IntN(len(counts))
 			}
 			f.add(to, 1, lo)

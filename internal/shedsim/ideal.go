@@ -1,7 +1,7 @@
 // Package shedsim computes the yardstick for a rebalancer's shed count:
 // how many connections a perfect rebalancer would shed behind an outer
-// load balancer that gives every new connection to a random node, or to
-// the node holding the fewest (IdealShedsFor).
+// load balancer that gives every new connection to a random node, to the
+// node holding the fewest, or to the nodes in turn (IdealShedsFor).
 package shedsim
 
 // IdealSheds returns the median, over runs simulations, of the number of
@@ -25,7 +25,7 @@ func IdealSheds(counts []int, threshold float64, runs int, seed uint64) float64 
 // reconnections), and a bound on one run must allow for that. It returns
 // nil when there are no counts or no runs.
 func Sheds(counts []int, threshold float64, runs int, seed uint64) []int {
-	return shedsFor(counts, threshold, runs, seed, Random)
+	return ShedsFor(counts, threshold, runs, seed, Random)
 }
 
 // median returns the median of sorted (the mean of the middle two for an
