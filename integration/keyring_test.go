@@ -134,7 +134,7 @@ func TestKeyringRotationFleet(t *testing.T) {
 		t.Skip("builds and runs 6 cmd/caddy processes")
 	}
 	bin := drainBuildCaddy(t)
-	f, err := fleet.New(bin, t.TempDir(), rbSettings, 250*time.Millisecond)
+	f, err := fleet.New(bin, t.TempDir(), fleet.FrontRandom, rbSettings, 250*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -169,7 +169,7 @@ func TestKeyringRotationFleet(t *testing.T) {
 	if raceEnabled {
 		clientCount = 50
 	}
-	clients := fleet.StartClients(f.LB.Addr, clientCount, 200*time.Millisecond)
+	clients := fleet.StartClients(f.Front.Addr(), clientCount, 200*time.Millisecond)
 	clientsClosed := false
 	defer func() {
 		if !clientsClosed {
@@ -314,8 +314,14 @@ func TestKeyringRotationFleet(t *testing.T) {
 	var reloads [][2]time.Time
 	reload := func(n *fleet.Node, spec fleet.NodeSpec) {
 		t.Helper()
-		f.LB.Remove(n.HTTP)
-		defer f.LB.Add(n.HTTP)
+		if err := f.Front.Remove(n.HTTP); err != nil {
+			t.Fatal(err)
+		}
+		defer func() {
+			if err := f.Front.Add(n.HTTP); err != nil {
+				t.Error(err)
+			}
+		}()
 		start := time.Now()
 		if err := n.Reload(spec); err != nil {
 			t.Fatal(err)
