@@ -1,13 +1,12 @@
 package partition
 
 import (
-	"sort"
 	"strconv"
-	"sync"
 
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/adminjson"
+	"github.com/caddy-lbx/lbx/internal/liveset"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
@@ -43,28 +42,9 @@ func (adminAPI) Routes() []caddy.AdminRoute {
 	}}
 }
 
-// live holds the provisioned handlers, for the admin view, with the order
-// they joined in: the view lists them in that order, which is stable
-// across requests.
-var (
-	liveMu  sync.Mutex
-	live    = map[*Handler]uint64{}
-	liveSeq uint64
-)
-
-// register adds h to the admin view; Cleanup removes it.
-func register(h *Handler) {
-	liveMu.Lock()
-	liveSeq++
-	live[h] = liveSeq
-	liveMu.Unlock()
-}
-
-func unregister(h *Handler) {
-	liveMu.Lock()
-	delete(live, h)
-	liveMu.Unlock()
-}
+// live holds the provisioned handlers, for the admin view: Provision adds
+// a handler once it has succeeded, Cleanup removes it.
+var live liveset.Set[*Handler]
 
 // partitionsView is the body of GET /lbx/partitions.
 type partitionsView struct {
@@ -123,13 +103,7 @@ type replicaView struct {
 // buildPartitionsView assembles the admin view of every provisioned
 // partition handler.
 func buildPartitionsView() partitionsView {
-	liveMu.Lock()
-	hs := make([]*Handler, 0, len(live))
-	for h := range live {
-		hs = append(hs, h)
-	}
-	sort.Slice(hs, func(i, j int) bool { return live[hs[i]] < live[hs[j]] })
-	liveMu.Unlock()
+	hs := live.All()
 	now := monoclock.Now()
 	v := partitionsView{Handlers: []handlerView{}}
 	for _, h := range hs {

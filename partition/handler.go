@@ -395,7 +395,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 		go sw.run(ctx.Done())
 	}
-	register(h)
+	live.Add(h)
 	return nil
 }
 
@@ -590,7 +590,7 @@ func (h *Handler) Validate() error {
 // The internal reverse_proxy is cleaned up by Caddy with the config, and
 // the naming file watcher stops when the config's context is cancelled.
 func (h *Handler) Cleanup() error {
-	unregister(h)
+	live.Remove(h)
 	if h.hosts != nil {
 		h.hosts.Release()
 	}
