@@ -287,9 +287,8 @@ func TestStatusPage(t *testing.T) {
 		}
 		var ups struct {
 			Upstreams []struct {
-				Dial     string  `json:"dial"`
-				Ejected  float64 `json:"ejected_for_ms"`
-				Failures uint64  `json:"failures"`
+				Dial    string  `json:"dial"`
+				Ejected float64 `json:"ejected_for_ms"`
 			} `json:"upstreams"`
 		}
 		var parts struct {
