@@ -11,4 +11,5 @@ import (
 	_ "github.com/caddy-lbx/lbx/partition"
 	_ "github.com/caddy-lbx/lbx/rebalance"
 	_ "github.com/caddy-lbx/lbx/selective"
+	_ "github.com/caddy-lbx/lbx/status"
 )

@@ -395,6 +395,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 		go sw.run(ctx.Done())
 	}
+	live.Add(h)
 	return nil
 }
 
@@ -584,10 +585,12 @@ func (h *Handler) Validate() error {
 	return h.validate()
 }
 
-// Cleanup releases the handler's references on lbx's per-address state.
+// Cleanup releases the handler's references on lbx's per-address state
+// and takes it out of the admin view.
 // The internal reverse_proxy is cleaned up by Caddy with the config, and
 // the naming file watcher stops when the config's context is cancelled.
 func (h *Handler) Cleanup() error {
+	live.Remove(h)
 	if h.hosts != nil {
 		h.hosts.Release()
 	}

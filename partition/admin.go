@@ -1,0 +1,167 @@
+package partition
+
+import (
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-lbx/lbx/internal/adminjson"
+	"github.com/caddy-lbx/lbx/internal/liveset"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
+)
+
+func init() {
+	caddy.RegisterModule(adminAPI{})
+}
+
+// adminAPI serves the partition handlers' upstreams on Caddy's admin
+// endpoint:
+//
+//	GET /lbx/partitions
+//
+// returns every partition handler of the running configs with where its
+// upstreams come from (static, naming file, serf members) and, for each
+// of its schemes, the capacity and each partition's replicas with their
+// health: usable, ejected by lbx's outlier detection, or unavailable to
+// Caddy (passive health checks, max_requests).
+type adminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.lbx_partitions",
+		New: func() caddy.Module { return new(adminAPI) },
+	}
+}
+
+// Routes returns the admin routes.
+func (adminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{
+		Pattern: "/lbx/partitions",
+		Handler: adminjson.Handler(buildPartitionsView),
+	}}
+}
+
+// live holds the provisioned handlers, for the admin view: Provision adds
+// a handler once it has succeeded, Cleanup removes it.
+var live liveset.Set[*Handler]
+
+// partitionsView is the body of GET /lbx/partitions.
+type partitionsView struct {
+	Handlers []handlerView `json:"handlers"`
+}
+
+// handlerView is one partition handler in the admin view.
+type handlerView struct {
+	// Static is the number of upstreams given in the config; Naming and
+	// Serf the number the naming file and the serf members give now.
+	Static     int    `json:"static_upstreams"`
+	NamingFile string `json:"naming_file,omitempty"`
+	Naming     int    `json:"naming_file_upstreams"`
+	SerfTag    string `json:"serf_tag,omitempty"`
+	Serf       int    `json:"serf_upstreams"`
+	// Capacity is the handler's usable capacity (the sum over schemes of
+	// their least usable replica count), CapacityTotal the same with
+	// every replica counted.
+	Capacity      int          `json:"capacity"`
+	CapacityTotal int          `json:"capacity_total"`
+	Schemes       []schemeView `json:"schemes"`
+}
+
+// schemeView is one partition scheme in the admin view.
+type schemeView struct {
+	Count int `json:"partitions"`
+	// Capacity is the least number of usable replicas over the scheme's
+	// partitions: 0 means the scheme gets no traffic.
+	Capacity   int             `json:"capacity"`
+	Size       int             `json:"size"`
+	Partitions []partitionView `json:"partition_list"`
+}
+
+// partitionView is one partition of a scheme in the admin view.
+type partitionView struct {
+	Name     string        `json:"name"` // "p<index>", as in X-Partition-Status
+	Tag      string        `json:"tag"`
+	Usable   int           `json:"usable"`
+	Replicas []replicaView `json:"replicas"`
+}
+
+// replicaView is one replica of a partition in the admin view.
+type replicaView struct {
+	Dial string `json:"dial"`
+	// Health is "usable", "ejected" (by lbx's outlier detection) or
+	// "unavailable" (Caddy would not send it a request: passive health
+	// checks, max_requests).
+	Health string `json:"health"`
+	// Tried is false until a sub-request went to the replica; InFlight
+	// and Fails are Caddy's counts for its address (0 until tried).
+	Tried    bool `json:"tried"`
+	InFlight int  `json:"in_flight"`
+	Fails    int  `json:"passive_fails"`
+}
+
+// buildPartitionsView assembles the admin view of every provisioned
+// partition handler.
+func buildPartitionsView() partitionsView {
+	hs := live.All()
+	now := monoclock.Now()
+	v := partitionsView{Handlers: []handlerView{}}
+	for _, h := range hs {
+		v.Handlers = append(v.Handlers, h.view(now))
+	}
+	return v
+}
+
+// view returns the handler's admin view at now (a monoclock reading).
+func (h *Handler) view(now int64) handlerView {
+	h.swapMu.Lock()
+	hv := handlerView{
+		Static: len(h.static), NamingFile: h.NamingFile, Naming: len(h.fileEntries),
+		Serf: len(h.serfEntries), Schemes: []schemeView{},
+	}
+	h.swapMu.Unlock()
+	if h.Serf != nil {
+		hv.SerfTag = h.Serf.partitionTag()
+	}
+	l := h.current.Load()
+	if l == nil {
+		return hv
+	}
+	hv.Capacity, hv.CapacityTotal = l.capacity(now)
+	for _, s := range l.schemes {
+		sv := schemeView{Count: s.count, Capacity: s.capacity(now), Size: s.size(), Partitions: []partitionView{}}
+		for i, reps := range s.parts {
+			pv := partitionView{Name: "p" + strconv.Itoa(i), Tag: Tag{Index: i, Count: s.count}.String(), Replicas: []replicaView{}}
+			for _, r := range reps {
+				rv := r.view(now)
+				if rv.Health == "usable" {
+					pv.Usable++
+				}
+				pv.Replicas = append(pv.Replicas, rv)
+			}
+			sv.Partitions = append(sv.Partitions, pv)
+		}
+		hv.Schemes = append(hv.Schemes, sv)
+	}
+	return hv
+}
+
+// view returns the replica's admin view at now, by the rule usable
+// applies.
+func (r *replica) view(now int64) replicaView {
+	v := replicaView{Dial: r.dial, Health: "usable"}
+	u := r.last.Load()
+	if u != nil && u.Host != nil {
+		v.Tried, v.InFlight, v.Fails = true, u.NumRequests(), u.Fails()
+	}
+	switch {
+	case r.ejected(now):
+		v.Health = "ejected"
+	case !r.usable(now):
+		v.Health = "unavailable"
+	}
+	return v
+}
+
+// Interface guards
+var _ caddy.AdminRouter = adminAPI{}

@@ -1,0 +1,194 @@
+package status_test
+
+import (
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+
+	// Every lbx module, so that the views the page reads are registered.
+	_ "github.com/caddy-lbx/lbx"
+	"github.com/caddy-lbx/lbx/status"
+)
+
+const browserAccept = "text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,image/webp,*/*;q=0.8"
+
+// adminMux routes requests to the admin module's routes as Caddy's admin
+// endpoint does: a ServeMux, with an error answered with its status.
+func adminMux() *http.ServeMux {
+	mux := http.NewServeMux()
+	for _, r := range (status.AdminAPI{}).Routes() {
+		mux.Handle(r.Pattern, http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+			if err := r.Handler.ServeHTTP(w, req); err != nil {
+				code := http.StatusInternalServerError
+				var apiErr caddy.APIError
+				if errors.As(err, &apiErr) {
+					code = apiErr.HTTPStatus
+				}
+				http.Error(w, err.Error(), code)
+			}
+		}))
+	}
+	return mux
+}
+
+func get(h http.Handler, method, path, accept string) *httptest.ResponseRecorder {
+	req := httptest.NewRequest(method, path, nil)
+	if accept != "" {
+		req.Header.Set("Accept", accept)
+	}
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	return rec
+}
+
+func readPage(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile("status.html")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// isPage checks that rec is the page, served as HTML.
+func isPage(t *testing.T, what string, rec *httptest.ResponseRecorder, page string) {
+	t.Helper()
+	if rec.Code != http.StatusOK {
+		t.Fatalf("%s: status %d: %s", what, rec.Code, rec.Body)
+	}
+	if ct := rec.Header().Get("Content-Type"); !strings.HasPrefix(ct, "text/html") {
+		t.Errorf("%s: Content-Type %q, want text/html", what, ct)
+	}
+	if csp := rec.Header().Get("Content-Security-Policy"); !strings.Contains(csp, "default-src 'none'") || !strings.Contains(csp, "connect-src 'self'") {
+		t.Errorf("%s: Content-Security-Policy %q does not confine the page to its origin", what, csp)
+	}
+	if rec.Body.String() != page {
+		t.Errorf("%s: body is not status.html (%d bytes)", what, rec.Body.Len())
+	}
+}
+
+// TestPageSelfContained: the page loads nothing from elsewhere and puts
+// no data in the page as HTML.
+func TestPageSelfContained(t *testing.T) {
+	page := readPage(t)
+	external := regexp.MustCompile(`(?i)(src|href|action)\s*=\s*["']?\s*(https?:)?//|//cdn|@import|url\(|<link\b|<script\s+src`)
+	if m := external.FindString(page); m != "" {
+		t.Errorf("the page refers to an external asset: %q", m)
+	}
+	if m := regexp.MustCompile(`https?://`).FindString(page); m != "" {
+		t.Errorf("the page holds an absolute URL: %q", m)
+	}
+	for _, sink := range []string{"innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("} {
+		if strings.Contains(page, sink) {
+			t.Errorf("the page's script uses %s: text must be added as text", sink)
+		}
+	}
+	// It reads every view by a relative path, and refreshes itself.
+	for _, want := range []string{`"upstreams"`, `"partitions"`, `"cluster"`, `"rebalance"`, `"selective"`, "setTimeout(refresh"} {
+		if !strings.Contains(page, want) {
+			t.Errorf("the page's script lacks %s", want)
+		}
+	}
+}
+
+// TestAdminRoutes: /lbx/status is the page; /lbx/ is the page for a
+// browser and the list of views for anyone else.
+func TestAdminRoutes(t *testing.T) {
+	page := readPage(t)
+	mux := adminMux()
+
+	isPage(t, "GET /lbx/status", get(mux, http.MethodGet, "/lbx/status", ""), page)
+	isPage(t, "GET /lbx/ from a browser", get(mux, http.MethodGet, "/lbx/", browserAccept), page)
+	isPage(t, "GET /lbx/ text/html", get(mux, http.MethodGet, "/lbx/", "text/html"), page)
+
+	for _, accept := range []string{"application/json", "*/*", "", "text/html;q=0.5, application/json"} {
+		rec := get(mux, http.MethodGet, "/lbx/", accept)
+		if rec.Code != http.StatusOK || !strings.HasPrefix(rec.Header().Get("Content-Type"), "application/json") {
+			t.Fatalf("GET /lbx/ Accept %q: status %d, Content-Type %q", accept, rec.Code, rec.Header().Get("Content-Type"))
+		}
+		var ix struct{ Endpoints []string }
+		if err := json.Unmarshal(rec.Body.Bytes(), &ix); err != nil {
+			t.Fatalf("GET /lbx/ Accept %q: %v: %s", accept, err, rec.Body)
+		}
+		for _, want := range []string{"/lbx/status", "/lbx/upstreams", "/lbx/partitions", "/lbx/cluster", "/lbx/rebalance", "/lbx/selective"} {
+			if !slices.Contains(ix.Endpoints, want) {
+				t.Errorf("GET /lbx/ Accept %q lists %v, without %s", accept, ix.Endpoints, want)
+			}
+		}
+	}
+
+	if rec := get(mux, http.MethodGet, "/lbx/nope", browserAccept); rec.Code != http.StatusNotFound {
+		t.Errorf("GET /lbx/nope: status %d, want 404", rec.Code)
+	}
+	if rec := get(mux, http.MethodPost, "/lbx/status", ""); rec.Code != http.StatusMethodNotAllowed {
+		t.Errorf("POST /lbx/status: status %d, want 405", rec.Code)
+	}
+	if rec := get(mux, http.MethodHead, "/lbx/status", ""); rec.Code != http.StatusOK || rec.Body.Len() != 0 {
+		t.Errorf("HEAD /lbx/status: status %d, %d bytes", rec.Code, rec.Body.Len())
+	}
+}
+
+// TestHandler: the HTTP handler serves the views by the last element of
+// the path, and the page for any other path.
+func TestHandler(t *testing.T) {
+	page := readPage(t)
+	h := new(status.Handler)
+	if err := h.Provision(caddy.Context{}); err != nil {
+		t.Fatal(err)
+	}
+	serve := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if err := h.ServeHTTP(w, r, nil); err != nil {
+			var he caddyhttp.HandlerError
+			if !errors.As(err, &he) {
+				t.Errorf("%s %s: error %v is not a caddyhttp.HandlerError", r.Method, r.URL.Path, err)
+				return
+			}
+			http.Error(w, err.Error(), he.StatusCode)
+		}
+	})
+
+	isPage(t, "GET /lbx/status", get(serve, http.MethodGet, "/lbx/status", browserAccept), page)
+	isPage(t, "GET /", get(serve, http.MethodGet, "/", browserAccept), page)
+	for path, key := range map[string]string{
+		"/lbx/upstreams":     "upstreams",
+		"/status/partitions": "handlers",
+		"/lbx/cluster":       "nodes",
+		"/lbx/rebalance":     "nodes",
+		"/lbx/selective":     "handlers",
+	} {
+		rec := get(serve, http.MethodGet, path, "application/json")
+		var v map[string]json.RawMessage
+		if rec.Code != http.StatusOK || json.Unmarshal(rec.Body.Bytes(), &v) != nil || v[key] == nil {
+			t.Errorf("GET %s: status %d, body %.200s; want JSON with %q", path, rec.Code, rec.Body, key)
+		}
+	}
+	if rec := get(serve, http.MethodPost, "/lbx/upstreams", ""); rec.Code != http.StatusMethodNotAllowed {
+		t.Errorf("POST /lbx/upstreams: status %d, want 405", rec.Code)
+	}
+	if rec := get(serve, http.MethodPost, "/lbx/status", ""); rec.Code != http.StatusMethodNotAllowed {
+		t.Errorf("POST /lbx/status: status %d, want 405", rec.Code)
+	}
+}
+
+func TestCaddyfile(t *testing.T) {
+	h := new(status.Handler)
+	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("lbx_status")); err != nil {
+		t.Errorf("lbx_status: %v", err)
+	}
+	for _, bad := range []string{"lbx_status x", "lbx_status {\n\tfoo\n}"} {
+		if err := new(status.Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser(bad)); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+}
