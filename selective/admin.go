@@ -1,12 +1,12 @@
 package selective
 
 import (
-	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/adminjson"
+	"github.com/caddy-lbx/lbx/internal/liveset"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
@@ -39,23 +39,13 @@ func (adminAPI) Routes() []caddy.AdminRoute {
 	}}
 }
 
-// live holds the provisioned handlers, for the admin view.
-var (
-	liveMu sync.Mutex
-	live   = map[*Handler]struct{}{}
-)
+// live holds the provisioned handlers, for the admin view, which lists
+// them in the order they were provisioned.
+var live liveset.Set[*Handler]
 
-func register(h *Handler) {
-	liveMu.Lock()
-	live[h] = struct{}{}
-	liveMu.Unlock()
-}
+func register(h *Handler) { live.Add(h) }
 
-func unregister(h *Handler) {
-	liveMu.Lock()
-	delete(live, h)
-	liveMu.Unlock()
-}
+func unregister(h *Handler) { live.Remove(h) }
 
 // selectiveStatus is the admin view.
 type selectiveStatus struct {
@@ -93,15 +83,9 @@ type groupStatus struct {
 }
 
 func buildView() selectiveStatus {
-	liveMu.Lock()
-	hs := make([]*Handler, 0, len(live))
-	for h := range live {
-		hs = append(hs, h)
-	}
-	liveMu.Unlock()
 	now := monoclock.Now()
 	v := selectiveStatus{Handlers: []handlerStatus{}}
-	for _, h := range hs {
+	for _, h := range live.All() {
 		v.Handlers = append(v.Handlers, h.status(now))
 	}
 	return v
