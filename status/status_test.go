@@ -179,6 +179,18 @@ func TestHandler(t *testing.T) {
 	if rec := get(serve, http.MethodPost, "/lbx/status", ""); rec.Code != http.StatusMethodNotAllowed {
 		t.Errorf("POST /lbx/status: status %d, want 405", rec.Code)
 	}
+	// The site serves read-only views: the admin endpoint's keyring
+	// operations (POST /lbx/cluster/keys/install, …) must not be reachable
+	// through it, whatever the method. Their paths get the page.
+	for _, path := range []string{"/lbx/cluster/keys", "/lbx/cluster/keys/install", "/lbx/cluster/keys/use", "/lbx/cluster/keys/remove"} {
+		rec := get(serve, http.MethodPost, path, "application/json")
+		if rec.Code != http.StatusMethodNotAllowed {
+			t.Errorf("POST %s through the site: status %d, body %.200s; want 405 (the page's answer to a POST)", path, rec.Code, rec.Body)
+		}
+		if rec := get(serve, http.MethodGet, path, "application/json"); strings.Contains(rec.Body.String(), "fingerprint") {
+			t.Errorf("GET %s through the site answered the keyring: %.200s", path, rec.Body)
+		}
+	}
 }
 
 func TestCaddyfile(t *testing.T) {
