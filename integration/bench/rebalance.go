@@ -55,7 +55,8 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	fs.DurationVar(&c.down, "down", 2*time.Second, "rolling-restart: how long each node stays stopped")
 	fs.DurationVar(&c.every, "every", time.Second, "each client's request period")
 	fs.IntVar(&c.runs, "runs", 3, "runs; the summary shows the median of each measure")
-	fs.StringVar(&c.plot, "plot", "docs/rebalance-scaleout.png", "write the median run's plot to this PNG file, relative to the lbx module's root (empty: none)")
+	fs.StringVar(&c.plot, "plot", "", "write the median run's plot to this PNG file, relative to the lbx module's root; \"none\": no plot (default: "+
+		rebalancePlots["scale-out"]+", or "+rebalancePlots["rolling-restart"]+" with -scenario rolling-restart)")
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.DurationVar(&c.converge, "converge", 90*time.Second, "the longest wait for the fleet to converge, per phase")
 	fs.StringVar(&c.settings.Interval, "interval", "200ms", "rebalance interval")
@@ -89,10 +90,24 @@ func parseRebalanceFlags(args []string, stderr io.Writer) (*rebalanceConfig, err
 	case c.down < 0 || c.down > 10*time.Minute:
 		return nil, fmt.Errorf("-down must be from 0 to 10m, got %v", c.down)
 	}
+	switch c.plot {
+	case "":
+		// Each scenario its own plot: a rolling restart must not draw
+		// over the scale-out's.
+		c.plot = rebalancePlots[c.scenario]
+	case "none":
+		c.plot = ""
+	}
 	if err := fleet.CheckFront(c.front); err != nil || c.front == "" {
 		return nil, fmt.Errorf("-front %q: want one of %s", c.front, strings.Join(fleet.FrontNames, ", "))
 	}
 	return c, nil
+}
+
+// rebalancePlots is each scenario's plot file when -plot is not given.
+var rebalancePlots = map[string]string{
+	"scale-out":       "docs/rebalance-scaleout.png",
+	"rolling-restart": "docs/rebalance-rolling-restart.png",
 }
 
 // runRebalance is `bench rebalance`.

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"io"
+	"strings"
 	"testing"
 
 	"github.com/caddy-lbx/lbx/integration/fleet"
@@ -17,6 +18,19 @@ func TestParseRebalanceFlags(t *testing.T) {
 	}
 	if c.front != fleet.FrontRandom || c.from != 3 || c.scenario != "scale-out" {
 		t.Errorf("defaults: front %q, from %d, scenario %q", c.front, c.from, c.scenario)
+	}
+	if c.plot != "docs/rebalance-scaleout.png" {
+		t.Errorf("default plot %q", c.plot)
+	}
+	for args, want := range map[string]string{
+		"-scenario rolling-restart":             "docs/rebalance-rolling-restart.png",
+		"-scenario rolling-restart -plot x.png": "x.png",
+		"-plot none":                            "",
+	} {
+		c, err := parseRebalanceFlags(strings.Fields(args), &bytes.Buffer{})
+		if err != nil || c.plot != want {
+			t.Errorf("%s: plot %q, %v; want %q", args, c.plot, err, want)
+		}
 	}
 	for _, name := range fleet.FrontNames {
 		c, err := parseRebalanceFlags([]string{"-front", name, "-runs", "2"}, &bytes.Buffer{})
