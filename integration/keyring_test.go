@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -46,51 +47,12 @@ type clusterNodeView struct {
 	} `json:"members"`
 }
 
-var keyringAdmin = &http.Client{Timeout: 15 * time.Second}
-
-// statusError is an admin answer other than 200.
-type statusError struct {
-	node, method, path string
-	code               int
-	body               []byte
-}
-
-func (e *statusError) Error() string {
-	return fmt.Sprintf("%s %s %s: %d %s", e.node, e.method, e.path, e.code, e.body)
-}
-
-// adminJSON sends method path (with body, JSON, when not empty) to n's
-// admin API and decodes the answer into out; any status but 200 is a
-// *statusError.
-func adminJSON(n *fleet.Node, method, path, body string, out any) error {
-	req, err := http.NewRequest(method, "http://"+n.Admin+path, strings.NewReader(body))
-	if err != nil {
-		return err
-	}
-	if body != "" {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	res, err := keyringAdmin.Do(req)
-	if err != nil {
-		return err
-	}
-	defer res.Body.Close()
-	data, err := io.ReadAll(res.Body)
-	if err != nil {
-		return err
-	}
-	if res.StatusCode != http.StatusOK {
-		return &statusError{n.Name, method, path, res.StatusCode, data}
-	}
-	return json.Unmarshal(data, out)
-}
-
 // nodeClusterView reads n's GET /lbx/cluster (one member per process).
 func nodeClusterView(n *fleet.Node) (clusterNodeView, error) {
 	var body struct {
 		Nodes []clusterNodeView `json:"nodes"`
 	}
-	if err := adminJSON(n, http.MethodGet, "/lbx/cluster", "", &body); err != nil {
+	if err := n.AdminDo(http.MethodGet, "/lbx/cluster", "", nil, &body); err != nil {
 		return clusterNodeView{}, err
 	}
 	if len(body.Nodes) != 1 {
@@ -254,12 +216,16 @@ func TestKeyringRotationFleet(t *testing.T) {
 		deadline := time.Now().Add(15 * time.Second)
 		for {
 			var rep keyringReport
-			err := adminJSON(n, method, path, body, &rep)
+			var reqBody io.Reader
+			if body != "" {
+				reqBody = strings.NewReader(body)
+			}
+			err := n.AdminDo(method, path, "application/json", reqBody, &rep)
 			if err == nil {
 				return rep
 			}
-			se, ok := err.(*statusError)
-			if !ok || se.code != http.StatusBadGateway || json.Unmarshal(se.body, &rep) != nil ||
+			var ae *fleet.AdminError
+			if !errors.As(err, &ae) || ae.Status != http.StatusBadGateway || json.Unmarshal(ae.Body, &rep) != nil ||
 				len(rep.Errors) > 0 || rep.Responses >= rep.Nodes || time.Now().After(deadline) {
 				t.Fatal(err)
 			}

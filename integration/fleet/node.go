@@ -238,14 +238,16 @@ func (v View) Alive() int {
 	return c
 }
 
-var adminClient = &http.Client{Timeout: 5 * time.Second}
+// adminClient's timeout covers the slowest admin call: a keyring change
+// waits for serf's query to time out when a member does not answer.
+var adminClient = &http.Client{Timeout: 15 * time.Second}
 
 // View reads the node's GET /lbx/rebalance.
 func (n *Node) View() (View, error) {
 	var body struct {
 		Nodes []View `json:"nodes"`
 	}
-	if err := n.admin(http.MethodGet, "/lbx/rebalance", "", nil, &body); err != nil {
+	if err := n.AdminDo(http.MethodGet, "/lbx/rebalance", "", nil, &body); err != nil {
 		return View{}, err
 	}
 	if len(body.Nodes) != 1 {
@@ -268,12 +270,25 @@ func (n *Node) Reload(spec NodeSpec) error {
 // returns once Caddy has answered: the new config runs and the old one
 // has stopped.
 func (n *Node) Load(caddyfile string) error {
-	return n.admin(http.MethodPost, "/load", "text/caddyfile", strings.NewReader(caddyfile), nil)
+	return n.AdminDo(http.MethodPost, "/load", "text/caddyfile", strings.NewReader(caddyfile), nil)
 }
 
-// admin sends one request to the admin API and decodes a JSON answer
-// into out, when out is not nil.
-func (n *Node) admin(method, path, ctype string, body io.Reader, out any) error {
+// AdminError is an admin API answer other than 200 OK.
+type AdminError struct {
+	Node, Method, Path string
+	Status             int
+	Body               []byte
+}
+
+// Error implements error.
+func (e *AdminError) Error() string {
+	return fmt.Sprintf("%s %s %s: status %d: %s", e.Node, e.Method, e.Path, e.Status, e.Body)
+}
+
+// AdminDo sends one request to the node's admin API, with body of type
+// ctype (none when ctype is empty), and decodes a JSON answer into out
+// when out is not nil. An answer other than 200 is an *AdminError.
+func (n *Node) AdminDo(method, path, ctype string, body io.Reader, out any) error {
 	req, err := http.NewRequest(method, "http://"+n.Admin+path, body)
 	if err != nil {
 		return err
@@ -291,7 +306,7 @@ func (n *Node) admin(method, path, ctype string, body io.Reader, out any) error 
 		return err
 	}
 	if res.StatusCode != http.StatusOK {
-		return fmt.Errorf("%s %s %s: status %d: %s", n.Name, method, path, res.StatusCode, data)
+		return &AdminError{Node: n.Name, Method: method, Path: path, Status: res.StatusCode, Body: data}
 	}
 	if out == nil {
 		return nil
