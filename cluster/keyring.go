@@ -210,6 +210,12 @@ type keyringKey struct {
 // errKeyringRefused marks an operation refused before any query.
 type errKeyringRefused struct{ error }
 
+// keyringRelayFactor is how many other members relay each member's
+// answer to a keyring query, besides its own UDP datagram to the asker
+// (serf's relay factor, Consul's -relay-factor): one lost datagram must
+// not make a step look failed on a node that took it.
+const keyringRelayFactor = 2
+
 // keyringOp runs op across the cluster through serf's KeyManager (its
 // internal queries reach every member, this one included), with key for
 // install, use and remove. It refuses, before any query, an operation on
@@ -248,16 +254,17 @@ func (m *member) keyringOp(op keyringOp, key []byte) (rep keyringReport, err err
 	}
 	km := m.serf.KeyManager()
 	b64 := base64.StdEncoding.EncodeToString(key)
+	opts := &serf.KeyRequestOptions{RelayFactor: keyringRelayFactor}
 	var resp *serf.KeyResponse
 	switch op {
 	case opList:
-		resp, err = km.ListKeys()
+		resp, err = km.ListKeysWithOptions(opts)
 	case opInstall:
-		resp, err = km.InstallKey(b64)
+		resp, err = km.InstallKeyWithOptions(b64, opts)
 	case opUse:
-		resp, err = km.UseKey(b64)
+		resp, err = km.UseKeyWithOptions(b64, opts)
 	case opRemove:
-		resp, err = km.RemoveKey(b64)
+		resp, err = km.RemoveKeyWithOptions(b64, opts)
 	}
 	if resp != nil {
 		rep.fill(resp)
