@@ -497,6 +497,40 @@ func TestKeyringRollingReload(t *testing.T) {
 	}
 }
 
+// TestKeyringFailedReload: a config whose other apps fail to start is
+// stopped while the config before it runs on (Caddy never stopped it):
+// the keys go back to the running config's list. A reload that succeeds
+// keeps the new list.
+func TestKeyringFailedReload(t *testing.T) {
+	b := testCluster(t, "failed-reload", func(a *App) { a.EncryptKey = testGossipKey })
+	oldID, newID := keyID(mustDecodeKey(t, testGossipKey)), keyID(mustDecodeKey(t, otherGossipKey))
+
+	next := &App{NodeName: b.NodeName, Bind: b.Bind, EncryptKeys: []string{otherGossipKey, testGossipKey}}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := next.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := next.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if got := keyIDs(b); !slices.Equal(got, []string{newID, oldID}) {
+		t.Fatalf("while the new config starts: %v; want %s, %s", got, newID, oldID)
+	}
+	// The new config failed elsewhere: Caddy stops it, b runs on.
+	if err := next.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if got := keyIDs(b); !slices.Equal(got, []string{oldID}) {
+		t.Errorf("after the failed reload: %v; want the running config's %s alone", got, oldID)
+	}
+	// The same reload, succeeding, keeps the new list.
+	b = reloadApp(t, b, func(a *App) { a.EncryptKeys = []string{otherGossipKey, testGossipKey} })
+	if got := keyIDs(b); !slices.Equal(got, []string{newID, oldID}) {
+		t.Errorf("after a reload that succeeds: %v; want %s, %s", got, newID, oldID)
+	}
+}
+
 // TestKeyringReloadEncryptionToggle: a reload cannot turn encryption on
 // or off on a running member: it warns, and the keyring is untouched.
 func TestKeyringReloadEncryptionToggle(t *testing.T) {

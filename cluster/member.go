@@ -205,11 +205,29 @@ func (m *member) attach(s *settings) {
 	m.wake()
 }
 
-// detach removes the settings of a config that stopped.
+// detach removes the settings of a config that stopped. When they were
+// the driving ones and an older config still runs, the newest config
+// failed to start and Caddy went back to the older one, which it never
+// stopped: the keys go back to that config's list too, as its reload to
+// the failed config never happened. (A reload that succeeds stops the
+// older config, not the driving one, and changes nothing here.)
 func (m *member) detach(owner *App) {
 	m.mu.Lock()
+	driving := len(m.owners) > 0 && m.owners[len(m.owners)-1].owner == owner
 	m.owners = slices.DeleteFunc(m.owners, func(s *settings) bool { return s.owner == owner })
+	var back *settings
+	var change keyChange
+	if driving && len(m.owners) > 0 {
+		if prev := m.owners[len(m.owners)-1]; m.keyring != nil && len(prev.keys) > 0 && !sameKeys(m.configured, prev.keys) {
+			back = prev
+			change = reconcileKeys(m.keyring, m.configured, prev.keys)
+			m.configured = prev.keys
+		}
+	}
 	m.mu.Unlock()
+	if back != nil {
+		change.log(back.logger.With(zap.String("node", m.name), zap.String("why", "the newer config stopped; back to the running config's keys")))
+	}
 	m.wake()
 }
 
