@@ -169,12 +169,15 @@ const baseline = `{
 		rebalance_close
 		respond "closing"
 	}
+	handle /lbx/* {
+		lbx_status
+	}
 }
 `
 
 // trafficPaths are the routes the background traffic uses; each must
 // answer 200 under the baseline.
-var trafficPaths = []string{"/ewma", "/panic", "/partition", "/selective", "/naming"}
+var trafficPaths = []string{"/ewma", "/panic", "/partition", "/selective", "/naming", "/lbx/upstreams"}
 
 // server is a cmd/caddy process serving the baseline, with traffic on it.
 type server struct {

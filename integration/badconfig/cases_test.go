@@ -97,6 +97,7 @@ func (s *server) namedCases() []badCase {
 			"node_name badconfig\n\t\tencrypt_key "+gossipKey+" "+gossipKey),
 		s.caddyfileCase("Caddyfile encrypt_key of 5 bytes", "encrypt_keys[1]: decodes to 5 bytes; want 16, 24 or 32 (AES-128, -192 or -256), at Caddyfile:", "node_name badconfig",
 			"node_name badconfig\n\t\tencrypt_key "+gossipKey+" c2hvcnQ="),
+		s.caddyfileCase("Caddyfile lbx_status with an argument", "wrong argument count", "\t\tlbx_status\n", "\t\tlbx_status verbose\n"),
 		s.caddyfileCase("Caddyfile rebalance cpu bogus", "Caddyfile:", "boundary_timeout 30s", "boundary_timeout 30s\n\t\tcpu bogus"),
 	}
 }
@@ -152,7 +153,7 @@ func sortedKeys(m map[string]any) []string {
 // every option inside them.
 var lbxModules = map[string][]string{
 	"policy":  {"ewma", "panic", "cluster_load"},
-	"handler": {"partition", "rebalance_close", "selective"},
+	"handler": {"partition", "rebalance_close", "selective", "lbx_status"},
 	"source":  {"serf"},
 	"wrapper": {"rebalance"},
 }
