@@ -103,13 +103,11 @@ func keyringHandler(op keyringOp) caddy.AdminHandlerFunc {
 		if errors.As(err, &refused) {
 			return caddy.APIError{HTTPStatus: http.StatusConflict, Err: refused.error}
 		}
-		w.Header().Set("Content-Type", "application/json")
+		status := http.StatusOK
 		if err != nil {
-			w.WriteHeader(http.StatusBadGateway)
+			status = http.StatusBadGateway
 		}
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		return enc.Encode(rep)
+		return adminjson.Write(w, status, rep)
 	}
 }
 

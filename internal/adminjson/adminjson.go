@@ -18,9 +18,16 @@ func Handler[T any](build func() T) caddy.AdminHandlerFunc {
 		if r.Method != http.MethodGet {
 			return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
 		}
-		w.Header().Set("Content-Type", "application/json")
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		return enc.Encode(build())
+		return Write(w, http.StatusOK, build())
 	}
+}
+
+// Write answers v as indented JSON with status: the form of every lbx
+// admin answer, views and operations alike.
+func Write(w http.ResponseWriter, status int, v any) error {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
 }
