@@ -37,12 +37,7 @@ func getPartitionsView(t *testing.T) partitionsView {
 // when its config is unloaded.
 func TestAdminPartitions(t *testing.T) {
 	e := newEnv(t)
-	ok0, ok1 := e.backend("ok0"), e.backend("ok1")
-	dead := e.backend("dead")
-	deadAddr := dead.addr
-	dead.close()
-	e.load(partitionSite([]string{deadAddr + " 0/1", ok0.addr + " 0/2", ok1.addr + " 1/2"},
-		"fail_duration 1m", "max_fails 1"))
+	_, ok1, deadAddr := e.loadDeadReplica()
 
 	v := getPartitionsView(t)
 	if len(v.Handlers) != 1 {

@@ -124,9 +124,7 @@ func TestFailLimitAnswersAtOnceAndCancels(t *testing.T) {
 		}
 		w.WriteHeader(http.StatusServiceUnavailable)
 	})
-	dead := e.backend("dead")
-	deadAddr := dead.addr
-	dead.close() // connection refused from now on
+	deadAddr := e.deadAddr() // connection refused
 	e.load(partitionSite([]string{b0.addr + " 0/4", slow.addr + " 1/4", gate.addr + " 2/4", deadAddr + " 3/4"},
 		"fail_limit 2", "timeout 10s"))
 

@@ -250,6 +250,27 @@ func (e *env) backend(name string) *backend {
 
 func (b *backend) close() { b.srv.Close() }
 
+// deadAddr returns the address of a backend that was closed: a
+// connection to it is refused.
+func (e *env) deadAddr() string {
+	e.t.Helper()
+	dead := e.backend("dead")
+	dead.close()
+	return dead.addr
+}
+
+// loadDeadReplica loads a site of two schemes with passive health checks:
+// scheme 0/1 has one replica, which refuses connections (at the returned
+// address), and scheme 0/2 1/2 two that answer.
+func (e *env) loadDeadReplica() (ok0, ok1 *backend, deadAddr string) {
+	e.t.Helper()
+	ok0, ok1 = e.backend("ok0"), e.backend("ok1")
+	deadAddr = e.deadAddr()
+	e.load(partitionSite([]string{deadAddr + " 0/1", ok0.addr + " 0/2", ok1.addr + " 1/2"},
+		"fail_duration 1m", "max_fails 1"))
+	return ok0, ok1, deadAddr
+}
+
 func (b *backend) setHandler(f func(b *backend, w http.ResponseWriter, r *http.Request)) {
 	b.handler.Store(&f)
 }

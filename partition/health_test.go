@@ -14,12 +14,7 @@ import (
 // scheme.
 func TestUnhealthyReplicaRemovesCapacity(t *testing.T) {
 	e := newEnv(t)
-	ok0, ok1 := e.backend("ok0"), e.backend("ok1")
-	dead := e.backend("dead")
-	deadAddr := dead.addr
-	dead.close()
-	e.load(partitionSite([]string{deadAddr + " 0/1", ok0.addr + " 0/2", ok1.addr + " 1/2"},
-		"fail_duration 1m", "max_fails 1"))
+	e.loadDeadReplica()
 
 	failures := 0
 	for i := range 200 {
@@ -70,9 +65,7 @@ func TestClientDisconnectCancelsPartitions(t *testing.T) {
 func TestRetryOnAnotherReplica(t *testing.T) {
 	e := newEnv(t)
 	good0, good1 := e.backend("good0"), e.backend("good1")
-	dead := e.backend("dead")
-	deadAddr := dead.addr
-	dead.close()
+	deadAddr := e.deadAddr() // connection refused
 	// lb_policy first always tries the dead replica first.
 	e.load(partitionSite([]string{good0.addr + " 0/2", deadAddr + " 1/2", good1.addr + " 1/2"}, "fail_limit 1", "lb_policy first"))
 	for i := range 20 {

@@ -13,9 +13,7 @@ import (
 func TestRetriesZeroMeansNone(t *testing.T) {
 	e := newEnv(t)
 	good := e.backend("good")
-	dead := e.backend("dead")
-	deadAddr := dead.addr
-	dead.close() // connection refused from now on
+	deadAddr := e.deadAddr() // connection refused
 	// lb_policy first always tries the dead replica first.
 	to := []string{deadAddr + " 0/1", good.addr + " 0/1"}
 
