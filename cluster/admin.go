@@ -8,7 +8,6 @@ import (
 	"sort"
 
 	"github.com/caddyserver/caddy/v2"
-	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/adminjson"
 )
@@ -93,8 +92,7 @@ func keyringHandler(op keyringOp) caddy.AdminHandlerFunc {
 		var key []byte
 		if op != opList {
 			if key, err = readKeyRequest(w, r); err != nil {
-				keyringCounts[op][resultRefused].Add(1)
-				m.logger.Warn("gossip keyring operation", zap.String("op", op.String()), zap.String("result", "refused"), zap.Error(err))
+				m.record(op, keyringReport{}, errKeyringRefused{err})
 				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
 			}
 		}

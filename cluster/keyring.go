@@ -216,6 +216,29 @@ type errKeyringRefused struct{ error }
 // not make a step look failed on a node that took it.
 const keyringRelayFactor = 2
 
+// record logs and counts a keyring operation as it ended: refused
+// (errKeyringRefused), failed (another error) or ok.
+func (m *member) record(op keyringOp, rep keyringReport, err error) {
+	res := resultOK
+	var refused errKeyringRefused
+	switch {
+	case errors.As(err, &refused):
+		res = resultRefused
+	case err != nil:
+		res = resultFailed
+	}
+	keyringCounts[op][res].Add(1)
+	fields := []zap.Field{
+		zap.String("op", op.String()), zap.String("key", rep.Key), zap.String("result", keyringResultNames[res]),
+		zap.Int("nodes", rep.Nodes), zap.Int("responses", rep.Responses), zap.Any("errors", rep.Errors),
+	}
+	if err != nil {
+		m.logger.Warn("gossip keyring operation", append(fields, zap.Error(err))...)
+	} else {
+		m.logger.Info("gossip keyring operation", fields...)
+	}
+}
+
 // keyringOp runs op across the cluster through serf's KeyManager (its
 // internal queries reach every member, this one included), with key for
 // install, use and remove. It refuses, before any query, an operation on
@@ -226,26 +249,7 @@ func (m *member) keyringOp(op keyringOp, key []byte) (rep keyringReport, err err
 	if key != nil {
 		rep.Key = keyID(key)
 	}
-	defer func() {
-		res := resultOK
-		var refused errKeyringRefused
-		switch {
-		case errors.As(err, &refused):
-			res = resultRefused
-		case err != nil:
-			res = resultFailed
-		}
-		keyringCounts[op][res].Add(1)
-		fields := []zap.Field{
-			zap.String("op", rep.Op), zap.String("key", rep.Key), zap.String("result", keyringResultNames[res]),
-			zap.Int("nodes", rep.Nodes), zap.Int("responses", rep.Responses), zap.Any("errors", rep.Errors),
-		}
-		if err != nil {
-			m.logger.Warn("gossip keyring operation", append(fields, zap.Error(err))...)
-		} else {
-			m.logger.Info("gossip keyring operation", fields...)
-		}
-	}()
+	defer func() { m.record(op, rep, err) }()
 	if m.keyring == nil {
 		return rep, errKeyringRefused{errors.New("gossip is not encrypted: this node's serf member started without encrypt_key, and memberlist cannot turn encryption on while it runs; set encrypt_key on every node and restart them")}
 	}
