@@ -176,19 +176,12 @@ func (f *failRecorder) Errorf(format string, args ...any) {
 // postConfig loads a Caddyfile through the admin API directly (used in
 // cleanup, where the tester's own bookkeeping is not wanted).
 func postConfig(caddyfile string) error {
-	req, err := http.NewRequest(http.MethodPost, "http://"+adminAddr+"/load", strings.NewReader(caddyfile))
+	status, body, err := testutil.PostLoad(adminClient, "http://"+adminAddr, "text/caddyfile", []byte(caddyfile))
 	if err != nil {
 		return err
 	}
-	req.Header.Set("Content-Type", "text/caddyfile")
-	res, err := adminClient.Do(req)
-	if err != nil {
-		return err
-	}
-	defer res.Body.Close()
-	body, _ := io.ReadAll(res.Body)
-	if res.StatusCode != http.StatusOK {
-		return fmt.Errorf("status %d: %s", res.StatusCode, body)
+	if status != http.StatusOK {
+		return fmt.Errorf("status %d: %s", status, body)
 	}
 	return nil
 }

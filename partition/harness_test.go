@@ -157,19 +157,12 @@ func postConfig(caddyfile string) error { return post("text/caddyfile", caddyfil
 func postJSON(cfg string) error { return post("application/json", cfg) }
 
 func post(contentType, cfg string) error {
-	req, err := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", adminPort), strings.NewReader(cfg))
+	status, body, err := testutil.PostLoad(adminClient, fmt.Sprintf("http://localhost:%d", adminPort), contentType, []byte(cfg))
 	if err != nil {
 		return err
 	}
-	req.Header.Set("Content-Type", contentType)
-	res, err := adminClient.Do(req)
-	if err != nil {
-		return err
-	}
-	defer res.Body.Close()
-	body, _ := io.ReadAll(res.Body)
-	if res.StatusCode != http.StatusOK {
-		return fmt.Errorf("status %d: %s", res.StatusCode, body)
+	if status != http.StatusOK {
+		return fmt.Errorf("status %d: %s", status, body)
 	}
 	return nil
 }

@@ -1,10 +1,8 @@
 package rebalance
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"runtime"
 	"strings"
@@ -280,18 +278,16 @@ func TestReloadTagsTooLarge(t *testing.T) {
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips its load", gossips)
 
-	resp, err := http.Post(fmt.Sprintf("http://127.0.0.1:%d/load", adminPort), "application/json", bytes.NewReader(config(bigTags)))
+	status, body, err := testutil.PostLoad(http.DefaultClient, fmt.Sprintf("http://127.0.0.1:%d", adminPort), "application/json", config(bigTags))
 	if err != nil {
 		t.Fatal(err)
 	}
-	body, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if resp.StatusCode == http.StatusOK || !strings.Contains(string(body), "above serf's limit of 512") {
-		t.Fatalf("POST /load: %d %s; want an error naming serf's limit", resp.StatusCode, body)
+	if status == http.StatusOK || !strings.Contains(string(body), "above serf's limit of 512") {
+		t.Fatalf("POST /load: %d %s; want an error naming serf's limit", status, body)
 	}
 	var apiErr struct{ Error string }
 	if json.Unmarshal(body, &apiErr) == nil {
-		t.Logf("POST /load: %d %s", resp.StatusCode, apiErr.Error)
+		t.Logf("POST /load: %d %s", status, apiErr.Error)
 	}
 	// The running config serves and still gossips, with its own tags.
 	got, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/", httpPort))

@@ -10,7 +10,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -102,20 +101,16 @@ func (e *env) loadErr(site string) error {
 }
 
 func (e *env) post(caddyfile string) error {
-	req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", adminPort), strings.NewReader(caddyfile))
-	req.Header.Set("Content-Type", "text/caddyfile")
-	res, err := http.DefaultClient.Do(req)
+	status, b, err := testutil.PostLoad(http.DefaultClient, fmt.Sprintf("http://localhost:%d", adminPort), "text/caddyfile", []byte(caddyfile))
 	if err != nil {
 		return err
 	}
-	defer res.Body.Close()
-	b, _ := io.ReadAll(res.Body)
-	if res.StatusCode != http.StatusOK {
+	if status != http.StatusOK {
 		var msg struct{ Error string }
 		if json.Unmarshal(b, &msg) == nil && msg.Error != "" {
-			return fmt.Errorf("status %d: %s", res.StatusCode, msg.Error)
+			return fmt.Errorf("status %d: %s", status, msg.Error)
 		}
-		return fmt.Errorf("status %d: %s", res.StatusCode, b)
+		return fmt.Errorf("status %d: %s", status, b)
 	}
 	return nil
 }

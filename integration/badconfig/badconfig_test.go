@@ -394,36 +394,13 @@ next:
 	return out
 }
 
-// load posts a config to /load and returns the status and the body.
-//
-// A load whose connection fails before any answer is sent again, up to
-// twice (and logged): stock Caddy replaces its admin endpoint while it
-// loads a JSON config that has an admin section, and again when it rolls
-// a failed one back, and CI once saw the next POST reset on that
-// endpoint's connection ("read: connection reset by peer"). Whether
-// the process survived and what it serves are checked after every load.
+// load posts a config to /load and returns the status and the body
+// (testutil.PostLoad, which sends a load again when the admin endpoint
+// Caddy is replacing drops it). Whether the process survived and what it
+// serves are checked after every load.
 func (s *server) load(contentType string, body []byte) (int, string, error) {
-	var err error
-	for attempt := 1; attempt <= 3; attempt++ {
-		var req *http.Request
-		req, err = http.NewRequest(http.MethodPost, s.admin+"/load", bytes.NewReader(body))
-		if err != nil {
-			return 0, "", err
-		}
-		req.Header.Set("Content-Type", contentType)
-		client := &http.Client{Timeout: 60 * time.Second}
-		var resp *http.Response
-		if resp, err = client.Do(req); err == nil {
-			defer resp.Body.Close()
-			b, _ := io.ReadAll(resp.Body)
-			return resp.StatusCode, string(b), nil
-		}
-		if s.proc.Exited() {
-			break
-		}
-		s.t.Logf("POST /load, attempt %d: %v", attempt, err)
-	}
-	return 0, "", err
+	status, answer, err := testutil.PostLoad(&http.Client{Timeout: 60 * time.Second}, s.admin, contentType, body)
+	return status, string(answer), err
 }
 
 // restore loads the baseline again after a config that was accepted.

@@ -9,6 +9,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
 // Settings are the rebalance settings every node of a fleet runs with.
@@ -270,7 +272,14 @@ func (n *Node) Reload(spec NodeSpec) error {
 // returns once Caddy has answered: the new config runs and the old one
 // has stopped.
 func (n *Node) Load(caddyfile string) error {
-	return n.AdminDo(http.MethodPost, "/load", "text/caddyfile", strings.NewReader(caddyfile), nil)
+	status, body, err := testutil.PostLoad(adminClient, "http://"+n.Admin, "text/caddyfile", []byte(caddyfile))
+	if err != nil {
+		return err
+	}
+	if status != http.StatusOK {
+		return &AdminError{Node: n.Name, Method: http.MethodPost, Path: "/load", Status: status, Body: body}
+	}
+	return nil
 }
 
 // AdminError is an admin API answer other than 200 OK.
@@ -296,6 +305,10 @@ func (n *Node) AdminDo(method, path, ctype string, body io.Reader, out any) erro
 	if ctype != "" {
 		req.Header.Set("Content-Type", ctype)
 	}
+	// A POST is never retried by net/http, so it never goes out on a
+	// kept-alive connection that a reload's new admin server may be
+	// closing (see testutil.PostLoad).
+	req.Close = method != http.MethodGet
 	res, err := adminClient.Do(req)
 	if err != nil {
 		return err
