@@ -7,6 +7,7 @@ package lbx
 
 import (
 	_ "github.com/caddy-lbx/lbx/cluster"
+	_ "github.com/caddy-lbx/lbx/handoff"
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
 	_ "github.com/caddy-lbx/lbx/partition"
 	_ "github.com/caddy-lbx/lbx/rebalance"

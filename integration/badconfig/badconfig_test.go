@@ -38,6 +38,7 @@ const baseline = `{
 	auto_https off
 	servers {
 		listener_wrappers {
+			lbx_handoff
 			rebalance
 		}
 	}

@@ -31,8 +31,9 @@ func parseReloadFlags(args []string, stderr io.Writer) (*reloadConfig, error) {
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: "+benchCommand+" reload [flags]\n\n"+
 			"Counts the requests a config reload loses under a stream of new\n"+
-			"connections, stock Caddy and an lbx node (cluster, rebalance and\n"+
-			"rebalance_close) side by side in each run. Every client opens a new\n"+
+			"connections, side by side in each run: stock Caddy, an lbx node\n"+
+			"(cluster, rebalance and rebalance_close), and stock Caddy's config on\n"+
+			"the lbx build with the lbx_handoff listener wrapper. Every client opens a new\n"+
 			"connection for each request; each reload changes the config, so Caddy\n"+
 			"starts new servers and stops the old ones. Prints a Markdown table.\n\nFlags:\n")
 		fs.PrintDefaults()
@@ -40,7 +41,7 @@ func parseReloadFlags(args []string, stderr io.Writer) (*reloadConfig, error) {
 	c := &reloadConfig{}
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.StringVar(&c.stockBin, "stock", "", "use this stock Caddy binary instead of building the version lbx requires")
-	fs.IntVar(&c.runs, "runs", 3, "runs; each runs both builds, in alternating order")
+	fs.IntVar(&c.runs, "runs", 3, "runs; each runs every build, in an order that rotates")
 	fs.IntVar(&c.reloads, "reloads", 20, "reloads per build and run")
 	fs.IntVar(&c.clients, "clients", 64, "clients, each sending its next request on a new connection as soon as the last returns")
 	fs.DurationVar(&c.gap, "gap", 300*time.Millisecond, "time between reloads")
@@ -66,6 +67,9 @@ func parseReloadFlags(args []string, stderr io.Writer) (*reloadConfig, error) {
 type reloadRun struct {
 	requests, failed int
 	kinds            map[string]int // failures by the error's last part
+	// handedOver is caddy_lbx_handoff_connections_total at the end, or
+	// -1 where the build has no lbx_handoff.
+	handedOver int
 }
 
 // reloadTarget is a running Caddy the benchmark reloads.
@@ -105,13 +109,10 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 	fmt.Fprintf(out, "# Requests lost to reloads\n\n`%s`; %s; %s; %d clients, each request on a new connection; %d reloads %v apart per build and run; load average %s at the start.\n\n",
 		cmdline, source, stockSource, cfg.clients, cfg.reloads, cfg.gap, loadAverage())
 
-	builds := []string{"stock Caddy", "lbx"}
+	builds := []string{buildStock, buildLbx, buildHandoff}
 	results := map[string][]reloadRun{}
 	for i := range cfg.runs {
-		order := slices.Clone(builds)
-		if i%2 == 1 {
-			slices.Reverse(order)
-		}
+		order := append(slices.Clone(builds[i%len(builds):]), builds[:i%len(builds)]...)
 		for _, b := range order {
 			if ctx.Err() != nil {
 				return results, ctx.Err()
@@ -119,15 +120,22 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 			fmt.Fprintf(progress, "run %d of %d: %s …\n", i+1, cfg.runs, b)
 			dir := filepath.Join(tmp, fmt.Sprintf("run%d-%d", i+1, len(results[b])))
 			var target *reloadTarget
-			if b == "lbx" {
+			switch b {
+			case buildLbx:
 				target, err = startLbxReloadTarget(lbxBin, dir)
-			} else {
-				target, err = startStockReloadTarget(stockBin, dir)
+			case buildHandoff:
+				target, err = startStockReloadTarget(lbxBin, dir, "\tservers {\n\t\tlistener_wrappers {\n\t\t\tlbx_handoff\n\t\t}\n\t}\n")
+			default:
+				target, err = startStockReloadTarget(stockBin, dir, "")
 			}
 			if err != nil {
 				return results, fmt.Errorf("run %d, %s: %w", i+1, b, err)
 			}
 			r, err := measureReloads(ctx, target, cfg)
+			r.handedOver = -1
+			if b == buildHandoff && err == nil {
+				r.handedOver, err = handedOver(target.node)
+			}
 			if kerr := target.node.Proc.Kill(); err == nil {
 				err = kerr
 			}
@@ -138,7 +146,7 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 		}
 	}
 
-	fmt.Fprintf(out, "| build | run | requests | failed | failed per reload | by error |\n|---|--:|--:|--:|--:|---|\n")
+	fmt.Fprintf(out, "| build | run | requests | failed | failed per reload | by error | handed over |\n|---|--:|--:|--:|--:|---|--:|\n")
 	perReload := map[string][]float64{}
 	for _, b := range builds {
 		for i, r := range results[b] {
@@ -149,7 +157,11 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 				kinds = append(kinds, fmt.Sprintf("%d %s", n, k))
 			}
 			slices.Sort(kinds)
-			fmt.Fprintf(out, "| %s | %d | %d | %d | %.1f | %s |\n", b, i+1, r.requests, r.failed, per, strings.Join(kinds, ", "))
+			handed := "–"
+			if r.handedOver >= 0 {
+				handed = fmt.Sprint(r.handedOver)
+			}
+			fmt.Fprintf(out, "| %s | %d | %d | %d | %.1f | %s | %s |\n", b, i+1, r.requests, r.failed, per, strings.Join(kinds, ", "), handed)
 		}
 	}
 	fmt.Fprintf(out, "\nMedian failed per reload: ")
@@ -165,16 +177,24 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 	return results, nil
 }
 
-// startStockReloadTarget starts stock Caddy serving "ok", and reloads it
-// with a header that changes, so that every load is a new config.
-func startStockReloadTarget(bin, dir string) (*reloadTarget, error) {
+// The builds `bench reload` compares.
+const (
+	buildStock   = "stock Caddy"
+	buildLbx     = "lbx"
+	buildHandoff = "lbx_handoff"
+)
+
+// startStockReloadTarget starts bin with a site serving "ok" and the global
+// options extra (tab-indented lines), and reloads it with a header that
+// changes, so that every load is a new config.
+func startStockReloadTarget(bin, dir, extra string) (*reloadTarget, error) {
 	ports, err := fleet.FreePorts(2)
 	if err != nil {
 		return nil, err
 	}
 	n := &fleet.Node{Name: "stock", Admin: fmt.Sprintf("127.0.0.1:%d", ports[0]), HTTP: fmt.Sprintf("127.0.0.1:%d", ports[1])}
 	caddyfile := func(gen int) string {
-		return fmt.Sprintf("{\n\tadmin %s\n\tpersist_config off\n\tauto_https off\n\tdefault_bind 127.0.0.1\n}\n\nhttp://%s {\n\theader X-Config-Generation %d\n\trespond \"ok\"\n}\n", n.Admin, n.HTTP, gen)
+		return fmt.Sprintf("{\n\tadmin %s\n\tpersist_config off\n\tauto_https off\n\tdefault_bind 127.0.0.1\n%s}\n\nhttp://%s {\n\theader X-Config-Generation %d\n\trespond \"ok\"\n}\n", n.Admin, extra, n.HTTP, gen)
 	}
 	if n.Proc, err = fleet.StartProc(bin, dir, caddyfile(0)); err != nil {
 		return nil, err
@@ -206,6 +226,27 @@ func startLbxReloadTarget(bin, dir string) (*reloadTarget, error) {
 		s.Tags = map[string]string{"generation": fmt.Sprint(gen)}
 		return n.Reload(s)
 	}}, nil
+}
+
+// handedOver reads caddy_lbx_handoff_connections_total from n's /metrics.
+func handedOver(n *fleet.Node) (int, error) {
+	res, err := http.Get("http://" + n.Admin + "/metrics")
+	if err != nil {
+		return 0, err
+	}
+	defer res.Body.Close()
+	body, err := io.ReadAll(res.Body)
+	if err != nil {
+		return 0, err
+	}
+	for line := range strings.Lines(string(body)) {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "caddy_lbx_handoff_connections_total "); ok {
+			var f float64
+			_, err := fmt.Sscan(v, &f)
+			return int(f), err
+		}
+	}
+	return 0, fmt.Errorf("%s: no caddy_lbx_handoff_connections_total in /metrics", n.Name)
 }
 
 // waitServing waits up to 20 s for n's site to answer.

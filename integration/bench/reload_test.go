@@ -30,8 +30,8 @@ func TestParseReloadFlags(t *testing.T) {
 	}
 }
 
-// TestReloadSmall runs `bench reload` briefly: both builds start, serve,
-// take every reload, and the table has a row for each.
+// TestReloadSmall runs `bench reload` briefly: every build starts, serves,
+// takes every reload, and the table has a row for each.
 func TestReloadSmall(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts Caddy processes")
@@ -45,7 +45,7 @@ func TestReloadSmall(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Log(out.String())
-	for _, build := range []string{"| stock Caddy | 1 |", "| lbx | 1 |"} {
+	for _, build := range []string{"| stock Caddy | 1 |", "| lbx | 1 |", "| lbx_handoff | 1 |"} {
 		if !strings.Contains(out.String(), build) {
 			t.Errorf("no row %q", build)
 		}
@@ -55,8 +55,11 @@ func TestReloadSmall(t *testing.T) {
 			t.Errorf("%s: %+v; want one run with requests", build, runs)
 		}
 	}
-	if len(results) != 2 {
-		t.Errorf("%d builds; want stock Caddy and lbx", len(results))
+	if len(results) != 3 {
+		t.Errorf("%d builds; want stock Caddy, lbx and lbx_handoff", len(results))
+	}
+	if r := results[buildHandoff]; len(r) == 1 && r[0].handedOver < 0 {
+		t.Errorf("lbx_handoff: no handed-over count")
 	}
 	if !strings.Contains(out.String(), "Median failed per reload: stock Caddy") {
 		t.Error("no summary line")
