@@ -15,35 +15,47 @@ import (
 //   - at its first read that returns bytes: the bytes and the socket go to
 //     the newer server, and this one sees the connection end before its
 //     first byte;
-//   - when this server closes it having read once and written nothing, and
-//     what it read is an HTTP/1 request with a safe method (GET, HEAD,
-//     OPTIONS, TRACE): that is net/http dropping a request it read after its
-//     shutdown began (it checks between reading a request and calling the
-//     handler), and the request goes to the newer server. A server that
-//     goes on to run the handler reads again first (net/http's background
-//     read, or the body), and from then on the connection stays. The
-//     method rule is the one net/http's client follows to send a request
-//     again on a connection that closed: it covers a handler that closed
-//     the connection unanswered (Caddy's abort) before that read.
+//   - when this server closes it having read the headers of an HTTP/1
+//     request with a safe method (GET, HEAD, OPTIONS, TRACE), nothing after
+//     them, and written nothing: that is net/http dropping a request it
+//     read after its shutdown began (it checks between reading a request's
+//     headers and calling the handler), and the request goes to the newer
+//     server. A server that goes on to run the handler reads again first
+//     (net/http's background read, or the body), and from then on the
+//     connection stays. The method rule is the one net/http's client
+//     follows to send a request again on a connection that closed: it
+//     covers a handler that closed the connection unanswered (Caddy's
+//     abort) before that read.
 type conn struct {
 	net.Conn // the accepted connection
 	l        *listener
 	// prefix is what an earlier server read before it handed the
 	// connection over; reads return it first.
 	prefix []byte
-	// started is set by the first read that returns bytes; only the
-	// server's reading goroutine touches it.
-	started bool
-	// mu guards first, a copy of what that read gave this server, kept
-	// until the server reads again (readAgain), for Close to hand over.
-	mu    sync.Mutex
-	first []byte
-	// readAgain is set by any read after the first; wrote by any write.
-	readAgain, wrote atomic.Bool
+	// started is set by the first read that returns bytes, and headersRead
+	// once what this server read holds the end of a request's headers;
+	// only the server's reading goroutine touches them.
+	started, headersRead bool
+	// mu guards head: a copy of what this server read, up to the end of
+	// the first request's headers, kept until it reads past them, for
+	// Close to hand over.
+	mu   sync.Mutex
+	head []byte
+	// wentOn is set once the server read past the headers, wrote, or read
+	// more than maxHead without their end: the connection stays.
+	wentOn atomic.Bool
 	// handed is set once the connection went to another listener: then
 	// this server's Close and half-closes leave it alone.
 	handed atomic.Bool
 }
+
+// maxHead bounds the request headers a connection keeps a copy of.
+// net/http's default limit is 1 MiB, but a request to send again is a
+// short one; past this the connection stays with its server.
+const maxHead = 16 << 10
+
+// headEnd ends an HTTP/1 request's headers.
+var headEnd = []byte("\r\n\r\n")
 
 // Read reads from the prefix, then from the connection. The first read
 // that returns bytes hands the connection over instead, if a newer
@@ -52,28 +64,50 @@ func (c *conn) Read(p []byte) (int, error) {
 	if c.handed.Load() {
 		return 0, io.EOF
 	}
-	if c.started {
-		if !c.readAgain.Load() {
-			c.mu.Lock()
-			c.readAgain.Store(true)
-			c.first = nil
-			c.mu.Unlock()
-		}
+	if c.wentOn.Load() {
+		return c.read(p)
+	}
+	if c.headersRead {
+		c.goOn()
 		return c.read(p)
 	}
 	n, err := c.read(p)
 	if n == 0 {
 		return n, err
 	}
-	if newest, _ := c.l.hub.newest(); newest != nil && newest != c.l && err == nil {
-		c.handOver(p[:n])
-		return 0, io.EOF
+	if !c.started {
+		if newest, _ := c.l.hub.newest(); newest != nil && newest != c.l && err == nil {
+			c.handOver(p[:n])
+			return 0, io.EOF
+		}
+		c.started = true
 	}
-	c.started = true
 	c.mu.Lock()
-	c.first = append([]byte(nil), p[:n]...)
+	c.head = append(c.head, p[:n]...)
+	c.headersRead = bytes.Contains(c.head, headEnd)
+	tooLong := !c.headersRead && len(c.head) > maxHead
 	c.mu.Unlock()
+	if tooLong {
+		c.goOn()
+	}
 	return n, err
+}
+
+// goOn marks the connection as staying with this server.
+func (c *conn) goOn() {
+	c.mu.Lock()
+	c.wentOn.Store(true)
+	c.head = nil
+	c.mu.Unlock()
+}
+
+func (c *conn) read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.Conn.Read(p)
 }
 
 // handOver gives the socket, with read (what this server read and did
@@ -89,25 +123,17 @@ func (c *conn) handOver(read []byte) {
 	c.l.hub.put(accepted{conn: c.Conn, prefix: prefix, from: c.l})
 }
 
-// dropped returns what the server read, if it closes c after reading one
-// request it never served while a newer listener exists (see conn).
+// dropped returns what the server read, if it closes c after reading the
+// headers of a request it never served while a newer listener exists (see
+// conn).
 func (c *conn) dropped() (read []byte, ok bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.first == nil || c.readAgain.Load() || c.wrote.Load() || !safeRequest(c.first) {
+	if c.wentOn.Load() || !bytes.Contains(c.head, headEnd) || !safeRequest(c.head) {
 		return nil, false
 	}
 	newest, _ := c.l.hub.newest()
-	return c.first, newest != nil && newest != c.l
-}
-
-func (c *conn) read(p []byte) (int, error) {
-	if len(c.prefix) > 0 {
-		n := copy(p, c.prefix)
-		c.prefix = c.prefix[n:]
-		return n, nil
-	}
-	return c.Conn.Read(p)
+	return c.head, newest != nil && newest != c.l
 }
 
 // safeRequest reports whether b starts an HTTP/1 request with a safe
@@ -130,7 +156,9 @@ func (c *conn) Write(p []byte) (int, error) {
 	if c.handed.Load() {
 		return 0, errHandedOver
 	}
-	c.wrote.Store(true)
+	if !c.wentOn.Load() {
+		c.goOn()
+	}
 	return c.Conn.Write(p)
 }
 
@@ -153,7 +181,9 @@ func (c *conn) CloseWrite() error {
 	if c.handed.Load() {
 		return nil
 	}
-	c.wrote.Store(true)
+	if !c.wentOn.Load() {
+		c.goOn()
+	}
 	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
 	}
@@ -177,7 +207,9 @@ func (c *conn) ReadFrom(r io.Reader) (int64, error) {
 	if c.handed.Load() {
 		return 0, errHandedOver
 	}
-	c.wrote.Store(true)
+	if !c.wentOn.Load() {
+		c.goOn()
+	}
 	if rf, ok := c.Conn.(io.ReaderFrom); ok {
 		return rf.ReadFrom(r)
 	}

@@ -142,21 +142,33 @@ func TestNewestListenerTakesAll(t *testing.T) {
 	}
 }
 
+// newServer returns an HTTP server that answers with gen and calls
+// onRequest (if not nil) on each request. Like Caddy's, it serves
+// cleartext HTTP/2 too, so net/http first reads only as much of a
+// connection as could tell the HTTP/2 preface (14 bytes) and reads an
+// HTTP/1 request's headers in two reads.
+func newServer(gen int, onRequest func()) *http.Server {
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if onRequest != nil {
+			onRequest()
+		}
+		fmt.Fprint(w, gen)
+	})}
+	srv.Protocols = new(http.Protocols)
+	srv.Protocols.SetHTTP1(true)
+	srv.Protocols.SetUnencryptedHTTP2(true)
+	return srv
+}
+
 // TestReloadsLoseNoRequest reloads an HTTP server the way Caddy does (the
 // new server on its own socket, then Shutdown of the old one) 20 times
 // under a stream of requests, each on a new connection. No request may be
 // closed unanswered by a server that shuts down (EOF).
 func TestReloadsLoseNoRequest(t *testing.T) {
-	serve := func(ln net.Listener, gen int) *http.Server {
-		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			fmt.Fprint(w, gen)
-		})}
-		go srv.Serve(ln)
-		return srv
-	}
 	first := attach(reusePortListen(t, "127.0.0.1:0"))
 	addr := first.Addr().String()
-	current := serve(first, 0)
+	current := newServer(0, nil)
+	go current.Serve(first)
 
 	var (
 		requests, eofs, resets, others atomic.Int64
@@ -205,10 +217,7 @@ func TestReloadsLoseNoRequest(t *testing.T) {
 		// config's: the old server shuts down once the new one serves.
 		served := make(chan struct{})
 		var once sync.Once
-		next := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			once.Do(func() { close(served) })
-			fmt.Fprint(w, gen)
-		})}
+		next := newServer(gen, func() { once.Do(func() { close(served) }) })
 		go next.Serve(attach(reusePortListen(t, addr)))
 		select {
 		case <-served:
@@ -253,16 +262,19 @@ func TestDroppedRequestMovesOn(t *testing.T) {
 	for _, c := range []struct {
 		name  string
 		req   string
-		after func(net.Conn) // what the old server does after its first read
+		reads []int          // the sizes of the old server's reads (0: the rest)
+		after func(net.Conn) // what the old server does after them
 		moves bool
 	}{
 		// net/http may leave deadlines on the socket; the newer server
 		// must not inherit them.
-		{"dropped", get, func(c net.Conn) { c.SetDeadline(time.Now()) }, true},
+		{"dropped", get, []int{0}, func(c net.Conn) { c.SetDeadline(time.Now()) }, true},
+		// net/http's look for the HTTP/2 preface reads 14 bytes first.
+		{"dropped, read in two", get, []int{14, 0}, func(net.Conn) {}, true},
 		// A POST may have reached a handler that closed it unanswered.
-		{"dropped POST", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", func(net.Conn) {}, false},
-		{"wrote", get, func(c net.Conn) { c.Write([]byte("HTTP/1.1 400 Bad Request\r\n\r\n")) }, false},
-		{"read again", get, func(c net.Conn) {
+		{"dropped POST", "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", []int{0}, func(net.Conn) {}, false},
+		{"wrote", get, []int{0}, func(c net.Conn) { c.Write([]byte("HTTP/1.1 400 Bad Request\r\n\r\n")) }, false},
+		{"read again", get, []int{0}, func(c net.Conn) {
 			c.SetReadDeadline(time.Now().Add(10 * time.Millisecond))
 			c.Read(make([]byte, 1))
 		}, false},
@@ -281,9 +293,19 @@ func TestDroppedRequestMovesOn(t *testing.T) {
 			client.Write([]byte(req))
 			sc := acceptOne(t, old)
 			buf := make([]byte, 512)
-			n, err := sc.Read(buf)
-			if err != nil || string(buf[:n]) != req {
-				t.Fatalf("old server's first read: %q %v", buf[:n], err)
+			n := 0
+			for _, size := range c.reads {
+				if size == 0 {
+					size = len(buf) - n
+				}
+				m, err := sc.Read(buf[n : n+size])
+				if err != nil {
+					t.Fatalf("old server's read: %v", err)
+				}
+				n += m
+			}
+			if string(buf[:n]) != req {
+				t.Fatalf("old server read %q; want %q", buf[:n], req)
 			}
 			newer := attach(reusePortListen(t, addr))
 			defer newer.Close()
