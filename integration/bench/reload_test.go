@@ -58,8 +58,17 @@ func TestReloadSmall(t *testing.T) {
 	if len(results) != 3 {
 		t.Errorf("%d builds; want stock Caddy, lbx and lbx_handoff", len(results))
 	}
-	if r := results[buildHandoff]; len(r) == 1 && r[0].handedOver < 0 {
-		t.Errorf("lbx_handoff: no handed-over count")
+	if r := results[buildHandoff]; len(r) == 1 {
+		if r[0].handedOver < 0 {
+			t.Errorf("lbx_handoff: no handed-over count")
+		}
+		// Stock Caddy loses a few requests to EOF at every reload here;
+		// lbx_handoff serves them with the new config. (Resets of what is
+		// queued on the old socket as it closes remain without
+		// net.ipv4.tcp_migrate_req.)
+		if n := r[0].kinds["EOF"]; n > 0 {
+			t.Errorf("lbx_handoff: %d requests closed unanswered (EOF) at reloads; want none", n)
+		}
 	}
 	if !strings.Contains(out.String(), "Median failed per reload: stock Caddy") {
 		t.Error("no summary line")
