@@ -56,52 +56,44 @@ func acceptInto(l net.Listener) (<-chan net.Conn, *error) {
 	return ch, &end
 }
 
+// dialTaken dials addr and waits up to 10 s for the server side to come
+// out of taken, as who's. Both ends are closed at the end of the test.
+func dialTaken(t *testing.T, addr string, taken <-chan net.Conn, who string) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	select {
+	case got := <-taken:
+		got.Close()
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s took no connection in 10s", who)
+	}
+}
+
 func TestNewestListenerTakesAll(t *testing.T) {
 	old := attach(reusePortListen(t, "127.0.0.1:0"))
 	addr := old.Addr().String()
 	oldConns, oldEnd := acceptInto(old)
 
 	// Alone, the old listener takes what its socket accepts.
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	select {
-	case got := <-oldConns:
-		got.Close()
-	case <-time.After(10 * time.Second):
-		t.Fatal("the only listener took no connection in 10s")
-	}
+	dialTaken(t, addr, oldConns, "the only listener")
 
 	// With a newer listener on the same address, the newer one takes
 	// every connection, including those the old socket accepts.
 	before := promtest.ToFloat64(handedOver)
 	newer := attach(reusePortListen(t, addr))
 	newConns, _ := acceptInto(newer)
-	var clients []net.Conn
-	defer func() {
-		for _, c := range clients {
-			c.Close()
-		}
-	}()
 	// Each dial lands on either socket (the kernel hashes it); dial until
 	// the old socket has accepted one, bounded.
-	for i := 0; i < 200 && promtest.ToFloat64(handedOver) == before; i++ {
-		c, err := net.Dial("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		clients = append(clients, c)
-		select {
-		case got := <-newConns:
-			got.Close()
-		case <-time.After(10 * time.Second):
-			t.Fatalf("dial %d: the newest listener took no connection in 10s", i)
-		}
+	dials := 0
+	for ; dials < 200 && promtest.ToFloat64(handedOver) == before; dials++ {
+		dialTaken(t, addr, newConns, "the newest listener")
 	}
 	if promtest.ToFloat64(handedOver) == before {
-		t.Fatalf("after %d dials, none was accepted by the old socket and handed over", len(clients))
+		t.Fatalf("after %d dials, none was accepted by the old socket and handed over", dials)
 	}
 	select {
 	case got := <-oldConns:
@@ -114,17 +106,7 @@ func TestNewestListenerTakesAll(t *testing.T) {
 	if err := newer.Close(); err != nil {
 		t.Fatal(err)
 	}
-	c2, err := net.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c2.Close()
-	select {
-	case got := <-oldConns:
-		got.Close()
-	case <-time.After(10 * time.Second):
-		t.Fatal("after the newer listener closed, the old one took no connection in 10s")
-	}
+	dialTaken(t, addr, oldConns, "the old listener, after the newer one closed,")
 
 	if err := old.Close(); err != nil {
 		t.Fatal(err)
