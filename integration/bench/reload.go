@@ -207,10 +207,10 @@ func startStockReloadTarget(bin, dir, extra string) (*reloadTarget, error) {
 }
 
 // startLbxReloadTarget starts an lbx node (a one-member cluster, the
-// rebalance app, rebalance_close in the site), and reloads it with a tag
-// that changes.
+// rebalance app, rebalance_close in the site) without lbx_handoff, and
+// reloads it with a tag that changes.
 func startLbxReloadTarget(bin, dir string) (*reloadTarget, error) {
-	spec := fleet.NodeSpec{Name: "lbx", Settings: fleet.Settings{
+	spec := fleet.NodeSpec{Name: "lbx", NoHandoff: true, Settings: fleet.Settings{
 		Interval: "1s", History: "5s", Freshness: "5s", Threshold: 20, ShedRate: 0.5, MinConnections: 5,
 	}}
 	n, err := fleet.StartNode(bin, dir, spec)

@@ -39,6 +39,9 @@ type NodeSpec struct {
 	Keys []string
 	// Tags are extra serf tags.
 	Tags map[string]string
+	// NoHandoff leaves out the lbx_handoff listener wrapper every node
+	// runs with otherwise (to measure what it saves).
+	NoHandoff bool
 	Settings
 }
 
@@ -77,8 +80,13 @@ func FreePorts(n int) ([]int, error) {
 }
 
 // Caddyfile returns the node's configuration: the cluster and rebalance
-// global options and one site, with rebalance_close, that answers "ok".
+// global options, lbx_handoff (unless spec.NoHandoff), and one site, with
+// rebalance_close, that answers "ok".
 func (n *Node) Caddyfile(spec NodeSpec) string {
+	servers := "\n\tservers {\n\t\tlistener_wrappers {\n\t\t\tlbx_handoff\n\t\t}\n\t}"
+	if spec.NoHandoff {
+		servers = ""
+	}
 	var opts []string
 	if spec.Join != "" {
 		opts = append(opts, "join "+spec.Join)
@@ -113,7 +121,7 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 	default_bind 127.0.0.1
 	log {
 		exclude admin.api
-	}
+	}%s
 	cluster {
 		node_name %s
 		bind %s
@@ -133,7 +141,7 @@ http://%s {
 	rebalance_close
 	respond "ok"
 }
-`, n.Admin, spec.Name, n.Serf, strings.Join(opts, "\n\t\t"), s.Interval, s.History, s.Freshness,
+`, n.Admin, servers, spec.Name, n.Serf, strings.Join(opts, "\n\t\t"), s.Interval, s.History, s.Freshness,
 		s.Threshold, s.ShedRate, s.MinConnections, joinSettle, n.HTTP)
 }
 
