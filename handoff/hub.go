@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -62,17 +63,18 @@ func attach(ln net.Listener) *listener {
 	return l
 }
 
-// detach removes l from its hub. The last listener to leave takes the hub
-// out of the registry and closes what is still queued.
+// detach removes l from its hub, if it is there. The last listener to
+// leave takes the hub out of the registry and closes what is still queued.
 func (h *hub) detach(l *listener) {
 	hubsMu.Lock()
 	h.mu.Lock()
-	for i, g := range h.gens {
-		if g == l {
-			h.gens = append(h.gens[:i], h.gens[i+1:]...)
-			break
-		}
+	i := slices.Index(h.gens, l)
+	if i < 0 {
+		h.mu.Unlock()
+		hubsMu.Unlock()
+		return
 	}
+	h.gens = slices.Delete(h.gens, i, i+1)
 	last := len(h.gens) == 0
 	h.notifyLocked()
 	h.mu.Unlock()
@@ -235,7 +237,10 @@ func (l *listener) acceptLoop() {
 		}
 		var ne net.Error
 		if errors.Is(err, net.ErrClosed) || !errors.As(err, &ne) || !ne.Timeout() && !isTemporary(ne) {
+			// This listener's server stops serving when Accept
+			// returns the error: the other listeners take over.
 			l.socketErr = err
+			l.hub.detach(l)
 			return
 		}
 		pause = min(max(2*pause, 5*time.Millisecond), time.Second)

@@ -327,3 +327,25 @@ func TestDroppedRequestMovesOn(t *testing.T) {
 		})
 	}
 }
+
+// TestFailedSocketLeavesTheHub: when the newest listener's socket fails,
+// its server stops serving, and the older listener takes connections again.
+func TestFailedSocketLeavesTheHub(t *testing.T) {
+	old := attach(reusePortListen(t, "127.0.0.1:0"))
+	defer old.Close()
+	addr := old.Addr().String()
+	oldConns, _ := acceptInto(old)
+	raw := reusePortListen(t, addr)
+	newer := attach(raw)
+	defer newer.Close()
+	newConns, newEnd := acceptInto(newer)
+	dialTaken(t, addr, newConns, "the newest listener")
+
+	raw.Close() // the socket fails under the listener
+	for range newConns {
+	}
+	if !errors.Is(*newEnd, net.ErrClosed) {
+		t.Errorf("the failed listener's Accept: %v; want the socket's error", *newEnd)
+	}
+	dialTaken(t, addr, oldConns, "the old listener, after the newer one's socket failed,")
+}
