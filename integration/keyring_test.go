@@ -86,8 +86,8 @@ func fingerprint(t *testing.T, b64 string) string {
 //     balancer while it reloads): [new, third], [third, new], [third];
 //
 // no node ever sees a member other than alive, and no request fails (but
-// on a new connection at a reload, which stock Caddy's reloads lose too:
-// fleet.Phase2Split; never during the admin API's rotation).
+// a new connection reset at a reload, which lbx_handoff cannot keep:
+// fleet.ClientError.ReloadReset; never during the admin API's rotation).
 // Then a 6th node configured with the old key only cannot join: it sees
 // itself alone, no node lists it, and its join error names the old key
 // by fingerprint.
@@ -272,11 +272,10 @@ func TestKeyringRotationFleet(t *testing.T) {
 	op(nodes[4], "remove", oldKey, oldID)
 	list([]string{newID}, newID)
 
-	// reload loads spec on n out of the balancer, and records when.
-	// Stock Caddy loses the requests of new connections that reach a node
-	// while it reloads (fleet.Phase2Split): out of the balancer, only
-	// those it had dialed just before, still in the old listener's queue.
-	// Those are the reload's, not the rotation's.
+	// reload loads spec on n out of the balancer, and records when. The
+	// kernel resets new connections still queued on the old socket as it
+	// closes (fleet.ClientError.ReloadReset): out of the balancer, only
+	// those dialed just before. Those are the reload's, not the rotation's.
 	var reloads [][2]time.Time
 	reload := func(n *fleet.Node, spec fleet.NodeSpec) {
 		t.Helper()
@@ -294,13 +293,13 @@ func TestKeyringRotationFleet(t *testing.T) {
 		}
 		reloads = append(reloads, [2]time.Time{start, time.Now()})
 	}
-	// atReload reports whether e is such a loss: on a new connection,
-	// from a reload's start to a second after its end (the client
-	// records it when its request returns, which a loaded machine
-	// delays), as fleet.Phase2Split counts them.
+	// atReload reports whether e is such a reset, from a reload's start
+	// to a second after its end (the client records it when its request
+	// returns, which a loaded machine delays), as fleet.Phase2Split
+	// counts them.
 	atReload := func(e fleet.ClientError) bool {
 		for _, w := range reloads {
-			if e.Fresh && !e.At.Before(w[0]) && !e.At.After(w[1].Add(time.Second)) {
+			if e.ReloadReset() && !e.At.Before(w[0]) && !e.At.After(w[1].Add(time.Second)) {
 				return true
 			}
 		}
@@ -392,7 +391,7 @@ func TestKeyringRotationFleet(t *testing.T) {
 		reqs, len(errs), retried, polls, len(notAlive), retries)
 	for _, e := range errs {
 		if atReload(e) {
-			t.Logf("a request on a new connection lost at a reload, as stock Caddy's reloads lose them (%s): %v", phaseOf(e.At), e)
+			t.Logf("a new connection reset at a reload (%s): %v", phaseOf(e.At), e)
 			continue
 		}
 		t.Errorf("a request failed during %q: %v", phaseOf(e.At), e)

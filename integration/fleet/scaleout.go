@@ -126,18 +126,19 @@ type ScaleOutResult struct {
 const reloadLossWindow = time.Second
 
 // Phase2Split sorts the phase-2 failures into those at the reload, those
-// from the kill on, and the rest. A failure at the reload is one on a new
-// connection between the reload's start and reloadLossWindow after its
-// end: stock Caddy loses such requests on every reload under a stream of
-// new connections (docs/rebalance.md, "Reloads"), since Go's http.Server
-// drops a request it reads after its Shutdown began and Linux resets the
-// connections still queued on the old SO_REUSEPORT socket when it closes.
+// from the kill on, and the rest. A failure at the reload is a reset
+// (ClientError.ReloadReset) between the reload's start and
+// reloadLossWindow after its end: Linux resets the connections still
+// queued on the old SO_REUSEPORT socket when it closes. The requests Go's
+// http.Server would drop because it read them after its Shutdown began
+// (EOF), lbx_handoff serves with the new config: such a failure is one of
+// the rest (docs/handoff.md).
 func (r *ScaleOutResult) Phase2Split() (atReload, afterKill, others []ClientError) {
 	for _, e := range r.Phase2Errors {
 		switch {
 		case !r.Kill.At.IsZero() && !e.At.Before(r.Kill.At):
 			afterKill = append(afterKill, e)
-		case e.Fresh && !e.At.Before(r.Reload.Start) && !e.At.After(r.Reload.End.Add(reloadLossWindow)):
+		case e.ReloadReset() && !e.At.Before(r.Reload.Start) && !e.At.After(r.Reload.End.Add(reloadLossWindow)):
 			atReload = append(atReload, e)
 		default:
 			others = append(others, e)
