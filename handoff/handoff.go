@@ -15,6 +15,8 @@ package handoff
 import (
 	"fmt"
 	"net"
+	"os"
+	"strings"
 	"sync"
 
 	"github.com/caddyserver/caddy/v2"
@@ -65,12 +67,25 @@ func (Wrapper) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision registers the metric.
+// Provision registers the metric, and says once per process when Linux
+// will reset the connections queued on an old socket at reloads.
 func (w *Wrapper) Provision(ctx caddy.Context) error {
 	w.logger = ctx.Logger()
 	w.wrapped = new(listenerSet)
+	migrateOnce.Do(func() {
+		if b, err := os.ReadFile(migrateReqFile); err == nil && strings.TrimSpace(string(b)) == "0" {
+			w.logger.Info("net.ipv4.tcp_migrate_req is 0: at a reload, Linux resets the new connections still queued on the old config's socket as it closes; set it to 1 to have them moved to the new one (docs/handoff.md)")
+		}
+	})
 	return metricsreg.Register(ctx, handedOver)
 }
+
+// migrateReqFile is the sysctl that lets Linux move the connections queued
+// on a closing SO_REUSEPORT socket to another socket of its group.
+const migrateReqFile = "/proc/sys/net/ipv4/tcp_migrate_req"
+
+// migrateOnce keeps the note about migrateReqFile to one per process.
+var migrateOnce sync.Once
 
 // WrapListener joins ln to the listeners other configs have on its
 // address.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -23,6 +24,8 @@ type reloadConfig struct {
 	runs, reloads      int
 	clients            int
 	gap                time.Duration
+	// tls serves HTTPS (tls internal); http2 speaks HTTP/2 over it.
+	tls, http2 bool
 }
 
 func parseReloadFlags(args []string, stderr io.Writer) (*reloadConfig, error) {
@@ -45,6 +48,8 @@ func parseReloadFlags(args []string, stderr io.Writer) (*reloadConfig, error) {
 	fs.IntVar(&c.reloads, "reloads", 20, "reloads per build and run")
 	fs.IntVar(&c.clients, "clients", 64, "clients, each sending its next request on a new connection as soon as the last returns")
 	fs.DurationVar(&c.gap, "gap", 300*time.Millisecond, "time between reloads")
+	fs.BoolVar(&c.tls, "tls", false, "serve HTTPS (tls internal) and connect with TLS; leaves out the lbx node build")
+	fs.BoolVar(&c.http2, "http2", false, "with -tls: HTTP/2 (each request still on a new connection)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -59,6 +64,8 @@ func parseReloadFlags(args []string, stderr io.Writer) (*reloadConfig, error) {
 		return nil, fmt.Errorf("-clients %d: want 1 to 1000", c.clients)
 	case c.gap < 50*time.Millisecond || c.gap > time.Minute:
 		return nil, fmt.Errorf("-gap %v: want 50ms to 1m", c.gap)
+	case c.http2 && !c.tls:
+		return nil, fmt.Errorf("-http2 needs -tls (Caddy speaks cleartext HTTP/2 only to clients that know it does)")
 	}
 	return c, nil
 }
@@ -72,9 +79,11 @@ type reloadRun struct {
 	handedOver int
 }
 
-// reloadTarget is a running Caddy the benchmark reloads.
+// reloadTarget is a running Caddy the benchmark reloads, serving "ok" at
+// url.
 type reloadTarget struct {
 	node   *fleet.Node
+	url    string
 	reload func(gen int) error
 }
 
@@ -106,10 +115,20 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 		}
 		stockSource = "stock Caddy as lbx's go.mod requires it, built"
 	}
-	fmt.Fprintf(out, "# Requests lost to reloads\n\n`%s`; %s; %s; %d clients, each request on a new connection; %d reloads %v apart per build and run; load average %s at the start.\n\n",
-		cmdline, source, stockSource, cfg.clients, cfg.reloads, cfg.gap, loadAverage())
+	proto := "HTTP/1.1"
+	switch {
+	case cfg.http2:
+		proto = "HTTP/2 over TLS"
+	case cfg.tls:
+		proto = "HTTP/1.1 over TLS"
+	}
+	fmt.Fprintf(out, "# Requests lost to reloads\n\n`%s`; %s; %s; %d clients, each request on a new connection (%s); %d reloads %v apart per build and run; load average %s at the start.\n\n",
+		cmdline, source, stockSource, cfg.clients, proto, cfg.reloads, cfg.gap, loadAverage())
 
 	builds := []string{buildStock, buildLbx, buildHandoff}
+	if cfg.tls {
+		builds = []string{buildStock, buildHandoff} // the lbx node serves HTTP only
+	}
 	results := map[string][]reloadRun{}
 	for i := range cfg.runs {
 		order := append(slices.Clone(builds[i%len(builds):]), builds[:i%len(builds)]...)
@@ -124,9 +143,9 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 			case buildLbx:
 				target, err = startLbxReloadTarget(lbxBin, dir)
 			case buildHandoff:
-				target, err = startStockReloadTarget(lbxBin, dir, "\tservers {\n\t\tlistener_wrappers {\n\t\t\tlbx_handoff\n\t\t}\n\t}\n")
+				target, err = startStockReloadTarget(lbxBin, dir, cfg.tls, "\tservers {\n\t\tlistener_wrappers {\n\t\t\tlbx_handoff\n\t\t\ttls\n\t\t}\n\t}\n")
 			default:
-				target, err = startStockReloadTarget(stockBin, dir, "")
+				target, err = startStockReloadTarget(stockBin, dir, cfg.tls, "")
 			}
 			if err != nil {
 				return results, fmt.Errorf("run %d, %s: %w", i+1, b, err)
@@ -184,26 +203,33 @@ const (
 	buildHandoff = "lbx_handoff"
 )
 
-// startStockReloadTarget starts bin with a site serving "ok" and the global
-// options extra (tab-indented lines), and reloads it with a header that
-// changes, so that every load is a new config.
-func startStockReloadTarget(bin, dir, extra string) (*reloadTarget, error) {
+// startStockReloadTarget starts bin with a site serving "ok" (over HTTPS
+// with tls internal if useTLS) and the global options extra (tab-indented
+// lines), and reloads it with a header that changes, so that every load is
+// a new config.
+func startStockReloadTarget(bin, dir string, useTLS bool, extra string) (*reloadTarget, error) {
 	ports, err := fleet.FreePorts(2)
 	if err != nil {
 		return nil, err
 	}
 	n := &fleet.Node{Name: "stock", Admin: fmt.Sprintf("127.0.0.1:%d", ports[0]), HTTP: fmt.Sprintf("127.0.0.1:%d", ports[1])}
+	scheme, https, site := "http", "\tauto_https off\n", ""
+	if useTLS {
+		scheme, https, site = "https", "\tauto_https disable_redirects\n\tlocal_certs\n\tskip_install_trust\n", "\ttls internal\n"
+	}
 	caddyfile := func(gen int) string {
-		return fmt.Sprintf("{\n\tadmin %s\n\tpersist_config off\n\tauto_https off\n\tdefault_bind 127.0.0.1\n%s}\n\nhttp://%s {\n\theader X-Config-Generation %d\n\trespond \"ok\"\n}\n", n.Admin, extra, n.HTTP, gen)
+		return fmt.Sprintf("{\n\tadmin %s\n\tpersist_config off\n%s\tdefault_bind 127.0.0.1\n%s}\n\n%s://%s {\n%s\theader X-Config-Generation %d\n\trespond \"ok\"\n}\n",
+			n.Admin, https, extra, scheme, n.HTTP, site, gen)
 	}
 	if n.Proc, err = fleet.StartProc(bin, dir, caddyfile(0)); err != nil {
 		return nil, err
 	}
-	if err := waitServing(n); err != nil {
+	t := &reloadTarget{node: n, url: scheme + "://" + n.HTTP + "/", reload: func(gen int) error { return n.Load(caddyfile(gen)) }}
+	if err := t.waitServing(); err != nil {
 		_ = n.Proc.Kill()
 		return nil, err
 	}
-	return &reloadTarget{node: n, reload: func(gen int) error { return n.Load(caddyfile(gen)) }}, nil
+	return t, nil
 }
 
 // startLbxReloadTarget starts an lbx node (a one-member cluster, the
@@ -217,15 +243,16 @@ func startLbxReloadTarget(bin, dir string) (*reloadTarget, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := waitServing(n); err != nil {
-		_ = n.Proc.Kill()
-		return nil, err
-	}
-	return &reloadTarget{node: n, reload: func(gen int) error {
+	t := &reloadTarget{node: n, url: "http://" + n.HTTP + "/", reload: func(gen int) error {
 		s := spec
 		s.Tags = map[string]string{"generation": fmt.Sprint(gen)}
 		return n.Reload(s)
-	}}, nil
+	}}
+	if err := t.waitServing(); err != nil {
+		_ = n.Proc.Kill()
+		return nil, err
+	}
+	return t, nil
 }
 
 // handedOver reads caddy_lbx_handoff_connections_total from n's /metrics.
@@ -249,22 +276,40 @@ func handedOver(n *fleet.Node) (int, error) {
 	return 0, fmt.Errorf("%s: no caddy_lbx_handoff_connections_total in /metrics", n.Name)
 }
 
-// waitServing waits up to 20 s for n's site to answer.
-func waitServing(n *fleet.Node) error {
+// waitServing waits up to 20 s for the target's site to answer.
+func (t *reloadTarget) waitServing() error {
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		res, err := http.Get("http://" + n.HTTP + "/")
+		err := newConnGet(t.url, false)
 		if err == nil {
-			res.Body.Close()
-			if res.StatusCode == http.StatusOK {
-				return nil
-			}
+			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%s did not serve within 20s: %v\n%s", n.Name, err, n.Proc.Log())
+			return fmt.Errorf("%s did not serve within 20s: %v\n%s", t.node.Name, err, t.node.Proc.Log())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// insecureTLS trusts the test's own certificates (tls internal). Each
+// transport gets its own: one that attempts HTTP/2 adds "h2" to the
+// NextProtos of the config it was given.
+func insecureTLS() *tls.Config { return &tls.Config{InsecureSkipVerify: true} }
+
+// h1Transport sends each request on a new HTTP/1.1 connection.
+var h1Transport = &http.Transport{DisableKeepAlives: true, TLSClientConfig: insecureTLS()}
+
+// newConnGet sends one GET to url on a new connection, over HTTP/2 if
+// http2 (and TLS), and wants 200 "ok".
+func newConnGet(url string, http2 bool) error {
+	tr := h1Transport
+	if http2 {
+		// A transport of its own: HTTP/2 would send the next request on
+		// the same connection.
+		tr = &http.Transport{TLSClientConfig: insecureTLS(), ForceAttemptHTTP2: true}
+		defer tr.CloseIdleConnections()
+	}
+	return getOK(&http.Client{Transport: tr, Timeout: 5 * time.Second}, url)
 }
 
 // measureReloads runs the clients against target for cfg.reloads reloads
@@ -276,14 +321,13 @@ func measureReloads(ctx context.Context, target *reloadTarget, cfg *reloadConfig
 	var wg sync.WaitGroup
 	for range cfg.clients {
 		wg.Go(func() {
-			cl := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
 			for {
 				select {
 				case <-stop:
 					return
 				default:
 				}
-				err := getOK(cl, "http://"+target.node.HTTP+"/")
+				err := newConnGet(target.url, cfg.http2)
 				mu.Lock()
 				r.requests++
 				if err != nil {

@@ -18,6 +18,7 @@ func TestParseReloadFlags(t *testing.T) {
 		{[]string{"-clients", "0"}, "-clients"},
 		{[]string{"-gap", "1ms"}, "-gap"},
 		{[]string{"extra"}, "unexpected"},
+		{[]string{"-http2"}, "-http2 needs -tls"},
 	} {
 		_, err := parseReloadFlags(c.args, &bytes.Buffer{})
 		if err == nil || !strings.Contains(err.Error(), c.want) {
@@ -72,5 +73,34 @@ func TestReloadSmall(t *testing.T) {
 	}
 	if !strings.Contains(out.String(), "Median failed per reload: stock Caddy") {
 		t.Error("no summary line")
+	}
+}
+
+// TestReloadSmallTLS runs `bench reload -tls -http2` briefly: stock Caddy
+// and lbx_handoff serve HTTPS (tls internal) over HTTP/2 and take every
+// reload.
+func TestReloadSmallTLS(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy processes")
+	}
+	bin := testCaddy(t)
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	results, err := runReload(ctx, []string{"-caddy", bin, "-tls", "-http2", "-runs", "1", "-reloads", "2", "-clients", "4", "-gap", "100ms"}, "bench reload", &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Log(out.String())
+	if !strings.Contains(out.String(), "(HTTP/2 over TLS)") {
+		t.Error("the report does not say HTTP/2 over TLS")
+	}
+	if len(results) != 2 || len(results[buildStock]) != 1 || len(results[buildHandoff]) != 1 {
+		t.Fatalf("results %v; want one run each of stock Caddy and lbx_handoff", results)
+	}
+	for build, runs := range results {
+		if runs[0].requests == 0 || runs[0].failed == runs[0].requests {
+			t.Errorf("%s: %+v; want requests served", build, runs[0])
+		}
 	}
 }
