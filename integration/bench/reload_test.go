@@ -34,20 +34,9 @@ func TestParseReloadFlags(t *testing.T) {
 // TestReloadSmall runs `bench reload` briefly: every build starts, serves,
 // takes every reload, and the table has a row for each.
 func TestReloadSmall(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts Caddy processes")
-	}
-	bin := testCaddy(t)
-	var out bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	results, err := runReload(ctx, []string{"-caddy", bin, "-runs", "1", "-reloads", "3", "-clients", "4", "-gap", "100ms"}, "bench reload", &out, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Log(out.String())
+	results, out := runSmallReload(t, "-reloads", "3")
 	for _, build := range []string{"| stock Caddy | 1 |", "| lbx | 1 |", "| lbx_handoff | 1 |"} {
-		if !strings.Contains(out.String(), build) {
+		if !strings.Contains(out, build) {
 			t.Errorf("no row %q", build)
 		}
 	}
@@ -71,7 +60,7 @@ func TestReloadSmall(t *testing.T) {
 			t.Errorf("lbx_handoff: %d requests closed unanswered (EOF) at reloads; want none", n)
 		}
 	}
-	if !strings.Contains(out.String(), "Median failed per reload: stock Caddy") {
+	if !strings.Contains(out, "Median failed per reload: stock Caddy") {
 		t.Error("no summary line")
 	}
 }
@@ -80,19 +69,8 @@ func TestReloadSmall(t *testing.T) {
 // and lbx_handoff serve HTTPS (tls internal) over HTTP/2 and take every
 // reload.
 func TestReloadSmallTLS(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts Caddy processes")
-	}
-	bin := testCaddy(t)
-	var out bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	results, err := runReload(ctx, []string{"-caddy", bin, "-tls", "-http2", "-runs", "1", "-reloads", "2", "-clients", "4", "-gap", "100ms"}, "bench reload", &out, testWriter{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Log(out.String())
-	if !strings.Contains(out.String(), "(HTTP/2 over TLS)") {
+	results, out := runSmallReload(t, "-tls", "-http2", "-reloads", "2")
+	if !strings.Contains(out, "(HTTP/2 over TLS)") {
 		t.Error("the report does not say HTTP/2 over TLS")
 	}
 	if len(results) != 2 || len(results[buildStock]) != 1 || len(results[buildHandoff]) != 1 {
@@ -103,4 +81,24 @@ func TestReloadSmallTLS(t *testing.T) {
 			t.Errorf("%s: %+v; want requests served", build, runs[0])
 		}
 	}
+}
+
+// runSmallReload runs `bench reload` with one run of 4 clients and args
+// (the reloads, the protocol), and returns the results and the report.
+func runSmallReload(t *testing.T, args ...string) (map[string][]reloadRun, string) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts Caddy processes")
+	}
+	bin := testCaddy(t)
+	var out bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	args = append([]string{"-caddy", bin, "-runs", "1", "-clients", "4", "-gap", "100ms"}, args...)
+	results, err := runReload(ctx, args, "bench reload", &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Log(out.String())
+	return results, out.String()
 }
