@@ -45,6 +45,11 @@ type member struct {
 	serf   *serf.Serf
 	direct *DirectTransport // serf's transport, and the direct messages
 	logger *zap.Logger
+	// addr is the gossip address memberlist advertises, read once when
+	// serf starts: memberlist's LocalNode returns its own node struct,
+	// which every SetTags rewrites (UpdateNode) without a lock a reader
+	// could take.
+	addr string
 	// keyring is memberlist's, which serf's key queries (the admin API)
 	// and a reload's key list change; nil when the member started without
 	// a key: memberlist cannot turn encryption on later.
@@ -149,6 +154,11 @@ func newMember(key string, s *settings, bindHost string, bindPort int) (*member,
 	}
 	m.serf = sf
 	m.direct = dt
+	// No SetTags runs yet (publishLoop starts below), so the node struct
+	// is read before anything writes it.
+	if a := sf.Memberlist().LocalNode(); a != nil {
+		m.addr = net.JoinHostPort(a.Addr.String(), fmt.Sprint(a.Port))
+	}
 	go dt.Deliver(sf) // ends when serf shuts the transport down
 	m.done.Add(3)
 	go m.watchShutdown()
@@ -459,11 +469,5 @@ func (m *member) list() []Member {
 func (m *member) status() Status {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	st := Status{Name: m.name, Joined: m.joined, JoinError: m.joinErr, Conflict: m.conflict, Encrypted: m.keyring != nil}
-	if m.serf != nil {
-		if a := m.serf.Memberlist().LocalNode(); a != nil {
-			st.Addr = net.JoinHostPort(a.Addr.String(), fmt.Sprint(a.Port))
-		}
-	}
-	return st
+	return Status{Name: m.name, Addr: m.addr, Joined: m.joined, JoinError: m.joinErr, Conflict: m.conflict, Encrypted: m.keyring != nil}
 }
