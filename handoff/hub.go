@@ -6,7 +6,6 @@ import (
 	"net"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -39,8 +38,7 @@ type hub struct {
 
 	// dead is closed when the last listener has closed: nothing will take
 	// from conns again.
-	dead     chan struct{}
-	deadFlag atomic.Bool
+	dead chan struct{}
 }
 
 // attach wraps ln, the listener of a new config for its address, and
@@ -83,7 +81,6 @@ func (h *hub) detach(l *listener) {
 	}
 	hubsMu.Unlock()
 	if last {
-		h.deadFlag.Store(true)
 		close(h.dead)
 		h.drain()
 	}
@@ -117,10 +114,12 @@ type accepted struct {
 func (h *hub) put(a accepted) {
 	select {
 	case h.conns <- a:
-		// A hub that died as c went in is drained here, or by detach
-		// after it: dead is set before detach drains.
-		if h.deadFlag.Load() {
+		// A hub that died as a went in is drained here, or by detach
+		// after it: dead is closed before detach drains.
+		select {
+		case <-h.dead:
 			h.drain()
+		default:
 		}
 	case <-h.dead:
 		a.conn.Close()
@@ -235,8 +234,10 @@ func (l *listener) acceptLoop() {
 			return
 		default:
 		}
+		// Temporary is deprecated, but it is still how accept reports
+		// EMFILE and ECONNABORTED.
 		var ne net.Error
-		if errors.Is(err, net.ErrClosed) || !errors.As(err, &ne) || !ne.Timeout() && !isTemporary(ne) {
+		if errors.Is(err, net.ErrClosed) || !errors.As(err, &ne) || !ne.Timeout() && !ne.Temporary() {
 			// This listener's server stops serving when Accept
 			// returns the error: the other listeners take over.
 			l.socketErr = err
@@ -250,11 +251,4 @@ func (l *listener) acceptLoop() {
 			return
 		}
 	}
-}
-
-// isTemporary reports a net.Error's deprecated Temporary, which is still
-// how accept reports EMFILE and ECONNABORTED.
-func isTemporary(ne net.Error) bool {
-	t, ok := ne.(interface{ Temporary() bool })
-	return ok && t.Temporary()
 }
