@@ -95,6 +95,9 @@ func (c *conn) Read(p []byte) (int, error) {
 
 // goOn marks the connection as staying with this server.
 func (c *conn) goOn() {
+	if c.wentOn.Load() {
+		return
+	}
 	c.mu.Lock()
 	c.wentOn.Store(true)
 	c.head = nil
@@ -156,9 +159,7 @@ func (c *conn) Write(p []byte) (int, error) {
 	if c.handed.Load() {
 		return 0, errHandedOver
 	}
-	if !c.wentOn.Load() {
-		c.goOn()
-	}
+	c.goOn()
 	return c.Conn.Write(p)
 }
 
@@ -181,9 +182,7 @@ func (c *conn) CloseWrite() error {
 	if c.handed.Load() {
 		return nil
 	}
-	if !c.wentOn.Load() {
-		c.goOn()
-	}
+	c.goOn()
 	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
 	}
@@ -207,9 +206,7 @@ func (c *conn) ReadFrom(r io.Reader) (int64, error) {
 	if c.handed.Load() {
 		return 0, errHandedOver
 	}
-	if !c.wentOn.Load() {
-		c.goOn()
-	}
+	c.goOn()
 	if rf, ok := c.Conn.(io.ReaderFrom); ok {
 		return rf.ReadFrom(r)
 	}
