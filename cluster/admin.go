@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"mime"
 	"net/http"
 	"sort"
 
@@ -36,7 +38,12 @@ func init() {
 //
 // Each answers a keyringReport: the nodes asked, their answers and
 // errors by node, and for the list each key's fingerprint with how many
-// nodes have it and use it as primary; never a key. Add `?bind=<host:port>`
+// nodes have it and use it as primary; never a key. Bodies are sent as
+// application/json. Install, use and remove take a cluster-wide lease
+// first: one at a time, the others refused with 409 (keylock.go).
+// `?local=1` lists, installs or uses a key on this node alone: the heal of
+// a node that can no longer decrypt its peers (the view's
+// decrypt_failures). Add `?bind=<host:port>`
 // when the process runs more than one member (see the view's bind).
 type adminAPI struct{}
 
@@ -73,9 +80,13 @@ func keyringPath(op keyringOp) string {
 const maxKeyringBody = 1 << 10
 
 // keyringHandler serves op: GET for the list, POST with {"key": ...}
-// for the others. A bad request is refused (and counted) before any
-// query; the answer is 200 when every node succeeded, else 502 with the
-// report, whose error field says what failed.
+// (Content-Type application/json) for the others. A bad request is
+// refused (and counted) before any query; an operation refused by its
+// checks (another in progress, a step that would split the cluster)
+// answers 409 (404 for the removal of a key no node has) with the
+// reason; the answer is 200 when every node succeeded, else 502 with the
+// report, whose error field says what failed. ?local=1 runs list,
+// install or use on this node's keyring alone.
 func keyringHandler(op keyringOp) caddy.AdminHandlerFunc {
 	method := http.MethodPost
 	if op == opList {
@@ -85,21 +96,32 @@ func keyringHandler(op keyringOp) caddy.AdminHandlerFunc {
 		if r.Method != method {
 			return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed; %s takes %s", r.Method, keyringPath(op), method)}
 		}
-		m, err := keyringMember(r.URL.Query().Get("bind"))
+		q := r.URL.Query()
+		m, err := keyringMember(q.Get("bind"))
 		if err != nil {
 			return err
 		}
+		local, err := localParam(q.Get("local"))
+		if err != nil {
+			m.record(op, keyringReport{}, errKeyringRefused{error: err})
+			return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
+		}
 		var key []byte
 		if op != opList {
-			if key, err = readKeyRequest(w, r); err != nil {
-				m.record(op, keyringReport{}, errKeyringRefused{err})
-				return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
+			status := http.StatusBadRequest
+			if key, status, err = readKeyRequest(w, r); err != nil {
+				m.record(op, keyringReport{}, errKeyringRefused{error: err})
+				return caddy.APIError{HTTPStatus: status, Err: err}
 			}
 		}
-		rep, err := m.keyringOp(op, key)
+		rep, err := m.keyringOp(op, key, local)
 		var refused errKeyringRefused
 		if errors.As(err, &refused) {
-			return caddy.APIError{HTTPStatus: http.StatusConflict, Err: refused.error}
+			status := refused.status
+			if status == 0 {
+				status = http.StatusConflict
+			}
+			return caddy.APIError{HTTPStatus: status, Err: refused.error}
 		}
 		status := http.StatusOK
 		if err != nil {
@@ -109,25 +131,47 @@ func keyringHandler(op keyringOp) caddy.AdminHandlerFunc {
 	}
 }
 
-// readKeyRequest reads {"key": "<base64>"} and decodes the key; its
-// errors name the problem, never the key.
-func readKeyRequest(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+// localParam reads the local query parameter: "", 0 or false (the
+// cluster), 1 or true (this node alone).
+func localParam(v string) (bool, error) {
+	switch v {
+	case "", "0", "false":
+		return false, nil
+	case "1", "true":
+		return true, nil
+	}
+	return false, fmt.Errorf("local=%q: want 1 (this node's keyring alone) or 0", v)
+}
+
+// readKeyRequest reads {"key": "<base64>"}, a JSON object alone (no
+// unknown field, nothing after it) sent as application/json, and
+// decodes the key; its errors name the problem, never the key, with the
+// HTTP status to answer.
+func readKeyRequest(w http.ResponseWriter, r *http.Request) ([]byte, int, error) {
+	if ct := r.Header.Get("Content-Type"); ct == "" {
+		return nil, http.StatusUnsupportedMediaType, errors.New(`request body: no Content-Type; send the body {"key": "<base64 key>"} with Content-Type: application/json`)
+	} else if mt, _, err := mime.ParseMediaType(ct); err != nil || mt != "application/json" {
+		return nil, http.StatusUnsupportedMediaType, fmt.Errorf(`request body: Content-Type %.64q; send the body {"key": "<base64 key>"} with Content-Type: application/json`, ct)
+	}
 	var body struct {
 		Key string `json:"key"`
 	}
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxKeyringBody))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&body); err != nil {
-		return nil, fmt.Errorf(`request body: want {"key": "<base64 key>"}: %v`, err)
+		return nil, http.StatusBadRequest, fmt.Errorf(`request body: want {"key": "<base64 key>"}: %v`, err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return nil, http.StatusBadRequest, errors.New(`request body: data after the JSON object; want {"key": "<base64 key>"} alone`)
 	}
 	if body.Key == "" {
-		return nil, errors.New(`request body: key is missing or empty; want {"key": "<base64 key>"}`)
+		return nil, http.StatusBadRequest, errors.New(`request body: key is missing or empty; want {"key": "<base64 key>"}`)
 	}
 	key, err := parseKey(body.Key)
 	if err != nil {
-		return nil, fmt.Errorf("key: %v", err)
+		return nil, http.StatusBadRequest, fmt.Errorf("key: %v", err)
 	}
-	return key, nil
+	return key, 0, nil
 }
 
 // keyringMember returns the running serf member a keyring request is
@@ -171,8 +215,11 @@ type nodeView struct {
 	// NameConflict is set when serf shut the member down because another
 	// member uses its node_name: the node no longer gossips or sees the
 	// cluster, and Members is empty.
-	NameConflict string       `json:"name_conflict,omitempty"`
-	Members      []memberView `json:"members"`
+	NameConflict string `json:"name_conflict,omitempty"`
+	// DecryptFailures counts the gossip messages this node could not
+	// decrypt, by remote address, with how to heal it; absent when none.
+	DecryptFailures *decryptView `json:"decrypt_failures,omitempty"`
+	Members         []memberView `json:"members"`
 }
 
 // memberView is one cluster member in the admin view.
@@ -207,6 +254,7 @@ func (m *member) view() nodeView {
 	v := nodeView{
 		Name: st.Name, Bind: m.key, Addr: st.Addr, Encrypted: st.Encrypted, Joined: st.Joined,
 		JoinError: st.JoinError, NameConflict: st.Conflict, Members: []memberView{},
+		DecryptFailures: m.decrypt.view(decryptHeal),
 	}
 	if st.Conflict != "" {
 		// serf's member list is frozen at the shutdown: not the cluster.

@@ -17,6 +17,7 @@ import (
 	"maps"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -83,9 +84,12 @@ type App struct {
 	// EncryptKey is; at most 16, no duplicates. When a reload keeps the
 	// running member and changes this list, the new keys are installed on
 	// this node, the new primary used, and the keys the list dropped
-	// removed; a reload that keeps the list leaves the keyring as it is
-	// (keys installed through the admin API stay). Turning encryption on
-	// or off still needs a restart. Default: none.
+	// removed once the previous config stopped; a reload that keeps the
+	// list leaves the keyring as it is (keys installed through the admin
+	// API stay). A reload that fails to start puts back the primary it
+	// changed and removes no key, not even one it installed: other members
+	// may already use it. Turning encryption on or off still needs a
+	// restart. Default: none.
 	EncryptKeys []string `json:"encrypt_keys,omitempty"`
 
 	// Tags are serf tags this node publishes for discovery (e.g. role,
@@ -217,6 +221,9 @@ func parseKey(b64 string) ([]byte, error) {
 	}
 	if err := memberlist.ValidateKey(key); err != nil {
 		return nil, fmt.Errorf("decodes to %d bytes; want 16, 24 or 32 (AES-128, -192 or -256)", len(key))
+	}
+	if !slices.ContainsFunc(key, func(b byte) bool { return b != 0 }) {
+		return nil, fmt.Errorf("decodes to %d zero bytes, which is no secret; generate a key with `head -c32 /dev/urandom | base64`", len(key))
 	}
 	return key, nil
 }

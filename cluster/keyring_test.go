@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -42,6 +43,8 @@ func TestKeysBoundsJSON(t *testing.T) {
 		{`"encrypt_keys": ["` + testGossipKey + `", ""]`, `encrypt_keys[1] is empty`},
 		{`"encrypt_keys": ["{env.LBX_TEST_UNSET_KEY}"]`, `encrypt_keys[0] "{env.LBX_TEST_UNSET_KEY}" is empty once placeholders are replaced`},
 		{`"encrypt_keys": "` + testGossipKey + `"`, "appJSON.encrypt_keys of type []string"},
+		{`"encrypt_key": "` + base64.StdEncoding.EncodeToString(make([]byte, 16)) + `"`, "encrypt_key: decodes to 16 zero bytes, which is no secret"},
+		{`"encrypt_keys": ["` + testGossipKey + `", "` + base64.StdEncoding.EncodeToString(make([]byte, 32)) + `"]`, "encrypt_keys[1]: decodes to 32 zero bytes"},
 	} {
 		t.Run(tc.json, func(t *testing.T) {
 			err := provisionJSON([]byte(`{"node_name": "keys", ` + tc.json + `}`))
@@ -154,7 +157,17 @@ func TestReconcileKeys(t *testing.T) {
 // status, the report and the error's text.
 func keyringCall(t *testing.T, a *App, method string, op keyringOp, body string) (int, keyringReport, string) {
 	t.Helper()
-	req := httptest.NewRequest(method, keyringPath(op)+"?bind="+url.QueryEscape(a.Key()), strings.NewReader(body))
+	return keyringCallWith(t, a, method, keyringPath(op)+"?bind="+url.QueryEscape(a.Key()), op, "application/json", body)
+}
+
+// keyringCallWith is keyringCall with the path (and query) and the
+// Content-Type given.
+func keyringCallWith(t *testing.T, a *App, method, target string, op keyringOp, contentType, body string) (int, keyringReport, string) {
+	t.Helper()
+	req := httptest.NewRequest(method, target, strings.NewReader(body))
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
 	rec := httptest.NewRecorder()
 	err := keyringHandler(op)(rec, req)
 	if err != nil {
@@ -275,15 +288,15 @@ func TestKeyringRotationAdmin(t *testing.T) {
 		}
 	}
 
-	// A key no node has cannot be used: every node says so, by name.
-	code, rep, msg = keyringCall(t, apps[1], http.MethodPost, opUse, keyBody(otherGossipKey))
-	if code != http.StatusBadGateway || rep.Responses != 3 || len(rep.Errors) != 3 || !strings.Contains(msg, "use key "+newID+": 3/3 nodes reported failure") {
-		t.Errorf("use before install: %d %+v; want 502 with the 3 nodes' errors", code, rep)
+	// A key no node has cannot be used, nor removed: refused after the
+	// list, before any change.
+	code, _, msg = keyringCall(t, apps[1], http.MethodPost, opUse, keyBody(otherGossipKey))
+	if code != http.StatusConflict || !strings.Contains(msg, "key "+newID+" is on 0 of 3 nodes") || !strings.Contains(msg, "install it on every node first") {
+		t.Errorf("use before install: %d %q; want 409 saying 0 of 3 nodes have it", code, msg)
 	}
-	for i, e := range rep.Errors {
-		if want := fmt.Sprintf("rot-%d", i); e.Node != want || !strings.Contains(e.Message, "not in the keyring") {
-			t.Errorf("use before install: error %d %+v; want %s's saying the key is not in the keyring", i, e, want)
-		}
+	code, _, msg = keyringCall(t, apps[1], http.MethodPost, opRemove, keyBody(otherGossipKey))
+	if code != http.StatusNotFound || !strings.Contains(msg, "no node has key "+newID) {
+		t.Errorf("remove of a key no node has: %d %q; want 404 saying no node has it", code, msg)
 	}
 
 	step(apps[0], opInstall, otherGossipKey, newID)
@@ -302,11 +315,23 @@ func TestKeyringRotationAdmin(t *testing.T) {
 		{opInstall, `{"key": ""}`, "key is missing or empty", http.StatusBadRequest},
 		{opInstall, `{"secret": "x"}`, `unknown field "secret"`, http.StatusBadRequest},
 		{opInstall, `{"key": "` + strings.Repeat("A", 2000) + `"}`, "request body", http.StatusBadRequest},
+		{opInstall, keyBody(thirdGossipKey) + ` GARBAGE`, "data after the JSON object", http.StatusBadRequest},
+		{opInstall, keyBody(thirdGossipKey) + keyBody(testGossipKey), "data after the JSON object", http.StatusBadRequest},
+		{opInstall, keyBody(base64.StdEncoding.EncodeToString(make([]byte, 32))), "key: decodes to 32 zero bytes", http.StatusBadRequest},
 	} {
 		code, _, msg := keyringCall(t, apps[2], http.MethodPost, tc.op, tc.body)
 		if code != tc.code || !strings.Contains(msg, tc.want) {
 			t.Errorf("%s %.40s: %d %q; want %d with %q", tc.op, tc.body, code, msg, tc.code, tc.want)
 		}
+	}
+	for _, ct := range []string{"", "text/plain", "application/x-www-form-urlencoded", "application/json-patch+json"} {
+		code, _, msg := keyringCallWith(t, apps[2], http.MethodPost, keyringPath(opInstall)+"?bind="+url.QueryEscape(apps[2].Key()), opInstall, ct, keyBody(thirdGossipKey))
+		if code != http.StatusUnsupportedMediaType || !strings.Contains(msg, "Content-Type: application/json") {
+			t.Errorf("install with Content-Type %q: %d %q; want 415 asking for application/json", ct, code, msg)
+		}
+	}
+	if code, _, msg := keyringCallWith(t, apps[2], http.MethodPost, keyringPath(opInstall)+"?bind="+url.QueryEscape(apps[2].Key())+"&local=yes", opInstall, "application/json", keyBody(thirdGossipKey)); code != http.StatusBadRequest || !strings.Contains(msg, `local="yes"`) {
+		t.Errorf("local=yes: %d %q; want 400 naming it", code, msg)
 	}
 	if code, _, _ := keyringCall(t, apps[2], http.MethodPost, opList, ""); code != http.StatusMethodNotAllowed {
 		t.Errorf("POST list: %d; want 405", code)
@@ -330,7 +355,7 @@ func TestKeyringRotationAdmin(t *testing.T) {
 	counts := keyringSeries(t)
 	for series, want := range map[string]float64{
 		"list/ok": 4, "install/ok": 1, "use/ok": 1, "remove/ok": 1,
-		"remove/refused": 1, "install/refused": 4, "use/refused": 1, "use/failed": 1,
+		"remove/refused": 2, "install/refused": 12, "use/refused": 2,
 	} {
 		if got := counts[series] - counts0[series]; got != want {
 			t.Errorf("caddy_lbx_cluster_keyring_operations_total{%s} rose by %v; want %v", series, got, want)
@@ -499,35 +524,273 @@ func TestKeyringRollingReload(t *testing.T) {
 
 // TestKeyringFailedReload: a config whose other apps fail to start is
 // stopped while the config before it runs on (Caddy never stopped it):
-// the keys go back to the running config's list. A reload that succeeds
-// keeps the new list.
+// the primary it set goes back, and no key is removed, not even the one
+// it installed (another member may use it by then). The keys a list
+// drops are removed only once the previous config stopped. A reload that
+// succeeds keeps the new list.
 func TestKeyringFailedReload(t *testing.T) {
 	b := testCluster(t, "failed-reload", func(a *App) { a.EncryptKey = testGossipKey })
 	oldID, newID := keyID(mustDecodeKey(t, testGossipKey)), keyID(mustDecodeKey(t, otherGossipKey))
 
-	next := &App{NodeName: b.NodeName, Bind: b.Bind, EncryptKeys: []string{otherGossipKey, testGossipKey}}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	if err := next.Provision(ctx); err != nil {
+	failed := func(keys []string, during []string) {
+		t.Helper()
+		next := &App{NodeName: b.NodeName, Bind: b.Bind, EncryptKeys: keys}
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		defer cancel()
+		if err := next.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := next.Start(); err != nil {
+			t.Fatal(err)
+		}
+		if got := keyIDs(b); !slices.Equal(got, during) {
+			t.Fatalf("while the config %v starts: %v; want %v", keys, got, during)
+		}
+		// The new config failed elsewhere: Caddy stops it, b runs on.
+		if err := next.Stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	failed([]string{otherGossipKey, testGossipKey}, []string{newID, oldID})
+	if got := keyIDs(b); !slices.Equal(got, []string{oldID, newID}) {
+		t.Errorf("after the failed reload: %v; want the running config's primary %s back, and %s kept", got, oldID, newID)
+	}
+	// A list that drops the old key removes nothing while the running
+	// config runs, and nothing when it fails.
+	failed([]string{otherGossipKey}, []string{newID, oldID})
+	if got := keyIDs(b); !slices.Equal(got, []string{oldID, newID}) {
+		t.Errorf("after the failed reload to [new]: %v; want %s, %s", got, oldID, newID)
+	}
+	// The same reload, succeeding: the old key goes once b stopped.
+	b = reloadApp(t, b, func(a *App) { a.EncryptKeys = []string{otherGossipKey} })
+	if got := keyIDs(b); !slices.Equal(got, []string{newID}) {
+		t.Errorf("after a reload to [new] that succeeds: %v; want %s alone", got, newID)
+	}
+}
+
+// TestKeyChangeUndo: what attach stages, commit and undo do to a bare
+// keyring: undo puts back the primary only while the change's primary is
+// still in use, and removes nothing; commit leaves a key that became the
+// primary since.
+func TestKeyChangeUndo(t *testing.T) {
+	old, next, third := mustDecodeKey(t, testGossipKey), mustDecodeKey(t, otherGossipKey), mustDecodeKey(t, thirdGossipKey)
+	oldID, nextID, thirdID := keyID(old), keyID(next), keyID(third)
+	newKR := func(primary []byte, others ...[]byte) *memberlist.Keyring {
+		kr, err := memberlist.NewKeyring(others, primary)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return kr
+	}
+	// [old] → [next]: next installed and primary, old pending.
+	kr := newKR(old)
+	c := stageKeys(kr, [][]byte{old}, [][]byte{next})
+	if got := keyFingerprints(kr); c.err != nil || !slices.Equal(got, []string{nextID, oldID}) || len(c.remove) != 1 || c.primary != nextID {
+		t.Fatalf("staged: %v %+v; want %s, %s with %s pending", got, c, nextID, oldID, oldID)
+	}
+	if restored, err := c.undo(kr); err != nil || restored != oldID || !slices.Equal(keyFingerprints(kr), []string{oldID, nextID}) {
+		t.Errorf("undo: %q %v, keyring %v; want %s back as primary, %s kept", restored, err, keyFingerprints(kr), oldID, nextID)
+	}
+	// The admin API changed the primary after the stage: undo leaves it.
+	kr = newKR(old)
+	c = stageKeys(kr, [][]byte{old}, [][]byte{next, old})
+	if err := kr.AddKey(third); err != nil {
 		t.Fatal(err)
 	}
-	if err := next.Start(); err != nil {
+	if err := kr.UseKey(third); err != nil {
 		t.Fatal(err)
 	}
-	if got := keyIDs(b); !slices.Equal(got, []string{newID, oldID}) {
-		t.Fatalf("while the new config starts: %v; want %s, %s", got, newID, oldID)
+	if restored, _ := c.undo(kr); restored != "" || keyFingerprints(kr)[0] != thirdID || len(keyFingerprints(kr)) != 3 {
+		t.Errorf("undo after the primary changed: %q, keyring %v; want %s kept as primary, 3 keys", restored, keyFingerprints(kr), thirdID)
 	}
-	// The new config failed elsewhere: Caddy stops it, b runs on.
-	if err := next.Stop(); err != nil {
+	// A pending removal of what became the primary is skipped.
+	kr = newKR(old, next)
+	c = stageKeys(kr, [][]byte{old, next}, [][]byte{old})
+	if err := kr.UseKey(next); err != nil {
 		t.Fatal(err)
 	}
-	if got := keyIDs(b); !slices.Equal(got, []string{oldID}) {
-		t.Errorf("after the failed reload: %v; want the running config's %s alone", got, oldID)
+	c.commit(kr)
+	if got := keyFingerprints(kr); !slices.Equal(got, []string{nextID, oldID}) || len(c.removed) != 0 {
+		t.Errorf("commit of the primary's removal: %v, removed %v; want both kept", got, c.removed)
 	}
-	// The same reload, succeeding, keeps the new list.
-	b = reloadApp(t, b, func(a *App) { a.EncryptKeys = []string{otherGossipKey, testGossipKey} })
-	if got := keyIDs(b); !slices.Equal(got, []string{newID, oldID}) {
-		t.Errorf("after a reload that succeeds: %v; want %s, %s", got, newID, oldID)
+}
+
+// TestKeyringFailedReloadAfterRotation (issue 22, finding 2): two nodes
+// rotate from old to new through the admin API (install, use, remove),
+// then one loads a config with encrypt_key new that fails to start, and
+// then one with its previous config's old key that fails too: the
+// keyrings stay [new], primary new, on both, and neither ever sees the
+// other other than alive, for longer than serf's failure detection.
+func TestKeyringFailedReloadAfterRotation(t *testing.T) {
+	apps := directCluster(t, "split2", 2, testGossipKey)
+	notAlive := watchAlive(t, slices.Clone(apps))
+	newID := keyID(mustDecodeKey(t, otherGossipKey))
+	for _, st := range []struct {
+		op  keyringOp
+		key string
+	}{{opInstall, otherGossipKey}, {opUse, otherGossipKey}, {opRemove, testGossipKey}} {
+		if code, rep, msg := keyringCall(t, apps[0], http.MethodPost, st.op, keyBody(st.key)); code != http.StatusOK {
+			t.Fatalf("%s: %d %+v %s", st.op, code, rep, msg)
+		}
+	}
+	failedReload := func(a *App, mut func(*App)) {
+		t.Helper()
+		next := &App{NodeName: a.NodeName, Bind: a.Bind, Join: a.Join}
+		mut(next)
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		defer cancel()
+		if err := next.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := next.Start(); err != nil {
+			t.Fatal(err)
+		}
+		if err := next.Stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	failedReload(apps[0], func(a *App) { a.EncryptKey = otherGossipKey })
+	failedReload(apps[1], func(a *App) { a.EncryptKeys = []string{otherGossipKey, thirdGossipKey} })
+	for _, a := range apps {
+		if got := keyIDs(a); !slices.Equal(got, []string{newID}) && !(a == apps[1] && len(got) == 2 && got[0] == newID) {
+			t.Errorf("%s's keyring after the failed reloads: %v; want primary %s (and no key removed)", a.NodeName, got, newID)
+		}
+	}
+	// Longer than serf's failure detection (a probe each second, a
+	// suspicion of a few seconds), every member stays alive and messages
+	// flow.
+	boxes := []*directBox{listenDirectKind(t, apps[0], 1), listenDirectKind(t, apps[1], 1)}
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		exchangeAll(t, apps, boxes, "after the failed reloads "+time.Now().Format("05.000"))
+		time.Sleep(500 * time.Millisecond)
+	}
+	if bad := notAlive(); len(bad) > 0 {
+		t.Errorf("members seen other than alive: %v", bad[:min(len(bad), 10)])
+	}
+}
+
+// TestKeyringConcurrentOps (issue 22, finding 3): use K on one node and
+// remove K on the other at the same moment, several times: each is done
+// or refused with a clear reason (another operation in progress, or the
+// step that the other's result made unsafe), never both half done, and
+// the two nodes keep reading each other for longer than serf's failure
+// detection. A lease held by a node refuses an operation asked on
+// another, naming the holder.
+func TestKeyringConcurrentOps(t *testing.T) {
+	apps := directCluster(t, "conc", 2, testGossipKey)
+	notAlive := watchAlive(t, slices.Clone(apps))
+	oldID := keyID(mustDecodeKey(t, testGossipKey))
+	if code, rep, msg := keyringCall(t, apps[0], http.MethodPost, opInstall, keyBody(otherGossipKey)); code != http.StatusOK {
+		t.Fatalf("install: %d %+v %s", code, rep, msg)
+	}
+	clear := regexp.MustCompile(`another key operation \((use|remove) [0-9a-f]{8}\) is in progress \(held by node conc-[01]\)|is on 0 of 2 nodes|is the primary key of [12] of 2 nodes|no node has key`)
+	busy := 0
+	for round := range 4 {
+		var wg sync.WaitGroup
+		var codes [2]int
+		var msgs [2]string
+		start := make(chan struct{})
+		for i, op := range []keyringOp{opUse, opRemove} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				codes[i], _, msgs[i] = keyringCall(t, apps[i], http.MethodPost, op, keyBody(otherGossipKey))
+			}()
+		}
+		close(start)
+		wg.Wait()
+		t.Logf("round %d: use on conc-0: %d %q; remove on conc-1: %d %q", round, codes[0], msgs[0], codes[1], msgs[1])
+		for i := range codes {
+			if codes[i] == http.StatusOK {
+				continue
+			}
+			if (codes[i] != http.StatusConflict && codes[i] != http.StatusNotFound) || !clear.MatchString(msgs[i]) {
+				t.Errorf("round %d: node %d answered %d %q; want 200, or 409/404 with a clear reason", round, i, codes[i], msgs[i])
+			}
+			if strings.Contains(msgs[i], "is in progress") {
+				busy++
+			}
+		}
+		// The keyrings agree: the same primary, each has the other's.
+		k0, k1 := keyIDs(apps[0]), keyIDs(apps[1])
+		if k0[0] != k1[0] || !slices.Equal(slices.Sorted(slices.Values(k0)), slices.Sorted(slices.Values(k1))) {
+			t.Fatalf("round %d: keyrings differ: %v and %v", round, k0, k1)
+		}
+		// Back to old primary with the new key installed, for the next
+		// round.
+		if k0[0] != oldID {
+			if code, rep, msg := keyringCall(t, apps[0], http.MethodPost, opUse, keyBody(testGossipKey)); code != http.StatusOK {
+				t.Fatalf("use old: %d %+v %s", code, rep, msg)
+			}
+		}
+		if len(k0) == 1 {
+			if code, rep, msg := keyringCall(t, apps[0], http.MethodPost, opInstall, keyBody(otherGossipKey)); code != http.StatusOK {
+				t.Fatalf("install again: %d %+v %s", code, rep, msg)
+			}
+		}
+	}
+	t.Logf("%d of 8 operations refused as in progress", busy)
+
+	// A lease another node holds refuses an operation, naming it.
+	op := keyLockRequest{Holder: apps[1].NodeName, ID: "test", Op: "install 00000000"}
+	if a := apps[1].member.lease.takeLocal(op, time.Now()); !a.Granted {
+		t.Fatalf("taking conc-1's lease: %+v", a)
+	}
+	code, _, msg := keyringCall(t, apps[0], http.MethodPost, opUse, keyBody(otherGossipKey))
+	if want := "another key operation (install 00000000) is in progress (held by node conc-1)"; code != http.StatusConflict || !strings.Contains(msg, want) {
+		t.Errorf("use while conc-1 holds the lease: %d %q; want 409 with %q", code, msg, want)
+	}
+	apps[1].member.lease.release(op)
+	// conc-0 released its own lease on every member: conc-1 may go.
+	if code, _, msg := keyringCall(t, apps[1], http.MethodPost, opUse, keyBody(otherGossipKey)); code != http.StatusOK {
+		t.Errorf("use on conc-1 after the refusal: %d %q; want 200 (the refused operation released its lease)", code, msg)
+	}
+
+	boxes := []*directBox{listenDirectKind(t, apps[0], 1), listenDirectKind(t, apps[1], 1)}
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		exchangeAll(t, apps, boxes, "after the concurrent operations "+time.Now().Format("05.000"))
+		time.Sleep(500 * time.Millisecond)
+	}
+	if bad := notAlive(); len(bad) > 0 {
+		t.Errorf("members seen other than alive: %v", bad[:min(len(bad), 10)])
+	}
+}
+
+// TestKeyLease: the lease's rules on one member.
+func TestKeyLease(t *testing.T) {
+	var l keyLease
+	now := time.Now()
+	a1 := keyLockRequest{Holder: "a", ID: "1", Op: "use x"}
+	a2 := keyLockRequest{Holder: "a", ID: "2", Op: "remove y"}
+	b1 := keyLockRequest{Holder: "b", ID: "1", Op: "install z"}
+	if !l.takeLocal(a1, now).Granted {
+		t.Fatal("a free lease is not taken")
+	}
+	if got := l.takeLocal(a2, now); got.Granted || got.Holder != "a" || got.Op != "use x" {
+		t.Errorf("a second local operation: %+v; want busy, held by a for use x", got)
+	}
+	if !l.grant(a1, now).Granted || !l.grant(a2, now).Granted {
+		t.Error("the holder's own query is not granted")
+	}
+	if got := l.grant(b1, now); got.Granted || got.Holder != "a" {
+		t.Errorf("another node's query: %+v; want busy, held by a", got)
+	}
+	l.release(b1) // not the holder: nothing
+	if l.grant(b1, now).Granted {
+		t.Error("a release by another node freed the lease")
+	}
+	if !l.grant(b1, now.Add(keyLeaseTTL)).Granted {
+		t.Error("an expired lease is not granted")
+	}
+	l.release(b1)
+	if !l.grant(a1, now).Granted {
+		t.Error("a released lease is not granted")
+	}
+	if err := errKeyOpBusy("n1", "use 1a2b3c4d"); !strings.Contains(err.Error(), "another key operation (use 1a2b3c4d) is in progress (held by node n1)") {
+		t.Errorf("busy error: %v", err)
 	}
 }
 

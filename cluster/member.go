@@ -36,6 +36,11 @@ type settings struct {
 	name      string   // node name: fixed for the member's life
 	keys      [][]byte // configured gossip keys, primary first; nil: none
 	advertise string
+	// change is what this config's key list changed in the keyring when
+	// it started, until committed or undone (detach); prevConfigured, the
+	// key list it replaced. Under the member's mu.
+	change         *keyChange
+	prevConfigured [][]byte
 }
 
 // member is this process's serf member.
@@ -75,6 +80,15 @@ type member struct {
 	// running). Not under mu: serf logs while it holds its own locks.
 	conflictWith atomic.Pointer[string]
 	resolving    atomic.Int64
+
+	// lease orders the admin API's key operations cluster-wide
+	// (keylock.go); events waits for eventLoop, which ends when serf
+	// shuts down.
+	lease  keyLease
+	events sync.WaitGroup
+	// decrypt counts the gossip this member could not decrypt, by remote
+	// address (decrypt.go).
+	decrypt decryptFailures
 
 	pubMu sync.Mutex    // serializes setTags
 	kick  chan struct{} // wakes publishLoop; capacity 1
@@ -118,7 +132,11 @@ func newMember(key string, s *settings, bindHost string, bindPort int) (*member,
 	}
 	conf := SerfConfig(m.name, bindHost, bindPort)
 	conf.Tags = m.tagsFor(s)
-	stdlog := log.New(&serfLog{logger: m.logger.Named("serf"), conflict: m.sawConflict, conflictOver: m.conflictOver}, "", 0)
+	// serf delivers the key lease queries (and member events) here;
+	// eventLoop drains it until serf shuts down.
+	events := make(chan serf.Event, keyEventBuffer)
+	conf.EventCh = events
+	stdlog := log.New(&serfLog{logger: m.logger.Named("serf"), conflict: m.sawConflict, conflictOver: m.conflictOver, decryptFailed: m.decryptFailed}, "", 0)
 	conf.LogOutput = nil
 	conf.Logger = stdlog
 	ml := conf.MemberlistConfig
@@ -160,6 +178,8 @@ func newMember(key string, s *settings, bindHost string, bindPort int) (*member,
 		m.addr = net.JoinHostPort(a.Addr.String(), fmt.Sprint(a.Port))
 	}
 	go dt.Deliver(sf) // ends when serf shuts the transport down
+	m.events.Add(1)
+	go m.eventLoop(events, sf.ShutdownCh())
 	m.done.Add(3)
 	go m.watchShutdown()
 	go m.joinLoop()
@@ -177,6 +197,7 @@ func (m *member) Destruct() error {
 		m.logger.Warn("leaving the cluster", zap.Error(err))
 	}
 	err := m.serf.Shutdown()
+	m.events.Wait()
 	m.logger.Info("left the cluster")
 	return err
 }
@@ -184,7 +205,9 @@ func (m *member) Destruct() error {
 // attach makes s the settings that drive the member (a newer config).
 // The name and advertise address are the member's for its life, and so
 // is whether gossip is encrypted; the keys change when s configures
-// another list than the last config that changed them (reconcileKeys).
+// another list than the last config that changed them: attach stages the
+// change (stageKeys), which detach commits when the previous config stops
+// or undoes when s's config stops first (a failed reload).
 func (m *member) attach(s *settings) {
 	m.mu.Lock()
 	if old := m.owners[len(m.owners)-1]; old.name != s.name || old.advertise != s.advertise {
@@ -192,8 +215,7 @@ func (m *member) attach(s *settings) {
 			zap.String("node_name", old.name))
 		s.name, s.advertise = old.name, old.advertise
 	}
-	var change keyChange
-	changed := false
+	var change *keyChange
 	switch {
 	case (m.keyring != nil) != (len(s.keys) > 0):
 		state := "in clear text"
@@ -203,14 +225,15 @@ func (m *member) attach(s *settings) {
 		s.logger.Warn("encrypt_key cannot turn gossip encryption on or off while the cluster member runs (memberlist has a keyring only when the member starts with a key); gossip stays "+state+" until Caddy restarts",
 			zap.String("node_name", m.name))
 	case !sameKeys(m.configured, s.keys):
-		change = reconcileKeys(m.keyring, m.configured, s.keys)
+		c := stageKeys(m.keyring, m.configured, s.keys)
+		change = &c
+		s.change, s.prevConfigured = change, m.configured
 		m.configured = s.keys
-		changed = true
 	}
 	m.owners = append(m.owners, s)
 	m.mu.Unlock()
-	if changed {
-		change.log(s.logger.With(zap.String("node", m.name)))
+	if change != nil {
+		change.log(s.logger.With(zap.String("node", m.name)), "gossip keyring changed by the config's key list (on this node only)")
 	}
 	m.wake()
 }
@@ -218,27 +241,58 @@ func (m *member) attach(s *settings) {
 // detach removes the settings of a config that stopped. When they were
 // the driving ones and an older config still runs, the newest config
 // failed to start and Caddy went back to the older one, which it never
-// stopped: the keys go back to that config's list too, as its reload to
-// the failed config never happened. (A reload that succeeds stops the
-// older config, not the driving one, and changes nothing here.)
+// stopped: detach undoes the primary the failed config set (if it still
+// is the primary) and removes no key, since other members may use any
+// key this node has by now. When the stopped config is an older one and
+// the driving config is left alone, the reload succeeded: the keys its
+// list dropped are removed.
 func (m *member) detach(owner *App) {
 	m.mu.Lock()
-	driving := len(m.owners) > 0 && m.owners[len(m.owners)-1].owner == owner
+	var gone *settings
+	if i := slices.IndexFunc(m.owners, func(s *settings) bool { return s.owner == owner }); i >= 0 {
+		gone = m.owners[i]
+	}
+	driving := gone != nil && m.owners[len(m.owners)-1] == gone
 	m.owners = slices.DeleteFunc(m.owners, func(s *settings) bool { return s.owner == owner })
-	var back *settings
-	var change keyChange
-	if driving && len(m.owners) > 0 {
-		if prev := m.owners[len(m.owners)-1]; m.keyring != nil && len(prev.keys) > 0 && !sameKeys(m.configured, prev.keys) {
-			back = prev
-			change = reconcileKeys(m.keyring, m.configured, prev.keys)
-			m.configured = prev.keys
-		}
+	var logger *zap.Logger
+	var undone string
+	var undoErr error
+	var committed *keyChange
+	switch {
+	case driving && len(m.owners) > 0 && gone.change != nil:
+		// A failed reload.
+		logger = m.owners[len(m.owners)-1].logger
+		undone, undoErr = gone.change.undo(m.keyring)
+		m.configured = gone.prevConfigured
+		gone.change = nil
+	case !driving && len(m.owners) == 1 && m.owners[0].change != nil && len(m.owners[0].change.remove) > 0:
+		// A reload that succeeded: its previous config stopped.
+		d := m.owners[0]
+		logger = d.logger
+		d.change.commit(m.keyring)
+		c := *d.change
+		committed = &c
 	}
 	m.mu.Unlock()
-	if back != nil {
-		change.log(back.logger.With(zap.String("node", m.name), zap.String("why", "the newer config stopped; back to the running config's keys")))
+	switch {
+	case committed != nil:
+		committed.log(logger.With(zap.String("node", m.name)), "gossip keys the config's list dropped removed, the previous config having stopped (on this node only)")
+	case undoErr != nil:
+		logger.Error("a failed reload's gossip keys", zap.String("node", m.name), zap.Error(undoErr))
+	case logger != nil:
+		logger.Info("the newer config failed to start: its primary gossip key change is undone, and every key stays (other members may use any of them)",
+			zap.String("node", m.name), zap.String("primary_restored", undone), zap.Strings("keys", keyFingerprints(m.keyring)))
 	}
 	m.wake()
+}
+
+// keyFingerprints lists the fingerprints of kr's keys, primary first.
+func keyFingerprints(kr *memberlist.Keyring) []string {
+	var out []string
+	for _, k := range kr.GetKeys() {
+		out = append(out, keyID(k))
+	}
+	return out
 }
 
 // driver returns the driving settings, or nil.

@@ -23,12 +23,14 @@ var (
 	descDirectMessages = prometheus.NewDesc("caddy_lbx_cluster_direct_messages_total",
 		"Direct messages this node's member sent and received, by result: ok, send_error, handler_panic, or why a received one was dropped (dropped_*).", []string{"node", "direction", "result"}, nil)
 	descKeyringOps = prometheus.NewDesc("caddy_lbx_cluster_keyring_operations_total",
-		"Gossip keyring operations asked through this node's admin API (op: list, install, use, remove), by result: ok (every node succeeded), failed (a node failed or did not answer), refused (before any query: a bad key, the primary key to remove, no encryption).", []string{"op", "result"}, nil)
+		"Gossip keyring operations asked through this node's admin API (op: list, install, use, remove), by result: ok (every node succeeded), failed (a node failed or did not answer), refused (before any change: a bad key, the primary key to remove, no encryption, another operation in progress, a step that would split the cluster).", []string{"op", "result"}, nil)
+	descDecryptFailures = prometheus.NewDesc("caddy_lbx_cluster_decrypt_failures_total",
+		"Gossip messages this node's member could not decrypt with any key of its keyring: a member encrypts with a key this node lacks (see decrypt_failures in /lbx/cluster).", []string{"node"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed, descDirectMessages, descKeyringOps} {
+	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed, descDirectMessages, descKeyringOps, descDecryptFailures} {
 		ch <- d
 	}
 }
@@ -57,6 +59,7 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 		ch <- prometheus.MustNewConstMetric(descNameConflict, prometheus.GaugeValue, conflict, st.Name)
+		ch <- prometheus.MustNewConstMetric(descDecryptFailures, prometheus.CounterValue, float64(m.decrypt.total.Load()), st.Name)
 		for s, n := range by {
 			ch <- prometheus.MustNewConstMetric(descMembers, prometheus.GaugeValue, float64(n), st.Name, s.String())
 		}

@@ -22,6 +22,9 @@ type serfLog struct {
 	// name keeps it here or cannot run.
 	conflict     func(addr string)
 	conflictOver func()
+	// decryptFailed is told the remote address of a message no key of
+	// the keyring decrypts (decrypt.go).
+	decryptFailed func(addr string)
 
 	mu    sync.Mutex
 	kinds map[string]*logKind
@@ -82,6 +85,9 @@ func (w *serfLog) Write(p []byte) (int, error) {
 	if rest, ok := strings.CutPrefix(line, conflictPrefix); ok && w.conflict != nil {
 		addr, _, _ := strings.Cut(rest, " ")
 		w.conflict(strings.TrimSuffix(addr, "."))
+	}
+	if addr, ok := decryptAddr(line); ok && w.decryptFailed != nil {
+		w.decryptFailed(addr)
 	}
 	if w.conflictOver != nil && (strings.HasPrefix(line, conflictKept) || strings.HasPrefix(line, conflictNoVote)) {
 		w.conflictOver()
