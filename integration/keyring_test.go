@@ -8,7 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -39,9 +41,16 @@ type keyringReport struct {
 // clusterNodeView is the part of a node's GET /lbx/cluster the test
 // reads.
 type clusterNodeView struct {
-	Name      string `json:"node_name"`
-	JoinError string `json:"join_error"`
-	Members   []struct {
+	Name            string `json:"node_name"`
+	JoinError       string `json:"join_error"`
+	DecryptFailures *struct {
+		Total   int `json:"total"`
+		Sources []struct {
+			Addr  string `json:"addr"`
+			Count int    `json:"count"`
+		} `json:"sources"`
+	} `json:"decrypt_failures"`
+	Members []struct {
 		Name, Status string
 		Tags         map[string]string
 	} `json:"members"`
@@ -85,7 +94,16 @@ func fingerprint(t *testing.T, b64 string) string {
 //   - through rolling config reloads, each node in turn (out of the
 //     balancer while it reloads): [new, third], [third, new], [third];
 //
-// no node ever sees a member other than alive, and no request fails (but
+// after each admin API step, a config that fails to start (a site on a
+// port the test holds) is loaded on two nodes, with the key list an
+// operator would write at that step (issue 22: a failed reload after a
+// runtime rotation split the cluster), and the keyrings stay as they
+// were; at the use step, two operators act at once on two nodes (use
+// and remove of the new key), and each of them is done or refused with
+// a clear reason (409), the cluster's keyrings agreeing after;
+//
+// no node ever sees a member other than alive, none reports a message it
+// could not decrypt, and no request fails (but
 // a new connection reset at a reload, which lbx_handoff cannot keep:
 // fleet.ClientError.ReloadReset; never during the admin API's rotation).
 // Then a 6th node configured with the old key only cannot join: it sees
@@ -206,31 +224,42 @@ func TestKeyringRotationFleet(t *testing.T) {
 	oldID, newID, thirdID := fingerprint(t, oldKey), fingerprint(t, newKey), fingerprint(t, thirdKey)
 	t.Logf("keys: old %s, new %s, third %s", oldID, newID, thirdID)
 
+	// keyringTry sends a keyring request to n once.
+	keyringTry := func(n *fleet.Node, method, path, body string) (keyringReport, error) {
+		var rep keyringReport
+		var reqBody io.Reader
+		if body != "" {
+			reqBody = strings.NewReader(body)
+		}
+		err := n.AdminDo(method, path, "application/json", reqBody, &rep)
+		return rep, err
+	}
 	// keyringDo sends a keyring request to n. A 502 in which no member
 	// failed but some member's answer did not arrive (UDP, on a machine
-	// loaded many times over) is sent again, up to 15 s: each step may
-	// be repeated (docs/operations.md). Every retry is logged and counted.
+	// loaded many times over), or a 409 because a member's answer to the
+	// key lease did not arrive (or its release was lost: the lease's TTL
+	// is 30 s), is sent again, up to 40 s: each step may be repeated
+	// (docs/operations.md). Every retry is logged and counted.
 	retries := 0
 	keyringDo := func(n *fleet.Node, method, path, body string) keyringReport {
 		t.Helper()
-		deadline := time.Now().Add(15 * time.Second)
+		deadline := time.Now().Add(40 * time.Second)
 		for {
-			var rep keyringReport
-			var reqBody io.Reader
-			if body != "" {
-				reqBody = strings.NewReader(body)
-			}
-			err := n.AdminDo(method, path, "application/json", reqBody, &rep)
+			rep, err := keyringTry(n, method, path, body)
 			if err == nil {
 				return rep
 			}
 			var ae *fleet.AdminError
-			if !errors.As(err, &ae) || ae.Status != http.StatusBadGateway || json.Unmarshal(ae.Body, &rep) != nil ||
-				len(rep.Errors) > 0 || rep.Responses >= rep.Nodes || time.Now().After(deadline) {
+			lease := errors.As(err, &ae) && ae.Status == http.StatusConflict &&
+				(strings.Contains(string(ae.Body), "could not take the key operation lease") || strings.Contains(string(ae.Body), "is in progress"))
+			lost := errors.As(err, &ae) && ae.Status == http.StatusBadGateway && json.Unmarshal(ae.Body, &rep) == nil &&
+				len(rep.Errors) == 0 && rep.Responses < rep.Nodes
+			if (!lease && !lost) || time.Now().After(deadline) {
 				t.Fatal(err)
 			}
 			retries++
-			t.Logf("%s %s through %s: %d of %d members answered (%s); again", method, path, n.Name, rep.Responses, rep.Nodes, rep.Error)
+			t.Logf("%s %s through %s: %v; again", method, path, n.Name, err)
+			time.Sleep(200 * time.Millisecond)
 		}
 	}
 	op := func(n *fleet.Node, name, key, wantID string) {
@@ -262,15 +291,119 @@ func TestKeyringRotationFleet(t *testing.T) {
 		}
 	}
 
-	// Through the admin API.
+	// failLoad loads on n its config with keys and a site on a port the
+	// test holds: Caddy refuses it, the running config stays. Caddy
+	// starts the apps in map order: the cluster app before the failing
+	// http app (its change to the keyring undone at its stop) or not at
+	// all; two nodes each, so that both orders are likely exercised, and
+	// the result must not depend on it.
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	failLoads := 0
+	failLoad := func(n *fleet.Node, keys ...string) {
+		t.Helper()
+		spec := n.Spec
+		spec.Keys = keys
+		cfg := n.Caddyfile(spec) + fmt.Sprintf("\nhttp://%s {\n\trespond \"never\"\n}\n", held.Addr())
+		err := n.Load(cfg)
+		var ae *fleet.AdminError
+		if !errors.As(err, &ae) || !strings.Contains(string(ae.Body), "address already in use") {
+			t.Fatalf("the failing config on %s: %v; want Caddy to refuse it (address already in use)", n.Name, err)
+		}
+		failLoads++
+	}
+	failStep := func(what string, nodesAt []int, keys ...string) {
+		t.Helper()
+		mark("failed reloads after " + what)
+		for _, i := range nodesAt {
+			failLoad(nodes[i], keys...)
+		}
+	}
+
+	// Through the admin API, with failed reloads after each step.
 	mark("admin API rotation")
 	list([]string{oldID}, oldID)
 	op(nodes[0], "install", newKey, newID)
+	failStep("install", []int{1, 3}, newKey, oldKey)
 	list([]string{oldID, newID}, oldID)
-	op(nodes[2], "use", newKey, newID)
+
+	// Two operators at once on two nodes: use the new key on one, remove
+	// it on the other. Each is done, or refused (409) with the reason.
+	mark("two operators at once")
+	type result struct {
+		rep keyringReport
+		err error
+	}
+	var both [2]result
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i, name := range []string{"use", "remove"} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			both[i].rep, both[i].err = keyringTry(nodes[2+i], http.MethodPost, "/lbx/cluster/keys/"+name, `{"key": "`+newKey+`"}`)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	refusedClearly := 0
+	for i, r := range both {
+		who := fmt.Sprintf("%s on %s", []string{"use", "remove"}[i], nodes[2+i].Name)
+		if r.err == nil {
+			t.Logf("%s: done (%d nodes, %d responses)", who, r.rep.Nodes, r.rep.Responses)
+			continue
+		}
+		var ae *fleet.AdminError
+		if !errors.As(r.err, &ae) || ae.Status != http.StatusConflict ||
+			!regexp.MustCompile(`another key operation \((use|remove) [0-9a-f]{8}\) is in progress \(held by node k[1-5]\)|is on 0 of 5 nodes|is the primary key of [1-5] of 5 nodes|could not take the key operation lease`).Match(ae.Body) {
+			t.Fatalf("%s: %v; want 200, or 409 with a clear reason", who, r.err)
+		}
+		refusedClearly++
+		t.Logf("%s: refused: %s", who, strings.TrimSpace(string(ae.Body)))
+	}
+	// The keyrings agree whatever happened; then on to the rotation's
+	// next state: the new key installed and primary everywhere.
+	agreed := keyringDo(nodes[0], http.MethodGet, "/lbx/cluster/keys", "")
+	if agreed.Primary == "" || agreed.Responses != size {
+		t.Fatalf("after the two operators: %+v; want one primary on all %d nodes", agreed, size)
+	}
+	for _, k := range agreed.Keys {
+		if k.Nodes != size {
+			t.Fatalf("after the two operators: key %s on %d nodes; want %d", k.Fingerprint, k.Nodes, size)
+		}
+	}
+	if agreed.Primary != newID {
+		if len(agreed.Keys) == 1 {
+			op(nodes[0], "install", newKey, newID)
+		}
+		op(nodes[2], "use", newKey, newID)
+	}
+	failStep("use", []int{0, 4}, newKey)
 	list([]string{oldID, newID}, newID)
 	op(nodes[4], "remove", oldKey, oldID)
+	failStep("remove", []int{1, 2}, newKey)
 	list([]string{newID}, newID)
+	// How many failed reloads reached the cluster app (Caddy's map order
+	// started it before the failing http app): each says so in its log.
+	undone := 0
+	for _, n := range nodes {
+		undone += strings.Count(n.Proc.Log(), "the newer config failed to start")
+	}
+	t.Logf("%d of %d failed reloads started the cluster app before the failing one", undone, failLoads)
+	// No node failed to decrypt a message of another.
+	for _, n := range nodes {
+		v, err := nodeClusterView(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v.DecryptFailures != nil {
+			t.Errorf("%s reports decrypt failures during the admin API rotation: %+v", n.Name, *v.DecryptFailures)
+		}
+	}
 
 	// reload loads spec on n out of the balancer, and records when. The
 	// kernel resets new connections still queued on the old socket as it
@@ -387,8 +520,8 @@ func TestKeyringRotationFleet(t *testing.T) {
 	reqs, errs, retried := clients.Stats()
 	mu.Lock()
 	defer mu.Unlock()
-	t.Logf("clients: %d requests, %d failed, %d written twice by Go's transport; watcher: %d reads, %d not-alive sightings; %d keyring requests sent again",
-		reqs, len(errs), retried, polls, len(notAlive), retries)
+	t.Logf("clients: %d requests, %d failed, %d written twice by Go's transport; watcher: %d reads, %d not-alive sightings; %d keyring requests sent again; %d failed reloads injected; %d of 2 concurrent operations refused",
+		reqs, len(errs), retried, polls, len(notAlive), retries, failLoads, refusedClearly)
 	for _, e := range errs {
 		if atReload(e) {
 			t.Logf("a new connection reset at a reload (%s): %v", phaseOf(e.At), e)
