@@ -618,7 +618,8 @@ func TestKeyChangeUndo(t *testing.T) {
 // TestKeyringFailedReloadAfterRotation (issue 22, finding 2): two nodes
 // rotate from old to new through the admin API (install, use, remove),
 // then one loads a config with encrypt_key new that fails to start, and
-// then one with its previous config's old key that fails too: the
+// then others that fail too (new with a third key, and the running
+// config's own old key): the
 // keyrings stay [new], primary new, on both, and neither ever sees the
 // other other than alive, for longer than serf's failure detection.
 func TestKeyringFailedReloadAfterRotation(t *testing.T) {
@@ -651,6 +652,7 @@ func TestKeyringFailedReloadAfterRotation(t *testing.T) {
 	}
 	failedReload(apps[0], func(a *App) { a.EncryptKey = otherGossipKey })
 	failedReload(apps[1], func(a *App) { a.EncryptKeys = []string{otherGossipKey, thirdGossipKey} })
+	failedReload(apps[0], func(a *App) { a.EncryptKey = testGossipKey }) // the running config's own list
 	for _, a := range apps {
 		if got := keyIDs(a); !slices.Equal(got, []string{newID}) && !(a == apps[1] && len(got) == 2 && got[0] == newID) {
 			t.Errorf("%s's keyring after the failed reloads: %v; want primary %s (and no key removed)", a.NodeName, got, newID)
