@@ -76,6 +76,10 @@ type member struct {
 	conflictWith atomic.Pointer[string]
 	resolving    atomic.Int64
 
+	// refused is what the selectors over this member refused lately
+	// (the admin view's refused).
+	refused refusals
+
 	pubMu sync.Mutex    // serializes setTags
 	kick  chan struct{} // wakes publishLoop; capacity 1
 	stop  chan struct{}

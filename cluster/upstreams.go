@@ -120,7 +120,7 @@ func (su *SerfUpstreams) Provision(ctx caddy.Context) error {
 		return err
 	}
 	su.app = app
-	return nil
+	return su.Selector.Use(app)
 }
 
 // Validate checks the configuration.

@@ -115,6 +115,9 @@ func newSerfWatcher(ctx caddy.Context, cfg *SerfNaming, every time.Duration, log
 	if err != nil {
 		return nil, err
 	}
+	if err := cfg.Use(app); err != nil {
+		return nil, fmt.Errorf("serf: %v", err)
+	}
 	return &serfWatcher{cfg: cfg, app: app, every: every, logger: logger, apply: apply}, nil
 }
 
