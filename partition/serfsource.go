@@ -33,7 +33,8 @@ type SerfNaming struct {
 	// Default: "partition".
 	PartitionTag string `json:"partition_tag,omitempty"`
 
-	// Selector picks the members (tags, port, port_tag, exclude_self).
+	// Selector picks the members (tags, port, port_tag, exclude_self,
+	// allow_networks, allow_ports) and applies the dial policy.
 	cluster.Selector
 }
 
