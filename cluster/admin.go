@@ -8,6 +8,7 @@ import (
 	"mime"
 	"net/http"
 	"sort"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 
@@ -229,6 +230,9 @@ type memberView struct {
 	Status string            `json:"status"`
 	Self   bool              `json:"self,omitempty"`
 	Tags   map[string]string `json:"tags,omitempty"`
+	// Refused lists this member's dial addresses the dial policy refused
+	// within the last minute, with the reason.
+	Refused []refusedView `json:"refused,omitempty"`
 }
 
 // clusterView is the body of GET /lbx/cluster.
@@ -260,10 +264,11 @@ func (m *member) view() nodeView {
 		// serf's member list is frozen at the shutdown: not the cluster.
 		return v
 	}
+	refused := m.refused.byMember(time.Now())
 	for _, mem := range m.list() {
 		v.Members = append(v.Members, memberView{
-			Name: mem.Name, Addr: fmt.Sprintf("%s:%d", mem.Addr, mem.Port), Status: mem.Status.String(),
-			Self: mem.Self, Tags: mem.Tags,
+			Name: shownName(mem.Name), Addr: fmt.Sprintf("%s:%d", mem.Addr, mem.Port), Status: mem.Status.String(),
+			Self: mem.Self, Tags: mem.Tags, Refused: refused[mem.Name],
 		})
 	}
 	return v

@@ -76,6 +76,16 @@ type App struct {
 	// logged).
 	EncryptKey string `json:"encrypt_key,omitempty"`
 
+	// InsecurePlaintextGossip allows a cluster without a key (neither
+	// encrypt_key nor encrypt_keys) on a bind address that is not
+	// loopback. Without a key anyone who reaches the gossip port joins the
+	// cluster, reads its gossip and advertises the addresses this node
+	// dials; a config that binds beyond loopback without a key is refused
+	// unless this is true. A loopback bind needs no key: only local
+	// processes reach it, and they can reach Caddy's admin endpoint
+	// anyway. Default: false.
+	InsecurePlaintextGossip bool `json:"insecure_plaintext_gossip,omitempty"`
+
 	// EncryptKeys are several gossip keys, primary first, instead of
 	// EncryptKey (setting both is an error): the primary encrypts what
 	// this node sends, and every key decrypts what it receives, so that a
@@ -247,7 +257,7 @@ func (a *App) UnmarshalJSON(b []byte) error {
 const maxNodeName = 128
 
 // options are the app's options, in the order checkOption checks them.
-var options = []string{"node_name", "bind", "advertise", "join", "encrypt_key", "tags"}
+var options = []string{"node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip"}
 
 // Validate checks every option. Provision runs it before anything sized
 // by the options exists; the Caddyfile checks each option as it is read.
@@ -300,8 +310,27 @@ func (a *App) checkOption(opt string) error {
 			}
 		}
 		return a.CheckTagsFit(nil)
+	case "insecure_plaintext_gossip":
+		return a.checkPlaintext()
 	}
 	return nil
+}
+
+// checkPlaintext refuses gossip without a key on a bind address beyond
+// loopback, unless insecure_plaintext_gossip says it is meant.
+func (a *App) checkPlaintext() error {
+	if raw, _ := a.configuredKeys(); len(raw) > 0 || a.InsecurePlaintextGossip {
+		return nil
+	}
+	bind := a.Bind
+	if bind == "" {
+		bind = defaultBind
+	}
+	host, _, err := splitHostPort(bind, "bind")
+	if err != nil || isLoopbackHost(host) {
+		return nil // bind's own check reports a bad address
+	}
+	return fmt.Errorf("no encrypt_key and bind %s is not loopback: anyone who reaches that port joins the cluster in clear text and chooses addresses this node dials; set encrypt_key (make one with `head -c32 /dev/urandom | base64`), bind to loopback, or set insecure_plaintext_gossip if that is what you mean", bind)
 }
 
 // tagMagicByte starts serf's encoding of a member's tags.

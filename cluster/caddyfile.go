@@ -23,6 +23,7 @@ func init() {
 //		tags {
 //			<key> <value>
 //		}
+//		insecure_plaintext_gossip
 //	}
 //
 // encrypt_key takes one key (JSON encrypt_key) or several, primary
@@ -68,6 +69,11 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			} else {
 				a.EncryptKeys = keys
 			}
+		case "insecure_plaintext_gossip":
+			if err := caddyopt.NoArgs(d, what); err != nil {
+				return err
+			}
+			a.InsecurePlaintextGossip = true
 		case "join":
 			join, err := caddyopt.Args(d, what)
 			if err != nil {
@@ -93,7 +99,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.Tags[key] = val
 			}
 		default:
-			return caddyopt.Unknown(d, what, "node_name", "bind", "advertise", "join", "encrypt_key", "tags")
+			return caddyopt.Unknown(d, what, "node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip")
 		}
 		if err := a.checkOption(opt); err != nil {
 			return caddyopt.Errf(d, what, "%v", err)

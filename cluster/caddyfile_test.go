@@ -24,7 +24,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"cluster {\n tags {\n  zone a\n  zone b\n }\n}", "cluster: tags: zone specified more than once, at Testfile:4"},
 		{"cluster {\n tags {\n  lbx_load 1\n }\n}", `tag "lbx_load": keys starting with lbx_ are reserved`},
 		{"cluster {\n bind 127.0.0.1:1\n bind 127.0.0.1:2\n}", "cluster: bind specified more than once"},
-		{"cluster {\n metric cpu\n}", `cluster: unknown option "metric" (want node_name, bind, advertise, join, encrypt_key or tags)`},
+		{"cluster {\n metric cpu\n}", `cluster: unknown option "metric" (want node_name, bind, advertise, join, encrypt_key, tags or insecure_plaintext_gossip)`},
 	})
 }
 
@@ -67,6 +67,9 @@ func TestProvisionErrors(t *testing.T) {
 		{App{NodeName: "n", Join: []string{"10.0.0.1:0"}}, `join "10.0.0.1:0": port 0 cannot be joined`},
 		{App{NodeName: "n", Tags: map[string]string{"big": long}}, "above serf's limit of 512"},
 		{App{NodeName: "n", Tags: map[string]string{"": "x"}}, "key and value must not be empty"},
+		{App{NodeName: "n"}, "no encrypt_key and bind 0.0.0.0:7946 is not loopback: anyone who reaches that port joins the cluster"},
+		{App{NodeName: "n", Bind: "10.0.0.1:7946"}, "set encrypt_key (make one with `head -c32 /dev/urandom | base64`), bind to loopback, or set insecure_plaintext_gossip"},
+		{App{NodeName: "n", Bind: ":7946"}, "bind :7946 is not loopback"},
 	} {
 		a := tc.app
 		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
@@ -93,13 +96,20 @@ func TestCheckTagsFit(t *testing.T) {
 
 // TestProvisionDefaults: the no-options form (`cluster` alone) binds
 // 0.0.0.0:7946 under the host name, with no key and no tags, and opens
-// nothing until Start.
+// nothing until Start; with no key it needs insecure_plaintext_gossip
+// (TestProvisionErrors), which a loopback bind does not.
 func TestProvisionDefaults(t *testing.T) {
 	host, err := os.Hostname()
 	if err != nil {
 		t.Skip(err)
 	}
-	a := new(App)
+	for _, bind := range []string{"127.0.0.1:7946", "localhost:7946", "[::1]:7946"} {
+		a := &App{NodeName: "n", Bind: bind}
+		if err := a.Validate(); err != nil {
+			t.Errorf("bind %s without a key: %v; want it accepted (loopback)", bind, err)
+		}
+	}
+	a := &App{InsecurePlaintextGossip: true}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	if err := a.Provision(ctx); err != nil {

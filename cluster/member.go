@@ -89,6 +89,9 @@ type member struct {
 	// decrypt counts the gossip this member could not decrypt, by remote
 	// address (decrypt.go).
 	decrypt decryptFailures
+	// refused is what the selectors over this member refused lately
+	// (the admin view's refused).
+	refused refusals
 
 	pubMu sync.Mutex    // serializes setTags
 	kick  chan struct{} // wakes publishLoop; capacity 1

@@ -22,6 +22,8 @@ var (
 		"Warning and error lines of the gossip library not written because of the rate limit (at most 5 of a kind per 10 s).", nil, nil)
 	descDirectMessages = prometheus.NewDesc("caddy_lbx_cluster_direct_messages_total",
 		"Direct messages this node's member sent and received, by result: ok, send_error, handler_panic, or why a received one was dropped (dropped_*).", []string{"node", "direction", "result"}, nil)
+	descRefused = prometheus.NewDesc("caddy_lbx_cluster_members_refused_total",
+		"Member dial addresses the dial policy refused, by reason; a refusal of the same member, address and reason counts once per minute while it lasts.", []string{"reason"}, nil)
 	descKeyringOps = prometheus.NewDesc("caddy_lbx_cluster_keyring_operations_total",
 		"Gossip keyring operations asked through this node's admin API (op: list, install, use, remove), by result: ok (every node succeeded), failed (a node failed or did not answer), refused (before any change: a bad key, the primary key to remove, no encryption, another operation in progress, a step that would split the cluster).", []string{"op", "result"}, nil)
 	descDecryptFailures = prometheus.NewDesc("caddy_lbx_cluster_decrypt_failures_total",
@@ -30,7 +32,7 @@ var (
 
 // Describe implements prometheus.Collector.
 func (collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed, descDirectMessages, descKeyringOps, descDecryptFailures} {
+	for _, d := range []*prometheus.Desc{descMembers, descNameConflict, descGossipLogLines, descGossipLogSuppressed, descDirectMessages, descKeyringOps, descDecryptFailures, descRefused} {
 		ch <- d
 	}
 }
@@ -39,6 +41,9 @@ func (collector) Describe(ch chan<- *prometheus.Desc) {
 func (collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descGossipLogLines, prometheus.CounterValue, float64(gossipLogs.lines.Load()))
 	ch <- prometheus.MustNewConstMetric(descGossipLogSuppressed, prometheus.CounterValue, float64(gossipLogs.suppressed.Load()))
+	for r := range numRefusals {
+		ch <- prometheus.MustNewConstMetric(descRefused, prometheus.CounterValue, float64(refusedCounts[r].Load()), r.String())
+	}
 	for op := range keyringOps {
 		for res := range keyringResults {
 			ch <- prometheus.MustNewConstMetric(descKeyringOps, prometheus.CounterValue, float64(keyringCounts[op][res].Load()), op.String(), keyringResultNames[res])

@@ -63,7 +63,8 @@ const defaultUpstreamsRefresh = time.Second
 // It needs the cluster app in the same config (the `cluster` global
 // option); without it the config does not load.
 type SerfUpstreams struct {
-	// Selector picks the members (tags, port, port_tag, exclude_self).
+	// Selector picks the members (tags, port, port_tag, exclude_self,
+	// allow_networks, allow_ports) and applies the dial policy.
 	Selector
 
 	// Refresh is the longest time between two readings of the member
@@ -120,7 +121,7 @@ func (su *SerfUpstreams) Provision(ctx caddy.Context) error {
 		return err
 	}
 	su.app = app
-	return nil
+	return su.Selector.Use(app)
 }
 
 // Validate checks the configuration.
@@ -268,6 +269,8 @@ func diffSorted(a, b []string) (added, removed []string) {
 //		port         <port>
 //		port_tag     <tag key>
 //		exclude_self
+//		allow_networks <cidr|ip>...
+//		allow_ports    <port|lo-hi>...
 //		refresh      <duration>
 //	}
 //

@@ -23,6 +23,7 @@ import (
 // would (a bare test context has no config to find the app in).
 func newTestSource(app *App, su SerfUpstreams) *SerfUpstreams {
 	su.app = app
+	_ = su.Selector.Use(app)
 	su.logger = zap.NewNop()
 	su.upstreamsState = new(upstreamsState)
 	su.refresh = time.Duration(su.Refresh)

@@ -329,6 +329,8 @@ var _ caddyfile.Unmarshaler = (*Handler)(nil)
 //		port_tag     <member tag>
 //		tag          <key> <value>
 //		exclude_self
+//		allow_networks <cidr|ip>...
+//		allow_ports    <port|lo-hi>...
 //	}
 //
 // The member tag defaults to "partition"; `tag` may be repeated.

@@ -33,7 +33,8 @@ type SerfNaming struct {
 	// Default: "partition".
 	PartitionTag string `json:"partition_tag,omitempty"`
 
-	// Selector picks the members (tags, port, port_tag, exclude_self).
+	// Selector picks the members (tags, port, port_tag, exclude_self,
+	// allow_networks, allow_ports) and applies the dial policy.
 	cluster.Selector
 }
 
@@ -114,6 +115,9 @@ func newSerfWatcher(ctx caddy.Context, cfg *SerfNaming, every time.Duration, log
 	app, err := cluster.Lookup(ctx, "serf")
 	if err != nil {
 		return nil, err
+	}
+	if err := cfg.Use(app); err != nil {
+		return nil, fmt.Errorf("serf: %v", err)
 	}
 	return &serfWatcher{cfg: cfg, app: app, every: every, logger: logger, apply: apply}, nil
 }

@@ -61,6 +61,10 @@ func (s *server) namedCases() []badCase {
 		s.jsonCase("rebalance cpu bogus", "cpu", setApp("rebalance", "cpu", "bogus")),
 		s.jsonCase("rebalance cpu node with metric connections", "only used with metric cpu", setApp("rebalance", "cpu", "node")),
 		s.jsonCase("cluster tags over 512 bytes", "tag", setApp("cluster", "tags.big", strings.Repeat("x", 600))),
+		// Refused in Provision, before anything binds (192.0.2.1 is a
+		// documentation address: binding it would fail with another error).
+		s.jsonCase("cluster without a key beyond loopback", "no encrypt_key and bind 192.0.2.1:7946 is not loopback",
+			setApp("cluster", "bind", "192.0.2.1:7946")),
 		s.jsonCase("cluster encrypt_keys not base64", "encrypt_keys[1]: not valid base64",
 			setApp("cluster", "encrypt_keys", []any{gossipKey, "not base64!"})),
 		s.jsonCase("cluster encrypt_keys 5 bytes", "encrypt_keys[0]: decodes to 5 bytes; want 16, 24 or 32",
