@@ -1,11 +1,14 @@
 package rebalance
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -51,7 +54,79 @@ const (
 	// alongside the load (an indicator that is 1 at one member), so a
 	// size that agrees says the load average covers the same members.
 	sizeTolerance = 0.1
+	// tagSlack is how far, as a fraction, the gossip average and the
+	// estimates a node averages with may be outside the range of the
+	// members' load tags (and tagSlackAbs how far in the metric's unit on
+	// top of it): twice tagChange, the change that republishes a tag
+	// early, so that tags a step or two behind the loads do not refuse
+	// honest averaging.
+	tagSlack    = 2 * tagChange
+	tagSlackAbs = 0.5
+	// maxMeanSlack caps the fraction by which the gossip average may be
+	// off the tags' average (see meanSlack).
+	maxMeanSlack = 0.5
 )
+
+// A member is trusted to join, not to decide. Anything in an averaging
+// message is the sender's word: its estimate, its flows and its
+// lowest-load entries. The members' load tags are each member's own word
+// about itself, signed by serf's membership, and Decide already judges
+// them (validLoad). So the average is held to what the tags make
+// possible: a node averages only with estimates within the range of the
+// tags of the alive members in its metric (its own load included),
+// widened by tagSlack and tagSlackAbs (gossipavg.Node.SetBounds refuses
+// the rest), and a decision uses the gossip average only while it lies in
+// that range and within meanSlack of the tags' average; lowest-load
+// entries below the range are not counted. A lying member can move the
+// average no farther than that, and, since meanSlack is at most half the
+// threshold, not far enough that a node at or below the tags' average
+// sheds by the high rule.
+
+// tagRange is what the load tags of the alive members in a node's metric
+// (any age, this node's own load in place of its tag) say about the
+// average: their smallest and largest load and their average. ok is false
+// when no other member has a valid tag in the metric (no evidence: the
+// bounds do not apply).
+type tagRange struct {
+	ok             bool
+	min, max, mean float64
+}
+
+// tagRangeOf returns the tagRange of in's members in p's metric.
+func tagRangeOf(p Params, in Input) tagRange {
+	r := tagRange{min: in.Local, max: in.Local}
+	sum, n := in.Local, 1
+	for _, m := range in.Members {
+		if m.Name == in.Self || m.Status != cluster.StatusAlive || !validLoad(m.Load) ||
+			p.Metric != "" && m.Metric != "" && m.Metric != p.Metric {
+			continue
+		}
+		r.min, r.max = min(r.min, m.Load), max(r.max, m.Load)
+		sum += m.Load
+		n++
+	}
+	r.ok = n > 1 && validLoad(in.Local)
+	r.mean = sum / float64(n)
+	return r
+}
+
+// lo is the smallest average, estimate and lowest load the tags allow.
+func (r tagRange) lo() float64 { return max(0, r.min-r.min*tagSlack-tagSlackAbs) }
+
+// hi is the largest average and estimate the tags allow.
+func (r tagRange) hi() float64 { return r.max + r.max*tagSlack + tagSlackAbs }
+
+// meanSlack is how far the gossip average may be off mean, the tags'
+// average, for a decision with p to use it: half the threshold, at most
+// maxMeanSlack, as a fraction of mean, and at least tagSlackAbs. With an
+// average a that far below the tags' average m, a node at m stays below
+// a × (1 + threshold), since (1 − t/2)(1 + t) ≥ 1 for t ≤ 1 (and
+// (1 − 0.5)(1 + t) ≥ 1 above): a member cannot make it shed by the high
+// rule. Tags lag the loads by up to tagChange, so with the default 20%
+// threshold an honest average is used.
+func meanSlack(p Params, mean float64) float64 {
+	return max(min(p.Threshold/2, maxMeanSlack)*mean, tagSlackAbs)
+}
 
 // AverageConfig returns the gossip averaging settings of a rebalance node
 // named name with the given interval and freshness, as the app runs it:
@@ -102,6 +177,10 @@ type averager struct {
 	state   *gossipavg.Node
 	rng     *rand.Rand
 	peers   []string // alive members in this node's metric, sorted
+
+	// refused counts the messages refused because their estimates are
+	// outside what the load tags allow (gossipavg.ErrOutOfBounds).
+	refused atomic.Uint64
 }
 
 // averageView is what the averaging says at a step, and whether the
@@ -124,6 +203,13 @@ type averageView struct {
 	// Used is true when the decision uses the average; Why says why not.
 	Used bool
 	Why  string
+	// Refused is true when the average is not used because it is outside
+	// what the load tags allow (tagRange): a member may be lying.
+	Refused bool
+	// Tags is what the load tags allow, and MeanSlack how far the average
+	// may be off theirs.
+	Tags      tagRange
+	MeanSlack float64
 }
 
 // Where a decision's average came from (averageView.source).
@@ -195,13 +281,25 @@ func (a *averager) close() {
 // input changes: this node's own change reaches its estimate at once but
 // the others' only as it spreads, so reading after would weigh it N
 // times.
-func (a *averager) step(name string, members []string, local float64, freshness time.Duration, now time.Time) averageView {
+func (a *averager) step(name string, members []string, local float64, p Params, tags tagRange, now time.Time) averageView {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.state == nil {
-		return averageView{Size: math.Inf(1), Members: len(members) + 1, Why: "the gossip averaging has not started"}
+		return averageView{Size: math.Inf(1), Members: len(members) + 1, Why: "the gossip averaging has not started", Tags: tags}
 	}
-	v := makeAverageView(a.state.Estimate(now), a.state.Lows(now, nil), len(members)+1, freshness, now)
+	v := makeAverageView(a.state.Estimate(now), a.state.Lows(now, nil), len(members)+1, p, tags, now)
+	// From now on average only with estimates the tags allow; the size
+	// indicator's average is always within 0 and 1.
+	var err error
+	if tags.ok {
+		err = a.state.SetBounds([]float64{tags.lo(), 0}, []float64{tags.hi(), 1})
+	} else {
+		err = a.state.SetBounds(nil, nil)
+	}
+	if err != nil {
+		// validLoad keeps the tags within gossipavg's bounds.
+		a.logger.Debug("gossip averaging refused the bounds", zap.Error(err))
+	}
 	for _, gone := range a.peers {
 		if _, ok := slices.BinarySearch(members, gone); !ok {
 			a.state.Forget(gone)
@@ -222,16 +320,19 @@ func (a *averager) step(name string, members []string, local float64, freshness 
 
 // makeAverageView is the view of a gossipavg node's estimate est and
 // lowest-load entries lows at now, with members the alive members in this
-// node's metric (itself included), judged by averageUsable.
-func makeAverageView(est gossipavg.View, lows []gossipavg.Entry, members int, freshness time.Duration, now time.Time) averageView {
+// node's metric (itself included) and tags what their load tags allow,
+// judged by averageUsable with p.
+func makeAverageView(est gossipavg.View, lows []gossipavg.Entry, members int, p Params, tags tagRange, now time.Time) averageView {
 	v := averageView{
 		Average: est.Values[0], Size: math.Inf(1), Members: members, Lows: lows,
 		Peers: est.Peers, Exchanges: est.Exchanges, LastExchange: est.LastExchange,
+		Tags: tags, MeanSlack: meanSlack(p, tags.mean),
 	}
 	if est.Values[1] > 0 {
 		v.Size = 1 / est.Values[1]
 	}
-	v.Used, v.Why = averageUsable(v, freshness, now)
+	v.Used, v.Why = averageUsable(v, p.Freshness, now)
+	v.Refused = !v.Used && refusedByTags(v)
 	return v
 }
 
@@ -245,11 +346,14 @@ func makeAverageView(est gossipavg.View, lows []gossipavg.Entry, members int, fr
 // (this node's own at in.Local, and not the member the lift rule leaves
 // out, which the averaging cannot take out of the average), and the
 // members not alive, in another metric or with an invalid tag as the tags
-// count them (none of those averages with this node). The
+// count them (none of those averages with this node). The average must
+// also agree with the load tags in in.Members (tagRangeOf; with none,
+// as in the fleet simulation, that check does not apply). The
 // rebalance app decides this way; it is exported for the fleet
 // simulation.
 func AveragedView(p Params, in Input, est gossipavg.View, lows []gossipavg.Entry, members int, tags View) (View, bool) {
-	avg := makeAverageView(est, lows, members, p.Freshness, in.Now)
+	tr := tagRangeOf(p, in)
+	avg := makeAverageView(est, lows, members, p, tr, in.Now)
 	if !avg.Used {
 		return tags, false
 	}
@@ -272,6 +376,9 @@ func (avg averageView) decisionView(in Input, tags View) View {
 		if e.Name == ignored || e.Name == in.Self {
 			continue // this node's own entry is a step old
 		}
+		if avg.Tags.ok && e.Load < avg.Tags.lo() {
+			continue // below every tag: no member says so of itself
+		}
 		if e.Load < in.Local {
 			v.Lowest, v.LowestName = e.Load, e.Name
 		}
@@ -280,13 +387,17 @@ func (avg averageView) decisionView(in Input, tags View) View {
 	return v
 }
 
-// averageUsable is the freshness rule of the gossip average: the
-// decision uses it when this node completed an exchange within freshness
-// and the size estimate is within sizeTolerance of the members serf
-// lists in this node's metric (so the average covers the members serf
-// sees: not while a join or a departure is still spreading, not while
-// this node's messages do not get through, not while a member takes no
-// part).
+// averageUsable is the rule of the gossip average: the decision uses it
+// when this node completed an exchange within freshness, the average
+// agrees with the load tags (within their range and within v.MeanSlack of
+// their average, see tagRange; a member's estimates cannot take the
+// decision beyond what the members publish of themselves, and a restart
+// or a join still spreading waits until the average agrees with the
+// tags again), and the size estimate is within sizeTolerance of the
+// members serf lists in this node's metric (so the average covers the
+// members serf sees: not while a join or a departure is still spreading,
+// not while this node's messages do not get through, not while a member
+// takes no part).
 func averageUsable(v averageView, freshness time.Duration, now time.Time) (bool, string) {
 	switch {
 	case v.Members < 2:
@@ -297,8 +408,25 @@ func averageUsable(v averageView, freshness time.Duration, now time.Time) (bool,
 		return false, fmt.Sprintf("no exchange completed for %v (freshness %v)", now.Sub(v.LastExchange).Round(time.Millisecond), freshness)
 	case math.Abs(v.Size-float64(v.Members)) > sizeTolerance*float64(v.Members):
 		return false, fmt.Sprintf("estimated size %.1f is not within %.0f%% of the %d members in this metric", v.Size, sizeTolerance*100, v.Members)
+	case v.Tags.ok && !(v.Average >= v.Tags.lo() && v.Average <= v.Tags.hi()): // NaN too
+		return false, fmt.Sprintf("%s %.4g to %.4g", tagsRefuse, v.Tags.lo(), v.Tags.hi())
+	case v.Tags.ok && math.Abs(v.Average-v.Tags.mean) > v.MeanSlack:
+		return false, fmt.Sprintf("%s' average %.4g by more than %.4g", tagsOff, v.Tags.mean, v.MeanSlack)
 	}
 	return true, ""
+}
+
+// The beginnings of averageUsable's reasons that say the tags refuse the
+// average (refusedByTags).
+const (
+	tagsRefuse = "the average is outside what the members' load tags allow:"
+	tagsOff    = "the average is off the load tags"
+)
+
+// refusedByTags reports whether v's average is not used because the load
+// tags refuse it.
+func refusedByTags(v averageView) bool {
+	return strings.HasPrefix(v.Why, tagsRefuse) || strings.HasPrefix(v.Why, tagsOff)
 }
 
 // tick starts this node's next exchange, if any.
@@ -335,6 +463,9 @@ func (a *averager) receive(from string, payload []byte) {
 	reply, ok, err := a.state.Receive(time.Now(), m)
 	c, kind := a.cluster, a.kind
 	a.mu.Unlock()
+	if errors.Is(err, gossipavg.ErrOutOfBounds) {
+		a.refused.Add(1)
+	}
 	if err != nil {
 		if ce := a.logger.Check(zap.DebugLevel, "refused a gossip averaging message"); ce != nil {
 			ce.Write(zap.String("from", from), zap.Error(err))
