@@ -391,15 +391,16 @@ func (n *Node) heardFrom(now time.Time, m *Message, create bool) *pair {
 // node's version of the pair is newer, move to the average of the two
 // estimates, and reply with the new flow.
 func (n *Node) answer(now time.Time, m *Message) (Message, bool, error) {
-	p := n.heardFrom(now, m, true)
-	if p == nil || m.Seq <= p.lastReq {
-		n.merge(now, m)
-		return Message{}, false, nil
-	}
 	for k := range n.cfg.Dim {
 		if n.outside(k, m.Estimate[k]) > 0 {
 			return Message{}, false, fmt.Errorf("%w: request from %q with estimate %v for value %d (bounds %v to %v); refused", ErrOutOfBounds, m.From, m.Estimate[k], k, n.lo[k], n.hi[k])
 		}
+	}
+	undo := n.saveFor(m.From)
+	p := n.heardFrom(now, m, true)
+	if p == nil || m.Seq <= p.lastReq {
+		n.merge(now, m)
+		return Message{}, false, nil
 	}
 
 	flow, stamp := p.flow, p.stamp
@@ -430,6 +431,7 @@ func (n *Node) answer(now time.Time, m *Message) (Message, bool, error) {
 		next[k] += p.flow[k] - flow[k]
 	}
 	if n.worse(&est, &next) {
+		undo()
 		return Message{}, false, fmt.Errorf("%w: exchange with %q would take this node's estimate to %v; refused", ErrOutOfBounds, m.From, next[:n.cfg.Dim])
 	}
 	n.merge(now, m)
@@ -460,6 +462,7 @@ func (n *Node) adopt(now time.Time, m *Message) error {
 		n.merge(now, m)
 		return nil // a reply to this node's previous incarnation
 	}
+	undo := n.saveFor(m.From)
 	p := n.heardFrom(now, m, false)
 	if p == nil {
 		n.merge(now, m)
@@ -472,6 +475,7 @@ func (n *Node) adopt(now time.Time, m *Message) error {
 			next[k] += p.flow[k] + m.Flow[k]
 		}
 		if n.worse(&est, &next) {
+			undo()
 			return fmt.Errorf("%w: reply from %q would take this node's estimate to %v; refused", ErrOutOfBounds, m.From, next[:n.cfg.Dim])
 		}
 	}
@@ -488,6 +492,22 @@ func (n *Node) adopt(now time.Time, m *Message) error {
 		n.completed(now)
 	}
 	return nil
+}
+
+// saveFor returns a function that puts the pair with peer back as it is
+// now (removing it if there is none now): a refused message leaves no
+// trace, not even the reset of a new incarnation (heardFrom).
+func (n *Node) saveFor(peer string) (undo func()) {
+	p := n.lookup(peer)
+	if p == nil {
+		return func() {
+			if q := n.lookup(peer); q != nil {
+				n.remove(q)
+			}
+		}
+	}
+	saved := *p
+	return func() { *p = saved }
 }
 
 // bump returns the version after updater changed a pair's flow: the
