@@ -138,16 +138,23 @@ type gossipAverageView struct {
 	// TagsHigh are the smallest and largest average (and estimate) the
 	// tags allow, and TagsAverage their average; all three 0 when no
 	// other member has a load tag in this node's metric.
-	RefusedByTags bool    `json:"refused_by_tags"`
+	RefusedByTags bool `json:"refused_by_tags"`
+	// ClampedToTags is true when the decision used the average but
+	// clamped to within tags_slack of the tags' average (the average the
+	// decision took is the decision's average).
+	ClampedToTags bool    `json:"clamped_to_tags"`
+	TagsSlack     float64 `json:"tags_slack"`
 	TagsLow       float64 `json:"tags_low"`
 	TagsHigh      float64 `json:"tags_high"`
 	TagsAverage   float64 `json:"tags_average"`
 	// RefusedDecisions counts the decisions that did not use the average
-	// because the tags refused it, and MessagesRefused the averaging
+	// because the tags refused it, ClampedDecisions those that clamped
+	// it, and MessagesRefused the averaging
 	// messages refused because their estimates or flows would take this
 	// node's estimate outside what the tags allow, since the node
 	// started.
 	RefusedDecisions uint64 `json:"refused_decisions"`
+	ClampedDecisions uint64 `json:"clamped_decisions"`
 	MessagesRefused  uint64 `json:"messages_refused"`
 }
 
@@ -164,10 +171,11 @@ func viewAverage(avg averageView, at time.Time) gossipAverageView {
 		Used: avg.Used, Why: avg.Why, Average: finite(avg.Average), Size: finite(avg.Size),
 		Members: avg.Members, Peers: avg.Peers, Exchanges: avg.Exchanges,
 		LastExchangeAgeMs: -1, Lowest: []lowEntryView{},
-		RefusedByTags: avg.Refused,
+		RefusedByTags: avg.Refused, ClampedToTags: avg.Clamped,
 	}
 	if avg.Tags.ok {
 		v.TagsLow, v.TagsHigh, v.TagsAverage = finite(avg.Tags.lo()), finite(avg.Tags.hi()), finite(avg.Tags.mean)
+		v.TagsSlack = finite(avg.MeanSlack)
 	}
 	if !avg.LastExchange.IsZero() {
 		v.LastExchangeAgeMs = max(0, at.Sub(avg.LastExchange).Milliseconds())
@@ -182,7 +190,7 @@ func viewAverage(avg averageView, at time.Time) gossipAverageView {
 // decision, with its refusal counts. Call it with n.mu held.
 func (n *node) viewAverage() gossipAverageView {
 	v := viewAverage(n.average, n.lastAt)
-	v.RefusedDecisions, v.MessagesRefused = n.averageRefused, n.avg.refused.Load()
+	v.RefusedDecisions, v.ClampedDecisions, v.MessagesRefused = n.averageRefused, n.averageClamped, n.avg.refused.Load()
 	return v
 }
 

@@ -62,9 +62,6 @@ const (
 	// honest averaging.
 	tagSlack    = 2 * tagChange
 	tagSlackAbs = 0.5
-	// maxMeanSlack caps the fraction by which the gossip average may be
-	// off the tags' average (see meanSlack).
-	maxMeanSlack = 0.5
 )
 
 // A member is trusted to join, not to decide. Anything in an averaging
@@ -75,12 +72,14 @@ const (
 // possible: a node averages only with estimates within the range of the
 // tags of the alive members in its metric (its own load included),
 // widened by tagSlack and tagSlackAbs (gossipavg.Node.SetBounds refuses
-// the rest), and a decision uses the gossip average only while it lies in
-// that range and within meanSlack of the tags' average; lowest-load
-// entries below the range are not counted. A lying member can move the
-// average no farther than that, and, since meanSlack is at most half the
-// threshold, not far enough that a node at or below the tags' average
-// sheds by the high rule.
+// the rest); a decision uses the gossip average only while it lies in
+// that range (else the tags decide), and clamped to within meanSlack of
+// the tags' average; lowest-load entries below the range are not
+// counted. A lying member can move the decision's average no farther than
+// that: not far enough that a node at or below the tags' average sheds by
+// the high rule. Clamping rather than refusing keeps the gossip average's
+// count of members and its freshness while the tags lag behind a fast
+// change (a node shedding quickly), when the tags alone decide worse.
 
 // tagRange is what the load tags of the alive members in a node's metric
 // (any age, this node's own load in place of its tag) say about the
@@ -116,16 +115,23 @@ func (r tagRange) lo() float64 { return max(0, r.min-r.min*tagSlack-tagSlackAbs)
 // hi is the largest average and estimate the tags allow.
 func (r tagRange) hi() float64 { return r.max + r.max*tagSlack + tagSlackAbs }
 
-// meanSlack is how far the gossip average may be off mean, the tags'
-// average, for a decision with p to use it: half the threshold, at most
-// maxMeanSlack, as a fraction of mean, and at least tagSlackAbs. With an
-// average a that far below the tags' average m, a node at m stays below
-// a × (1 + threshold), since (1 − t/2)(1 + t) ≥ 1 for t ≤ 1 (and
-// (1 − 0.5)(1 + t) ≥ 1 above): a member cannot make it shed by the high
-// rule. Tags lag the loads by up to tagChange, so with the default 20%
-// threshold an honest average is used.
+// meanSlack is how far the decision's average may be off mean, the tags'
+// average, with p (the gossip average is clamped to it): t/(1 + t) of
+// mean, t the threshold, and at least tagSlackAbs. With an average a that
+// far below the tags' average m, a node at m is at a × (1 + t) exactly,
+// which does not exceed it: a member cannot make it shed by the high
+// rule. With the default 20% threshold that is 16.7%.
 func meanSlack(p Params, mean float64) float64 {
-	return max(min(p.Threshold/2, maxMeanSlack)*mean, tagSlackAbs)
+	return max(p.Threshold/(1+p.Threshold)*mean, tagSlackAbs)
+}
+
+// clampedAverage is the average a decision takes from v: the gossip
+// average, within MeanSlack of the tags' average when there are tags.
+func (v averageView) clampedAverage() float64 {
+	if !v.Tags.ok {
+		return v.Average
+	}
+	return min(max(v.Average, v.Tags.mean-v.MeanSlack), v.Tags.mean+v.MeanSlack)
 }
 
 // AverageConfig returns the gossip averaging settings of a rebalance node
@@ -206,10 +212,12 @@ type averageView struct {
 	// Refused is true when the average is not used because it is outside
 	// what the load tags allow (tagRange): a member may be lying.
 	Refused bool
-	// Tags is what the load tags allow, and MeanSlack how far the average
-	// may be off theirs.
+	// Tags is what the load tags allow, and MeanSlack how far the
+	// decision's average may be off theirs (clampedAverage); Clamped is
+	// true when a used average was that far off.
 	Tags      tagRange
 	MeanSlack float64
+	Clamped   bool
 }
 
 // Where a decision's average came from (averageView.source).
@@ -333,6 +341,7 @@ func makeAverageView(est gossipavg.View, lows []gossipavg.Entry, members int, p 
 	}
 	v.Used, v.Why = averageUsable(v, p.Freshness, now)
 	v.Refused = !v.Used && refusedByTags(v)
+	v.Clamped = v.Used && v.clampedAverage() != v.Average
 	return v
 }
 
@@ -364,7 +373,7 @@ func AveragedView(p Params, in Input, est gossipavg.View, lows []gossipavg.Entry
 // in (AveragedView).
 func (avg averageView) decisionView(in Input, tags View) View {
 	v := View{
-		Average: avg.Average, Counted: int(math.Round(avg.Size)),
+		Average: avg.clampedAverage(), Counted: int(math.Round(avg.Size)),
 		NotAlive: tags.NotAlive, OtherMetric: tags.OtherMetric, Invalid: tags.Invalid,
 		Lowest: in.Local, LowestName: in.Self,
 	}
@@ -389,11 +398,10 @@ func (avg averageView) decisionView(in Input, tags View) View {
 
 // averageUsable is the rule of the gossip average: the decision uses it
 // when this node completed an exchange within freshness, the average
-// agrees with the load tags (within their range and within v.MeanSlack of
-// their average, see tagRange; a member's estimates cannot take the
-// decision beyond what the members publish of themselves, and a restart
-// or a join still spreading waits until the average agrees with the
-// tags again), and the size estimate is within sizeTolerance of the
+// lies within the range of the load tags (see tagRange; a member's
+// estimates cannot take the decision beyond what the members publish of
+// themselves, and a restart or a join still spreading waits until the
+// average agrees with the tags again), and the size estimate is within sizeTolerance of the
 // members serf lists in this node's metric (so the average covers the
 // members serf sees: not while a join or a departure is still spreading,
 // not while this node's messages do not get through, not while a member
@@ -410,23 +418,20 @@ func averageUsable(v averageView, freshness time.Duration, now time.Time) (bool,
 		return false, fmt.Sprintf("estimated size %.1f is not within %.0f%% of the %d members in this metric", v.Size, sizeTolerance*100, v.Members)
 	case v.Tags.ok && !(v.Average >= v.Tags.lo() && v.Average <= v.Tags.hi()): // NaN too
 		return false, fmt.Sprintf("%s %.4g to %.4g", tagsRefuse, v.Tags.lo(), v.Tags.hi())
-	case v.Tags.ok && math.Abs(v.Average-v.Tags.mean) > v.MeanSlack:
-		return false, fmt.Sprintf("%s' average %.4g by more than %.4g", tagsOff, v.Tags.mean, v.MeanSlack)
 	}
 	return true, ""
 }
 
-// The beginnings of averageUsable's reasons that say the tags refuse the
+// The beginning of averageUsable's reason that says the tags refuse the
 // average (refusedByTags).
 const (
 	tagsRefuse = "the average is outside what the members' load tags allow:"
-	tagsOff    = "the average is off the load tags"
 )
 
 // refusedByTags reports whether v's average is not used because the load
 // tags refuse it.
 func refusedByTags(v averageView) bool {
-	return strings.HasPrefix(v.Why, tagsRefuse) || strings.HasPrefix(v.Why, tagsOff)
+	return strings.HasPrefix(v.Why, tagsRefuse)
 }
 
 // tick starts this node's next exchange, if any.

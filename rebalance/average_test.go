@@ -272,8 +272,9 @@ func TestTagRange(t *testing.T) {
 }
 
 // TestAverageUsableTags: a fresh, complete average is used only within
-// the tags' range and within meanSlack of their average; otherwise the
-// view says the tags refuse it. Half the threshold (20%) is 10% of 40.
+// the tags' range, otherwise the view says the tags refuse it; a used
+// average is clamped to within meanSlack of the tags' average (20%
+// threshold: 1/6 of 40, 6.67).
 func TestAverageUsableTags(t *testing.T) {
 	now := time.Unix(1000, 0)
 	p := Params{Freshness: 5 * time.Second, Threshold: 0.2}
@@ -281,29 +282,37 @@ func TestAverageUsableTags(t *testing.T) {
 	est := func(avg float64) gossipavg.View {
 		return gossipavg.View{Values: [gossipavg.MaxDim]float64{avg, 0.25}, Dim: 2, LastExchange: now.Add(-time.Second)}
 	}
+	wide := tagRange{ok: true, min: 20, max: 60, mean: 40}
 	for _, c := range []struct {
 		avg     float64
 		tags    tagRange
 		used    bool
 		refused bool
+		decided float64 // the decision's average, when used
 	}{
-		{40, tags, true, false},
-		{43.9, tags, true, false},
-		{36.1, tags, true, false},
-		{0.001, tags, false, true},
-		{-1, tags, false, true},
-		{1e18, tags, false, true},
-		{-1e18, tags, false, true},
-		{math.NaN(), tags, false, true},
-		// Within the range, but off the average by more than 10%.
-		{45, tagRange{ok: true, min: 20, max: 60, mean: 40}, false, true},
-		{35, tagRange{ok: true, min: 20, max: 60, mean: 40}, false, true},
-		// No tag to compare (the fleet simulation): not refused.
-		{0.001, tagRange{}, true, false},
+		{40, tags, true, false, 40},
+		{44.4, tags, true, false, 44.4},
+		{35.6, tags, true, false, 35.6},
+		{0.001, tags, false, true, 0},
+		{-1, tags, false, true, 0},
+		{1e18, tags, false, true, 0},
+		{-1e18, tags, false, true, 0},
+		{math.NaN(), tags, false, true, 0},
+		// Within the range, but off the average by more than 1/6:
+		// clamped.
+		{50, wide, true, false, 40 + 40.0/6},
+		{20, wide, true, false, 40 - 40.0/6},
+		// No tag to compare (the fleet simulation): as it is.
+		{0.001, tagRange{}, true, false, 0.001},
 	} {
 		v := makeAverageView(est(c.avg), nil, 4, p, c.tags, now)
 		if v.Used != c.used || v.Refused != c.refused || v.Refused && !strings.Contains(v.Why, "load tags") {
 			t.Errorf("average %v with tags %+v: used %v, refused %v (%q); want used %v, refused %v", c.avg, c.tags, v.Used, v.Refused, v.Why, c.used, c.refused)
+		}
+		if c.used {
+			if got := v.decisionView(Input{Local: 40, Now: now}, View{}).Average; math.Abs(got-c.decided) > 1e-9 || v.Clamped != (got != c.avg) {
+				t.Errorf("average %v with tags %+v: the decision's average is %v (clamped %v); want %v", c.avg, c.tags, got, v.Clamped, c.decided)
+			}
 		}
 	}
 	// A size that is off says so first: not a refusal by the tags.
@@ -311,10 +320,9 @@ func TestAverageUsableTags(t *testing.T) {
 	if v.Used || v.Refused || !strings.Contains(v.Why, "estimated size") {
 		t.Errorf("size 2 of 4: used %v, refused %v, %q", v.Used, v.Refused, v.Why)
 	}
-	// meanSlack: half the threshold, at most half the average, at least
-	// tagSlackAbs.
+	// meanSlack: t/(1+t) of the average, at least tagSlackAbs.
 	for _, c := range []struct{ threshold, mean, want float64 }{
-		{0.2, 40, 4}, {3, 40, 20}, {0.2, 1, 0.5}, {0.01, 40, 0.5},
+		{0.2, 40, 40.0 / 6}, {3, 40, 30}, {0.2, 1, 0.5}, {0.01, 40, 0.5},
 	} {
 		if got := meanSlack(Params{Threshold: c.threshold}, c.mean); math.Abs(got-c.want) > 1e-12 {
 			t.Errorf("meanSlack(threshold %v, mean %v) = %v; want %v", c.threshold, c.mean, got, c.want)

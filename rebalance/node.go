@@ -117,6 +117,7 @@ type node struct {
 	// refusedLogged is whether the last log line about it said so, and
 	// refusalLoggedAt when it was written (refusalLogEvery).
 	averageRefused  uint64
+	averageClamped  uint64 // decisions that clamped it (averageView.Clamped)
 	refusedLogged   bool
 	refusalLoggedAt time.Time
 
@@ -405,6 +406,9 @@ func (n *node) step(s *settings, now time.Time) {
 	n.average = avg
 	if avg.Refused {
 		n.averageRefused++
+	}
+	if avg.Clamped {
+		n.averageClamped++
 	}
 	logRefusal := avg.Refused != n.refusedLogged && now.Sub(n.refusalLoggedAt) >= refusalLogEvery
 	if logRefusal {
