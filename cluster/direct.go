@@ -7,7 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strconv"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -72,6 +72,7 @@ const (
 	directBadName
 	directUnknownKind
 	directUnknownSender
+	directWrongSource
 	directQueueFull
 	directHandlerPanic
 	directResults // the number of results
@@ -88,6 +89,7 @@ var directResultNames = [directResults]string{
 	directBadName:       "dropped_bad_name",
 	directUnknownKind:   "dropped_unknown_kind",
 	directUnknownSender: "dropped_unknown_sender",
+	directWrongSource:   "dropped_wrong_source",
 	directQueueFull:     "dropped_queue_full",
 	directHandlerPanic:  "handler_panic",
 }
@@ -100,7 +102,8 @@ func (r directResult) String() string { return directResultNames[r] }
 // with the gossip key when the cluster has an encrypt_key. Delivery is
 // best effort, as for any datagram: there is no acknowledgement or retry.
 // The receiver drops a message whose kind it has no handler for (see
-// HandleDirect) or whose sender it does not know as alive.
+// HandleDirect), whose sender it does not know as alive, or that did not
+// come from that member's gossip address (see DirectTransport).
 //
 // It returns an error when to is this node or no alive member of that
 // name, when the message would exceed MaxDirectPacket, or when the write
@@ -148,6 +151,18 @@ func (a *App) HandleDirect(kind byte, fn func(from string, payload []byte)) (can
 // serf members as the app does (NewDirectTransport over a transport that
 // counts the traffic); the app's modules use App.SendDirect and
 // App.HandleDirect.
+//
+// A received message names its sender, and is delivered only when it
+// came from that member's gossip address as serf knows it: a UDP
+// datagram whose source IP and port are the IP and port the alive member
+// of that name advertises. Sending writes from the gossip socket itself,
+// bound to the gossip port, so an honest member's messages always carry
+// its bind port; the name inside the payload alone (which any member
+// with the key can write) ties a message to nobody. Behind NAT, or with
+// an advertise address that is not the address packets leave from, the
+// source does not match and messages are dropped as
+// dropped_wrong_source: advertise the address peers see (what memberlist
+// needs for its own probes anyway).
 type DirectTransport struct {
 	// The inner transport does all the work but PacketCh and Shutdown;
 	// embedding it passes on everything memberlist may ask of it.
@@ -168,7 +183,7 @@ type DirectTransport struct {
 	// and a member of a large cluster sends and receives many direct
 	// messages a second.
 	aliveMu   sync.Mutex
-	alive     map[string]string
+	alive     map[string]netip.AddrPort
 	aliveRead time.Time
 
 	sent, received [directResults]atomic.Uint64
@@ -346,11 +361,29 @@ func (t *DirectTransport) receive(sf *serf.Serf, p *memberlist.Packet) {
 		t.drop(directUnknownSender, p.From)
 		return
 	}
-	if _, ok := t.aliveAddr(sf, from); !ok {
+	addr, ok := t.aliveAddr(sf, from)
+	if !ok {
 		t.drop(directUnknownSender, p.From)
 		return
 	}
+	if !sameSource(p.From, addr) {
+		t.drop(directWrongSource, p.From)
+		return
+	}
 	t.call(h, from, payload)
+}
+
+// sameSource reports whether from, a received packet's source, is the
+// gossip address addr: a UDP address with the same IP (IPv4-mapped IPv6
+// addresses count as IPv4) and port. Anything else, a TCP address from
+// memberlist's stream transport among them, is not.
+func sameSource(from net.Addr, addr netip.AddrPort) bool {
+	u, ok := from.(*net.UDPAddr)
+	if !ok || u == nil {
+		return false
+	}
+	src := u.AddrPort()
+	return src.Addr().Unmap() == addr.Addr() && src.Port() == addr.Port()
 }
 
 // call calls the handler, and recovers and logs its panic.
@@ -441,7 +474,7 @@ func (t *DirectTransport) sendTo(sf *serf.Serf, to string, kind byte, payload []
 	if !ok {
 		return fmt.Errorf("direct message to %q: no alive member of that name", to)
 	}
-	return t.write(addr, kind, payload)
+	return t.write(addr.String(), kind, payload)
 }
 
 // write encodes a direct message and writes it to the gossip address
@@ -467,7 +500,7 @@ const aliveCacheFor = 250 * time.Millisecond
 // aliveAddr returns the gossip address of the alive member of sf named
 // name, from a cache of serf's members (aliveCacheFor); a name it does
 // not hold refreshes it at once, so a member that just joined is found.
-func (t *DirectTransport) aliveAddr(sf *serf.Serf, name string) (string, bool) {
+func (t *DirectTransport) aliveAddr(sf *serf.Serf, name string) (netip.AddrPort, bool) {
 	t.aliveMu.Lock()
 	defer t.aliveMu.Unlock()
 	now := time.Now()
@@ -476,15 +509,18 @@ func (t *DirectTransport) aliveAddr(sf *serf.Serf, name string) (string, bool) {
 		return addr, true
 	}
 	if !ok && t.alive != nil && now.Sub(t.aliveRead) < aliveCacheFor/10 {
-		return "", false // refreshed a moment ago: not a member
+		return netip.AddrPort{}, false // refreshed a moment ago: not a member
 	}
 	clear(t.alive)
 	if t.alive == nil {
-		t.alive = make(map[string]string)
+		t.alive = make(map[string]netip.AddrPort)
 	}
 	for _, sm := range sf.Members() {
-		if sm.Status == serf.StatusAlive {
-			t.alive[sm.Name] = net.JoinHostPort(sm.Addr.String(), strconv.Itoa(int(sm.Port)))
+		if sm.Status != serf.StatusAlive {
+			continue
+		}
+		if ip, ok := netip.AddrFromSlice(sm.Addr); ok {
+			t.alive[sm.Name] = netip.AddrPortFrom(ip.Unmap(), sm.Port)
 		}
 	}
 	t.aliveRead = now

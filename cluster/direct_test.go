@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/netip"
 	"strings"
 	"sync"
 	"testing"
@@ -321,6 +322,8 @@ func TestDirectHostileDatagrams(t *testing.T) {
 				{"unknown kind", encode(a.NodeName, 99, "x", k), directUnknownKind},
 				{"unknown sender", encode("ghost", 1, "boo", k), directUnknownSender},
 				{"this node as sender", encode(b.NodeName, 1, "me?", k), directUnknownSender},
+				// a's name, from a socket that is not a's gossip socket.
+				{"a member's name from another address", encode(a.NodeName, 1, "i am a", k), directWrongSource},
 			}
 			if k != nil {
 				cases = append(cases, []struct {
@@ -636,4 +639,33 @@ func FuzzDirectDecode(f *testing.F) {
 			t.Fatalf("decoded %q %d %q, encoded and decoded again %q %d %q (%v)", from, kind, payload, from2, kind2, payload2, res2)
 		}
 	})
+}
+
+// TestDirectSameSource: a message counts as from a member only when its
+// UDP source is the member's advertised IP and port; the IP compares
+// across the IPv4-mapped form, and a TCP source (memberlist's stream
+// transport) never matches.
+func TestDirectSameSource(t *testing.T) {
+	member := netip.MustParseAddrPort("192.0.2.7:7946")
+	v6 := netip.MustParseAddrPort("[2001:db8::7]:7946")
+	for _, c := range []struct {
+		name string
+		from net.Addr
+		addr netip.AddrPort
+		want bool
+	}{
+		{"same IP and port", &net.UDPAddr{IP: net.ParseIP("192.0.2.7"), Port: 7946}, member, true},
+		{"IPv4 in 16 bytes", &net.UDPAddr{IP: net.IPv4(192, 0, 2, 7).To16(), Port: 7946}, member, true},
+		{"IPv6", &net.UDPAddr{IP: net.ParseIP("2001:db8::7"), Port: 7946}, v6, true},
+		{"another port", &net.UDPAddr{IP: net.ParseIP("192.0.2.7"), Port: 7947}, member, false},
+		{"another IP", &net.UDPAddr{IP: net.ParseIP("192.0.2.8"), Port: 7946}, member, false},
+		{"another IPv6", &net.UDPAddr{IP: net.ParseIP("2001:db8::8"), Port: 7946}, v6, false},
+		{"TCP", &net.TCPAddr{IP: net.ParseIP("192.0.2.7"), Port: 7946}, member, false},
+		{"nil UDP", (*net.UDPAddr)(nil), member, false},
+		{"nil", nil, member, false},
+	} {
+		if got := sameSource(c.from, c.addr); got != c.want {
+			t.Errorf("%s: sameSource(%v, %v) = %v; want %v", c.name, c.from, c.addr, got, c.want)
+		}
+	}
 }

@@ -132,6 +132,30 @@ type gossipAverageView struct {
 	// Lowest are the lowest-load members the averaging told this node
 	// of, lowest first, with their loads and the age of what it knows.
 	Lowest []lowEntryView `json:"lowest"`
+	// RefusedByTags is true when the average is not used because it is
+	// outside what the members' load tags allow (unused_because says
+	// how): a member may be sending false estimates. TagsLow and
+	// TagsHigh are the smallest and largest average (and estimate) the
+	// tags allow, and TagsAverage their average; all three 0 when no
+	// other member has a load tag in this node's metric.
+	RefusedByTags bool `json:"refused_by_tags"`
+	// ClampedToTags is true when the decision used the average but
+	// clamped to within tags_slack of the tags' average (the average the
+	// decision took is the decision's average).
+	ClampedToTags bool    `json:"clamped_to_tags"`
+	TagsSlack     float64 `json:"tags_slack"`
+	TagsLow       float64 `json:"tags_low"`
+	TagsHigh      float64 `json:"tags_high"`
+	TagsAverage   float64 `json:"tags_average"`
+	// RefusedDecisions counts the decisions that did not use the average
+	// because the tags refused it, ClampedDecisions those that clamped
+	// it, and MessagesRefused the averaging
+	// messages refused because their estimates or flows would take this
+	// node's estimate outside what the tags allow, since the node
+	// started.
+	RefusedDecisions uint64 `json:"refused_decisions"`
+	ClampedDecisions uint64 `json:"clamped_decisions"`
+	MessagesRefused  uint64 `json:"messages_refused"`
 }
 
 // lowEntryView is a lowest-load member the gossip averaging knows of.
@@ -147,6 +171,11 @@ func viewAverage(avg averageView, at time.Time) gossipAverageView {
 		Used: avg.Used, Why: avg.Why, Average: finite(avg.Average), Size: finite(avg.Size),
 		Members: avg.Members, Peers: avg.Peers, Exchanges: avg.Exchanges,
 		LastExchangeAgeMs: -1, Lowest: []lowEntryView{},
+		RefusedByTags: avg.Refused, ClampedToTags: avg.Clamped,
+	}
+	if avg.Tags.ok {
+		v.TagsLow, v.TagsHigh, v.TagsAverage = finite(avg.Tags.lo()), finite(avg.Tags.hi()), finite(avg.Tags.mean)
+		v.TagsSlack = finite(avg.MeanSlack)
 	}
 	if !avg.LastExchange.IsZero() {
 		v.LastExchangeAgeMs = max(0, at.Sub(avg.LastExchange).Milliseconds())
@@ -154,6 +183,14 @@ func viewAverage(avg averageView, at time.Time) gossipAverageView {
 	for _, e := range avg.Lows {
 		v.Lowest = append(v.Lowest, lowEntryView{Name: e.Name, Load: e.Load, AgeMs: e.AgeMillis})
 	}
+	return v
+}
+
+// viewAverage returns the admin view of n's gossip average as of its last
+// decision, with its refusal counts. Call it with n.mu held.
+func (n *node) viewAverage() gossipAverageView {
+	v := viewAverage(n.average, n.lastAt)
+	v.RefusedDecisions, v.ClampedDecisions, v.MessagesRefused = n.averageRefused, n.averageClamped, n.avg.refused.Load()
 	return v
 }
 
@@ -265,7 +302,7 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 			Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
 			AverageFrom: fromTags,
 		},
-		GossipAverage:   viewAverage(n.average, n.lastAt),
+		GossipAverage:   n.viewAverage(),
 		Connections:     cs.conns,
 		Bytes:           viewBytes(cs),
 		ShedTotal:       n.shed,

@@ -242,3 +242,108 @@ func TestWithShedInFlight(t *testing.T) {
 		}
 	}
 }
+
+// TestTagRange: the tags' range and average count the alive members with
+// a valid load in this node's metric, whatever their age, and this node's
+// own load; with no other such member there is no evidence.
+func TestTagRange(t *testing.T) {
+	p := Params{Metric: metricConnections}
+	alive := cluster.StatusAlive
+	in := Input{Self: "me", Local: 40, Members: []memberReport{
+		{Name: "me", Status: alive, Load: 1000, Metric: metricConnections}, // its Local counts instead
+		{Name: "low", Status: alive, Load: 20, Metric: metricConnections},  // no age: counts
+		{Name: "high", Status: alive, Load: 60, Metric: metricConnections, At: time.Unix(1, 0)},
+		{Name: "gone", Status: cluster.StatusFailed, Load: 0, Metric: metricConnections},
+		{Name: "cpu", Status: alive, Load: 0, Metric: metricCPU},
+		{Name: "nan", Status: alive, Load: math.NaN()},
+		{Name: "negative", Status: alive, Load: -1, Metric: metricConnections},
+	}}
+	r := tagRangeOf(p, in)
+	if want := (tagRange{ok: true, min: 20, max: 60, mean: 40}); r != want {
+		t.Errorf("got %+v; want %+v", r, want)
+	}
+	if lo, hi := r.lo(), r.hi(); lo != 20-2-0.5 || hi != 60+6+0.5 {
+		t.Errorf("bounds %v to %v; want 17.5 to 66.5", lo, hi)
+	}
+	in.Members = in.Members[3:]
+	if r := tagRangeOf(p, in); r.ok {
+		t.Errorf("no other member's tag: %+v; want no evidence", r)
+	}
+}
+
+// TestAverageUsableTags: a fresh, complete average is used only within
+// the tags' range, otherwise the view says the tags refuse it; a used
+// average is clamped to within meanSlack of the tags' average (20%
+// threshold: 1/6 of 40, 6.67).
+func TestAverageUsableTags(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := Params{Freshness: 5 * time.Second, Threshold: 0.2}
+	tags := tagRange{ok: true, min: 40, max: 40, mean: 40}
+	est := func(avg float64) gossipavg.View {
+		return gossipavg.View{Values: [gossipavg.MaxDim]float64{avg, 0.25}, Dim: 2, LastExchange: now.Add(-time.Second)}
+	}
+	wide := tagRange{ok: true, min: 20, max: 60, mean: 40}
+	for _, c := range []struct {
+		avg     float64
+		tags    tagRange
+		used    bool
+		refused bool
+		decided float64 // the decision's average, when used
+	}{
+		{40, tags, true, false, 40},
+		{44.4, tags, true, false, 44.4},
+		{35.6, tags, true, false, 35.6},
+		{0.001, tags, false, true, 0},
+		{-1, tags, false, true, 0},
+		{1e18, tags, false, true, 0},
+		{-1e18, tags, false, true, 0},
+		{math.NaN(), tags, false, true, 0},
+		// Within the range, but off the average by more than 1/6:
+		// clamped.
+		{50, wide, true, false, 40 + 40.0/6},
+		{20, wide, true, false, 40 - 40.0/6},
+		// No tag to compare (the fleet simulation): as it is.
+		{0.001, tagRange{}, true, false, 0.001},
+	} {
+		v := makeAverageView(est(c.avg), nil, 4, p, c.tags, now)
+		if v.Used != c.used || v.Refused != c.refused || v.Refused && !strings.Contains(v.Why, "load tags") {
+			t.Errorf("average %v with tags %+v: used %v, refused %v (%q); want used %v, refused %v", c.avg, c.tags, v.Used, v.Refused, v.Why, c.used, c.refused)
+		}
+		if c.used {
+			if got := v.decisionView(Input{Local: 40, Now: now}, View{}).Average; math.Abs(got-c.decided) > 1e-9 || v.Clamped != (got != c.avg) {
+				t.Errorf("average %v with tags %+v: the decision's average is %v (clamped %v); want %v", c.avg, c.tags, got, v.Clamped, c.decided)
+			}
+		}
+	}
+	// A size that is off says so first: not a refusal by the tags.
+	v := makeAverageView(gossipavg.View{Values: [gossipavg.MaxDim]float64{0.001, 0.5}, Dim: 2, LastExchange: now}, nil, 4, p, tags, now)
+	if v.Used || v.Refused || !strings.Contains(v.Why, "estimated size") {
+		t.Errorf("size 2 of 4: used %v, refused %v, %q", v.Used, v.Refused, v.Why)
+	}
+	// meanSlack: t/(1+t) of the average, at least tagSlackAbs.
+	for _, c := range []struct{ threshold, mean, want float64 }{
+		{0.2, 40, 40.0 / 6}, {3, 40, 30}, {0.2, 1, 0.5}, {0.01, 40, 0.5},
+	} {
+		if got := meanSlack(Params{Threshold: c.threshold}, c.mean); math.Abs(got-c.want) > 1e-12 {
+			t.Errorf("meanSlack(threshold %v, mean %v) = %v; want %v", c.threshold, c.mean, got, c.want)
+		}
+	}
+}
+
+// TestAveragedViewIgnoresLowsBelowTags: a lowest-load entry below every
+// tag (a member's lie about another, or about itself) is not the lowest
+// member of the decision; the next entry is.
+func TestAveragedViewIgnoresLowsBelowTags(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := Params{Freshness: 5 * time.Second, Threshold: 0.2}
+	alive := cluster.StatusAlive
+	in := Input{Self: "a", Local: 40, Now: now, Members: []memberReport{
+		{Name: "b", Status: alive, Load: 38}, {Name: "c", Status: alive, Load: 42},
+	}}
+	est := gossipavg.View{Values: [gossipavg.MaxDim]float64{40, 1.0 / 3}, Dim: 2, LastExchange: now.Add(-time.Second)}
+	lows := []gossipavg.Entry{{Name: "c", Load: 0.001}, {Name: "b", Load: 38}}
+	v, ok := AveragedView(p, in, est, lows, 3, View{})
+	if !ok || v.LowestName != "b" || v.Lowest != 38 {
+		t.Errorf("got %+v %v; want b at 38 the lowest", v, ok)
+	}
+}

@@ -32,6 +32,10 @@ var (
 		"Bytes read from (in) and written to (out) the connections the rebalance listener wrapper accepted, TLS records included.", []string{"direction"}, nil)
 	descTLSUncounted = prometheus.NewDesc("caddy_lbx_rebalance_tls_connections_not_counted_total",
 		"Connections the rebalance listener wrapper passed through uncounted because they were already TLS (the wrapper is placed after tls).", nil, nil)
+	descAverageUsed = prometheus.NewDesc("caddy_lbx_rebalance_gossip_average_used",
+		"1 when the last decision used the gossip average, 0 when it used the members' load tags.", []string{"node"}, nil)
+	descAverageRefused = prometheus.NewDesc("caddy_lbx_rebalance_gossip_average_refused_total",
+		"Gossip averaging held to the members' load tags: decisions that used the tags instead because the gossip average was outside their range (what = decision), decisions that clamped it to near the tags' average (what = clamped), and averaging messages not applied because their estimates were outside that range (what = message). A member may be sending false estimates.", []string{"node", "what"}, nil)
 	descForcedCloses = prometheus.NewDesc("caddy_lbx_rebalance_forced_closes_total",
 		"Shed active connections this node closed because they reached no response boundary within boundary_timeout.", []string{"node"}, nil)
 	descHTTP2GoAways = prometheus.NewDesc("caddy_lbx_rebalance_http2_goaways_total",
@@ -44,7 +48,7 @@ var (
 func (metricsCollector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descConnections, descLocalLoad, descClusterAverage, descMembersCounted,
 		descShedDecisions, descConnectionsShed, descBytes, descTLSUncounted, descForcedCloses, descWebSocketCloses,
-		descHTTP2GoAways} {
+		descHTTP2GoAways, descAverageUsed, descAverageRefused} {
 		ch <- d
 	}
 }
@@ -81,7 +85,15 @@ func collectNodes(ch chan<- prometheus.Metric) {
 		n.mu.Lock()
 		name, local, avg, counted := n.name, n.local, n.last.Average, n.last.Counted
 		decisions, shed, forced := n.shedDecisions, n.shed, n.forced
+		used, refused, clamped := 0.0, n.averageRefused, n.averageClamped
+		if n.average.Used {
+			used = 1
+		}
 		n.mu.Unlock()
+		ch <- prometheus.MustNewConstMetric(descAverageUsed, prometheus.GaugeValue, used, name)
+		ch <- prometheus.MustNewConstMetric(descAverageRefused, prometheus.CounterValue, float64(refused), name, "decision")
+		ch <- prometheus.MustNewConstMetric(descAverageRefused, prometheus.CounterValue, float64(clamped), name, "clamped")
+		ch <- prometheus.MustNewConstMetric(descAverageRefused, prometheus.CounterValue, float64(n.avg.refused.Load()), name, "message")
 		ch <- prometheus.MustNewConstMetric(descLocalLoad, prometheus.GaugeValue, local, name)
 		ch <- prometheus.MustNewConstMetric(descClusterAverage, prometheus.GaugeValue, avg, name)
 		ch <- prometheus.MustNewConstMetric(descMembersCounted, prometheus.GaugeValue, float64(counted), name)

@@ -112,6 +112,14 @@ type node struct {
 	lastForced int
 	// shedDecisions counts the intervals that shed since the node started.
 	shedDecisions uint64
+	// averageRefused counts the decisions that did not use the gossip
+	// average because the load tags refuse it (averageView.Refused);
+	// refusedLogged is whether the last log line about it said so, and
+	// refusalLoggedAt when it was written (refusalLogEvery).
+	averageRefused  uint64
+	averageClamped  uint64 // decisions that clamped it (averageView.Clamped)
+	refusedLogged   bool
+	refusalLoggedAt time.Time
 
 	// alive are the other members alive at the last step, and joins
 	// those that became alive after the node's first step
@@ -381,7 +389,7 @@ func (n *node) step(s *settings, now time.Time) {
 		Self: n.name, Local: local, Current: load, Held: held,
 		Members: reports, Shedding: shedding, Lift: lift, Joins: joins, Now: now,
 	}
-	avg := n.avg.step(n.name, peers, local, s.params.Freshness, now)
+	avg := n.avg.step(n.name, peers, local, s.params, tagRangeOf(s.params, in), now)
 	view := summarize(s.params, in)
 	if avg.Used {
 		view = avg.decisionView(in, view)
@@ -396,6 +404,16 @@ func (n *node) step(s *settings, now time.Time) {
 	n.shedding, n.lift = d.Shedding, d.Lift
 	n.members = reports
 	n.average = avg
+	if avg.Refused {
+		n.averageRefused++
+	}
+	if avg.Clamped {
+		n.averageClamped++
+	}
+	logRefusal := avg.Refused != n.refusedLogged && now.Sub(n.refusalLoggedAt) >= refusalLogEvery
+	if logRefusal {
+		n.refusedLogged, n.refusalLoggedAt = avg.Refused, now
+	}
 	n.last, n.lastAt = d, now
 	n.steps.Store(monoclock.At(now))
 	n.local, n.current, n.held = local, load, held
@@ -410,6 +428,9 @@ func (n *node) step(s *settings, now time.Time) {
 	n.lastForced = sw.Forced
 	n.mu.Unlock()
 
+	if logRefusal {
+		n.logRefusal(s, avg)
+	}
 	n.logDecision(s, d, shedding || lift.Lifting, local, res, sw, avg)
 	if res.Total() > 0 || sw.Forced > 0 {
 		s.events.emitShed(n.name, s.metric, local, d, res, sw.Forced)
@@ -458,6 +479,29 @@ const tagChange = 0.05
 func LoadTagDue(since int, published, local float64, interval, freshness time.Duration) bool {
 	keepAlive := max(1, int(freshness/2/interval))
 	return since == 0 || since >= keepAlive || math.Abs(local-published) > tagChange*max(local, published)
+}
+
+// refusalLogEvery is the least time between two log lines about the load
+// tags refusing the gossip average: one line when it starts and one when
+// it ends, unless it flaps faster.
+const refusalLogEvery = 10 * time.Second
+
+// logRefusal logs that the load tags started (a warning: a member may be
+// sending false estimates) or stopped refusing the gossip average.
+func (n *node) logRefusal(s *settings, avg averageView) {
+	if !avg.Refused {
+		n.logger.Info("the gossip average agrees with the load tags again", zap.String("metric", s.metric),
+			zap.String("average_from", avg.source()))
+		return
+	}
+	n.logger.Warn("the gossip average is not used: it disagrees with the members' load tags, which decide instead (a member may be sending false averaging estimates)",
+		zap.String("metric", s.metric),
+		zap.Float64("gossip_average", avg.Average),
+		zap.Float64("tags_average", avg.Tags.mean),
+		zap.Float64("tags_low", avg.Tags.min),
+		zap.Float64("tags_high", avg.Tags.max),
+		zap.String("unused_because", avg.Why),
+		zap.Uint64("messages_refused", n.avg.refused.Load()))
 }
 
 // logDecision writes one line per decision that sheds, changes state or

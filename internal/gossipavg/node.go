@@ -1,6 +1,7 @@
 package gossipavg
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"time"
@@ -87,7 +88,16 @@ type Node struct {
 	start        time.Time
 	lastExchange time.Time
 	buckets      [bucketCount]bucket
+	// bounded: SetBounds set lo and hi, the range this node's estimate
+	// must stay within (see SetBounds).
+	bounded bool
+	lo, hi  [MaxDim]float64
 }
+
+// ErrOutOfBounds is the error Receive wraps when it refuses a message
+// whose estimate, or whose effect on this node's estimate, is outside
+// the bounds SetBounds set.
+var ErrOutOfBounds = errors.New("gossipavg: outside the bounds")
 
 // New returns a node with input zero, after checking cfg. It draws the
 // node's incarnation from rng, which must therefore differ from one start
@@ -132,6 +142,59 @@ func (n *Node) SetInput(v []float64) error {
 	}
 	copy(n.input[:], v)
 	return nil
+}
+
+// SetBounds sets the range, value by value, that this node's estimate
+// must stay within: lo and hi hold Dim values, each lo at most its hi and
+// within ±MaxFlow. Nil for both removes the bounds (the default).
+//
+// A peer's message is refused (Receive returns an error that wraps
+// ErrOutOfBounds, and nothing of the message is applied) when it is a
+// request whose estimate is outside the bounds, or when applying it would
+// leave this node's estimate outside the bounds and farther from them
+// than before: an estimate already outside (the bounds moved, or a pair
+// expired and took its flow with it) may still come closer. Flow
+// updating keeps every honest estimate within the range of the inputs,
+// so bounds that contain the inputs refuse only what no honest peer
+// sends; a peer that lies about its estimate or flows can then move this
+// node's estimate only within the bounds.
+func (n *Node) SetBounds(lo, hi []float64) error {
+	if lo == nil && hi == nil {
+		n.bounded = false
+		return nil
+	}
+	if len(lo) != n.cfg.Dim || len(hi) != n.cfg.Dim {
+		return fmt.Errorf("gossipavg: bounds of %d and %d values, want %d", len(lo), len(hi), n.cfg.Dim)
+	}
+	for k := range n.cfg.Dim {
+		if !checkFlow(lo[k]) || !checkFlow(hi[k]) || lo[k] > hi[k] {
+			return fmt.Errorf("gossipavg: bounds %v to %v for value %d, want lo ≤ hi within ±%g", lo[k], hi[k], k, MaxFlow)
+		}
+	}
+	copy(n.lo[:], lo)
+	copy(n.hi[:], hi)
+	n.bounded = true
+	return nil
+}
+
+// outside returns how far x is outside the bounds of value k; 0 within
+// them, or without bounds.
+func (n *Node) outside(k int, x float64) float64 {
+	if !n.bounded {
+		return 0
+	}
+	return max(n.lo[k]-x, x-n.hi[k], 0)
+}
+
+// worse reports whether moving this node's estimate from est to next
+// takes some value outside its bounds and farther from them.
+func (n *Node) worse(est, next *[MaxDim]float64) bool {
+	for k := range n.cfg.Dim {
+		if d := n.outside(k, next[k]); d > 0 && d > n.outside(k, est[k]) {
+			return true
+		}
+	}
+	return false
 }
 
 // Forget drops everything about peer: its pair, and so the flows this
@@ -277,8 +340,10 @@ func (n *Node) request(now time.Time, p *pair) (Message, bool) {
 
 // Receive applies a message from a peer and returns the reply to send
 // back, if any (requests only). It returns an error for a malformed
-// message, one not addressed to this node or of another dimension; a
-// duplicate, reordered or outdated message is ignored without error.
+// message, one not addressed to this node or of another dimension, and
+// one the bounds refuse (SetBounds; the error wraps ErrOutOfBounds);
+// nothing of a refused message is applied. A duplicate, reordered or
+// outdated message is ignored without error.
 func (n *Node) Receive(now time.Time, m Message) (Message, bool, error) {
 	if err := m.check(); err != nil {
 		return Message{}, false, err
@@ -292,12 +357,10 @@ func (n *Node) Receive(now time.Time, m Message) (Message, bool, error) {
 		return Message{}, false, fmt.Errorf("gossipavg: message from %q of dimension %d, want %d", m.From, m.Dim, n.cfg.Dim)
 	}
 	n.expire(now)
-	n.merge(now, &m)
 	if m.Kind == Request {
 		return n.answer(now, &m)
 	}
-	n.adopt(now, &m)
-	return Message{}, false, nil
+	return Message{}, false, n.adopt(now, &m)
 }
 
 // heardFrom returns the pair with m's sender after checking its
@@ -328,11 +391,17 @@ func (n *Node) heardFrom(now time.Time, m *Message, create bool) *pair {
 // node's version of the pair is newer, move to the average of the two
 // estimates, and reply with the new flow.
 func (n *Node) answer(now time.Time, m *Message) (Message, bool, error) {
+	for k := range n.cfg.Dim {
+		if n.outside(k, m.Estimate[k]) > 0 {
+			return Message{}, false, fmt.Errorf("%w: request from %q with estimate %v for value %d (bounds %v to %v); refused", ErrOutOfBounds, m.From, m.Estimate[k], k, n.lo[k], n.hi[k])
+		}
+	}
+	undo := n.saveFor(m.From)
 	p := n.heardFrom(now, m, true)
 	if p == nil || m.Seq <= p.lastReq {
+		n.merge(now, m)
 		return Message{}, false, nil
 	}
-	p.lastReq, p.heard, p.backoff = m.Seq, now, time.Time{}
 
 	flow, stamp := p.flow, p.stamp
 	// The request's flow is about this incarnation of the pair unless it
@@ -344,7 +413,8 @@ func (n *Node) answer(now time.Time, m *Message) (Message, bool, error) {
 		}
 		stamp = m.Version
 	}
-	mine := n.estimate()
+	est := n.estimate()
+	mine := est
 	for k := range n.cfg.Dim {
 		mine[k] += p.flow[k] - flow[k]
 		// The requester's estimate once it takes this node's flow (and
@@ -356,6 +426,16 @@ func (n *Node) answer(now time.Time, m *Message) (Message, bool, error) {
 			return Message{}, false, fmt.Errorf("gossipavg: exchange with %q would take a flow to %v; refused", m.From, flow[k])
 		}
 	}
+	next := est
+	for k := range n.cfg.Dim {
+		next[k] += p.flow[k] - flow[k]
+	}
+	if n.worse(&est, &next) {
+		undo()
+		return Message{}, false, fmt.Errorf("%w: exchange with %q would take this node's estimate to %v; refused", ErrOutOfBounds, m.From, next[:n.cfg.Dim])
+	}
+	n.merge(now, m)
+	p.lastReq, p.heard, p.backoff = m.Seq, now, time.Time{}
 	p.flow, p.stamp = flow, bump(stamp, n.cfg.Name, m.From)
 	n.completed(now)
 
@@ -375,15 +455,31 @@ func (n *Node) answer(now time.Time, m *Message) (Message, bool, error) {
 }
 
 // adopt handles a reply: take the replier's flow when its version is
-// newer than this node's.
-func (n *Node) adopt(now time.Time, m *Message) {
+// newer than this node's, unless that would take this node's estimate
+// out of its bounds (an error that wraps ErrOutOfBounds).
+func (n *Node) adopt(now time.Time, m *Message) error {
 	if m.ToIncarnation != n.inc {
-		return // a reply to this node's previous incarnation
+		n.merge(now, m)
+		return nil // a reply to this node's previous incarnation
 	}
+	undo := n.saveFor(m.From)
 	p := n.heardFrom(now, m, false)
 	if p == nil {
-		return // forgotten, or a previous incarnation's
+		n.merge(now, m)
+		return nil // forgotten, or a previous incarnation's
 	}
+	if m.Version > p.stamp && n.bounded {
+		est := n.estimate()
+		next := est
+		for k := range n.cfg.Dim {
+			next[k] += p.flow[k] + m.Flow[k]
+		}
+		if n.worse(&est, &next) {
+			undo()
+			return fmt.Errorf("%w: reply from %q would take this node's estimate to %v; refused", ErrOutOfBounds, m.From, next[:n.cfg.Dim])
+		}
+	}
+	n.merge(now, m)
 	if m.Version > p.stamp {
 		for k := range n.cfg.Dim {
 			p.flow[k] = -m.Flow[k]
@@ -395,6 +491,23 @@ func (n *Node) adopt(now time.Time, m *Message) {
 		p.pending, p.tries = 0, 0
 		n.completed(now)
 	}
+	return nil
+}
+
+// saveFor returns a function that puts the pair with peer back as it is
+// now (removing it if there is none now): a refused message leaves no
+// trace, not even the reset of a new incarnation (heardFrom).
+func (n *Node) saveFor(peer string) (undo func()) {
+	p := n.lookup(peer)
+	if p == nil {
+		return func() {
+			if q := n.lookup(peer); q != nil {
+				n.remove(q)
+			}
+		}
+	}
+	saved := *p
+	return func() { *p = saved }
 }
 
 // bump returns the version after updater changed a pair's flow: the
