@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/caddyopt"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 func init() {
@@ -55,6 +56,13 @@ type Handler struct {
 	views   map[string]caddy.AdminHandler
 	logger  *zap.Logger
 	refused *refusals
+}
+
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (h *Handler) UnmarshalJSON(b []byte) error {
+	type plain Handler
+	return jsonfield.Decode(b, (*plain)(h))
 }
 
 // CaddyModule returns the Caddy module information.

@@ -288,3 +288,20 @@ func TestCaddyfile(t *testing.T) {
 		}
 	}
 }
+
+// TestJSON: allow_remote decodes, and a bad value or an unknown option is
+// an error that names it.
+func TestJSON(t *testing.T) {
+	var h status.Handler
+	if err := json.Unmarshal([]byte(`{"allow_remote": true}`), &h); err != nil || !h.AllowRemote {
+		t.Fatalf("allow_remote true: %v, %+v", err, h)
+	}
+	for in, want := range map[string]string{
+		`{"allow_remote": "yes"}`:  "allow_remote",
+		`{"allow_remote_x": true}`: "allow_remote_x",
+	} {
+		if err := json.Unmarshal([]byte(in), new(status.Handler)); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: error %v, want one naming %s", in, err, want)
+		}
+	}
+}
