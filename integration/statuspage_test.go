@@ -202,6 +202,7 @@ http://%s {
 }
 
 http://%s {
+	bind 127.0.0.1
 	lbx_status
 }
 `, admin, serf, site, ok1, ok2, bad, ok1, ok2, dead, statusSite)
@@ -492,4 +493,93 @@ func TestStatusPage(t *testing.T) {
 		t.Errorf("after a failed refresh, member b's row is %q; want the last data kept", s)
 	}
 	t.Logf("browser part took %v", time.Since(start).Round(time.Millisecond))
+}
+
+// TestStatusSiteRefusesRemote serves lbx_status from a real Caddy, on a
+// site bound to loopback and on a site behind Caddy's proxy_protocol
+// listener wrapper, whose PROXY header lets the test present a connection
+// as coming from another machine without sending a packet anywhere but
+// 127.0.0.1 (the addresses in the headers are data). A client on this
+// machine gets the views whatever Host it sends; a client elsewhere —
+// a remote peer, or a loopback peer on a non-loopback interface — gets
+// 403 and the fix, Host spoofed or not.
+func TestStatusSiteRefusesRemote(t *testing.T) {
+	e := newEnv(t)
+	plain, proxied := freePort(t), freePort(t)
+	e.loadWith(fmt.Sprintf(`	servers 127.0.0.1:%[2]d {
+		listener_wrappers {
+			proxy_protocol {
+				allow 127.0.0.1/32
+			}
+		}
+	}
+`, plain, proxied), fmt.Sprintf(`http://127.0.0.1:%[1]d {
+	bind 127.0.0.1
+	handle /lbx/* {
+		lbx_status
+	}
+}
+
+http://127.0.0.1:%[2]d {
+	bind 127.0.0.1
+	handle /lbx/* {
+		lbx_status
+	}
+}
+`, plain, proxied))
+
+	// ask sends GET /lbx/upstreams to 127.0.0.1:port, after proxyHeader
+	// when not empty, with the spoofed Host of the finding.
+	ask := func(port int, proxyHeader string) (int, string) {
+		t.Helper()
+		c, err := net.DialTimeout("tcp", fmt.Sprintf("127.0.0.1:%d", port), 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		req := proxyHeader + fmt.Sprintf("GET /lbx/upstreams HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nX-Forwarded-For: 127.0.0.1\r\nConnection: close\r\n\r\n", port)
+		if _, err := io.WriteString(c, req); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	proxyHeader := func(src, dst string) string {
+		return fmt.Sprintf("PROXY TCP4 %s %s 40000 %d\r\n", src, dst, proxied)
+	}
+
+	for _, c := range []struct {
+		name   string
+		port   int
+		header string
+		want   int
+	}{
+		{"loopback client, loopback site", plain, "", http.StatusOK},
+		{"PROXY header: loopback to loopback", proxied, proxyHeader("127.0.0.1", "127.0.0.1"), http.StatusOK},
+		{"PROXY header: a remote client", proxied, proxyHeader("192.0.2.7", "127.0.0.1"), http.StatusForbidden},
+		{"PROXY header: a remote client to a public interface", proxied, proxyHeader("192.0.2.7", "192.0.2.10"), http.StatusForbidden},
+		{"PROXY header: loopback source on a public interface", proxied, proxyHeader("127.0.0.1", "192.0.2.10"), http.StatusForbidden},
+	} {
+		code, body := ask(c.port, c.header)
+		if code != c.want {
+			t.Errorf("%s: status %d, want %d; body %.300s", c.name, code, c.want, body)
+			continue
+		}
+		switch code {
+		case http.StatusOK:
+			if !strings.Contains(body, `"upstreams"`) {
+				t.Errorf("%s: body %.300s is not the upstreams view", c.name, body)
+			}
+		case http.StatusForbidden:
+			if !strings.Contains(body, "allow_remote") || strings.Contains(body, `"upstreams"`) {
+				t.Errorf("%s: body %.300s does not name the fix, or holds the view", c.name, body)
+			}
+		}
+	}
 }

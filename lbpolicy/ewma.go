@@ -150,7 +150,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 		return err
 	default:
 		s.observer, _ = h.Transport.(*observingTransport)
-		s.views.pruner = newPruner(s.table, h)
+		s.views.rel = newReleaser(s.table, h, s.linger())
 		if s.observer != nil && s.RetryBudget != nil {
 			s.observer.budget = s.RetryBudget
 		}
@@ -158,11 +158,29 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
 		}
 	}
+	if s.views.rel == nil {
+		s.views.rel = newReleaser(s.table, nil, s.linger())
+	}
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
+	s.views.startReleasing(ctx.Done(), s.logger)
 	registerPool(s)
 	return nil
+}
+
+// linger is how long the policy keeps the view and the state of an
+// address its pools no longer offer (see lingerFor): twice its longest
+// window of per-upstream state, at least a minute.
+func (s *EWMASelection) linger() time.Duration {
+	w := []time.Duration{time.Duration(s.Decay)}
+	if s.SlowStart != nil {
+		w = append(w, time.Duration(s.SlowStart.Window))
+	}
+	if s.Outlier != nil {
+		w = append(w, time.Duration(s.Outlier.Interval))
+	}
+	return lingerFor(w...)
 }
 
 // Validate checks the configuration.

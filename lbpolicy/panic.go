@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -110,14 +111,27 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 			return err
 		default:
 			p.observer, _ = h.Transport.(*observingTransport)
-			p.views.pruner = newPruner(p.table, h)
+			p.views.rel = newReleaser(p.table, h, p.linger())
 		}
+	}
+	if p.views.rel == nil {
+		p.views.rel = newReleaser(p.table, parentProxy(ctx), p.linger())
 	}
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
+	p.views.startReleasing(ctx.Done(), ctx.Logger())
 	registerPool(p)
 	return nil
+}
+
+// linger is how long the policy keeps the view of a pool no longer
+// offered, and the state of its addresses (see lingerFor).
+func (p *PanicSelection) linger() time.Duration {
+	if p.Outlier != nil {
+		return lingerFor(time.Duration(p.Outlier.Interval))
+	}
+	return lingerFor()
 }
 
 // errOutlierAroundEWMA refuses two outlier detectors for one pool: ewma

@@ -33,6 +33,11 @@ type poolView struct {
 	epoch     atomic.Uint64 // hoststate.EjectionEpoch at the last count
 	panic     panicState
 	usedAt    atomic.Int64 // hoststate clock; see views
+	// static: every member is one of the handler's static upstreams, so
+	// the view is the config's own and is never released.
+	static bool
+	// gone: released (see views.release); get builds a new view instead.
+	gone atomic.Bool
 
 	// returned, when set, is called by a count for member i that Caddy
 	// deems healthy again after an earlier count saw it unhealthy.

@@ -1,46 +1,238 @@
 package lbpolicy
 
 import (
+	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
-// A policy whose pools churn (a partition's replicas from a naming file)
-// holds references on what its kept views have, not on every address it
-// ever saw.
-func TestViewsPruneChurnedAddresses(t *testing.T) {
+// lbxSeries gathers lbx's metrics from a registry of their own and counts
+// the caddy_lbx_upstream_* and caddy_lbx_pool_* series that name an
+// address holding mark (the package's state is shared by its tests).
+func lbxSeries(t *testing.T, mark string) (upstream, pool int) {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(collector)
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if (l.GetName() == "upstream" || l.GetName() == "upstreams") && strings.Contains(l.GetValue(), mark) {
+					if strings.HasPrefix(mf.GetName(), "caddy_lbx_upstream_") {
+						upstream++
+					} else {
+						pool++
+					}
+					break
+				}
+			}
+		}
+	}
+	return upstream, pool
+}
+
+// upstreamsView returns the dial addresses holding mark in /lbx/upstreams'
+// upstreams, and how many of its pools hold one.
+func upstreamsView(mark string) (dials []string, pools int) {
+	st := buildUpstreamsStatus()
+	for _, u := range st.Upstreams {
+		if strings.Contains(u.Dial, mark) {
+			dials = append(dials, u.Dial)
+		}
+	}
+	for _, p := range st.Pools {
+		if strings.Contains(firstDial(p), mark) {
+			pools++
+		}
+	}
+	return dials, pools
+}
+
+// TestChurnedUpstreamsReleased: a dynamic pool one of whose members churns
+// its port through 150 addresses (a `dynamic serf` member changing its
+// port_tag, as in issue 22) grows the upstream series and /lbx/upstreams;
+// once the member has left and linger has passed, both are back at their
+// baseline, while the members still offered, and an address with a
+// request in flight, keep their state. The clock is the policy's own
+// reading, passed in: nothing sleeps.
+func TestChurnedUpstreamsReleased(t *testing.T) {
+	mark := t.Name() + "-"
+	s := provisionEWMA(t, &EWMASelection{})
+	linger := int64(s.linger())
+	if linger != int64(minLinger) {
+		t.Fatalf("linger with the defaults is %v, want %v", time.Duration(linger), minLinger)
+	}
+	req := httptest.NewRequest(http.MethodGet, "/", nil)
+	hosts := map[string]*reverseproxy.Host{}
+	up := func(name string) *reverseproxy.Upstream {
+		if hosts[name] == nil {
+			hosts[name] = new(reverseproxy.Host)
+		}
+		// a dynamic source hands out fresh Upstream values every time
+		return &reverseproxy.Upstream{Host: hosts[name], Dial: mark + name}
+	}
+	serve := func(names ...string) {
+		pool := make(reverseproxy.UpstreamPool, len(names))
+		for i, n := range names {
+			pool[i] = up(n)
+		}
+		for range 3 {
+			if got := s.Select(pool, req, nil); got == nil {
+				t.Fatalf("no upstream selected from %v", names)
+			} else {
+				observe(s, got, time.Millisecond, hoststate.Success)
+			}
+		}
+	}
+
+	serve("a:80", "b:80")
+	baseUp, basePool := lbxSeries(t, mark)
+	baseDials, basePools := upstreamsView(mark)
+	if baseUp == 0 || basePool == 0 || len(baseDials) != 2 || basePools != 1 {
+		t.Fatalf("baseline: %d upstream and %d pool series, /lbx/upstreams %v and %d pools; want some, 2 addresses, 1 pool", baseUp, basePool, baseDials, basePools)
+	}
+
+	const churn = 150
+	for port := range churn {
+		serve("a:80", "b:80", fmt.Sprintf("churn:%d", 10000+port))
+	}
+	// One of the churned addresses still has a request awaiting headers.
+	inFlight := s.table.Stats(mark + "churn:10007")
+	start := inFlight.Begin()
+
+	churnedUp, churnedPool := lbxSeries(t, mark)
+	churnedDials, _ := upstreamsView(mark)
+	t.Logf("after churning %d ports: %d upstream series (baseline %d), %d pool series (baseline %d), %d addresses in /lbx/upstreams",
+		churn, churnedUp, baseUp, churnedPool, basePool, len(churnedDials))
+	if churnedUp < baseUp+churn || len(churnedDials) < churn {
+		t.Fatalf("the churn did not show: %d upstream series, %d addresses", churnedUp, len(churnedDials))
+	}
+
+	// The member leaves; traffic goes on to a and b.
+	serve("a:80", "b:80")
+	if n, _ := s.views.release(monoclock.Now()); n != 0 {
+		t.Fatalf("release right after the churn released %d views; want none before linger", n)
+	}
+	// linger later, a and b are still served.
+	later := monoclock.Now() + linger + 1
+	v := s.views.last.Load()
+	v.usedAt.Store(later)
+	for i := range v.members {
+		s.table.ObserveAt(v.members[i].stats, later-int64(time.Millisecond), later, hoststate.Success)
+	}
+	views, dropped := s.views.release(later + 1)
+	if views == 0 || dropped < churn-1 {
+		t.Fatalf("release after linger: %d views, %d addresses; want the churned ones", views, dropped)
+	}
+
+	gotUp, gotPool := lbxSeries(t, mark)
+	dials, pools := upstreamsView(mark)
+	t.Logf("linger later: %d upstream series, %d pool series, /lbx/upstreams %v and %d pools", gotUp, gotPool, dials, pools)
+	wantDials := append(append([]string(nil), baseDials...), mark+"churn:10007")
+	if gotPool != basePool || pools != basePools || strings.Join(dials, " ") != strings.Join(wantDials, " ") {
+		t.Errorf("after release: %d pool series (baseline %d), /lbx/upstreams %v and %d pools; want %v and %d", gotPool, basePool, dials, pools, wantDials, basePools)
+	}
+	// The address with a request in flight has its few series more.
+	if gotUp <= baseUp || gotUp > baseUp+8 {
+		t.Errorf("after release: %d upstream series; want the baseline %d plus the in-flight address's", gotUp, baseUp)
+	}
+
+	// The request finishes, and traffic stops: linger later the address
+	// goes too, and so do a and b, dynamic as well and no longer offered.
+	s.table.ObserveAt(inFlight, start, later, hoststate.Success)
+	if views, dropped := s.views.release(later + linger + 2); views != 1 || dropped != 3 {
+		t.Errorf("with nothing offered for linger: released %d views and %d addresses, want 1 and 3 (left: %v)", views, dropped, upstreamsDials(mark))
+	}
+	if gotUp, gotPool := lbxSeries(t, mark); gotPool != 0 || gotUp != 0 {
+		t.Errorf("with nothing offered for linger: %d upstream and %d pool series; want none", gotUp, gotPool)
+	}
+
+	// A pool that comes back is served by a fresh view on fresh state.
+	serve("a:80", "b:80")
+	v = s.views.last.Load()
+	for i, u := range v.ups {
+		if st, ok := s.table.Lookup(u.Dial); !ok || st != v.members[i].stats {
+			t.Errorf("%s: the new view's state is not the table's", u.Dial)
+		}
+	}
+}
+
+func upstreamsDials(mark string) []string { d, _ := upstreamsView(mark); return d }
+
+// TestStaticViewsKept: the views and state of a handler's static upstreams
+// are never released, however long they go unused.
+func TestStaticViewsKept(t *testing.T) {
 	s := &EWMASelection{table: hoststate.NewTable(hoststate.Config{})}
 	t.Cleanup(s.table.Release)
-	s.views.pruner = &pruner{table: s.table, static: map[string]bool{"static:80": true}}
-	s.table.Stats("static:80")
-	const pools = 3 * maxViews
-	for i := range pools {
-		pool := reverseproxy.UpstreamPool{
-			{Dial: fmt.Sprintf("%s-%d-a:80", t.Name(), i)}, {Dial: fmt.Sprintf("%s-%d-b:80", t.Name(), i)},
+	pool := newPool(t, 3)
+	h := &reverseproxy.Handler{Upstreams: pool}
+	s.views.rel = newReleaser(s.table, h, minLinger)
+	s.viewFor(pool)
+	v := s.views.last.Load()
+	if !v.static {
+		t.Fatal("the view of the static upstreams is not marked static")
+	}
+	if views, dropped := s.views.release(monoclock.Now() + int64(24*time.Hour)); views != 0 || dropped != 0 {
+		t.Errorf("a day later: released %d views, %d addresses; want none", views, dropped)
+	}
+	if s.views.last.Load() != v || s.table.Len() != 3 {
+		t.Errorf("the static view or its state went (table holds %d)", s.table.Len())
+	}
+}
+
+func TestLingerFor(t *testing.T) {
+	for _, c := range []struct {
+		windows []time.Duration
+		want    time.Duration
+	}{
+		{nil, time.Minute},
+		{[]time.Duration{time.Second, 10 * time.Second}, time.Minute},
+		{[]time.Duration{10 * time.Second, 45 * time.Second}, 90 * time.Second},
+		{[]time.Duration{time.Hour}, 2 * time.Hour},
+	} {
+		if got := lingerFor(c.windows...); got != c.want {
+			t.Errorf("lingerFor(%v) = %v, want %v", c.windows, got, c.want)
 		}
-		s.viewFor(pool)
 	}
-	if n := s.table.Len(); n != 2*pools+1 {
-		t.Fatalf("before pruning the table holds %d addresses; want %d", n, 2*pools+1)
-	}
-	s.views.pruner.lastNs.Store(0)
-	s.views.prune(monoclock.Now() + int64(pruneIdle) + int64(time.Minute))
-	live := s.views.dials()
-	if n := s.table.Len(); n != len(live)+1 || n > 2*maxViews+1 {
-		t.Errorf("after pruning the table holds %d addresses; want the %d of the kept views and the static one", n, len(live))
-	}
-	if _, ok := s.table.Lookup("static:80"); !ok {
-		t.Error("the static upstream was dropped")
-	}
-	for dial := range live {
-		if _, ok := s.table.Lookup(dial); !ok {
-			t.Errorf("%s, in a kept view, was dropped", dial)
+	for l, want := range map[time.Duration]time.Duration{time.Minute: 15 * time.Second, 2 * time.Minute: 30 * time.Second, 48 * time.Hour: time.Minute} {
+		if got := releaseEvery(l); got != want {
+			t.Errorf("releaseEvery(%v) = %v, want %v", l, got, want)
 		}
 	}
+}
+
+// TestReleaserStops: the release loop a policy starts in Provision ends
+// with the config's context.
+func TestReleaserStops(t *testing.T) {
+	const loop = "lbpolicy.(*views).startReleasing"
+	before := len(testutil.Goroutines(loop))
+	s := &EWMASelection{}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := s.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(testutil.Goroutines(loop)); n != before+1 {
+		t.Fatalf("%d release loops after Provision, want %d", n, before+1)
+	}
+	cancel()
+	_ = s.Cleanup()
+	testutil.WaitFor(t, 5*time.Second, "the release loop to end", func() (bool, string) {
+		n := len(testutil.Goroutines(loop))
+		return n == before, fmt.Sprintf("%d loops, want %d", n, before)
+	})
 }

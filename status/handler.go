@@ -9,6 +9,10 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+
+	"github.com/caddy-lbx/lbx/internal/caddyopt"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 )
 
 func init() {
@@ -30,11 +34,35 @@ func init() {
 //	}
 //
 // and http://host/lbx/status: the page fetches the views relative to its
-// own URL. The views show this process's internal state: serve them only
-// on a loopback address or behind authentication. Only GET (and HEAD, for
-// the page) is allowed.
+// own URL. Only GET (and HEAD, for the page) is allowed.
+//
+// The views show this process's internal state (members and their
+// addresses and tags, upstream addresses and failures, file paths, key
+// fingerprints), so by default the handler serves only a client on this
+// machine: one whose connection runs from a loopback address to a
+// loopback address. Any other client gets 403 with a body that names the
+// fix, and a warning is logged (at most one line a minute). Bind the site
+// to loopback (`bind 127.0.0.1`: a site address of http://127.0.0.1:P
+// alone listens on every interface), or put authentication in front and
+// set allow_remote.
 type Handler struct {
-	views map[string]caddy.AdminHandler
+	// Serve the page and the views to clients that are not on this
+	// machine. Set it only where something in front decides who may see
+	// them: authentication (basic_auth, forward_auth), a remote_ip
+	// matcher, a private network the operator controls. Default: false,
+	// only loopback-to-loopback connections are served.
+	AllowRemote bool `json:"allow_remote,omitempty"`
+
+	views   map[string]caddy.AdminHandler
+	logger  *zap.Logger
+	refused *refusals
+}
+
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (h *Handler) UnmarshalJSON(b []byte) error {
+	type plain Handler
+	return jsonfield.Decode(b, (*plain)(h))
 }
 
 // CaddyModule returns the Caddy module information.
@@ -46,13 +74,25 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 }
 
 // Provision finds the views of this binary.
-func (h *Handler) Provision(caddy.Context) error {
+//
+// Whether the site listens beyond loopback is not checked here: a
+// handler's Provision is not told which server it belongs to (a route can
+// be shared, and the server's listeners are set up after its routes), so
+// the check is made on each request's connection instead.
+func (h *Handler) Provision(ctx caddy.Context) error {
 	h.views = viewRoutes()
+	h.logger = ctx.Logger()
+	h.refused = new(refusals)
 	return nil
 }
 
-// ServeHTTP serves a view or the page.
+// ServeHTTP serves a view or the page, to a client on this machine or,
+// with allow_remote, to any.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
+	if !h.AllowRemote && !fromLoopback(r) {
+		h.refuse(w, r)
+		return nil
+	}
 	if view, ok := h.views[viewName(r.URL.Path)]; ok {
 		err := view.ServeHTTP(w, r)
 		var apiErr caddy.APIError
@@ -71,16 +111,32 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens:
 //
-//	lbx_status
+//	lbx_status [{
+//		allow_remote
+//	}]
 //
-// It takes no arguments.
+// allow_remote serves clients that are not on this machine (put
+// authentication or a remote_ip matcher in front).
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the directive
+	const what = "lbx_status"
 	if d.NextArg() {
 		return d.ArgErr()
 	}
-	if d.NextBlock(0) {
-		return d.Errf("lbx_status takes no options, got %q", d.Val())
+	once := caddyopt.NewOnce(what)
+	for d.NextBlock(0) {
+		if err := once.Check(d); err != nil {
+			return err
+		}
+		switch d.Val() {
+		case "allow_remote":
+			if err := caddyopt.NoArgs(d, what); err != nil {
+				return err
+			}
+			h.AllowRemote = true
+		default:
+			return caddyopt.Unknown(d, what, "allow_remote")
+		}
 	}
 	return nil
 }

@@ -1,8 +1,10 @@
 package status_test
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -42,8 +44,18 @@ func adminMux() *http.ServeMux {
 	return mux
 }
 
+// get sends h a request as from a client on this machine: over a
+// connection from 127.0.0.1 to 127.0.0.1.
 func get(h http.Handler, method, path, accept string) *httptest.ResponseRecorder {
+	return getFrom(h, method, path, accept, "127.0.0.1:50000", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 2020})
+}
+
+// getFrom sends h a request as over a connection from remote to local.
+// The addresses are data: nothing is sent anywhere.
+func getFrom(h http.Handler, method, path, accept, remote string, local net.Addr) *httptest.ResponseRecorder {
 	req := httptest.NewRequest(method, path, nil)
+	req.RemoteAddr = remote
+	req = req.WithContext(context.WithValue(req.Context(), http.LocalAddrContextKey, local))
 	if accept != "" {
 		req.Header.Set("Accept", accept)
 	}
@@ -143,20 +155,7 @@ func TestAdminRoutes(t *testing.T) {
 // the path, and the page for any other path.
 func TestHandler(t *testing.T) {
 	page := readPage(t)
-	h := new(status.Handler)
-	if err := h.Provision(caddy.Context{}); err != nil {
-		t.Fatal(err)
-	}
-	serve := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if err := h.ServeHTTP(w, r, nil); err != nil {
-			var he caddyhttp.HandlerError
-			if !errors.As(err, &he) {
-				t.Errorf("%s %s: error %v is not a caddyhttp.HandlerError", r.Method, r.URL.Path, err)
-				return
-			}
-			http.Error(w, err.Error(), he.StatusCode)
-		}
-	})
+	serve := handler(t, new(status.Handler))
 
 	isPage(t, "GET /lbx/status", get(serve, http.MethodGet, "/lbx/status", browserAccept), page)
 	isPage(t, "GET /", get(serve, http.MethodGet, "/", browserAccept), page)
@@ -193,14 +192,116 @@ func TestHandler(t *testing.T) {
 	}
 }
 
-func TestCaddyfile(t *testing.T) {
-	h := new(status.Handler)
-	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("lbx_status")); err != nil {
-		t.Errorf("lbx_status: %v", err)
+// handler provisions h and serves it as Caddy would, an error answered
+// with its status.
+func handler(t *testing.T, h *status.Handler) http.Handler {
+	t.Helper()
+	if err := h.Provision(caddy.Context{}); err != nil {
+		t.Fatal(err)
 	}
-	for _, bad := range []string{"lbx_status x", "lbx_status {\n\tfoo\n}"} {
-		if err := new(status.Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser(bad)); err == nil {
-			t.Errorf("%q: no error", bad)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if err := h.ServeHTTP(w, r, nil); err != nil {
+			var he caddyhttp.HandlerError
+			if !errors.As(err, &he) {
+				t.Errorf("%s %s: error %v is not a caddyhttp.HandlerError", r.Method, r.URL.Path, err)
+				return
+			}
+			http.Error(w, err.Error(), he.StatusCode)
+		}
+	})
+}
+
+// TestHandlerPrivateByDefault: a client not on this machine gets 403 and
+// the fix for every path and method, whatever Host it sends; with
+// allow_remote it gets the views.
+func TestHandlerPrivateByDefault(t *testing.T) {
+	page := readPage(t)
+	private := handler(t, new(status.Handler))
+	public := handler(t, &status.Handler{AllowRemote: true})
+	type conn struct {
+		remote string
+		local  net.Addr
+	}
+	remotes := map[string]conn{
+		"remote peer, loopback listener": {"192.0.2.7:40000", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 2020}},
+		"remote peer, public listener":   {"192.0.2.7:40000", &net.TCPAddr{IP: net.IPv4(192, 0, 2, 10), Port: 2020}},
+		"private-network peer":           {"10.1.2.3:40000", &net.TCPAddr{IP: net.IPv4(10, 0, 0, 1), Port: 2020}},
+		"loopback peer, public listener": {"127.0.0.1:40000", &net.TCPAddr{IP: net.IPv4(192, 0, 2, 10), Port: 2020}},
+	}
+	for name, c := range remotes {
+		for _, path := range []string{"/lbx/status", "/lbx/upstreams", "/lbx/cluster", "/lbx/rebalance", "/lbx/partitions", "/lbx/selective", "/lbx/"} {
+			for _, method := range []string{http.MethodGet, http.MethodHead, http.MethodPost} {
+				req := httptest.NewRequest(method, "http://127.0.0.1:2020"+path, nil)
+				req.RemoteAddr = c.remote
+				req.Host = "127.0.0.1:2020" // the spoofed Host of the finding
+				req.Header.Set("X-Forwarded-For", "127.0.0.1")
+				req = req.WithContext(context.WithValue(req.Context(), http.LocalAddrContextKey, c.local))
+				rec := httptest.NewRecorder()
+				private.ServeHTTP(rec, req)
+				if rec.Code != http.StatusForbidden {
+					t.Errorf("%s: %s %s: status %d, want 403", name, method, path, rec.Code)
+				}
+				if method != http.MethodHead && (!strings.Contains(rec.Body.String(), "allow_remote") || !strings.Contains(rec.Body.String(), "bind 127.0.0.1")) {
+					t.Errorf("%s: %s %s: body %q does not name the fix", name, method, path, rec.Body)
+				}
+				for _, leak := range []string{`"upstreams"`, `"nodes"`, `"handlers"`, "<html", "<!doctype"} {
+					if strings.Contains(strings.ToLower(rec.Body.String()), strings.ToLower(leak)) {
+						t.Errorf("%s: %s %s: the refusal holds %s", name, method, path, leak)
+					}
+				}
+			}
+		}
+		// allow_remote: the operator put something in front that decides.
+		isPage(t, name+", allow_remote: GET /lbx/status", getFrom(public, http.MethodGet, "/lbx/status", browserAccept, c.remote, c.local), page)
+		rec := getFrom(public, http.MethodGet, "/lbx/upstreams", "application/json", c.remote, c.local)
+		var v map[string]json.RawMessage
+		if rec.Code != http.StatusOK || json.Unmarshal(rec.Body.Bytes(), &v) != nil || v["upstreams"] == nil {
+			t.Errorf("%s, allow_remote: GET /lbx/upstreams: status %d, body %.200s", name, rec.Code, rec.Body)
+		}
+	}
+	// The same handler serves a client on this machine.
+	isPage(t, "loopback: GET /lbx/status", get(private, http.MethodGet, "/lbx/status", browserAccept), page)
+	v6 := getFrom(private, http.MethodGet, "/lbx/upstreams", "application/json", "[::1]:40000", &net.TCPAddr{IP: net.IPv6loopback, Port: 2020})
+	if v6.Code != http.StatusOK {
+		t.Errorf("::1 to ::1: GET /lbx/upstreams: status %d, body %.200s", v6.Code, v6.Body)
+	}
+}
+
+func TestCaddyfile(t *testing.T) {
+	for in, want := range map[string]bool{"lbx_status": false, "lbx_status {\n}": false, "lbx_status {\n\tallow_remote\n}": true} {
+		h := new(status.Handler)
+		if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(in)); err != nil {
+			t.Errorf("%q: %v", in, err)
+		} else if h.AllowRemote != want {
+			t.Errorf("%q: allow_remote %v, want %v", in, h.AllowRemote, want)
+		}
+	}
+	for bad, want := range map[string]string{
+		"lbx_status x":                                    "wrong argument count",
+		"lbx_status {\n\tfoo\n}":                          `unknown option "foo" (want allow_remote)`,
+		"lbx_status {\n\tallow_remote yes\n}":             `unexpected argument "yes"`,
+		"lbx_status {\n\tallow_remote\n\tallow_remote\n}": "allow_remote specified more than once",
+	} {
+		err := new(status.Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser(bad))
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%q: error %v, want one containing %q", bad, err, want)
+		}
+	}
+}
+
+// TestJSON: allow_remote decodes, and a bad value or an unknown option is
+// an error that names it.
+func TestJSON(t *testing.T) {
+	var h status.Handler
+	if err := json.Unmarshal([]byte(`{"allow_remote": true}`), &h); err != nil || !h.AllowRemote {
+		t.Fatalf("allow_remote true: %v, %+v", err, h)
+	}
+	for in, want := range map[string]string{
+		`{"allow_remote": "yes"}`:  "allow_remote",
+		`{"allow_remote_x": true}`: "allow_remote_x",
+	} {
+		if err := json.Unmarshal([]byte(in), new(status.Handler)); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: error %v, want one naming %s", in, err, want)
 		}
 	}
 }

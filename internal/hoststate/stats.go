@@ -98,6 +98,16 @@ func (s *Stats) BeginAt(now int64) {
 	}
 }
 
+// busy reports whether a round trip to the upstream is in flight: one
+// awaiting headers, or one Caddy still counts (a body being streamed).
+func (s *Stats) busy() bool {
+	if s.pending.Load() > 0 {
+		return true
+	}
+	h := s.host.Load()
+	return h != nil && h.NumRequests() > 0
+}
+
 // SetHost remembers Caddy's per-address record for reporting.
 func (s *Stats) SetHost(h *reverseproxy.Host) {
 	if h != nil && s.host.Load() != h {

@@ -135,16 +135,17 @@ func (t *Table) Drop(dial string) {
 
 // DropIdle drops (see Drop) the addresses that no attempt has used for
 // idle and that keep does not claim, and returns how many it dropped. An
-// address with an attempt in flight, or ejected in the last idle, stays:
-// its ejection is state worth keeping. It is O(addresses); a policy whose
-// pools churn calls it now and then, so that its table holds about what
-// its pools hold rather than every address it ever saw.
+// address with an attempt in flight (awaiting headers, or, as Caddy
+// counts it, still streaming its body), or ejected in the last idle,
+// stays: its ejection is state worth keeping. It is O(addresses); a policy
+// whose pools churn calls it now and then, so that its table holds about
+// what its pools hold rather than every address it ever saw.
 func (t *Table) DropIdle(now int64, idle time.Duration, keep func(dial string) bool) int {
 	var gone []string
 	t.byDial.Range(func(k, v any) bool {
 		dial, s := k.(string), v.(*Stats)
 		last := max(s.lastDoneNs.Load(), s.bornNs, s.ejectedUntilNs.Load())
-		if now-last > int64(idle) && s.pending.Load() == 0 && !keep(dial) {
+		if now-last > int64(idle) && !s.busy() && !keep(dial) {
 			gone = append(gone, dial)
 		}
 		return true
