@@ -114,7 +114,7 @@ func TestSerfNamingFollowsMembers(t *testing.T) {
 	// A 3-partition member (all three partitions on one backend) joins.
 	testutil.SerfMember(t, "m2", map[string]string{"partition": "0/3,1/3,2/3", "http_port": portOf(b2), "role": "search"}, testutil.SerfAddr(m0))
 	start := time.Now()
-	waitFor(t, 10*time.Second, "the 3-partition member takes requests", func() (bool, string) {
+	waitFor(t, 30*time.Second, "the 3-partition member takes requests", func() (bool, string) {
 		return b2.hits.Load() > 0, fmt.Sprintf("b2 hits %d", b2.hits.Load())
 	})
 	t.Logf("a joining member got its first sub-request after %v", time.Since(start).Round(time.Millisecond))
