@@ -14,42 +14,11 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
-	"github.com/hashicorp/serf/serf"
 	dto "github.com/prometheus/client_model/go"
 
 	_ "github.com/caddy-lbx/lbx" // every lbx module
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
-
-// hostileMember starts a serf member on 127.0.0.1 run by the test, with
-// the gossip key when key is not nil; it leaves at the end of the test.
-func hostileMember(t *testing.T, name string, tags map[string]string, key []byte, join string) (*serf.Serf, error) {
-	t.Helper()
-	conf := serf.DefaultConfig()
-	conf.Init()
-	conf.NodeName = name
-	conf.Tags = tags
-	conf.LogOutput = io.Discard
-	conf.BroadcastTimeout = time.Second
-	conf.MemberlistConfig.BindAddr = "127.0.0.1"
-	conf.MemberlistConfig.BindPort = 0
-	conf.MemberlistConfig.LogOutput = io.Discard
-	conf.MemberlistConfig.SecretKey = key
-	s, err := serf.Create(conf)
-	if err != nil {
-		return nil, err
-	}
-	t.Cleanup(func() {
-		s.Leave()
-		s.Shutdown()
-	})
-	if join != "" {
-		if _, err := s.Join([]string{join}, true); err != nil {
-			t.Fatalf("%s joining %s: %v", name, join, err)
-		}
-	}
-	return s, nil
-}
 
 // adminConfigRequests counts the requests Caddy's admin endpoint served
 // on /config/ (caddy_admin_http_requests_total, counted by the admin
@@ -133,7 +102,7 @@ func hostileMembers(t *testing.T, keyed, mayRetry bool) bool {
 	good, other := testutil.NamedBackend(t, "good"), testutil.NamedBackend(t, "other")
 	outside := strconv.Itoa(testutil.FreePort(t)) // nothing listens there
 
-	seed, err := hostileMember(t, "good", map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, "")
+	seed, err := testutil.StartSerfMember(t, "good", map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, "")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,22 +114,22 @@ func hostileMembers(t *testing.T, keyed, mayRetry bool) bool {
 		"other":        other, // honest, but outside the allowlist of s2
 	}
 	for name, port := range evil {
-		if _, err := hostileMember(t, name, map[string]string{"role": "api", "http_port": port, "partition": "0/1"}, key, join); err != nil {
+		if _, err := testutil.StartSerfMember(t, name, map[string]string{"role": "api", "http_port": port, "partition": "0/1"}, key, join); err != nil {
 			t.Fatal(err)
 		}
 	}
 	longName := strings.Repeat("n", 20000)
-	if _, err := hostileMember(t, longName, map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, join); err != nil {
+	if _, err := testutil.StartSerfMember(t, longName, map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, join); err != nil {
 		t.Fatalf("the 20 KB name: %v", err)
 	}
 	many := make(map[string]string, 1000)
 	for i := range 1000 {
 		many["t"+strconv.Itoa(i)] = "v"
 	}
-	if _, err := hostileMember(t, "many-tags", many, key, join); err == nil || !strings.Contains(err.Error(), "512") {
+	if _, err := testutil.StartSerfMember(t, "many-tags", many, key, join); err == nil || !strings.Contains(err.Error(), "512") {
 		t.Fatalf("a member with 1,000 tags started (err %v); want serf to refuse tags over 512 bytes", err)
 	}
-	churn, err := hostileMember(t, "churn", map[string]string{"role": "api", "http_port": outside, "partition": "0/1"}, key, join)
+	churn, err := testutil.StartSerfMember(t, "churn", map[string]string{"role": "api", "http_port": outside, "partition": "0/1"}, key, join)
 	if err != nil {
 		t.Fatal(err)
 	}

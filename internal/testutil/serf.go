@@ -15,6 +15,19 @@ import (
 // the end of the test unless the test did.
 func SerfMember(t testing.TB, name string, tags map[string]string, join string) *serf.Serf {
 	t.Helper()
+	s, err := StartSerfMember(t, name, tags, nil, join)
+	if err != nil {
+		t.Fatalf("serf member %s: %v", name, err)
+	}
+	return s
+}
+
+// StartSerfMember is SerfMember with the gossip key key (none when nil),
+// returning serf's error when it refuses to start the member (tags over
+// its limit, a bad key) instead of failing the test: hostile-member tests
+// check those refusals.
+func StartSerfMember(t testing.TB, name string, tags map[string]string, key []byte, join string) (*serf.Serf, error) {
+	t.Helper()
 	conf := serf.DefaultConfig()
 	conf.Init()
 	conf.NodeName = name
@@ -24,9 +37,10 @@ func SerfMember(t testing.TB, name string, tags map[string]string, join string) 
 	conf.MemberlistConfig.BindAddr = "127.0.0.1"
 	conf.MemberlistConfig.BindPort = 0
 	conf.MemberlistConfig.LogOutput = io.Discard
+	conf.MemberlistConfig.SecretKey = key
 	s, err := serf.Create(conf)
 	if err != nil {
-		t.Fatalf("serf member %s: %v", name, err)
+		return nil, err
 	}
 	t.Cleanup(func() {
 		if s.State() != serf.SerfShutdown {
@@ -39,7 +53,7 @@ func SerfMember(t testing.TB, name string, tags map[string]string, join string) 
 			t.Fatalf("%s joining %s: %v", name, join, err)
 		}
 	}
-	return s
+	return s, nil
 }
 
 // SerfAddr is a member's gossip address.
