@@ -52,6 +52,13 @@ func newSweeper(o *Outlier, table *hoststate.Table) *sweeper {
 // run sweeps every interval until done closes, then closes exited.
 func (sw *sweeper) run(done <-chan struct{}, every time.Duration, exited chan<- struct{}) {
 	defer close(exited)
+	tickUntil(done, every, sw.safeSweep)
+}
+
+// tickUntil calls fn with monoclock.Now every interval until done closes:
+// the loop of each background task of a policy (the outlier sweep, the
+// release of upstreams no longer offered).
+func tickUntil(done <-chan struct{}, every time.Duration, fn func(now int64)) {
 	tick := time.NewTicker(every)
 	defer tick.Stop()
 	for {
@@ -59,7 +66,7 @@ func (sw *sweeper) run(done <-chan struct{}, every time.Duration, exited chan<- 
 		case <-done:
 			return
 		case <-tick.C:
-			sw.safeSweep(monoclock.Now())
+			fn(monoclock.Now())
 		}
 	}
 }

@@ -101,18 +101,7 @@ func (c *views) startReleasing(done <-chan struct{}, logger *zap.Logger) {
 		return
 	}
 	every := releaseEvery(time.Duration(c.rel.linger))
-	go func() {
-		tick := time.NewTicker(every)
-		defer tick.Stop()
-		for {
-			select {
-			case <-done:
-				return
-			case <-tick.C:
-				c.safeRelease(monoclock.Now(), logger)
-			}
-		}
-	}()
+	go tickUntil(done, every, func(now int64) { c.safeRelease(now, logger) })
 }
 
 // safeRelease is release with a panic logged rather than taking down the
