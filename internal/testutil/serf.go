@@ -38,6 +38,10 @@ func StartSerfMember(t testing.TB, name string, tags map[string]string, key []by
 	conf.MemberlistConfig.BindPort = 0
 	conf.MemberlistConfig.LogOutput = io.Discard
 	conf.MemberlistConfig.SecretKey = key
+	// serf's LAN default is 30 s: a member whose join broadcast a busy
+	// node missed (CI's two test binaries on two cores) learns of it only
+	// at the next full state exchange, so tests' members exchange often.
+	conf.MemberlistConfig.PushPullInterval = 2 * time.Second
 	s, err := serf.Create(conf)
 	if err != nil {
 		return nil, err
