@@ -197,6 +197,11 @@ type Input struct {
 	Shedding bool
 	// Lift is the previous decision's Lift.
 	Lift LiftState
+	// PhaseAverage and PhaseCounted are the previous decision's: the
+	// average, and the members counted in it, when this node's current
+	// shedding phase began.
+	PhaseAverage float64
+	PhaseCounted int
 	// Joins are the members joining lately (JoinBurst.Joined for each).
 	Joins JoinBurst
 	// Now is the decision's time, for freshness.
@@ -231,6 +236,22 @@ type Decision struct {
 	Shedding bool
 	// Lift is the lift rule's state to pass to the next decision.
 	Lift LiftState
+	// PhaseAverage and PhaseCounted are the average and the number of
+	// members counted in it when this node's shedding phase (Active)
+	// began, to pass to the next decision; 0 outside a phase. While the
+	// phase lasts and the same number of members count, the stop and
+	// lift lines are drawn from the higher of it and the current average:
+	// shedding moves clients and does not change the fleet's total, but a
+	// node's own sheds lower its view of the average at once while the
+	// gains of the members its clients move to arrive only with their
+	// reports, so the current average alone sank below the true one under
+	// a busy CPU (200 true, 157 seen) and the node shed to 12% below it.
+	// A member joining or leaving starts the phase's average over (a
+	// scale-out lowers the true average); a phase in which the fleet
+	// really loses clients ends early instead, and the next one starts
+	// from the new average.
+	PhaseAverage float64
+	PhaseCounted int
 	// Lowest is the lowest load among the counted members (this node
 	// included), and LowestName its member; zero when there is no average.
 	Lowest     float64
@@ -380,14 +401,27 @@ func DecideView(p Params, in Input, v View) Decision {
 	lowest, lowestName := v.Lowest, v.LowestName
 	d.Lowest, d.LowestName = lowest, lowestName
 
-	startLine := d.Average * (1 + p.Threshold)
-	stopLine := d.Average * (1 + p.stopBand())
+	// The lines' average: the current one, or within a shedding phase
+	// the phase's, if higher (Decision.PhaseAverage).
+	avg := d.Average
+	samePhase := (in.Shedding || in.Lift.Lifting) && in.PhaseCounted == d.Counted && in.PhaseAverage > 0
+	if samePhase && in.PhaseAverage > avg {
+		avg = in.PhaseAverage
+	}
+	startLine := avg * (1 + p.Threshold)
+	stopLine := avg * (1 + p.stopBand())
 	d.Shedding = in.Shedding && in.Local > stopLine || !in.Shedding && in.Local > startLine
-	d.Lift = nextLift(p, in, d.Lift, d.Average, lowest, lowestName)
+	d.Lift = nextLift(p, in, d.Lift, avg, lowest, lowestName)
+	if d.Active() {
+		d.PhaseAverage, d.PhaseCounted = d.Average, d.Counted
+		if samePhase {
+			d.PhaseAverage = in.PhaseAverage
+		}
+	}
 	line := stopLine
 	switch {
 	case d.Lift.Lifting:
-		line = d.Average
+		line = avg
 	case d.Shedding:
 	case d.Lift.Ignored == lowestName && !ignoring:
 		d.Reason = fmt.Sprintf("%s gained no connections while lifted; left out of the average for a while", lowestName)

@@ -465,3 +465,55 @@ func TestDecideJoinSettle(t *testing.T) {
 		t.Errorf("held lift: shed %d, lift %+v; want 0, lifting since %v", d.Shed, d.Lift, now)
 	}
 }
+
+// TestDecidePhaseAverage: within a shedding phase the lines come from the
+// phase's average when the current one sank below it (the node's own
+// sheds counted before its peers' gains), so the node stops at the stop
+// band of the phase's average; outside a phase, or when the current
+// average is higher, the current one decides.
+func TestDecidePhaseAverage(t *testing.T) {
+	p := defaultParams() // stop band 10%
+	p.ShedRate = 1
+	// Peers b and c whose reports still say 170 and 175 while this node,
+	// which began shedding at an average of 200, is at 240: the current
+	// average is 195 and its stop line 214.5. (Both peers are above the
+	// lift line, 80% of 200, so only the high rule sheds.)
+	peers := []memberReport{alive("b", 170), alive("c", 175)}
+	in := Input{Self: "a", Local: 240, Held: 240, Now: t0, Members: peers, Shedding: true, PhaseAverage: 200, PhaseCounted: 3}
+	d := Decide(p, in)
+	// From the phase's average: stop line 220, so 240 × (1 − 220/240) = 20.
+	if d.Shed != 20 || !d.Shedding || d.PhaseAverage != 200 {
+		t.Errorf("in a phase begun at 200: shed %d, shedding %v, phase average %v; want 20, true, 200 (%s)", d.Shed, d.Shedding, d.PhaseAverage, d.Reason)
+	}
+	// At 215 the current stop line (186.7 × 1.1 = 205.3) would keep it
+	// shedding; the phase's (220) stops it, and the phase ends.
+	in.Local, in.Held = 215, 215
+	if d := Decide(p, in); d.Shed != 0 || d.Shedding || d.PhaseAverage != 0 {
+		t.Errorf("at 215, below the phase's stop line 220: shed %d, shedding %v, phase average %v; want 0, false, 0 (%s)", d.Shed, d.Shedding, d.PhaseAverage, d.Reason)
+	}
+	// Without the phase's average the node sheds to the current stop
+	// line: the overshoot the rule prevents.
+	in.Local, in.Held, in.PhaseAverage = 240, 240, 0
+	if d := Decide(p, in); d.Shed != 26 || d.PhaseAverage != d.Average {
+		t.Errorf("without a phase average: shed %d; want 26 (down to 214.5) (%s)", d.Shed, d.Reason)
+	}
+	// Nor when a member joined or left since the phase began (a
+	// scale-out lowers the true average): the phase starts over from the
+	// current one.
+	in.PhaseAverage, in.PhaseCounted = 200, 2
+	if d := Decide(p, in); d.Shed != 26 || d.PhaseAverage != d.Average || d.PhaseCounted != 3 {
+		t.Errorf("after a join: shed %d, phase average %v of %d; want 26, the current %.1f of 3 (%s)", d.Shed, d.PhaseAverage, d.PhaseCounted, d.Average, d.Reason)
+	}
+	// A phase's average is not used outside a phase: a node that is not
+	// shedding starts from the current average (start line 234).
+	in.Shedding, in.PhaseAverage = false, 400
+	if d := Decide(p, in); !d.Shedding || d.PhaseAverage != d.Average || d.Shed != 26 {
+		t.Errorf("a new phase: shedding %v, phase average %v, shed %d; want true, the current average %.1f, 26 (%s)", d.Shedding, d.PhaseAverage, d.Shed, d.Average, d.Reason)
+	}
+	// When the current average rose above the phase's, it decides: 290
+	// is below the current stop line 293.3 (average 266.7).
+	in = Input{Self: "a", Local: 290, Held: 290, Now: t0, Members: []memberReport{alive("b", 250), alive("c", 260)}, Shedding: true, PhaseAverage: 200, PhaseCounted: 3}
+	if d := Decide(p, in); d.Shedding || d.Shed != 0 {
+		t.Errorf("current average above the phase's: shedding %v, shed %d; want false, 0 (%s)", d.Shedding, d.Shed, d.Reason)
+	}
+}

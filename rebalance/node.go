@@ -98,6 +98,7 @@ type node struct {
 	sincePublished int
 	shedding       bool      // the high rule's hysteresis state
 	lift           LiftState // the lift rule's state
+	phaseAvg       phase     // the shedding phase's average (Decision.PhaseAverage)
 	seen           map[string]seenReport
 	members        []memberReport // as of the last decision
 	average        averageView    // the gossip average as of the last decision
@@ -208,7 +209,7 @@ func (n *node) follow(prev, s *settings) {
 		return
 	}
 	n.window = NewWindow(size)
-	n.shedding, n.lift = false, LiftState{}
+	n.shedding, n.lift, n.phaseAvg = false, LiftState{}, phase{}
 	n.sincePublished = 0
 }
 
@@ -278,7 +279,7 @@ func (n *node) noMembers(s *settings, err error, now time.Time) {
 	changed := n.last.Reason != err.Error()
 	n.last, n.lastAt = Decision{Reason: err.Error()}, now
 	n.members = nil
-	n.shedding, n.lift = false, LiftState{}
+	n.shedding, n.lift, n.phaseAvg = false, LiftState{}, phase{}
 	n.mu.Unlock()
 	lvl := zapcore.WarnLevel
 	if errors.Is(err, cluster.ErrNotRunning) {
@@ -318,7 +319,7 @@ func (n *node) step(s *settings, now time.Time) {
 		n.seq++
 		tag = FormatLoadReport(s.metric, local, n.seq)
 	}
-	shedding, lift := n.shedding, n.lift
+	shedding, lift, phaseAvg := n.shedding, n.lift, n.phaseAvg
 	n.mu.Unlock()
 
 	if tag != "" {
@@ -387,7 +388,7 @@ func (n *node) step(s *settings, now time.Time) {
 
 	in := Input{
 		Self: n.name, Local: local, Current: load, Held: held,
-		Members: reports, Shedding: shedding, Lift: lift, Joins: joins, Now: now,
+		Members: reports, Shedding: shedding, Lift: lift, PhaseAverage: phaseAvg.avg, PhaseCounted: phaseAvg.counted, Joins: joins, Now: now,
 	}
 	avg := n.avg.step(n.name, peers, local, s.params, tagRangeOf(s.params, in), now)
 	view := summarize(s.params, in)
@@ -401,7 +402,7 @@ func (n *node) step(s *settings, now time.Time) {
 	}
 
 	n.mu.Lock()
-	n.shedding, n.lift = d.Shedding, d.Lift
+	n.shedding, n.lift, n.phaseAvg = d.Shedding, d.Lift, phase{d.PhaseAverage, d.PhaseCounted}
 	n.members = reports
 	n.average = avg
 	if avg.Refused {
@@ -435,6 +436,13 @@ func (n *node) step(s *settings, now time.Time) {
 	if res.Total() > 0 || sw.Forced > 0 {
 		s.events.emitShed(n.name, s.metric, local, d, res, sw.Forced)
 	}
+}
+
+// phase is a node's Decision.PhaseAverage and PhaseCounted, kept for
+// its next decision.
+type phase struct {
+	avg     float64
+	counted int
 }
 
 // WithShedInFlight returns load, in metric's unit (connections, bytes per

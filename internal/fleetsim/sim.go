@@ -62,7 +62,11 @@ type node struct {
 	local       float64
 	shedding    bool
 	lift        rebalance.LiftState
-	gossip      *gossipavg.Node
+	// phaseAvg and phaseCounted are rebalance.Decision's PhaseAverage
+	// and PhaseCounted.
+	phaseAvg     float64
+	phaseCounted int
+	gossip       *gossipavg.Node
 	// shed is what the node shed in this interval.
 	shed int
 	// phaseShed is true once the node shed in its current shedding
@@ -198,7 +202,7 @@ func (s *sim) start(i, conns int) error {
 	n.live, n.conns, n.window = true, conns, rebalance.NewWindow(s.cfg.History)
 	n.recentSheds = rebalance.NewWindow(s.cfg.History)
 	s.joins = s.joins.Joined(s.now(0), s.p)
-	n.local, n.shedding, n.lift = 0, false, rebalance.LiftState{}
+	n.local, n.shedding, n.lift, n.phaseAvg, n.phaseCounted = 0, false, rebalance.LiftState{}, 0, 0
 	if s.cfg.View == Flow {
 		c := s.gcfg
 		c.Name = n.name
@@ -334,7 +338,7 @@ func (s *sim) step(decide bool) error {
 		n := s.nodes[i]
 		in := rebalance.Input{
 			Self: n.name, Local: n.local, Current: float64(n.conns), Held: n.conns,
-			Shedding: n.shedding, Lift: n.lift, Joins: s.joins, Now: now,
+			Shedding: n.shedding, Lift: n.lift, PhaseAverage: n.phaseAvg, PhaseCounted: n.phaseCounted, Joins: s.joins, Now: now,
 		}
 		var v rebalance.View
 		switch s.cfg.View {
@@ -351,7 +355,7 @@ func (s *sim) step(decide bool) error {
 			v = exact
 		}
 		d := rebalance.DecideView(s.p, in, v)
-		n.shedding, n.lift, n.shed = d.Shedding, d.Lift, d.Shed
+		n.shedding, n.lift, n.phaseAvg, n.phaseCounted, n.shed = d.Shedding, d.Lift, d.PhaseAverage, d.PhaseCounted, d.Shed
 		n.conns -= d.Shed
 		n.recentSheds.Add(float64(d.Shed))
 		total += d.Shed
