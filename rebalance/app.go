@@ -577,16 +577,17 @@ func longestLoadTag(metric string) string {
 // settings returns what this config asks of the node.
 func (a *App) settings() *settings {
 	return &settings{
-		owner:    a,
-		cluster:  a.cluster,
-		params:   a.params,
-		interval: a.interval,
-		history:  a.history,
-		boundary: a.boundary,
-		metric:   a.metric,
-		source:   a.source,
-		logger:   a.logger,
-		events:   a.events,
+		owner:     a,
+		cluster:   a.cluster,
+		params:    a.params,
+		interval:  a.interval,
+		history:   a.history,
+		boundary:  a.boundary,
+		metric:    a.metric,
+		idleClose: a.idleClose,
+		source:    a.source,
+		logger:    a.logger,
+		events:    a.events,
 	}
 }
 

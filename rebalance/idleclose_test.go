@@ -30,12 +30,12 @@ func TestWarnNoCloseHandler(t *testing.T) {
 	}
 	static := &caddyhttp.StaticResponse{}
 	servers := map[string]*caddyhttp.Server{
-		"direct":   {Routes: handlers(&CloseHandler{}, static)},
-		"subroute": {Routes: handlers(&caddyhttp.Subroute{Routes: handlers(static, &CloseHandler{})})},
-		"named":    {Routes: handlers(static), NamedRoutes: map[string]*caddyhttp.Route{"r": {Handlers: []caddyhttp.MiddlewareHandler{&CloseHandler{}}}}},
-		"raw":      {Routes: caddyhttp.RouteList{{HandlersRaw: []json.RawMessage{json.RawMessage(`{"handler": "subroute", "routes": [{"handle": [{"handler": "rebalance_close"}]}]}`)}}}},
-		"without":  {Routes: handlers(&caddyhttp.Subroute{Routes: handlers(static)})},
-		"empty":    {},
+		"direct":                {Routes: handlers(&CloseHandler{}, static)},
+		"subroute":              {Routes: handlers(&caddyhttp.Subroute{Routes: handlers(static, &CloseHandler{})})},
+		"named":                 {Routes: handlers(static), NamedRoutes: map[string]*caddyhttp.Route{"r": {Handlers: []caddyhttp.MiddlewareHandler{&CloseHandler{}}}}},
+		"raw":                   {Routes: caddyhttp.RouteList{{HandlersRaw: []json.RawMessage{json.RawMessage(`{"handler": "subroute", "routes": [{"handle": [{"handler": "rebalance_close"}]}]}`)}}}},
+		"without":               {Routes: handlers(&caddyhttp.Subroute{Routes: handlers(static)})},
+		"empty":                 {},
 		autoHTTPSRedirectServer: {Routes: handlers(static)},
 	}
 	core, logs := observer.New(zapcore.WarnLevel)
@@ -151,5 +151,18 @@ func TestCaddyIdleCloseAfter(t *testing.T) {
 	}
 	if n := tracker.IdleCloseTotal(); n != 1 {
 		t.Errorf("%d closed after the bound; want 1", n)
+	}
+	var n *node
+	nodes.Range(func(_, v any) bool {
+		if v.(*node).name == "idle-close" {
+			n = v.(*node)
+		}
+		return true
+	})
+	if n == nil {
+		t.Fatal("no node in the pool")
+	}
+	if v := n.view(time.Now(), runningConns(t).stats()); v.IdleCloseAfter != 1000 || v.IdleCloses != 1 {
+		t.Errorf("admin view: idle_close_after_ms %d, idle_closes_total %d; want 1000 and 1", v.IdleCloseAfter, v.IdleCloses)
 	}
 }

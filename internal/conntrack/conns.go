@@ -215,14 +215,14 @@ func (t *Tracker) shutDownH2(tc *trackedConn) {
 			return
 		}
 		if !tc.goAway.CompareAndSwap(goAwayNone, goAwayTracker) {
-			t.closeShed(tc)
+			t.closeShed(tc, nil)
 			return
 		}
 		// The close is armed first: the write blocks on a client that
 		// reads nothing, and closing the connection frees it.
 		time.AfterFunc(h2IdleCloseDelay, func() {
 			if tc.idleSince(gen) {
-				t.closeShed(tc)
+				t.closeShed(tc, nil)
 			}
 		})
 		if _, err := tc.conn.Write(goAwayFrame); err != nil {
@@ -235,16 +235,20 @@ func (t *Tracker) shutDownH2(tc *trackedConn) {
 
 // closeShed closes tc, a shed connection that is idle after its last
 // response, counting it in closedAtBoundary if it was shed while active,
-// and reports whether this call closed it.
-func (t *Tracker) closeShed(tc *trackedConn) bool {
-	if !tc.closeConn() {
-		return false
+// and in also unless nil, once. The counts come first: whoever sees the
+// close sees them.
+func (t *Tracker) closeShed(tc *trackedConn, also *atomic.Uint64) {
+	if !tc.closed.CompareAndSwap(false, true) {
+		return
 	}
 	if tc.shedActive.Load() {
-		// net/http then reports StateClosed, which forgets it.
 		t.closedAtBoundary.Add(1)
 	}
-	return true
+	if also != nil {
+		also.Add(1)
+	}
+	// net/http then reports StateClosed, which forgets it.
+	_ = tc.conn.Close()
 }
 
 // markClosing marks tc shed (counted in Closing, out of Held) and

@@ -117,8 +117,8 @@ func (t *Tracker) armQuiet(tc *trackedConn, gen uint64, delay time.Duration) {
 			t.armQuiet(tc, gen, bound)
 			return
 		}
-		if tc.quietSince(gen) && t.closeShed(tc) {
-			t.idleCloses.Add(1)
+		if tc.quietSince(gen) {
+			t.closeShed(tc, &t.idleCloses)
 		}
 	})
 }
