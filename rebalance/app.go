@@ -183,9 +183,8 @@ type App struct {
 	// also bounds a shed active connection on a route without
 	// rebalance_close, which goes the same way once its response is done.
 	// Longer than the keep-alive pools of common clients (Go's 90s,
-	// nginx's and .NET's 60s, Firefox's 115s, curl's 118s), which drop
-	// the connection first, and shorter than Caddy's own idle_timeout
-	// (5m). Default: 2m.
+	// nginx's 60s, libcurl's 118s), which drop the connection first, and
+	// shorter than Caddy's own idle_timeout (5m). Default: 2m.
 	IdleCloseAfter caddy.Duration `json:"idle_close_after,omitempty"`
 
 	params   Params

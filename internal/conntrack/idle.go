@@ -7,10 +7,9 @@ import (
 // DefaultIdleCloseAfter is how long a shed HTTP/1 connection must stay
 // idle before the tracker closes it outright, unless SetIdleCloseAfter
 // says otherwise: longer than the keep-alive pools of common clients
-// (Go's http.Transport 90 s, nginx's upstream keepalive_timeout and
-// .NET's pool 60 s, Firefox 115 s, curl 118 s), which drop the
-// connection first, and shorter than Caddy's own idle_timeout (5 min),
-// which would close it anyway.
+// (Go's http.Transport 90 s, nginx's upstream keepalive_timeout 60 s,
+// libcurl 118 s), which drop the connection first, and shorter than
+// Caddy's own idle_timeout (5 min), which would close it anyway.
 const DefaultIdleCloseAfter = 2 * time.Minute
 
 // dataSlack is how much earlier than the start of an idle period the

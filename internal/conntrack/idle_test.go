@@ -506,3 +506,60 @@ func TestShedIdleExpectContinue(t *testing.T) {
 		t.Fatal("not closed after the response")
 	}
 }
+
+// embedding wraps a connection as Caddy's http2Conn does: by embedding
+// it, with no method that returns it.
+type embedding struct {
+	idx int
+	net.Conn
+}
+
+// embeddingValue is the same as a value type, as Caddy's tlsStateConn.
+type embeddingValue struct{ net.Conn }
+
+// TestReadInputUnwraps: the socket is found through wrappers that embed
+// the connection (pointer or value) and through countingConn; a
+// connection without one (net.Pipe) reads as unknown, and the idle close
+// then goes by time alone.
+func TestReadInputUnwraps(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("Linux only")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	client, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	server, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer server.Close()
+	if _, err := io.WriteString(client, "abc"); err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range map[string]net.Conn{
+		"embedded pointer":        &embedding{Conn: server},
+		"embedded value":          embeddingValue{&embedding{Conn: server}},
+		"counting, then embedded": &countingConn{Conn: embeddingValue{server}, counters: new(ByteCounters)},
+	} {
+		testutil.WaitFor(t, 5*time.Second, name+": 3 bytes waiting", func() (bool, string) {
+			in := readInput(c)
+			return in.waitingKnown && in.waiting == 3 && in.sinceDataKnown, fmt.Sprintf("%+v", in)
+		})
+	}
+	p1, p2 := net.Pipe()
+	defer p1.Close()
+	defer p2.Close()
+	if in := readInput(p1); in != (inputState{}) || in.requestArriving(time.Hour) {
+		t.Errorf("net.Pipe: %+v; want nothing known", in)
+	}
+	if c := embeddedConn(embeddingValue{}); c != nil {
+		t.Errorf("embeddedConn of an empty wrapper = %v", c)
+	}
+}
