@@ -563,3 +563,52 @@ func TestReadInputUnwraps(t *testing.T) {
 		t.Errorf("embeddedConn of an empty wrapper = %v", c)
 	}
 }
+
+// TestSweepMarkedIdle: a shed idle connection that has had no request
+// since the shed is never counted toward Held again, however old the
+// shed (it closes at its next response or after the bound, and the
+// decision must not shed again for it); once a request has used it since
+// the shed (no WrapResponseWriter to end it), it is, at recountAfter,
+// once, and it is never shed twice. Its shed is counted once.
+func TestSweepMarkedIdle(t *testing.T) {
+	tr := NewTracker()
+	c1, c2 := net.Pipe()
+	defer c2.Close()
+	defer c1.Close()
+	tr.ConnState(c1, http.StateNew)
+	tr.ConnState(c1, http.StateActive)
+	tr.ConnState(c1, http.StateIdle)
+	if r := tr.Shed(1); r != (ShedResult{Idle: 1}) {
+		t.Fatalf("Shed(1) = %+v; want one idle", r)
+	}
+	for _, after := range []time.Duration{time.Second, time.Hour, 100 * time.Hour} {
+		if sw := tr.sweep(tr.now()+after, time.Second, time.Second); sw != (SweepResult{}) {
+			t.Errorf("sweep %v on: %+v; want nothing", after, sw)
+		}
+		if c := tr.Counts(); c.Closing != 1 || c.Overdue != 0 || c.Held() != 0 {
+			t.Errorf("sweep %v on: counts %+v (held %d); want closing 1, held 0", after, c, c.Held())
+		}
+	}
+	// Its client uses it again; without Connection: close it stays.
+	tr.ConnState(c1, http.StateActive)
+	tr.ConnState(c1, http.StateIdle)
+	if sw := tr.sweep(tr.now()+time.Hour, time.Second, 0); sw != (SweepResult{Overdue: 1}) {
+		t.Errorf("sweep after a request: %+v; want one overdue", sw)
+	}
+	if sw := tr.sweep(tr.now()+2*time.Hour, time.Second, 0); sw != (SweepResult{}) {
+		t.Errorf("second sweep: %+v; want nothing", sw)
+	}
+	if c := tr.Counts(); c.Closing != 0 || c.Overdue != 1 || c.Held() != 1 {
+		t.Errorf("counts %+v (held %d); want overdue 1, held 1", c, c.Held())
+	}
+	if r := tr.Shed(1); r.Total() != 0 {
+		t.Errorf("Shed(1) = %+v: shed twice", r)
+	}
+	tr.ConnState(c1, http.StateClosed)
+	if c := tr.Counts(); c != (Counts{}) {
+		t.Errorf("after StateClosed: %+v; want all zero", c)
+	}
+	if shed, _ := tr.shedTotals(); shed != (ShedResult{Idle: 1}) {
+		t.Errorf("shed totals %+v; want one idle", shed)
+	}
+}
