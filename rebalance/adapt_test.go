@@ -33,6 +33,9 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"rebalance {\n boundary_timeout soon\n}", `boundary_timeout "soon"`},
 		{"rebalance {\n boundary_timeout 1s 2s\n}", `boundary_timeout: one value expected, got another: "2s"`},
 		{"rebalance {\n boundary_timeout 1s\n boundary_timeout 2s\n}", "boundary_timeout specified more than once"},
+		{"rebalance {\n idle_close_after 0\n}", `idle_close_after "0": want a positive duration`},
+		{"rebalance {\n idle_close_after\n}", "idle_close_after: missing value"},
+		{"rebalance {\n idle_close_after 1m\n idle_close_after 2m\n}", "idle_close_after specified more than once"},
 		{"rebalance {\n join_settle 0\n}", `join_settle "0": want a positive duration such as 5s, or off`},
 		{"rebalance {\n join_settle never\n}", `join_settle "never"`},
 		{"rebalance {\n join_settle 25h\n}", "join_settle 25h0m0s is above the maximum 24h0m0s, at Testfile:2"},
@@ -65,6 +68,7 @@ func TestProvisionValidateErrors(t *testing.T) {
 		{App{Threshold: 10, StopBand: 15}, "stop_band 15% is above threshold 10%"},
 		{App{ShedRate: 200}, "shed_rate 200%: want a percentage above 0% and at most 100%"},
 		{App{BoundaryTimeout: -1e9}, "boundary_timeout -1s is below the minimum 0s"},
+		{App{IdleCloseAfter: 1e6}, "idle_close_after 1ms is below the minimum 1s"},
 	} {
 		a := tc.app
 		if tc.app.Metric != metricThroughput {

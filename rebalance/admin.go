@@ -204,12 +204,14 @@ type nodeView struct {
 	// forced.
 	BoundaryTimeout int64 `json:"boundary_timeout_ms"`
 	// JoinSettle is join_settle in effect, in milliseconds; 0: off.
-	JoinSettle int64   `json:"join_settle_ms"`
-	Threshold  float64 `json:"threshold_percent"`
-	StopBand   float64 `json:"stop_band_percent"`
-	ShedRate   float64 `json:"shed_rate_percent"`
-	MinConns   int     `json:"min_connections"`
-	JoinError  string  `json:"join_error,omitempty"`
+	JoinSettle int64 `json:"join_settle_ms"`
+	// IdleCloseAfter is idle_close_after in milliseconds.
+	IdleCloseAfter int64   `json:"idle_close_after_ms"`
+	Threshold      float64 `json:"threshold_percent"`
+	StopBand       float64 `json:"stop_band_percent"`
+	ShedRate       float64 `json:"shed_rate_percent"`
+	MinConns       int     `json:"min_connections"`
+	JoinError      string  `json:"join_error,omitempty"`
 	// NameConflict is set when this node's serf member shut down because
 	// another member uses its node_name (serf's name conflict vote): the
 	// node then neither gossips, sees the cluster nor sheds, and Members
@@ -229,7 +231,11 @@ type nodeView struct {
 	// ForcedCloses counts the shed active connections this node closed
 	// because they reached no response boundary within boundary_timeout
 	// (they are also in shed_total.active).
-	ForcedCloses   uint64 `json:"forced_closes_total"`
+	ForcedCloses uint64 `json:"forced_closes_total"`
+	// IdleCloses counts the shed HTTP/1.1 connections this process
+	// closed because they stayed idle for idle_close_after with no
+	// request arriving (they are also in shed_total).
+	IdleCloses     uint64 `json:"idle_closes_total"`
 	ShedTotalHuman string `json:"shed_total_human"`
 	// WebSocketCloses says how the WebSocket streams this process shed
 	// through rebalance_close ended: with a close frame, or without.
@@ -307,6 +313,7 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 		Bytes:           viewBytes(cs),
 		ShedTotal:       n.shed,
 		ForcedCloses:    n.forced,
+		IdleCloses:      cs.idleCloses,
 		WebSocketCloses: cs.ws,
 	}
 	if s != nil {
@@ -320,6 +327,7 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 		v.MinConns = s.params.MinConnections
 		v.BoundaryTimeout = s.boundary.Milliseconds()
 		v.JoinSettle = s.params.joinSettle().Milliseconds()
+		v.IdleCloseAfter = s.idleClose.Milliseconds()
 	}
 	if n.average.Used {
 		v.Decision.AverageFrom = fromGossip

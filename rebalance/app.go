@@ -75,7 +75,10 @@ const (
 // `shed_rate` of its connections per interval, never below
 // `min_connections`, and not at all with fewer than 2 fresh members.
 // Shedding is graceful: idle connections first, then active HTTP
-// connections at their next response boundary, upgraded streams last.
+// connections at their next response boundary, upgraded streams last. No
+// HTTP/1.1 connection a request may be on is closed: a shed idle one
+// closes at its next response boundary (with rebalance_close), or once it
+// has stayed idle for `idle_close_after` with no request arriving.
 // A shed connection whose response does not end (server-sent events, a
 // long poll) counts toward the load again once it has been open `history`
 // since the shed, and is closed anyway after `boundary_timeout` if set.
@@ -171,15 +174,30 @@ type App struct {
 	// freshness.
 	JoinSettle caddy.Duration `json:"join_settle,omitempty"`
 
+	// IdleCloseAfter is how long a shed HTTP/1.1 connection must stay
+	// idle before it is closed outright, from 1s to 24h. Until then it is
+	// only marked: a request on it gets "Connection: close" on its
+	// response (through rebalance_close) and the connection closes after
+	// that response, so no request races the close. A connection with
+	// bytes arriving (a request on its way) is never closed outright. It
+	// also bounds a shed active connection on a route without
+	// rebalance_close, which goes the same way once its response is done.
+	// Longer than the keep-alive pools of common clients (Go's 90s,
+	// nginx's 60s, libcurl's 118s), which drop the connection first, and
+	// shorter than Caddy's own idle_timeout (5m). Default: 2m.
+	IdleCloseAfter caddy.Duration `json:"idle_close_after,omitempty"`
+
 	params   Params
 	interval time.Duration
 	history  time.Duration
 	boundary time.Duration
-	cluster  *cluster.App
-	source   loadSource
-	logger   *zap.Logger
-	events   emitter
-	node     *node // set by Start, cleared by Stop (Caddy calls them in turn)
+	// idleClose is idle_close_after in effect.
+	idleClose time.Duration
+	cluster   *cluster.App
+	source    loadSource
+	logger    *zap.Logger
+	events    emitter
+	node      *node // set by Start, cleared by Stop (Caddy calls them in turn)
 
 	// metric is the metric the node reports: Metric, or metricNodeCPU
 	// for the node's CPU.
@@ -249,7 +267,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 
 	if a.source == nil {
-		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters, nodeCPU: a.nodeCPU}
+		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters, nodeCPU: a.nodeCPU, idleCloseAfter: a.idleClose}
 		src.bytes.prime(src.counters.Totals().Total(), time.Now())
 		a.source = src
 		a.registerServers(ctx)
@@ -277,6 +295,10 @@ func (a *App) resolve() {
 		a.history = defaultHistory
 	}
 	a.boundary = time.Duration(a.BoundaryTimeout)
+	a.idleClose = time.Duration(a.IdleCloseAfter)
+	if a.idleClose == 0 {
+		a.idleClose = conntrack.DefaultIdleCloseAfter
+	}
 	freshness := time.Duration(a.Freshness)
 	if freshness == 0 {
 		freshness = max(5*a.interval, 3*time.Second)
@@ -436,13 +458,17 @@ const (
 	maxMinConnections  = 10_000_000
 	maxBoundaryTimeout = 24 * time.Hour
 	maxJoinSettle      = 24 * time.Hour
+	// minIdleCloseAfter: a shorter bound closes connections that clients
+	// still hold for reuse, racing their next request.
+	minIdleCloseAfter = time.Second
+	maxIdleCloseAfter = 24 * time.Hour
 )
 
 // appOptions are the app's options, in the order checkOption checks them.
 var appOptions = []string{
 	"metric", "cpu", "interval", "history", "freshness",
 	"threshold", "stop_band", "shed_rate", "min_connections", "boundary_timeout",
-	"join_settle",
+	"join_settle", "idle_close_after",
 }
 
 // validate checks every option, then the options against each other, once
@@ -482,6 +508,8 @@ func (a *App) checkOption(opt string) error {
 		return checkDuration(opt, a.Freshness, minInterval, maxFreshness)
 	case "boundary_timeout":
 		return checkDuration(opt, a.BoundaryTimeout, 0, maxBoundaryTimeout)
+	case "idle_close_after":
+		return checkDuration(opt, a.IdleCloseAfter, minIdleCloseAfter, maxIdleCloseAfter)
 	case "join_settle":
 		if a.JoinSettle < 0 {
 			return nil // off
@@ -548,16 +576,17 @@ func longestLoadTag(metric string) string {
 // settings returns what this config asks of the node.
 func (a *App) settings() *settings {
 	return &settings{
-		owner:    a,
-		cluster:  a.cluster,
-		params:   a.params,
-		interval: a.interval,
-		history:  a.history,
-		boundary: a.boundary,
-		metric:   a.metric,
-		source:   a.source,
-		logger:   a.logger,
-		events:   a.events,
+		owner:     a,
+		cluster:   a.cluster,
+		params:    a.params,
+		interval:  a.interval,
+		history:   a.history,
+		boundary:  a.boundary,
+		metric:    a.metric,
+		idleClose: a.idleClose,
+		source:    a.source,
+		logger:    a.logger,
+		events:    a.events,
 	}
 }
 
@@ -577,6 +606,10 @@ func (a *App) Start() error {
 		n.attach(s)
 	}
 	a.node = n
+	if p, ok := a.source.(*processSource); ok {
+		p.applyIdleClose()
+		a.warnNoCloseHandler()
+	}
 	cpu := zap.Skip()
 	if a.cpuScope != "" {
 		cpu = zap.String("cpu", a.cpuScope)
@@ -586,7 +619,8 @@ func (a *App) Start() error {
 		zap.String("metric", a.Metric), cpu, zap.Float64("threshold_percent", a.params.Threshold*100),
 		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
 		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history),
-		zap.Duration("boundary_timeout", a.boundary), zap.Duration("join_settle", a.params.joinSettle()))
+		zap.Duration("boundary_timeout", a.boundary), zap.Duration("join_settle", a.params.joinSettle()),
+		zap.Duration("idle_close_after", a.idleClose))
 	return nil
 }
 
@@ -625,6 +659,9 @@ type processSource struct {
 	tracker  *conntrack.Tracker
 	counters *conntrack.ByteCounters
 	nodeCPU  *nodeCPUSampler // cpu node; nil otherwise
+	// idleCloseAfter is idle_close_after, which the tracker applies to
+	// the connections it sheds.
+	idleCloseAfter time.Duration
 
 	mu      sync.Mutex
 	lastCPU time.Duration
@@ -659,8 +696,16 @@ func (p *processSource) bytesPerSecond(total uint64, now time.Time) float64 {
 	return p.bytes.sample(total, now)
 }
 
-// Shed sheds n connections through the tracker.
-func (p *processSource) Shed(n int) ShedResult { return p.tracker.Shed(n) }
+// Shed sheds n connections through the tracker, with this config's
+// idle_close_after (the tracker is the process's: a reload may change
+// it).
+func (p *processSource) Shed(n int) ShedResult {
+	p.applyIdleClose()
+	return p.tracker.Shed(n)
+}
+
+// applyIdleClose gives the tracker this config's idle_close_after.
+func (p *processSource) applyIdleClose() { p.tracker.SetIdleCloseAfter(p.idleCloseAfter) }
 
 // cpuPercent returns the process's CPU use since the previous call, in
 // percent of one core (0 on the first call).

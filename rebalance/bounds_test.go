@@ -64,6 +64,9 @@ func TestAppBoundsJSON(t *testing.T) {
 		{`"boundary_timeout": "25h"`, "boundary_timeout 25h0m0s is above the maximum 24h0m0s"},
 		{`"boundary_timeout": "x"`, "boundary_timeout: time: invalid duration"},
 		{`"join_settle": "25h"`, "join_settle 25h0m0s is above the maximum 24h0m0s"},
+		{`"idle_close_after": "500ms"`, "idle_close_after 500ms is below the minimum 1s"},
+		{`"idle_close_after": "-1s"`, "idle_close_after -1s is below the minimum 1s"},
+		{`"idle_close_after": "25h"`, "idle_close_after 25h0m0s is above the maximum 24h0m0s"},
 		{`"metric": "ram"`, `metric "ram": want`},
 		{`"metric": "node_cpu"`, `metric "node_cpu": want connections, throughput or cpu`},
 		{`"metric": "cpu", "cpu": "bogus"`, `cpu "bogus": want node or process`},
@@ -98,7 +101,7 @@ func TestAppBoundsJSON(t *testing.T) {
 	a := new(App)
 	err := caddy.StrictUnmarshalJSON([]byte(`{"interval": "100ms",
 		"history": "360s", "freshness": "24h", "threshold": 1000, "stop_band": 1000, "shed_rate": 100,
-		"min_connections": 10000000, "boundary_timeout": "24h", "join_settle": "24h"}`), a)
+		"min_connections": 10000000, "boundary_timeout": "24h", "join_settle": "24h", "idle_close_after": "24h"}`), a)
 	if err == nil {
 		a.source = &fakeSource{}
 		a.cluster = &cluster.App{NodeName: "bounds"}
@@ -148,6 +151,8 @@ func TestAppBoundsCaddyfile(t *testing.T) {
 		{"rebalance {\n threshold 10\n stop_band 15\n}", "stop_band 15% is above threshold 10%"},
 		{"rebalance {\n min_connections 99999999999\n}", "min_connections 99999999999: want a whole number from 0 to 10000000, at Testfile:2"},
 		{"rebalance {\n boundary_timeout 25h\n}", "boundary_timeout 25h0m0s is above the maximum 24h0m0s, at Testfile:2"},
+		{"rebalance {\n idle_close_after 100ms\n}", "idle_close_after 100ms is below the minimum 1s, at Testfile:2"},
+		{"rebalance {\n idle_close_after 25h\n}", "idle_close_after 25h0m0s is above the maximum 24h0m0s, at Testfile:2"},
 		{"rebalance {\n metric ram\n}", `metric "ram": want connections, throughput or cpu, at Testfile:2`},
 		{"rebalance {\n metric cpu\n cpu bogus\n}", `cpu "bogus": want node or process, at Testfile:3`},
 		{"rebalance {\n cpu bogus\n metric cpu\n}", `cpu "bogus": want node or process, at Testfile:2`},

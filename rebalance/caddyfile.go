@@ -31,6 +31,7 @@ func init() {
 //		min_connections <n>
 //		boundary_timeout <duration>
 //		join_settle     <duration>|off
+//		idle_close_after <duration>
 //	}
 //
 // Every option is optional and may appear once; percentages may be
@@ -66,7 +67,7 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			a.CPU = val
-		case "interval", "history", "freshness":
+		case "interval", "history", "freshness", "idle_close_after":
 			dur, err := caddyopt.PositiveDuration(d, what)
 			if err != nil {
 				return err
@@ -78,6 +79,8 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				a.History = caddy.Duration(dur)
 			case "freshness":
 				a.Freshness = caddy.Duration(dur)
+			case "idle_close_after":
+				a.IdleCloseAfter = caddy.Duration(dur)
 			}
 		case "threshold", "stop_band", "shed_rate":
 			val, err := caddyopt.OneArg(d, what)

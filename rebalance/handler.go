@@ -1,12 +1,16 @@
 package rebalance
 
 import (
+	"bytes"
+	"encoding/json"
 	"net/http"
+	"slices"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 )
@@ -31,10 +35,13 @@ func init() {
 // The mark is checked when the response's header is written, so a
 // connection shed while its handler runs (a slow upstream, a long
 // download) still closes cleanly after that response. Without this
-// handler, a shed active connection is closed when it next becomes idle
-// (after its response), which an HTTP/1.1 client sees as an ordinary
-// keep-alive close, and an HTTP/2 one gets a GOAWAY from the tracker once
-// it has had no stream for a second (as a shed idle one does): an HTTP/2
+// handler, a shed HTTP/1.1 connection (idle, or active once its response
+// is done) is closed only once it has stayed idle for the app's
+// idle_close_after with no request arriving, so that no request races
+// the close (a client that keeps using it keeps it; the app warns at
+// start about servers without this handler), and an HTTP/2 one gets a
+// GOAWAY from the tracker once it has had no stream for a second (as a
+// shed idle one does): an HTTP/2
 // connection whose requests come closer together than that, such as a
 // busy gRPC channel, is shed only through this handler. Put it in every
 // site that holds long-lived client connections; it costs one context
@@ -67,6 +74,73 @@ func (CloseHandler) CaddyModule() caddy.ModuleInfo {
 // server it is not registered with) passes through untouched.
 func (CloseHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	return next.ServeHTTP(conntrack.WrapResponseWriter(w, r), r)
+}
+
+// warnNoCloseHandler logs one warning naming the HTTP servers of the
+// config whose routes have no rebalance_close handler: a shed idle
+// HTTP/1.1 connection there gets no "Connection: close" on its next
+// response, so it closes only once it has stayed idle for
+// idle_close_after, and a shed active one likewise after its response.
+// Caddy's own server for automatic HTTPS redirects is left out (its
+// routes are not the operator's).
+func (a *App) warnNoCloseHandler() {
+	if a.httpApp == nil {
+		return
+	}
+	var without []string
+	for name, srv := range a.httpApp.Servers {
+		if name != autoHTTPSRedirectServer && !hasCloseHandler(srv) {
+			without = append(without, name)
+		}
+	}
+	if len(without) == 0 {
+		return
+	}
+	slices.Sort(without)
+	a.logger.Warn("these HTTP servers have no rebalance_close handler in their routes: a shed HTTP/1.1 connection there closes only once it has stayed idle for idle_close_after, so shedding there waits for it",
+		zap.Strings("servers", without), zap.Duration("idle_close_after", a.idleClose))
+}
+
+// hasCloseHandler reports whether a route of srv (its routes, their
+// subroutes, its named routes) has the rebalance_close handler. It reads
+// the provisioned handlers, or the handlers' JSON where they are not
+// provisioned.
+func hasCloseHandler(srv *caddyhttp.Server) bool {
+	if routesHaveCloseHandler(srv.Routes) {
+		return true
+	}
+	for _, r := range srv.NamedRoutes {
+		if r != nil && routesHaveCloseHandler(caddyhttp.RouteList{*r}) {
+			return true
+		}
+	}
+	return false
+}
+
+// closeHandlerJSON is how the handler is named in a route's JSON.
+var closeHandlerJSON = []byte(`"rebalance_close"`)
+
+// routesHaveCloseHandler reports whether one of routes has the
+// rebalance_close handler, looking into subroutes.
+func routesHaveCloseHandler(routes caddyhttp.RouteList) bool {
+	for _, r := range routes {
+		for _, h := range r.Handlers {
+			switch h := h.(type) {
+			case *CloseHandler:
+				return true
+			case *caddyhttp.Subroute:
+				if routesHaveCloseHandler(h.Routes) {
+					return true
+				}
+			}
+		}
+		if slices.ContainsFunc(r.HandlersRaw, func(raw json.RawMessage) bool {
+			return bytes.Contains(raw, closeHandlerJSON)
+		}) {
+			return true
+		}
+	}
+	return false
 }
 
 // parseCloseHandler parses the `rebalance_close` directive.

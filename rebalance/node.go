@@ -51,10 +51,13 @@ type settings struct {
 	interval time.Duration
 	history  time.Duration
 	boundary time.Duration // boundary_timeout; 0: never forced
-	metric   string
-	source   loadSource
-	logger   *zap.Logger
-	events   emitter
+	// idleClose is idle_close_after (for the admin view: the tracker
+	// gets it from the config's processSource).
+	idleClose time.Duration
+	metric    string
+	source    loadSource
+	logger    *zap.Logger
+	events    emitter
 }
 
 // loadSource measures this node's load and sheds its connections.

@@ -74,6 +74,8 @@ type connStats struct {
 	bytes   conntrack.ByteTotals
 	ws      conntrack.WebSocketCloses
 	goAways uint64
+	// idleCloses counts shed connections closed after idle_close_after.
+	idleCloses uint64
 	// counting says whether a server of a loaded config has the rebalance
 	// listener wrapper (without one, bytes stay 0).
 	counting bool
@@ -86,11 +88,12 @@ func (p *processConns) stats() connStats {
 		return connStats{}
 	}
 	return connStats{
-		conns:    p.tracker.Counts(),
-		bytes:    p.counters.Totals(),
-		ws:       p.tracker.WebSocketCloses(),
-		goAways:  p.tracker.GoAwayTotal(),
-		counting: p.servers.any(),
+		conns:      p.tracker.Counts(),
+		bytes:      p.counters.Totals(),
+		ws:         p.tracker.WebSocketCloses(),
+		goAways:    p.tracker.GoAwayTotal(),
+		idleCloses: p.tracker.IdleCloseTotal(),
+		counting:   p.servers.any(),
 	}
 }
 

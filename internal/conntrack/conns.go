@@ -77,6 +77,16 @@ type trackedConn struct {
 	// shedActive is set when it was shed while active (Active in
 	// ShedResult), for the closedAtBoundary count.
 	shedActive atomic.Bool
+	// idleAt is when its current idle period started (when it was
+	// accepted, while new), as the tracker's clock (Tracker.now).
+	idleAt atomic.Int64
+	// quietGen is gen+1 of the idle period closeWhenQuiet last armed its
+	// timer for: one timer per idle period, whoever calls it.
+	quietGen atomic.Uint64
+	// reused is set when a request starts on it after it was shed: its
+	// client keeps using it, so Sweep may count it toward Held again
+	// (overdue) even while it is idle between requests.
+	reused atomic.Bool
 }
 
 // Senders of a GOAWAY on a shed HTTP/2 connection.
@@ -164,16 +174,17 @@ func baseConn(c net.Conn) (base net.Conn, h2 bool) {
 	return c, false
 }
 
-// closeIdle closes tc, which is idle and shed: an HTTP/1 connection at
-// once (a client that reuses it at that very moment sees the ordinary
-// keep-alive race every HTTP client handles); an HTTP/2 one gracefully
-// (shutDownH2).
+// closeIdle closes tc, which is idle and shed, without racing a request:
+// an HTTP/1 connection once it has stayed idle for IdleCloseAfter with no
+// request arriving (closeWhenQuiet; a request before that gets
+// "Connection: close" through WrapResponseWriter); an HTTP/2 one
+// gracefully (shutDownH2).
 func (t *Tracker) closeIdle(tc *trackedConn) {
 	if tc.isH2() {
 		t.shutDownH2(tc)
 		return
 	}
-	t.closeShed(tc)
+	t.closeWhenQuiet(tc)
 }
 
 // shutDownH2 shuts down tc, a shed HTTP/2 connection that is idle, once
@@ -204,14 +215,14 @@ func (t *Tracker) shutDownH2(tc *trackedConn) {
 			return
 		}
 		if !tc.goAway.CompareAndSwap(goAwayNone, goAwayTracker) {
-			t.closeShed(tc)
+			t.closeShed(tc, nil)
 			return
 		}
 		// The close is armed first: the write blocks on a client that
 		// reads nothing, and closing the connection frees it.
 		time.AfterFunc(h2IdleCloseDelay, func() {
 			if tc.idleSince(gen) {
-				t.closeShed(tc)
+				t.closeShed(tc, nil)
 			}
 		})
 		if _, err := tc.conn.Write(goAwayFrame); err != nil {
@@ -223,12 +234,21 @@ func (t *Tracker) shutDownH2(tc *trackedConn) {
 }
 
 // closeShed closes tc, a shed connection that is idle after its last
-// response, counting it in closedAtBoundary if it was shed while active.
-func (t *Tracker) closeShed(tc *trackedConn) {
-	if tc.closeConn() && tc.shedActive.Load() {
-		// net/http then reports StateClosed, which forgets it.
+// response, counting it in closedAtBoundary if it was shed while active,
+// and in also unless nil, once. The counts come first: whoever sees the
+// close sees them.
+func (t *Tracker) closeShed(tc *trackedConn, also *atomic.Uint64) {
+	if !tc.closed.CompareAndSwap(false, true) {
+		return
+	}
+	if tc.shedActive.Load() {
 		t.closedAtBoundary.Add(1)
 	}
+	if also != nil {
+		also.Add(1)
+	}
+	// net/http then reports StateClosed, which forgets it.
+	_ = tc.conn.Close()
 }
 
 // markClosing marks tc shed (counted in Closing, out of Held) and
@@ -282,9 +302,10 @@ type Counts struct {
 	// other upgraded streams.
 	Hijacked int `json:"hijacked"`
 	// Closing connections were shed and are not closed yet: active ones
-	// wait for a response boundary; idle ones are gone within moments
-	// (HTTP/2 ones within about 2 s: see Shed).
-	// They are included in the other counts.
+	// wait for a response boundary; idle HTTP/1 ones for their next
+	// response (which carries Connection: close) or for IdleCloseAfter
+	// without a request; idle HTTP/2 ones are gone within about 2 s (see
+	// Shed). They are included in the other counts.
 	Closing int `json:"closing"`
 	// Overdue connections were shed and are still open Sweep's
 	// recountAfter (the rebalance app's `history`) later: a response
@@ -305,8 +326,10 @@ func (c Counts) Held() int { return c.total() - c.Closing }
 
 // ShedResult says how a shed was carried out.
 type ShedResult struct {
-	// Idle connections: HTTP/1 ones closed at once; HTTP/2 ones sent a
-	// GOAWAY after a second without a stream, then closed.
+	// Idle connections (and new ones without a request after 5 s):
+	// HTTP/1 ones marked, to close at their next response boundary or
+	// once idle for IdleCloseAfter with no request arriving; HTTP/2 ones
+	// sent a GOAWAY after a second without a stream, then closed.
 	Idle int `json:"idle"`
 	// Active connections marked to close at their next response boundary.
 	Active int `json:"active"`
@@ -336,6 +359,12 @@ type Tracker struct {
 	closedAtBoundary, forced           atomic.Uint64
 	goAways                            atomic.Uint64
 	wsCloses                           wsCloseCounters
+	// idleCloses counts shed connections closed after IdleCloseAfter
+	// idle; inputSeen the checks that found a request arriving instead.
+	idleCloses, inputSeen atomic.Uint64
+
+	// idleCloseAfter is SetIdleCloseAfter's bound (0: the default).
+	idleCloseAfter atomic.Int64
 
 	shedMu sync.Mutex // one Shed or Sweep at a time
 }
@@ -358,6 +387,7 @@ func (t *Tracker) load(c net.Conn) *trackedConn {
 	}
 	tc := &trackedConn{conn: c, since: time.Now()}
 	tc.state.Store(connNew)
+	tc.idleAt.Store(int64(t.now()))
 	v, loaded := t.conns.LoadOrStore(c, tc)
 	if !loaded {
 		t.counts[connNew].Add(1)
@@ -370,6 +400,10 @@ func (t *Tracker) load(c net.Conn) *trackedConn {
 func (t *Tracker) setState(tc *trackedConn, s uint32) {
 	if tc.state.Load() == s {
 		return
+	}
+	if s == connIdle {
+		// Before the state: whoever sees it idle sees when it became so.
+		tc.idleAt.Store(int64(t.now()))
 	}
 	// gen first: a timer that saw the old state with the old gen must not
 	// act in the new state.
@@ -389,10 +423,12 @@ func (t *Tracker) ConnContext(ctx context.Context, c net.Conn) context.Context {
 }
 
 // ConnState follows a connection through its states. Register it with
-// http.Server.ConnState or Caddy's Server.RegisterConnState. An active
-// connection that was shed is closed here when it becomes idle: its
-// response has been written and flushed, and no other request has been
-// read from it.
+// http.Server.ConnState or Caddy's Server.RegisterConnState. A shed
+// connection that becomes idle (its response written and flushed, no
+// other request read) is closed from here without racing its client's
+// next request (closeIdle): an HTTP/1 one whose response did not carry
+// Connection: close (no WrapResponseWriter on its route) once it has
+// stayed idle for IdleCloseAfter.
 func (t *Tracker) ConnState(c net.Conn, s http.ConnState) {
 	c, h2 := baseConn(c)
 	if h2 && s != http.StateClosed {
@@ -402,7 +438,11 @@ func (t *Tracker) ConnState(c net.Conn, s http.ConnState) {
 	case http.StateNew:
 		t.load(c)
 	case http.StateActive:
-		t.setState(t.load(c), connActive)
+		tc := t.load(c)
+		t.setState(tc, connActive)
+		if tc.closeAtBoundary() {
+			tc.reused.Store(true)
+		}
 	case http.StateIdle:
 		tc := t.load(c)
 		// State first, then the flag: Shed sets the flag, then reads the
@@ -450,17 +490,20 @@ func (t *Tracker) Counts() Counts {
 // idle HTTP/2 connections since it was created (shutDownH2).
 func (t *Tracker) GoAwayTotal() uint64 { return t.goAways.Load() }
 
-// Shed sheds up to n connections, gracefully: idle connections first
-// (HTTP/1 ones closed at once; a client that reuses one at that very
-// moment sees the ordinary keep-alive race every HTTP client handles;
-// HTTP/2 ones sent a GOAWAY, then closed: see shutDownH2), then active
-// connections (marked, then closed at their next response boundary), and
-// hijacked connections (WebSockets and other upgraded streams) last,
-// closed. New connections younger than 5 s are left alone: their first
-// request may be on its way. Connections already shed are not counted
-// again, even once they count toward Held again (Sweep). A WebSocket
-// whose upgrade went through WrapResponseWriter gets a close frame (going
-// away) first.
+// Shed sheds up to n connections, gracefully: idle connections first,
+// then active connections, and hijacked connections (WebSockets and other
+// upgraded streams) last, closed. No connection a request may be on is
+// closed: an idle HTTP/1 connection, or a new one without a request after
+// 5 s, is marked, like an active one: its next response carries
+// Connection: close (through WrapResponseWriter) and it closes at that
+// boundary; one that stays idle for IdleCloseAfter with no request
+// arriving is closed then (closeWhenQuiet). An active one on a route
+// without WrapResponseWriter goes the same way from its next idle
+// transition. HTTP/2 connections get a GOAWAY (shutDownH2). New
+// connections younger than 5 s are left alone: their first request may be
+// on its way. Connections already shed are not counted again, even once
+// they count toward Held again (Sweep). A WebSocket whose upgrade went
+// through WrapResponseWriter gets a close frame (going away) first.
 func (t *Tracker) Shed(n int) ShedResult {
 	var res ShedResult
 	if n <= 0 {
@@ -484,7 +527,7 @@ func (t *Tracker) Shed(n int) ShedResult {
 		case connNew:
 			if res.Idle < n && now.Sub(tc.since) >= newConnGrace && t.markClosing(tc) {
 				res.Idle++
-				tc.closeConn()
+				t.closeWhenQuiet(tc)
 			}
 		case connActive:
 			if len(active) < n {
@@ -548,7 +591,11 @@ type SweepResult struct {
 //     that hides it) stays counted until it is shed;
 //   - a shed connection still open recountAfter after it was shed counts
 //     toward Held again: it is evidently not closing soon, and the caller
-//     may shed others instead. It is not shed a second time;
+//     may shed others instead. It is not shed a second time. A shed
+//     HTTP/1 connection idle (or new) with no request since the shed is
+//     not counted again: it closes at its next response or after
+//     IdleCloseAfter idle, whichever comes first, and its client, if it
+//     comes back, reconnects elsewhere for the request after;
 //   - with boundaryTimeout > 0, a shed connection still active (or
 //     upgraded since) boundaryTimeout after it was shed is closed anyway,
 //     cutting its response; an upgraded WebSocket whose frames
@@ -589,6 +636,10 @@ func (t *Tracker) sweep(now, recountAfter, boundaryTimeout time.Duration) SweepR
 				// returns, which forgets it.
 				res.Forced++
 			}
+			return true
+		}
+		if (state == connIdle || state == connNew) && !tc.reused.Load() {
+			// Waiting for its next request or for IdleCloseAfter.
 			return true
 		}
 		if recountAfter > 0 && age >= recountAfter && tc.shed.CompareAndSwap(shedClosing, shedOverdue) {

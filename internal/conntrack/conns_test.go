@@ -42,6 +42,7 @@ func newTrackedServer(t *testing.T) *trackedServer {
 		io.WriteString(w, "done")
 	})
 	mux.HandleFunc("/stream", serveEndlessEvents)
+	mux.HandleFunc("/echo", echoBody)
 	mux.HandleFunc("/upgrade", func(w http.ResponseWriter, r *http.Request) {
 		conn, brw, err := http.NewResponseController(w).Hijack()
 		if err != nil {
@@ -193,11 +194,13 @@ func TestTrackerCounts(t *testing.T) {
 }
 
 // TestTrackerShedOrder sheds from a server holding 2 idle, 1 active
-// and 1 hijacked connection: idle ones go first, then the active one is
-// marked (not closed: its request completes, its response arrives whole,
-// then the connection closes), and the hijacked one last.
+// and 1 hijacked connection: idle ones go first (closed once idle for
+// the tracker's bound), then the active one is marked (not closed: its
+// request completes, its response arrives whole, then the connection
+// closes once idle for the bound), and the hijacked one last.
 func TestTrackerShedOrder(t *testing.T) {
 	ts := newTrackedServer(t)
+	ts.tracker.SetIdleCloseAfter(100 * time.Millisecond)
 	i1, i2, act, up := ts.dial(), ts.dial(), ts.dial(), ts.dial()
 	i1.get(t, "/fast")
 	i2.get(t, "/fast")

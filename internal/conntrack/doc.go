@@ -8,9 +8,11 @@
 //   - Tracker (conns.go): the connections of every server whose
 //     ConnState and ConnContext hooks it is registered with, by state;
 //     Shed (idle first, active ones at a response boundary, hijacked
-//     streams last; idle HTTP/2 ones through a GOAWAY), and Sweep, the
-//     per-interval pass that recounts shed streams that never end and
-//     closes them at a boundary timeout;
+//     streams last; idle HTTP/2 ones through a GOAWAY), which never closes
+//     an HTTP/1 connection a request may be on (idle.go: a shed idle one
+//     closes at its next response boundary, or once idle for a bound with
+//     no request arriving), and Sweep, the per-interval pass that recounts
+//     shed streams that never end and closes them at a boundary timeout;
 //   - WrapResponseWriter (response.go): the HTTP layer of a graceful shed,
 //     "Connection: close" on a shed connection's next response, and the
 //     WebSocket frame follower that closes a shed WebSocket with a close

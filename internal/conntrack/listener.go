@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -162,7 +163,8 @@ func sawH2Preface(c net.Conn) bool {
 
 // findConn returns the first connection of type T among c and the
 // connections it wraps, unwrapping TLS (NetConn) and PROXY-protocol (Raw)
-// wrappers, and countingConn, which has NetConn too.
+// wrappers, countingConn, which has NetConn too, and wrappers that only
+// embed the connection they wrap (embeddedConn).
 func findConn[T any](c net.Conn) (T, bool) {
 	for range 8 {
 		if t, ok := c.(T); ok {
@@ -174,12 +176,42 @@ func findConn[T any](c net.Conn) (T, bool) {
 		case interface{ Raw() net.Conn }:
 			c = w.Raw()
 		default:
-			var zero T
-			return zero, false
+			if c = embeddedConn(c); c == nil {
+				var zero T
+				return zero, false
+			}
 		}
 	}
 	var zero T
 	return zero, false
+}
+
+// embeddedConn returns the net.Conn that c, a struct or a pointer to one,
+// embeds (its field Conn), or nil. Caddy wraps accepted connections so:
+// a server limited to HTTP/1 or to HTTP/2 in its http2Conn, one whose
+// listener wrapper returns TLS state without a *tls.Conn in its
+// tlsStateConn, neither with a method that returns the connection.
+func embeddedConn(c net.Conn) net.Conn {
+	v := reflect.ValueOf(c)
+	if v.Kind() == reflect.Pointer {
+		if v.IsNil() {
+			return nil
+		}
+		v = v.Elem()
+	}
+	if v.Kind() != reflect.Struct {
+		return nil
+	}
+	sf, ok := v.Type().FieldByName("Conn")
+	if !ok || !sf.Anonymous || sf.Type != reflect.TypeFor[net.Conn]() {
+		return nil
+	}
+	f := v.FieldByIndex(sf.Index)
+	if !f.CanInterface() || f.IsNil() {
+		return nil
+	}
+	inner, _ := f.Interface().(net.Conn)
+	return inner
 }
 
 // Write writes to the connection and counts the bytes written.

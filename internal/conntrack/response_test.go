@@ -52,6 +52,8 @@ func newCloseServer(t *testing.T, h2c bool) *closeServer {
 			}
 		case "/stream": // server-sent events that never end
 			serveEndlessEvents(w, r)
+		case "/echo": // the request body
+			echoBody(w, r)
 		default: // implicit header on Write
 			io.WriteString(w, "ok")
 		}

@@ -276,12 +276,14 @@ func TestShedStreamNotForced(t *testing.T) {
 // TestShedStreamForced: with a boundary timeout, a shed stream that never
 // ends is closed once the timeout has passed (counted as forced, once),
 // while a shed request in flight at the same time that completes within
-// the timeout gets its whole response and closes at its boundary. Sweeps
+// the timeout gets its whole response and closes at its boundary (idle
+// for the tracker's bound: no WrapResponseWriter here). Sweeps
 // run all along, every few milliseconds, on a clock the test moves past
 // the timeout once the request is done, so that "within the timeout"
 // does not depend on how fast the machine is.
 func TestShedStreamForced(t *testing.T) {
 	ts := newTrackedServer(t)
+	ts.tracker.SetIdleCloseAfter(100 * time.Millisecond)
 	sc, rc := ts.dial(), ts.dial()
 	events := openStream(t, sc)
 	if _, err := events.next(); err != nil {
