@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"strings"
@@ -207,6 +208,10 @@ type simTraffic struct {
 	*processSource
 	perConn float64
 
+	// landing are the nodes a shed client reconnects to, at random, as
+	// through a random outer balancer (none: it goes away).
+	landing []*simTraffic
+
 	mu    sync.Mutex
 	last  time.Time
 	total uint64     // the bytes carried so far
@@ -214,16 +219,21 @@ type simTraffic struct {
 }
 
 func newSimTraffic(conns int, perConn float64) *simTraffic {
-	tr := conntrack.NewTracker()
-	for range conns {
-		c := &simConn{tracker: tr}
-		tr.ConnState(c, http.StateNew)
-		tr.ConnState(c, http.StateActive)
-		tr.ConnState(c, http.StateIdle)
-	}
-	src := &processSource{tracker: tr}
+	src := &processSource{tracker: conntrack.NewTracker()}
 	src.bytes.prime(0, time.Now())
-	return &simTraffic{processSource: src, perConn: perConn}
+	s := &simTraffic{processSource: src, perConn: perConn}
+	for range conns {
+		s.connect()
+	}
+	return s
+}
+
+// connect adds an idle connection, as a client that made a request.
+func (s *simTraffic) connect() {
+	c := &simConn{tracker: s.tracker}
+	s.tracker.ConnState(c, http.StateNew)
+	s.tracker.ConnState(c, http.StateActive)
+	s.tracker.ConnState(c, http.StateIdle)
 }
 
 // Sample returns, for metric throughput, the rate processSource measures
@@ -247,6 +257,11 @@ func (s *simTraffic) Sample(metric string) (float64, int) {
 // Shed sheds through the tracker and adds up what it shed.
 func (s *simTraffic) Shed(n int) ShedResult {
 	r := s.processSource.Shed(n)
+	for range r.Total() {
+		if len(s.landing) > 0 {
+			s.landing[rand.IntN(len(s.landing))].connect()
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.shed.Idle += r.Idle
@@ -266,12 +281,15 @@ func (s *simTraffic) shedTotal() ShedResult {
 // with metric throughput. Each connection carries 10 kB/s: node A holds
 // 300 (3 MB/s), node B 100 (1 MB/s). A is busier by bytes per second
 // than average × 1.2 and sheds, sized as connections × (1 − stop line /
-// current), down to the stop band (average × 1.1: 122 connections or
-// fewer); B never sheds. Both gossip "throughput" and the admin view
-// shows the loads as bytes per second.
+// current); its clients reconnect to A or B at random, as through a
+// random outer balancer, so the average stays 2 MB/s (200 connections)
+// and A ends within the stop band (220) and not far below the average;
+// B never sheds. Both gossip "throughput" and the admin view shows the
+// loads as bytes per second.
 func TestThroughputClusterSheds(t *testing.T) {
 	const perConn = 10_000
 	simA, simB := newSimTraffic(300, perConn), newSimTraffic(100, perConn)
+	simA.landing = []*simTraffic{simA, simB}
 	throughput := func(c *cluster.App, x *App) { x.Metric = metricThroughput }
 	a := testApp(t, "bytes-a", simA, throughput)
 	b := testApp(t, "bytes-b", simB, func(c *cluster.App, x *App) { throughput(c, x); c.Join = []string{a.gossipAddr()} })
@@ -285,20 +303,27 @@ func TestThroughputClusterSheds(t *testing.T) {
 		d, shed := a.node.last, a.node.shed
 		a.node.mu.Unlock()
 		held := simA.tracker.Counts().Held()
-		return shed.Total() > 0 && !d.Shedding && held <= 122, fmt.Sprintf("held %d, shed %+v, last decision %+v", held, shed, d)
+		return shed.Total() > 0 && !d.Active() && held <= 220, fmt.Sprintf("held %d, shed %+v, last decision %+v", held, shed, d)
 	})
-	heldA := simA.tracker.Counts().Held()
-	// Sized by bytes: no more than a few connections past the line.
-	if heldA < 110 {
-		t.Errorf("bytes-a shed down to %d connections; the stop band is at 122 (more than needed)", heldA)
+	// The clients a shed moves reconnect right after it: between the
+	// two the nodes hold fewer than 400.
+	var heldA, heldB int
+	testutil.WaitFor(t, 5*time.Second, "the two nodes hold 400 connections", func() (bool, string) {
+		heldA, heldB = simA.tracker.Counts().Held(), simB.tracker.Counts().Held()
+		return heldA+heldB == 400, fmt.Sprintf("%d + %d", heldA, heldB)
+	})
+	// Sized by bytes: at most 5% below the average (an interval's lag
+	// under the race detector on busy cores; see TestClusterGossipAndShed).
+	if heldA < 190 {
+		t.Errorf("bytes-a shed down to %d connections; the average is 200 (more than needed)", heldA)
 	}
-	if shed := simA.shedTotal(); shed.Total() != 300-heldA || shed.Idle != shed.Total() {
-		t.Errorf("bytes-a's tracker shed %+v; want %d idle connections", shed, 300-heldA)
+	if shed := simA.shedTotal(); shed.Total() < 300-heldA || shed.Idle != shed.Total() {
+		t.Errorf("bytes-a's tracker shed %+v; want at least %d idle connections", shed, 300-heldA)
 	}
-	if shed := simB.shedTotal(); shed.Total() != 0 || simB.tracker.Counts().Held() != 100 {
+	if shed := simB.shedTotal(); shed.Total() != 0 {
 		t.Errorf("bytes-b shed %+v", shed)
 	}
-	t.Logf("bytes-a: 300 → %d connections (%s)", heldA, formatLoad(metricThroughput, float64(heldA*perConn)))
+	t.Logf("bytes-a: 300 → %d connections (%s), bytes-b: 100 → %d", heldA, formatLoad(metricThroughput, float64(heldA*perConn)), heldB)
 
 	var nv *nodeView
 	for _, v := range buildRebalanceView().Nodes {
