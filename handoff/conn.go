@@ -73,14 +73,9 @@ type conn struct {
 	// are in (or the last one).
 	offset int64
 	req    request
-	// respDone is set when, after a response to req was written, the
-	// server set a read deadline with no read in progress: net/http does
-	// so before it waits for the next request. A request that begins
-	// before it was pipelined.
-	respDone bool
-	// finished is set when the server cleared the write deadline after its
-	// last write (net/http does after a complete response, not after an
-	// aborted one); respClose when the last response's headers carry
+	// finished is set when the server set the write deadline after its
+	// last write (net/http clears it after a complete response, not after
+	// an aborted one); respClose when the last response's headers carry
 	// Connection: close.
 	finished, respClose bool
 	// idleWait is closed when closeIdleConns hands the connection over
@@ -186,9 +181,9 @@ func (c *conn) stayLocked() {
 // track follows the requests in b, what the server just read.
 func (c *conn) track(b []byte) {
 	r := &c.req
-	for len(b) > 0 {
+	for start := true; len(b) > 0; start = false {
 		if !r.begun || r.headDone && c.offset == r.end {
-			if !c.beginLocked(b[0]) {
+			if !c.beginLocked(b[0], start) {
 				return
 			}
 		}
@@ -208,11 +203,17 @@ func (c *conn) track(b []byte) {
 	}
 }
 
-// beginLocked starts a request whose first byte is first.
-func (c *conn) beginLocked(first byte) bool {
-	if c.offset > 0 && !c.respDone {
-		// Read before the response to the last request was done: the
-		// server may hold bytes of it that this connection cannot see.
+// beginLocked starts a request whose first byte is first; readStart is
+// set if it is the first byte of a read.
+func (c *conn) beginLocked(first byte, readStart bool) bool {
+	if c.offset > 0 && !readStart {
+		// Read with the end of the last request, before its response
+		// (pipelining, or a body read after the response): the server
+		// may hold bytes of it that this connection cannot see. A
+		// request that begins a read is one net/http reads after the
+		// response (or net/http's background read caught its first
+		// byte: then any write before the rest is read makes the
+		// connection stay, see wrote).
 		c.stayLocked()
 		return false
 	}
@@ -223,7 +224,6 @@ func (c *conn) beginLocked(first byte) bool {
 		return false
 	}
 	c.req = request{begun: true, start: c.offset, bytes: c.req.bytes[:0]}
-	c.respDone, c.finished, c.respClose = false, false, false
 	return true
 }
 
@@ -309,15 +309,23 @@ func (c *conn) giveAway(prefix []byte) {
 	c.l.hub.put(accepted{conn: c.Conn, prefix: prefix, from: c.l})
 }
 
-// droppedLocked returns what the server read, if it closes c after reading
-// the headers of a request with a safe method that it never served (see
-// conn).
-func (c *conn) droppedLocked() (read []byte, ok bool) {
+// unservedLocked returns what the server read of the request it read last,
+// if it closes c (by) with no handler having seen that request, and a
+// newer server may serve it: the server read the request's headers and
+// nothing after them, wrote nothing since, and
+//   - net/http closes c as its serve loop ends without a panic: the only
+//     way out of that loop between reading a request and calling its
+//     handler, without writing, is the check of whether the server is
+//     shutting down (a handler that runs ends in a response, a panic, or
+//     a hijack, after which net/http does not close the connection), so
+//     the request goes, whatever its method;
+//   - or the request's method is safe (see conn).
+func (c *conn) unservedLocked(by closer) (read []byte, ok bool) {
 	r := &c.req
-	if !r.headDone || r.running || r.answered || !safeRequest(r.bytes) {
+	if !r.headDone || r.running || r.answered || int64(len(r.bytes)) != c.offset-r.start {
 		return nil, false
 	}
-	return r.bytes, true
+	return r.bytes, by == serveEnd || safeRequest(r.bytes)
 }
 
 // safeRequest reports whether b starts an HTTP/1 request with a safe
@@ -355,8 +363,9 @@ func (c *conn) wrote(p []byte) bool {
 	}
 	r := &c.req
 	if !r.headDone {
-		// Before a request or within its headers (an error response):
-		// nothing to follow.
+		// Before a request or within its headers: an error response, or
+		// the rest of a response after net/http's background read caught
+		// the first byte of the next request (pipelining).
 		c.stayLocked()
 		return true
 	}
@@ -412,13 +421,8 @@ func (c *conn) setDeadline(t time.Time, read, write bool) error {
 		// would cut its reads short.
 		return nil
 	}
-	if c.req.answered {
-		if read && !c.reading && c.finished {
-			c.respDone = true
-		}
-		if write {
-			c.finished = true
-		}
+	if write {
+		c.finished = true
 	}
 	return set()
 }
@@ -435,13 +439,13 @@ func (c *conn) Close() error {
 	if newest, _ := c.l.hub.newest(); newest == nil || newest == c.l {
 		return c.Conn.Close()
 	}
-	idle := calledByCloseIdleConns()
+	by := closedBy()
 	c.mu.Lock()
 	if c.handing || c.handed.Load() {
 		c.mu.Unlock()
 		return nil
 	}
-	if wait := c.idleWait; wait != nil && !idle {
+	if wait := c.idleWait; wait != nil && by != idleCloser {
 		// Closed another way while a Close waits at a boundary.
 		c.idleWait = nil
 		c.stayLocked()
@@ -449,16 +453,16 @@ func (c *conn) Close() error {
 		close(wait)
 		return c.Conn.Close()
 	}
-	if idle {
+	if by == idleCloser {
 		return c.handIdle()
 	}
-	if read, ok := c.droppedLocked(); ok {
+	if read, ok := c.unservedLocked(by); ok {
 		prefix := c.takeLocked(read)
 		c.mu.Unlock()
 		c.giveAway(prefix)
 		return nil
 	}
-	if c.atBoundaryLocked() {
+	if by == serveEnd && c.atBoundaryLocked() {
 		return c.waitIdle()
 	}
 	c.stayLocked()
@@ -477,10 +481,10 @@ func (c *conn) Close() error {
 // before it calls closeIdleConns. So a connection it closes had its last
 // response complete, and no handler ever sees what the server read of the
 // next request: that check comes after StateActive, which comes after the
-// StateIdle closeIdleConns saw. The server read nothing of the request
-// before its response was done (respDone, else the connection stays), so
-// req.bytes is all it holds of it, and the request can go to the newer
-// server whatever its method.
+// StateIdle closeIdleConns saw. The server read nothing of that request
+// before the response was done (see beginLocked and wrote: else the
+// connection stays), so req.bytes is all it holds of it, and the request
+// can go to the newer server whatever its method.
 func (c *conn) handIdle() error {
 	r := &c.req
 	var read []byte
@@ -531,8 +535,15 @@ func (c *conn) handIdle() error {
 // connection too if, and only if, net/http saw the response complete.
 func (c *conn) atBoundaryLocked() bool {
 	r := &c.req
-	return r.headDone && r.answered && c.offset == r.end && c.finished && !c.respClose &&
-		!c.reading && c.idleWait == nil
+	if !c.finished || c.respClose || c.reading || c.idleWait != nil {
+		return false
+	}
+	if r.answered {
+		return c.offset == r.end
+	}
+	// The first bytes of the next request, that net/http's background
+	// read caught after the response: they go with the connection.
+	return r.begun && !r.headDone && !r.running && int64(len(r.bytes)) == c.offset-r.start
 }
 
 // waitIdle waits up to idleCloseWait for closeIdleConns to hand c over,
@@ -559,25 +570,44 @@ func (c *conn) waitIdle() error {
 	return c.Conn.Close()
 }
 
-// idleCloser is the function net/http's Shutdown closes idle connections
-// with.
-const idleCloser = "net/http.(*Server).closeIdleConns"
+// closer is who closes a connection, as far as it matters here.
+type closer int
 
-// calledByCloseIdleConns reports whether Close was called by net/http's
-// closeIdleConns, directly or through wrappers (tls.Conn's Close). A
-// renamed function makes it false: connections then close as they would
-// without lbx_handoff.
-func calledByCloseIdleConns() bool {
+const (
+	otherCloser closer = iota
+	// idleCloser is net/http's closeIdleConns, which Shutdown closes idle
+	// connections with (see handIdle).
+	idleCloser
+	// serveEnd is net/http's serve loop, as it ends without a panic (see
+	// unservedLocked).
+	serveEnd
+)
+
+// closedBy tells who called Close, from its caller's stack: net/http's
+// closeIdleConns, directly or through wrappers (tls.Conn's Close); or
+// net/http's conn.close called by the function serve defers, as serve
+// returns (not during a panic or runtime.Goexit, which run it from their
+// own frames). Functions renamed in a later Go make it otherCloser:
+// connections then close as they would without lbx_handoff.
+func closedBy() closer {
 	var pcs [8]uintptr
 	n := runtime.Callers(3, pcs[:]) // above Callers, this function and Close
 	frames := runtime.CallersFrames(pcs[:n])
-	for {
+	for i := 0; ; i++ {
 		f, more := frames.Next()
-		if f.Function == idleCloser {
-			return true
+		switch {
+		case f.Function == "net/http.(*Server).closeIdleConns":
+			return idleCloser
+		case i == 0 && f.Function == "net/http.(*conn).close" && more:
+			deferred, more := frames.Next()
+			serve, _ := frames.Next()
+			if more && strings.HasPrefix(deferred.Function, "net/http.(*conn).serve.func") && serve.Function == "net/http.(*conn).serve" {
+				return serveEnd
+			}
+			return otherCloser
 		}
 		if !more {
-			return false
+			return otherCloser
 		}
 	}
 }
