@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"runtime"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -234,7 +233,7 @@ func (c *conn) headLocked(b *[]byte) bool {
 	old := len(r.bytes)
 	r.bytes = append(r.bytes, *b...)
 	from := max(0, old-len(headEnd)+1)
-	i := bytes.Index(r.bytes[from:], headEnd)
+	i := indexHeadEnd(r.bytes[from:])
 	if i < 0 {
 		if len(r.bytes) > maxHead {
 			c.stayLocked()
@@ -258,35 +257,78 @@ func (c *conn) headLocked(b *[]byte) bool {
 	return true
 }
 
+// indexHeadEnd returns the index of the first headEnd in b, or -1. It
+// looks at each line feed, fewer than bytes.Index's candidates in headers.
+func indexHeadEnd(b []byte) int {
+	for i := 0; ; {
+		j := bytes.IndexByte(b[i:], '\n')
+		if j < 0 {
+			return -1
+		}
+		i += j
+		if i >= 3 && b[i-3] == '\r' && b[i-2] == '\n' && b[i-1] == '\r' {
+			return i - 3
+		}
+		i++
+	}
+}
+
 // bodyLength returns the length of the body of the HTTP/1 request whose
 // headers are head, if it is given by Content-Length (or there is none)
 // and the connection stays HTTP/1 after it: not CONNECT, not an upgrade,
 // not HTTP/2's preface.
 func bodyLength(head []byte) (int64, bool) {
-	lines := strings.Split(string(head[:len(head)-len(headEnd)]), "\r\n")
-	method, _, _ := strings.Cut(lines[0], " ")
-	if method == "CONNECT" || method == "PRI" ||
-		!strings.HasSuffix(lines[0], " HTTP/1.1") && !strings.HasSuffix(lines[0], " HTTP/1.0") {
+	line, rest := cutLine(head[:len(head)-len(headEnd)+2])
+	method, _, _ := bytes.Cut(line, []byte(" "))
+	if string(method) == "CONNECT" || string(method) == "PRI" ||
+		!bytes.HasSuffix(line, []byte(" HTTP/1.1")) && !bytes.HasSuffix(line, []byte(" HTTP/1.0")) {
 		return 0, false
 	}
 	length := int64(-1)
-	for _, line := range lines[1:] {
-		name, value, ok := strings.Cut(line, ":")
-		if !ok || name == "" || name[0] == ' ' || name[0] == '\t' {
+	for len(rest) > 0 {
+		line, rest = cutLine(rest)
+		name, value, ok := bytes.Cut(line, []byte(":"))
+		if !ok || len(name) == 0 || name[0] == ' ' || name[0] == '\t' {
 			return 0, false // folded or malformed: net/http rejects it
 		}
 		switch {
-		case strings.EqualFold(name, "Content-Length"):
-			n, err := strconv.ParseInt(strings.TrimSpace(value), 10, 64)
-			if err != nil || n < 0 || length >= 0 && n != length {
+		case len(name) == len("Content-Length") && bytes.EqualFold(name, []byte("Content-Length")):
+			n, ok := parseLength(bytes.TrimSpace(value))
+			if !ok || length >= 0 && n != length {
 				return 0, false
 			}
 			length = n
-		case strings.EqualFold(name, "Transfer-Encoding"), strings.EqualFold(name, "Upgrade"):
+		case bytes.EqualFold(name, []byte("Transfer-Encoding")), bytes.EqualFold(name, []byte("Upgrade")):
 			return 0, false
 		}
 	}
 	return max(length, 0), true
+}
+
+// cutLine cuts b, headers whose lines end with CRLF, after its first
+// line.
+func cutLine(b []byte) (line, rest []byte) {
+	i := bytes.IndexByte(b, '\n')
+	if i < 0 {
+		return b, nil
+	}
+	return bytes.TrimSuffix(b[:i], []byte("\r")), b[i+1:]
+}
+
+// parseLength parses a Content-Length value: decimal digits only, as
+// net/http takes it.
+func parseLength(v []byte) (int64, bool) {
+	if len(v) == 0 || len(v) > 18 {
+		return 0, false
+	}
+	var n int64
+	for _, d := range v {
+		if d < '0' || d > '9' {
+			return 0, false
+		}
+		n = n*10 + int64(d-'0')
+	}
+	return n, true
 }
 
 // takeLocked marks the connection as handed over and returns what goes
@@ -374,7 +416,7 @@ func (c *conn) wrote(p []byte) bool {
 	c.finished = false
 	if bytes.HasPrefix(p, []byte("HTTP/1.")) {
 		head := p
-		if i := bytes.Index(p, headEnd); i >= 0 {
+		if i := indexHeadEnd(p); i >= 0 {
 			head = p[:i+2]
 		}
 		// net/http writes the header as Connection: close.
