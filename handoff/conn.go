@@ -625,22 +625,23 @@ const (
 	serveEnd
 )
 
-// closedBy tells who called Close, from its caller's stack: net/http's
-// closeIdleConns, directly or through wrappers (tls.Conn's Close); or
-// net/http's conn.close called by the function serve defers, as serve
-// returns (not during a panic or runtime.Goexit, which run it from their
-// own frames). Functions renamed in a later Go make it otherCloser:
-// connections then close as they would without lbx_handoff.
+// closedBy tells who called Close, from its caller's stack (through
+// wrappers after lbx_handoff, such as tls.Conn's or rebalance's Close):
+// net/http's closeIdleConns; or net/http's conn.close called by the
+// function serve defers, as serve returns (not during a panic or
+// runtime.Goexit, which run it from their own frames). Functions renamed
+// in a later Go make it otherCloser: connections then close as they would
+// without lbx_handoff.
 func closedBy() closer {
-	var pcs [8]uintptr
+	var pcs [12]uintptr
 	n := runtime.Callers(3, pcs[:]) // above Callers, this function and Close
 	frames := runtime.CallersFrames(pcs[:n])
-	for i := 0; ; i++ {
+	for {
 		f, more := frames.Next()
-		switch {
-		case f.Function == "net/http.(*Server).closeIdleConns":
+		switch f.Function {
+		case "net/http.(*Server).closeIdleConns":
 			return idleCloser
-		case i == 0 && f.Function == "net/http.(*conn).close" && more:
+		case "net/http.(*conn).close":
 			deferred, more := frames.Next()
 			serve, _ := frames.Next()
 			if more && strings.HasPrefix(deferred.Function, "net/http.(*conn).serve.func") && serve.Function == "net/http.(*conn).serve" {

@@ -131,8 +131,33 @@ func (cl *client) mustPost(t *testing.T, body string, gen int) {
 // clients that each keep one connection and send POSTs on it, one after
 // the other, never again: every POST must be answered, and reach a handler
 // once. Some responses are written in two parts, so that a reload finds
-// them in progress.
+// them in progress. It runs with the server on lbx_handoff's listener, and
+// on a wrapper after it (as rebalance's is), whose connections forward
+// Close.
 func TestReloadsLoseNoKeptAlivePOST(t *testing.T) {
+	t.Run("direct", func(t *testing.T) { testReloadsKeptAlivePOST(t, func(l net.Listener) net.Listener { return l }) })
+	t.Run("behind a wrapper", func(t *testing.T) {
+		testReloadsKeptAlivePOST(t, func(l net.Listener) net.Listener { return forwardingListener{l} })
+	})
+}
+
+// forwardingListener is a listener wrapper whose connections forward
+// every call.
+type forwardingListener struct{ net.Listener }
+
+func (l forwardingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return forwardingConn{c}, nil
+}
+
+type forwardingConn struct{ net.Conn }
+
+func (c forwardingConn) Close() error { return c.Conn.Close() }
+
+func testReloadsKeptAlivePOST(t *testing.T, wrap func(net.Listener) net.Listener) {
 	const clients, reloads = 16, 30
 	var (
 		seenMu sync.Mutex
@@ -164,7 +189,7 @@ func TestReloadsLoseNoKeptAlivePOST(t *testing.T) {
 
 	first := attach(reusePortListen(t, "127.0.0.1:0"))
 	addr := first.Addr().String()
-	current := serveGen(t, first, handler(0))
+	current := serveGen(t, wrap(first), handler(0))
 
 	var (
 		sent, answered, reused, failed, newResets atomic.Int64
@@ -229,7 +254,7 @@ func TestReloadsLoseNoKeptAlivePOST(t *testing.T) {
 			n := answered.Load()
 			return n >= int64(gen)*clients*4 || failed.Load() > 0, fmt.Sprintf("%d answered", n)
 		})
-		next := serveGen(t, attach(reusePortListen(t, addr)), handler(gen))
+		next := serveGen(t, wrap(attach(reusePortListen(t, addr))), handler(gen))
 		current.shutdown(t)
 		current = next
 	}
