@@ -22,25 +22,26 @@ import (
 //     handler will see (see handIdle). The socket goes to the newer server
 //     with what this one read of the next request, whatever its method,
 //     and with the bytes that arrive at that instant;
-//   - when the server closes it after a complete response because it is
-//     shutting down: Close waits for closeIdleConns, which proves the
-//     response complete (see atBoundary);
-//   - when this server closes it having read the headers of an HTTP/1
+//   - when net/http closes it as its serve loop ends, without a panic,
+//     having read a request's headers and nothing after them, and written
+//     nothing since: no handler saw that request (see unservedLocked), and
+//     it goes to the newer server whatever its method;
+//   - when net/http closes it right after a complete response because it
+//     is shutting down: Close waits for closeIdleConns, which proves the
+//     response complete (see atBoundaryLocked);
+//   - when anything else closes it having read the headers of an HTTP/1
 //     request with a safe method (GET, HEAD, OPTIONS, TRACE), nothing after
-//     them, and written nothing since: that is net/http dropping a request
-//     it read after its shutdown began (it checks between reading a
-//     request's headers and calling the handler), and the request goes to
-//     the newer server. A server that goes on to run the handler reads
-//     again first (net/http's background read, or the body), and from then
-//     on the request stays. The method rule is the one net/http's client
-//     follows to send a request again on a connection that closed: it
-//     covers a handler that closed the connection unanswered (Caddy's
-//     abort) before that read.
+//     them, and written nothing since. A server that goes on to run the
+//     handler reads again first (net/http's background read, or the body),
+//     and from then on the request stays. The method rule is the one
+//     net/http's client follows to send a request again on a connection
+//     that closed: it covers a handler that closed the connection
+//     unanswered before that read.
 //
 // To know where requests begin, it follows the framing of the requests it
 // reads (headers and Content-Length); a connection it cannot follow (TLS,
 // HTTP/2, PROXY protocol, chunked or upgraded requests, pipelining) stays
-// with its server once its first request is read.
+// with its server from then on.
 type conn struct {
 	net.Conn // the accepted connection
 	l        *listener
@@ -222,7 +223,11 @@ func (c *conn) beginLocked(first byte, readStart bool) bool {
 		c.stayLocked()
 		return false
 	}
-	c.req = request{begun: true, start: c.offset, bytes: c.req.bytes[:0]}
+	keep := c.req.bytes[:0]
+	if cap(keep) > 4<<10 {
+		keep = nil // after long headers, not kept for the connection's life
+	}
+	c.req = request{begun: true, start: c.offset, bytes: keep}
 	return true
 }
 
