@@ -583,3 +583,90 @@ func TestBodyLength(t *testing.T) {
 		}
 	}
 }
+
+// scriptConn returns its reads in turn; writes are discarded.
+type scriptConn struct {
+	net.Conn
+	reads []string
+}
+
+func (c *scriptConn) Read(p []byte) (int, error) {
+	if len(c.reads) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p, c.reads[0])
+	c.reads = c.reads[1:]
+	return n, nil
+}
+
+func (c *scriptConn) Write(p []byte) (int, error)      { return len(p), nil }
+func (c *scriptConn) SetReadDeadline(time.Time) error  { return nil }
+func (c *scriptConn) SetWriteDeadline(time.Time) error { return nil }
+
+// A connection follows its requests as net/http reads and answers them,
+// and stays with its server when it cannot tell what the server holds.
+func TestFollowRequests(t *testing.T) {
+	const (
+		post = "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab"
+		get  = "GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+		res  = "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+	)
+	for _, c := range []struct {
+		name  string
+		steps []string // "r": read the next chunk; "w": write res; "W": write a response with Connection: close
+		reads []string
+		stays bool
+		// the request being read: its first bytes, and whether answered
+		cur      string
+		answered bool
+	}{
+		{"one request", []string{"r", "w"}, []string{post}, false, "", true},
+		{"body in a later read", []string{"r", "r", "w"}, []string{post[:len(post)-2], "ab"}, false, "", true},
+		{"next request in a later read", []string{"r", "w", "r"}, []string{post, get[:5]}, false, get[:5], false},
+		// net/http's background read caught the next request's first
+		// byte after the response: the rest follows, nothing was lost.
+		{"first byte by the background read", []string{"r", "w", "r", "r"}, []string{get, "G", get[1:]}, false, get, false},
+		// ... but before the end of the response: pipelining.
+		{"first byte before the response ends", []string{"r", "r", "w"}, []string{get, "G"}, true, "", false},
+		{"two requests in a read", []string{"r"}, []string{post + get}, true, "", false},
+		{"chunked", []string{"r"}, []string{"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"}, true, "", false},
+		{"TLS", []string{"r"}, []string{"\x16\x03\x01\x02\x00"}, true, "", false},
+		{"h2c", []string{"r", "r"}, []string{"PRI * HTTP/2.0", "\r\n\r\nSM\r\n\r\n"}, true, "", false},
+		{"headers too long", []string{"r"}, []string{"GET /" + strings.Repeat("x", maxHead) + " HTTP/1.1\r\n"}, true, "", false},
+		{"a write within the headers", []string{"r", "w"}, []string{get[:10]}, true, "", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			l := attach(ln)
+			defer l.Close()
+			hc := &conn{Conn: &scriptConn{reads: c.reads}, l: l}
+			buf := make([]byte, 64<<10)
+			for _, s := range c.steps {
+				switch s {
+				case "r":
+					if _, err := hc.Read(buf); err != nil {
+						t.Fatalf("read: %v", err)
+					}
+				case "w":
+					hc.Write([]byte(res))
+					hc.SetWriteDeadline(time.Time{})
+				}
+			}
+			if hc.stays.Load() != c.stays {
+				t.Fatalf("stays %v; want %v", hc.stays.Load(), c.stays)
+			}
+			if c.stays {
+				return
+			}
+			if got := string(hc.req.bytes); !strings.HasPrefix(c.cur, got) || len(got) == 0 && c.cur != "" {
+				t.Errorf("the request being read: %q; want the start of %q", got, c.cur)
+			}
+			if hc.req.answered != c.answered {
+				t.Errorf("answered %v; want %v", hc.req.answered, c.answered)
+			}
+		})
+	}
+}
