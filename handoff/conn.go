@@ -79,7 +79,7 @@ type conn struct {
 	// Connection: close.
 	finished, respClose bool
 	// idleWait is closed when closeIdleConns hands the connection over
-	// while a Close waits for it (see atBoundary).
+	// while a Close waits for it (see atBoundaryLocked).
 	idleWait chan struct{}
 }
 
@@ -115,7 +115,9 @@ var aLongTimeAgo = time.Unix(1, 0)
 
 // Read reads from the prefix, then from the connection. The first read
 // that returns bytes hands the connection over instead, if a newer
-// listener has joined the hub since this one took it.
+// listener has joined the hub since this one took it. A read that a Close
+// handing the connection over cuts short gives what it got to the newer
+// server and returns io.EOF.
 func (c *conn) Read(p []byte) (int, error) {
 	if c.stays.Load() {
 		return c.read(p)
