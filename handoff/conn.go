@@ -280,15 +280,16 @@ func indexHeadEnd(b []byte) int {
 	}
 }
 
-// bodyLength returns the length of the body of the HTTP/1 request whose
+// bodyLength returns the length of the body of the HTTP/1.1 request whose
 // headers are head, if it is given by Content-Length (or there is none)
-// and the connection stays HTTP/1 after it: not CONNECT, not an upgrade,
+// and the connection stays HTTP/1.1 after it: not CONNECT, not an upgrade,
 // not HTTP/2's preface.
 func bodyLength(head []byte) (int64, bool) {
 	line, rest := cutLine(head[:len(head)-len(headEnd)+2])
 	method, _, _ := bytes.Cut(line, []byte(" "))
-	if string(method) == "CONNECT" || string(method) == "PRI" ||
-		!bytes.HasSuffix(line, []byte(" HTTP/1.1")) && !bytes.HasSuffix(line, []byte(" HTTP/1.0")) {
+	if string(method) == "CONNECT" || string(method) == "PRI" || !bytes.HasSuffix(line, []byte(" HTTP/1.1")) {
+		// HTTP/1.0 too: net/http closes after its response, unless asked
+		// to keep it alive, without saying Connection: close.
 		return 0, false
 	}
 	length := int64(-1)

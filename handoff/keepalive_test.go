@@ -567,7 +567,8 @@ func TestBodyLength(t *testing.T) {
 	}{
 		{"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 0, true},
 		{"POST / HTTP/1.1\r\nHost: x\r\ncontent-length: 12\r\n\r\n", 12, true},
-		{"POST / HTTP/1.0\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n", 3, true},
+		{"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n", 3, true},
+		{"POST / HTTP/1.0\r\nContent-Length: 3\r\n\r\n", 0, false},
 		{"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", 0, false},
 		{"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 0, false},
 		{"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 0, false},
