@@ -1,5 +1,5 @@
 // Package handoff is a listener wrapper that keeps a config reload from
-// losing requests on new connections.
+// losing requests on new and kept-alive connections.
 //
 // A reload starts the new config's servers on sockets of their own
 // (SO_REUSEPORT) before it stops the old config's. Until the old socket
@@ -9,7 +9,9 @@
 // lbx_handoff, what either socket accepts is served by the newest config
 // that listens on the address: from the moment the new server exists, the
 // old one gets no new connection, and what the old socket accepted goes to
-// the new server.
+// the new server. The old server's Shutdown closes its kept-alive
+// connections too, racing the clients' next requests: those go to the new
+// server at a response boundary instead (see conn).
 package handoff
 
 import (
