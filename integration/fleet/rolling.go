@@ -36,6 +36,9 @@ type RollingRestart struct {
 	// Front is the outer balancer, one of FrontNames (empty: random); the
 	// ideal is simulated behind the matching shedsim balancer.
 	Front string
+	// StartLoad, when set, starts the Clients clients instead of
+	// StartClients (a NoRetry load, say).
+	StartLoad func(addr string) (Load, error)
 }
 
 // RestartResult is what one node's restart measured.
@@ -91,7 +94,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 		return res, err
 	}
 	res.Timeline = f.Timeline
-	var clients *Clients
+	var clients Load
 	defer func() {
 		if clients != nil {
 			res.Requests, res.Errors, _ = clients.Stats()
@@ -109,7 +112,9 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 	if err := f.waitAlive(size); err != nil {
 		return res, err
 	}
-	clients = StartClients(f.Front.Addr(), rr.Clients, rr.Every)
+	if clients, err = startLoad(rr.StartLoad, f.Front.Addr(), rr.Clients, rr.Every); err != nil {
+		return res, err
+	}
 	s, err := f.waitSettled(rr.Converge, rr.Clients, band, fmt.Sprintf("%d nodes", size))
 	if err != nil {
 		return res, err
