@@ -74,8 +74,10 @@ type Tally struct {
 	Requests, Sent int
 	// Failures counts the failed requests by FailureKind.
 	Failures map[string]int
-	// Reused counts the failures on reused connections.
-	Reused int
+	// Reused counts the failures on reused connections, and Stale those
+	// of them whose connection had closed before the request was written
+	// (RawResult.Stale).
+	Reused, Stale int
 	// Lost is the ids of requests sent that got no response.
 	Lost []string
 	// Samples are the first few failures, one line each.
@@ -100,6 +102,7 @@ type NoRetry struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	py     *pyClients
+	closed sync.Once
 
 	mu      sync.Mutex
 	tallies []*Tally
@@ -172,7 +175,7 @@ func (n *NoRetry) runRaw(ctx context.Context, addr string, mix NoRetryMix, t *Ta
 		if r.Err != nil {
 			errText = r.Err.Error()
 		}
-		n.record(t, time.Now(), r.Kind, !r.Reused, r.Sent, id, errText)
+		n.record(t, time.Now(), r.Kind, !r.Reused, r.Stale, r.Sent, id, errText)
 		select {
 		case <-ctx.Done():
 			return
@@ -182,7 +185,7 @@ func (n *NoRetry) runRaw(ctx context.Context, addr string, mix NoRetryMix, t *Ta
 }
 
 // record counts one request of t; kind is empty for a success.
-func (n *NoRetry) record(t *Tally, at time.Time, kind string, fresh, sent bool, id, errText string) {
+func (n *NoRetry) record(t *Tally, at time.Time, kind string, fresh, stale, sent bool, id, errText string) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	t.Requests++
@@ -195,6 +198,10 @@ func (n *NoRetry) record(t *Tally, at time.Time, kind string, fresh, sent bool, 
 	t.Failures[kind]++
 	if !fresh {
 		t.Reused++
+	}
+	if stale {
+		t.Stale++
+		errText += " (closed before the request)"
 	}
 	if sent && kind != KindStatus {
 		t.Lost = append(t.Lost, id)
@@ -243,16 +250,19 @@ func (n *NoRetry) Tallies() []Tally {
 
 // Close implements Load: no client starts another request; those in
 // flight finish (each within its timeout), and the Python process exits.
+// Closing again does nothing.
 func (n *NoRetry) Close() {
-	n.cancel()
-	n.wg.Wait()
-	if n.py != nil {
-		if err := n.py.close(); err != nil {
-			n.mu.Lock()
-			n.errs = append(n.errs, ClientError{At: time.Now(), Err: "python clients: " + err.Error()})
-			n.mu.Unlock()
+	n.closed.Do(func() {
+		n.cancel()
+		n.wg.Wait()
+		if n.py != nil {
+			if err := n.py.close(); err != nil {
+				n.mu.Lock()
+				n.errs = append(n.errs, ClientError{At: time.Now(), Err: "python clients: " + err.Error()})
+				n.mu.Unlock()
+			}
 		}
-	}
+	})
 }
 
 // pythonScript is the Python http.client load (testdata/noretry_client.py).
@@ -276,11 +286,11 @@ type pyLine struct {
 	Done             bool
 	Sent             int
 	Failures         []struct {
-		At       float64
-		Kind, ID string
-		Fresh    bool
-		Sent     bool
-		Err      string
+		At           float64
+		Kind, ID     string
+		Fresh, Stale bool
+		Sent         bool
+		Err          string
 	}
 }
 
@@ -333,7 +343,7 @@ func startPython(addr string, mix NoRetryMix, prefix string, n *NoRetry) (*pyCli
 			n.mu.Unlock()
 			for _, f := range l.Failures {
 				at := time.UnixMicro(int64(f.At * 1e6))
-				n.record(t, at, f.Kind, f.Fresh, f.Sent, f.ID, f.Err)
+				n.record(t, at, f.Kind, f.Fresh, f.Stale, f.Sent, f.ID, f.Err)
 			}
 			n.mu.Lock()
 			// The successes: the script's count includes the failures

@@ -94,8 +94,8 @@ func TestIDCounterFindsLostAndDuplicated(t *testing.T) {
 					if r.Sent {
 						lost = append(lost, id)
 					}
-					if id != c.failed || r.Kind != KindEOF || !r.Reused {
-						t.Errorf("%s: %v (kind %s, reused %v); want success", id, r.Err, r.Kind, r.Reused)
+					if id != c.failed || r.Kind != KindEOF || !r.Reused || r.Stale {
+						t.Errorf("%s: %v (kind %s, reused %v, stale %v); want success", id, r.Err, r.Kind, r.Reused, r.Stale)
 					}
 				} else if id == c.failed {
 					t.Errorf("%s succeeded; want an EOF", id)
@@ -172,7 +172,8 @@ func TestFailureKind(t *testing.T) {
 // against a server that closes each connection after its first
 // response, without saying so: every kind must count the next request
 // on that connection as a failure (Python's http.client as
-// RemoteDisconnected) rather than resend it, and report its id lost.
+// RemoteDisconnected) rather than resend it, and report its id lost, and
+// see that the connection had closed before the request (stale).
 func TestNoRetryKinds(t *testing.T) {
 	if _, err := exec.LookPath("python3"); err != nil {
 		t.Skip("no python3 in PATH")
@@ -220,6 +221,9 @@ func TestNoRetryKinds(t *testing.T) {
 		if tl.Failures[want[tl.Client]]+tl.Failures[KindReset] != tl.Failed() || tl.Reused != tl.Failed() {
 			t.Errorf("%s: failures %v (%d on reused connections), samples %q; want only %s or reset, on reused connections",
 				tl.Client, tl.Failures, tl.Reused, tl.Samples, want[tl.Client])
+		}
+		if tl.Stale == 0 {
+			t.Errorf("%s: no failure on a connection seen closed before the request; the server closes 20 ms after each response", tl.Client)
 		}
 		check := ctr.Check(tl.Prefix, tl.Lost)
 		if check.Lost == 0 || check.Reached != 0 || check.Duplicated != 0 {

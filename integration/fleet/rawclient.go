@@ -94,6 +94,12 @@ type RawResult struct {
 	Kind string
 	// Closed is true when the response said "Connection: close".
 	Closed bool
+	// Stale is true when the reused connection had already closed (its
+	// EOF or reset, or stray bytes, were waiting) before the request was
+	// written: a client that looks before reusing a connection, as Go's
+	// http.Transport does, would have opened a new one. A failure that is
+	// not Stale is the true race: the close crossed the request.
+	Stale bool
 }
 
 // Do sends one request with method (GET or POST; a POST carries body),
@@ -114,6 +120,7 @@ func (c *RawClient) Do(method, id string, body []byte) RawResult {
 		c.opened++
 	} else {
 		r.Reused = true
+		r.Stale = c.stale()
 	}
 	r.Sent = true
 	r.Err = c.roundTrip(method, id, body, deadline, &r)
@@ -166,6 +173,20 @@ func (c *RawClient) roundTrip(method, id string, body []byte, deadline time.Time
 		return fmt.Errorf("status %d, body %.40q", res.StatusCode, data)
 	}
 	return nil
+}
+
+// stale reports whether anything (an EOF, a reset, bytes) is waiting on
+// the idle connection, without consuming it: the request is written
+// anyway, as a client that does not look would.
+func (c *RawClient) stale() bool {
+	// A deadline already past fails the read before it is tried: give
+	// the read one try, and a millisecond.
+	if err := c.conn.SetReadDeadline(time.Now().Add(time.Millisecond)); err != nil {
+		return true
+	}
+	_, err := c.br.Peek(1)
+	var ne net.Error
+	return !(errors.As(err, &ne) && ne.Timeout())
 }
 
 // Opened returns the connections the client has opened.

@@ -18,13 +18,16 @@ prints JSON lines on standard output: every 200 ms {"opened": n,
 and last {"done": true, "sent": n, "opened": n, "requests": n,
 "failures": [...]}. A failure is {"at": unix seconds, "kind": one of
 RemoteDisconnected, EOF, reset, timeout, short, connect, status, other,
-"fresh": whether the request went out on a new connection, "sent": whether
+"fresh": whether the request went out on a new connection, "stale":
+whether its reused connection had already closed (it was readable) before
+the request was written, "sent": whether
 any of it was written, "id": the request's id, "err": the error}.
 """
 
 import http.client
 import json
 import random
+import select
 import socket
 import sys
 import threading
@@ -75,6 +78,9 @@ def client(idx, host, port, every, timeout, prefix, method, stop, tally):
         rid = "%s-%d-%d" % (prefix, idx, seq)
         seq += 1
         fresh = conn.sock is None
+        # Readable while idle: the server's close (or stray bytes) came
+        # before this request. http.client writes it anyway.
+        stale = not fresh and bool(select.select([conn.sock], [], [], 0)[0])
         sent = False
         try:
             if fresh:
@@ -98,7 +104,7 @@ def client(idx, host, port, every, timeout, prefix, method, stop, tally):
                 tally.sent += 1
             if err is not None:
                 tally.failures.append({"at": time.time(), "kind": kind, "fresh": fresh,
-                                       "sent": sent, "id": rid, "err": "%s: %s" % (type(err).__name__, err)})
+                                       "stale": stale, "sent": sent, "id": rid, "err": "%s: %s" % (type(err).__name__, err)})
         if err is not None:
             conn.close()  # the next request opens a new connection; this one is not resent
         stop.wait(every)
