@@ -367,7 +367,13 @@ func gracefulReloads(ctx context.Context, cfg *gracefulConfig, bin, stockBin, di
 	}
 	defer load.Close() // before the node is killed
 	// Every client holds its connection before the first reload.
-	time.Sleep(cfg.mix.Every + cfg.gap)
+	deadline := time.Now().Add(30 * time.Second)
+	for load.Opened() < int64(cfg.mix.Total()) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d of %d clients connected after 30s", load.Opened(), cfg.mix.Total())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 	for gen := 1; gen <= cfg.reloads && err == nil && ctx.Err() == nil; gen++ {
 		err = target.reload(gen)
 		time.Sleep(cfg.gap)
