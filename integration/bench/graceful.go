@@ -66,11 +66,12 @@ func parseGracefulFlags(args []string, stderr io.Writer) (*gracefulConfig, error
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.StringVar(&c.stockBin, "stock", "", "reload: use this stock Caddy binary instead of building the version lbx requires")
 	fs.IntVar(&c.runs, "runs", 3, "runs; the summary shows the median of each count")
-	fs.IntVar(&c.mix.GET, "get", 400, "Go raw-connection clients sending GET")
-	fs.IntVar(&c.mix.POST, "post", 400, "Go raw-connection clients sending POST")
-	fs.IntVar(&c.mix.Python, "python", 200, "Python http.client clients sending POST (threads of one python3 process)")
+	fs.IntVar(&c.mix.GET, "get", 400, "Go raw-connection clients sending GET (reload: 16)")
+	fs.IntVar(&c.mix.POST, "post", 400, "Go raw-connection clients sending POST (reload: 64)")
+	fs.IntVar(&c.mix.Python, "python", 200, "Python http.client clients sending POST, threads of one python3 process (reload: 16)")
 	fs.DurationVar(&c.mix.Every, "every", 500*time.Millisecond, "each client's request period")
 	fs.DurationVar(&c.mix.Timeout, "timeout", 10*time.Second, "each request's timeout")
+	fs.DurationVar(&c.mix.BodyDelay, "body-delay", 0, "the Go POST clients write each request's headers, wait this long, then its body (0: at once)")
 	fs.StringVar(&fronts, "front", fleet.FrontRandom+","+fleet.FrontRoundRobin, "scale-out, rolling-restart: the outer balancers, comma-separated, of "+strings.Join(fleet.FrontNames, ", "))
 	fs.StringVar(&builds, "builds", strings.Join([]string{buildStock, buildLbx, buildHandoff}, ","), "reload: the builds, comma-separated: stock Caddy, lbx (a node without lbx_handoff), lbx_handoff")
 	fs.DurationVar(&c.converge, "converge", 90*time.Second, "the longest wait for the fleet to converge")
@@ -91,9 +92,18 @@ func parseGracefulFlags(args []string, stderr io.Writer) (*gracefulConfig, error
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if c.scenario == gracefulReload && !c.quick {
+		// One node takes the whole load: about 190 requests a second, as
+		// many as issue 23's storm sent.
+		for name, v := range map[string]*int{"get": &c.mix.GET, "post": &c.mix.POST, "python": &c.mix.Python} {
+			if !set[name] {
+				*v = map[string]int{"get": 16, "post": 64, "python": 16}[name]
+			}
+		}
+	}
 	if c.quick {
-		set := map[string]bool{}
-		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 		perKind := 30
 		if c.scenario == gracefulReload {
 			perKind = 12
@@ -168,6 +178,8 @@ func parseGracefulFlags(args []string, stderr io.Writer) (*gracefulConfig, error
 		return nil, fmt.Errorf("-reloads %d: want 1 to 1000", c.reloads)
 	case c.gap < 50*time.Millisecond || c.gap > time.Minute:
 		return nil, fmt.Errorf("-gap %v: want 50ms to 1m", c.gap)
+	case c.mix.BodyDelay < 0 || c.mix.BodyDelay >= c.mix.Timeout:
+		return nil, fmt.Errorf("-body-delay %v: want 0 up to -timeout (%v)", c.mix.BodyDelay, c.mix.Timeout)
 	case c.burn < 0 || c.burn > 64:
 		return nil, fmt.Errorf("-burn %d: want 0 to 64 busy goroutines", c.burn)
 	}
@@ -239,8 +251,12 @@ func runGraceful(ctx context.Context, args []string, cmdline string, out, progre
 		burnNote = fmt.Sprintf("a competing process with %d busy-looping goroutines (-burn)", cfg.burn)
 	}
 	m := cfg.mix
-	fmt.Fprintf(out, "# No-retry clients: %s\n\n`%s`; %s; %d Go raw GET, %d Go raw POST and %d Python http.client POST keep-alive clients, a request every %v each (timeout %v); %s; load average %s at the start.\n\n",
-		cfg.scenario, cmdline, source, m.GET, m.POST, m.Python, m.Every, m.Timeout, burnNote, loadAverage())
+	bodyNote := ""
+	if m.BodyDelay > 0 {
+		bodyNote = fmt.Sprintf(", the Go POSTs' bodies %v after their headers", m.BodyDelay)
+	}
+	fmt.Fprintf(out, "# No-retry clients: %s\n\n`%s`; %s; %d Go raw GET, %d Go raw POST and %d Python http.client POST keep-alive clients, a request every %v each (timeout %v%s); %s; load average %s at the start.\n\n",
+		cfg.scenario, cmdline, source, m.GET, m.POST, m.Python, m.Every, m.Timeout, bodyNote, burnNote, loadAverage())
 
 	var runs []gracefulRun
 	for i := range cfg.runs {

@@ -36,6 +36,10 @@ func TestParseGracefulFlags(t *testing.T) {
 	if err != nil || cfg.mix.Total() != 1000 || cfg.mix.Every != 500*time.Millisecond || len(cfg.fronts) != 2 || cfg.reloads != 100 || cfg.nodes != 6 {
 		t.Fatalf("defaults: %+v, %v", cfg, err)
 	}
+	cfg, err = parseGracefulFlags([]string{"-scenario", "reload", "-get", "3"}, &bytes.Buffer{})
+	if err != nil || cfg.mix.GET != 3 || cfg.mix.POST != 64 || cfg.mix.Python != 16 || len(cfg.builds) != 3 {
+		t.Fatalf("reload's defaults: %+v, %v", cfg, err)
+	}
 	cfg, err = parseGracefulFlags([]string{"-quick", "-scenario", "reload", "-post", "5"}, &bytes.Buffer{})
 	if err != nil || cfg.runs != 1 || cfg.reloads != 10 || cfg.mix.GET != 12 || cfg.mix.POST != 5 || len(cfg.builds) != 3 {
 		t.Fatalf("-quick: %+v, %v", cfg, err)

@@ -48,6 +48,9 @@ type NoRetryMix struct {
 	// Every is each client's request period; Timeout bounds each request
 	// (default 10 s).
 	Every, Timeout time.Duration
+	// BodyDelay is the Go POST clients' pause between a request's
+	// headers and its body (RawClient.BodyDelay; 0: none).
+	BodyDelay time.Duration
 }
 
 // Total returns the clients of every kind.
@@ -153,7 +156,7 @@ func (n *NoRetry) tally(client string, clients int) *Tally {
 // runRaw is one Go client: a request every period until ctx ends; the
 // request in flight then finishes.
 func (n *NoRetry) runRaw(ctx context.Context, addr string, mix NoRetryMix, t *Tally, method string, idx int) {
-	c := &RawClient{Addr: addr, Timeout: mix.Timeout}
+	c := &RawClient{Addr: addr, Timeout: mix.Timeout, BodyDelay: mix.BodyDelay}
 	defer c.Close()
 	var body []byte
 	if method == http.MethodPost {

@@ -240,3 +240,25 @@ func TestNoRetryKinds(t *testing.T) {
 		t.Errorf("opened %d connections; want at least one per client", n.Opened())
 	}
 }
+
+// TestRawClientBodyDelay: with BodyDelay the server has the headers
+// (the handler runs) well before the body arrives.
+func TestRawClientBodyDelay(t *testing.T) {
+	waited := make(chan time.Duration, 1)
+	addr := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		if _, err := io.ReadAll(r.Body); err != nil {
+			t.Error(err)
+		}
+		waited <- time.Since(start)
+		_, _ = io.WriteString(w, "ok")
+	}))
+	cl := &RawClient{Addr: addr, Timeout: 5 * time.Second, BodyDelay: 200 * time.Millisecond}
+	defer cl.Close()
+	if r := cl.Do(http.MethodPost, "b-0", []byte("body")); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if w := <-waited; w < 150*time.Millisecond {
+		t.Errorf("the body arrived %v after the handler started; want about 200ms", w)
+	}
+}

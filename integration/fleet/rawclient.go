@@ -74,6 +74,10 @@ type RawClient struct {
 	// Timeout bounds each request, from the dial to the response's last
 	// byte.
 	Timeout time.Duration
+	// BodyDelay, when set, parts a request with a body: the client writes
+	// its headers, waits BodyDelay, then writes the body, as a slow
+	// upload does.
+	BodyDelay time.Duration
 
 	conn   net.Conn
 	br     *bufio.Reader
@@ -145,8 +149,15 @@ func (c *RawClient) roundTrip(method, id string, body []byte, deadline time.Time
 	if method != http.MethodGet {
 		req = fmt.Appendf(req, "Content-Type: application/octet-stream\r\nContent-Length: %d\r\n", len(body))
 	}
-	req = append(append(req, "\r\n"...), body...)
-	if _, err := c.conn.Write(req); err != nil {
+	req = append(req, "\r\n"...)
+	if c.BodyDelay > 0 && len(body) > 0 {
+		if _, err := c.conn.Write(req); err != nil {
+			return err
+		}
+		time.Sleep(c.BodyDelay)
+		req = nil
+	}
+	if _, err := c.conn.Write(append(req, body...)); err != nil {
 		return err
 	}
 	// http.ReadResponse calls a close before the status line an
