@@ -431,7 +431,7 @@ func writeGracefulTable(w io.Writer, scenario string, rows []gracefulRow) {
 	if scenario == gracefulReload {
 		group = "build"
 	}
-	fmt.Fprintf(w, "| %s | clients | n | requests | failed | on reused conn. (closed before the request) | EOF | reset | RemoteDisconnected | timeout | other | lost (reached backend) | duplicated | shed | ideal | shed / ideal |\n", group)
+	fmt.Fprintf(w, "| %s | client | n | requests | failed | on reused conn. (closed before the request) | EOF | reset | RemoteDisconnected | timeout | other | lost (reached backend) | duplicated | shed | ideal | shed / ideal |\n", group)
 	fmt.Fprintf(w, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, r := range rows {
 		other := 0
