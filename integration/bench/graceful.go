@@ -203,10 +203,11 @@ type gracefulRow struct {
 	Ideal float64
 }
 
-// gracefulRun is one run's rows and its failures' samples.
+// gracefulRun is one run's rows, its failures' samples, and notes on
+// when the failures came.
 type gracefulRun struct {
-	Rows    []gracefulRow
-	Samples []string
+	Rows           []gracefulRow
+	Samples, Notes []string
 }
 
 // runGraceful is `bench graceful`; it returns each run.
@@ -273,12 +274,15 @@ func runGraceful(ctx context.Context, args []string, cmdline string, out, progre
 		for _, g := range append(slices.Clone(groups[i%len(groups):]), groups[:i%len(groups)]...) {
 			fmt.Fprintf(progress, "run %d of %d: %s …\n", i+1, cfg.runs, g)
 			dir := filepath.Join(tmp, fmt.Sprintf("run%d-%s", i+1, strings.ReplaceAll(g, " ", "-")))
-			rows, samples, err := gracefulGroup(ctx, cfg, bin, stockBin, dir, g, progress)
+			rows, samples, note, err := gracefulGroup(ctx, cfg, bin, stockBin, dir, g, progress)
 			if err != nil {
 				return runs, fmt.Errorf("run %d, %s: %w", i+1, g, err)
 			}
 			run.Rows = append(run.Rows, rows...)
 			run.Samples = append(run.Samples, samples...)
+			if note != "" {
+				run.Notes = append(run.Notes, note)
+			}
 		}
 		slices.SortStableFunc(run.Rows, func(a, b gracefulRow) int {
 			return slices.Index(groups, a.Group) - slices.Index(groups, b.Group)
@@ -286,6 +290,9 @@ func runGraceful(ctx context.Context, args []string, cmdline string, out, progre
 		runs = append(runs, run)
 		fmt.Fprintf(out, "**Run %d**\n\n", i+1)
 		writeGracefulTable(out, cfg.scenario, run.Rows)
+		for _, n := range run.Notes {
+			fmt.Fprintf(out, "%s\n\n", n)
+		}
 		if len(run.Samples) > 0 {
 			fmt.Fprintf(out, "Failures, first of each kind of client: %s\n\n", strings.Join(run.Samples, "; "))
 		}
@@ -299,11 +306,12 @@ func runGraceful(ctx context.Context, args []string, cmdline string, out, progre
 
 // gracefulGroup runs one group of one run: a scale-out or a rolling
 // restart behind the front g, or the reloads of build g, with a NoRetry
-// load through a Backend that counts the ids.
-func gracefulGroup(ctx context.Context, cfg *gracefulConfig, bin, stockBin, dir, g string, progress io.Writer) ([]gracefulRow, []string, error) {
+// load through a Backend that counts the ids. A rolling restart's note
+// says how many failures came while a node drained or was down.
+func gracefulGroup(ctx context.Context, cfg *gracefulConfig, bin, stockBin, dir, g string, progress io.Writer) (rows []gracefulRow, samples []string, note string, err error) {
 	backend, err := fleet.StartBackend()
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, "", err
 	}
 	defer backend.Close()
 	var load *fleet.NoRetry
@@ -326,7 +334,7 @@ func gracefulGroup(ctx context.Context, cfg *gracefulConfig, bin, stockBin, dir,
 			Front: g, StartLoad: start, Phase1Only: true, Logf: logf,
 		}.Run()
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, "", err
 		}
 		shed, ideal = res.Shed, res.Ideal
 	case gracefulRolling:
@@ -335,27 +343,50 @@ func gracefulGroup(ctx context.Context, cfg *gracefulConfig, bin, stockBin, dir,
 			Settings: settings, Converge: cfg.converge, Front: g, StartLoad: start, Logf: logf,
 		}.Run()
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, "", err
 		}
 		ideal = 0
 		for _, r := range res.Restarts {
 			shed, ideal = shed+r.Shed, ideal+r.Ideal
 		}
+		defer func() {
+			if load != nil {
+				_, errs, _ := load.Stats()
+				note = drainNote(g, errs, res.Restarts, cfg.mix.Every)
+			}
+		}()
 	case gracefulReload:
 		if err := gracefulReloads(ctx, cfg, bin, stockBin, dir, g, backend.Addr, start); err != nil {
 			if load != nil {
 				load.Close()
 			}
-			return nil, nil, err
+			return nil, nil, "", err
 		}
 	}
 	if load == nil {
-		return nil, nil, errors.New("the clients never started")
+		return nil, nil, "", errors.New("the clients never started")
 	}
 	load.Close() // a no-op when the run closed it
-	rows, samples := gracefulRows(g, load.Tallies(), backend.Counter)
+	rows, samples = gracefulRows(g, load.Tallies(), backend.Counter)
 	rows[len(rows)-1].Shed, rows[len(rows)-1].Ideal = shed, ideal
-	return rows, samples, nil
+	return rows, samples, "", nil
+}
+
+// drainNote says how many of errs came while a node of restarts drained
+// or was down: from its SIGTERM to one request period after it started
+// again (a client finds its closed connection at its next request).
+func drainNote(front string, errs []fleet.ClientError, restarts []fleet.RestartResult, every time.Duration) string {
+	down := 0
+	for _, e := range errs {
+		for _, r := range restarts {
+			if !e.At.Before(r.Stopped) && !e.At.After(r.Started.Add(every)) {
+				down++
+				break
+			}
+		}
+	}
+	return fmt.Sprintf("%s: %d of the %d failures came while a node drained or was down (from its SIGTERM to %v after its restart); the others while the fleet refilled it.",
+		front, down, len(errs), every)
 }
 
 // gracefulReloads starts build's node proxying to backend, the clients

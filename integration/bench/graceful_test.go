@@ -127,3 +127,18 @@ func TestGracefulReloadSmall(t *testing.T) {
 		t.Error("no all row for lbx_handoff with 6 clients")
 	}
 }
+
+// TestDrainNote: a failure counts as the drain's from the node's SIGTERM
+// to one period after its restart, and not otherwise.
+func TestDrainNote(t *testing.T) {
+	t0 := time.Date(2026, 12, 3, 10, 0, 0, 0, time.UTC)
+	at := func(ms int) fleet.ClientError {
+		return fleet.ClientError{At: t0.Add(time.Duration(ms) * time.Millisecond)}
+	}
+	restarts := []fleet.RestartResult{{Stopped: t0.Add(time.Second), Started: t0.Add(3 * time.Second)}}
+	errs := []fleet.ClientError{at(500), at(1000), at(2000), at(3400), at(3600), at(9000)}
+	got := drainNote("random", errs, restarts, 500*time.Millisecond)
+	if !strings.Contains(got, "random: 3 of the 6 failures came while a node drained or was down") {
+		t.Errorf("note %q; want 3 of 6", got)
+	}
+}

@@ -48,6 +48,9 @@ type RestartResult struct {
 	Held int
 	// Drained is from Stop to the process's exit.
 	Drained time.Duration
+	// Stopped is when its drain began, Started when it was started
+	// again.
+	Stopped, Started time.Time
 	// ShedWhileDown is what the other nodes shed from the drain to the
 	// restart: nothing is uneven then, so nothing should be.
 	ShedWhileDown int
@@ -133,6 +136,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 		_, errsBefore, _ := clients.Stats()
 		f.Timeline.Mark("drain " + n.Name)
 		t0 := time.Now()
+		r.Stopped = t0
 		if err := f.Stop(n, 30*time.Second); err != nil {
 			return res, err
 		}
@@ -144,6 +148,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 		}
 		r.ShedWhileDown = shedSince(before, stopped)
 		f.Timeline.Mark("restart " + n.Name)
+		r.Started = time.Now()
 		if err := f.Restart(n); err != nil {
 			return res, err
 		}
