@@ -14,6 +14,7 @@
 //	cd integration && go run ./bench gossip [flags]      # load gossip through serf at 16 to 128+ members
 //	cd integration && go run ./bench fleetsim [flags]    # the rebalance decision simulated on fleets of 100 to 1000+ nodes
 //	cd integration && go run ./bench reload [flags]      # requests a config reload loses, stock Caddy and lbx side by side
+//	cd integration && go run ./bench graceful -scenario scale-out|rolling-restart|reload [flags]  # clients that never retry (issue 23)
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -73,6 +74,10 @@ func main() {
 		err = runGossip(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "reload":
 		_, err = runReload(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	case len(os.Args) > 1 && os.Args[1] == "graceful":
+		_, err = runGraceful(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	case len(os.Args) > 1 && os.Args[1] == "burn":
+		err = runBurn(os.Args[2:], os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "fleetsim":
 		err = runFleetsim(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	default:

@@ -141,11 +141,11 @@ func runReload(ctx context.Context, args []string, cmdline string, out, progress
 			var target *reloadTarget
 			switch b {
 			case buildLbx:
-				target, err = startLbxReloadTarget(lbxBin, dir)
+				target, err = startLbxReloadTarget(lbxBin, dir, "")
 			case buildHandoff:
-				target, err = startStockReloadTarget(lbxBin, dir, cfg.tls, "\tservers {\n\t\tlistener_wrappers {\n\t\t\tlbx_handoff\n\t\t\ttls\n\t\t}\n\t}\n")
+				target, err = startStockReloadTarget(lbxBin, dir, cfg.tls, "\tservers {\n\t\tlistener_wrappers {\n\t\t\tlbx_handoff\n\t\t\ttls\n\t\t}\n\t}\n", "")
 			default:
-				target, err = startStockReloadTarget(stockBin, dir, cfg.tls, "")
+				target, err = startStockReloadTarget(stockBin, dir, cfg.tls, "", "")
 			}
 			if err != nil {
 				return results, fmt.Errorf("run %d, %s: %w", i+1, b, err)
@@ -204,10 +204,14 @@ const (
 )
 
 // startStockReloadTarget starts bin with a site serving "ok" (over HTTPS
-// with tls internal if useTLS) and the global options extra (tab-indented
-// lines), and reloads it with a header that changes, so that every load is
-// a new config.
-func startStockReloadTarget(bin, dir string, useTLS bool, extra string) (*reloadTarget, error) {
+// with tls internal if useTLS), with handler when given (a reverse_proxy
+// to a backend that answers "ok"), and the global options extra
+// (tab-indented lines), and reloads it with a header that changes, so
+// that every load is a new config.
+func startStockReloadTarget(bin, dir string, useTLS bool, extra, handler string) (*reloadTarget, error) {
+	if handler == "" {
+		handler = `respond "ok"`
+	}
 	ports, err := fleet.FreePorts(2)
 	if err != nil {
 		return nil, err
@@ -218,8 +222,8 @@ func startStockReloadTarget(bin, dir string, useTLS bool, extra string) (*reload
 		scheme, https, site = "https", "\tauto_https disable_redirects\n\tlocal_certs\n\tskip_install_trust\n", "\ttls internal\n"
 	}
 	caddyfile := func(gen int) string {
-		return fmt.Sprintf("{\n\tadmin %s\n\tpersist_config off\n%s\tdefault_bind 127.0.0.1\n%s}\n\n%s://%s {\n%s\theader X-Config-Generation %d\n\trespond \"ok\"\n}\n",
-			n.Admin, https, extra, scheme, n.HTTP, site, gen)
+		return fmt.Sprintf("{\n\tadmin %s\n\tpersist_config off\n%s\tdefault_bind 127.0.0.1\n%s}\n\n%s://%s {\n%s\theader X-Config-Generation %d\n\t%s\n}\n",
+			n.Admin, https, extra, scheme, n.HTTP, site, gen, handler)
 	}
 	if n.Proc, err = fleet.StartProc(bin, dir, caddyfile(0)); err != nil {
 		return nil, err
@@ -233,11 +237,11 @@ func startStockReloadTarget(bin, dir string, useTLS bool, extra string) (*reload
 }
 
 // startLbxReloadTarget starts an lbx node (a one-member cluster, the
-// rebalance app, rebalance_close in the site) without lbx_handoff, and
-// reloads it with a tag that changes.
-func startLbxReloadTarget(bin, dir string) (*reloadTarget, error) {
+// rebalance app, rebalance_close in the site) without lbx_handoff,
+// proxying to backend when given, and reloads it with a tag that changes.
+func startLbxReloadTarget(bin, dir, backend string) (*reloadTarget, error) {
 	spec := fleet.NodeSpec{Name: "lbx", NoHandoff: true, Settings: fleet.Settings{
-		Interval: "1s", History: "5s", Freshness: "5s", Threshold: 20, ShedRate: 0.5, MinConnections: 5,
+		Interval: "1s", History: "5s", Freshness: "5s", Threshold: 20, ShedRate: 0.5, MinConnections: 5, Backend: backend,
 	}}
 	n, err := fleet.StartNode(bin, dir, spec)
 	if err != nil {

@@ -22,6 +22,10 @@ type Settings struct {
 	// JoinSettle is join_settle ("off", a Caddy duration, or empty for
 	// the default).
 	JoinSettle string
+	// Backend, when set, is a host:port the site proxies every request
+	// to (reverse_proxy), instead of answering "ok" itself: a Backend
+	// that counts request ids, for the no-retry runs.
+	Backend string
 }
 
 // NodeSpec is one node's configuration.
@@ -81,7 +85,7 @@ func FreePorts(n int) ([]int, error) {
 
 // Caddyfile returns the node's configuration: the cluster and rebalance
 // global options, lbx_handoff (unless spec.NoHandoff), and one site, with
-// rebalance_close, that answers "ok".
+// rebalance_close, that answers "ok" (or proxies to spec.Backend).
 func (n *Node) Caddyfile(spec NodeSpec) string {
 	servers := "\n\tservers {\n\t\tlistener_wrappers {\n\t\t\tlbx_handoff\n\t\t}\n\t}"
 	if spec.NoHandoff {
@@ -110,6 +114,10 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 		opts = append(opts, tags+"\t\t}")
 	}
 	s := spec.Settings
+	handler := `respond "ok"`
+	if s.Backend != "" {
+		handler = "reverse_proxy " + s.Backend
+	}
 	joinSettle := ""
 	if s.JoinSettle != "" {
 		joinSettle = "\n\t\tjoin_settle " + s.JoinSettle
@@ -139,10 +147,10 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 
 http://%s {
 	rebalance_close
-	respond "ok"
+	%s
 }
 `, n.Admin, servers, spec.Name, n.Serf, strings.Join(opts, "\n\t\t"), s.Interval, s.History, s.Freshness,
-		s.Threshold, s.ShedRate, s.MinConnections, joinSettle, n.HTTP)
+		s.Threshold, s.ShedRate, s.MinConnections, joinSettle, n.HTTP, handler)
 }
 
 // StartNode starts a node on free loopback ports, its files in dir, and

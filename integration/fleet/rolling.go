@@ -36,6 +36,9 @@ type RollingRestart struct {
 	// Front is the outer balancer, one of FrontNames (empty: random); the
 	// ideal is simulated behind the matching shedsim balancer.
 	Front string
+	// StartLoad, when set, starts the Clients clients instead of
+	// StartClients (a NoRetry load, say).
+	StartLoad func(addr string) (Load, error)
 }
 
 // RestartResult is what one node's restart measured.
@@ -45,6 +48,9 @@ type RestartResult struct {
 	Held int
 	// Drained is from Stop to the process's exit.
 	Drained time.Duration
+	// Stopped is when its drain began, Started when it was started
+	// again.
+	Stopped, Started time.Time
 	// ShedWhileDown is what the other nodes shed from the drain to the
 	// restart: nothing is uneven then, so nothing should be.
 	ShedWhileDown int
@@ -91,7 +97,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 		return res, err
 	}
 	res.Timeline = f.Timeline
-	var clients *Clients
+	var clients Load
 	defer func() {
 		if clients != nil {
 			res.Requests, res.Errors, _ = clients.Stats()
@@ -109,7 +115,9 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 	if err := f.waitAlive(size); err != nil {
 		return res, err
 	}
-	clients = StartClients(f.Front.Addr(), rr.Clients, rr.Every)
+	if clients, err = startLoad(rr.StartLoad, f.Front.Addr(), rr.Clients, rr.Every); err != nil {
+		return res, err
+	}
 	s, err := f.waitSettled(rr.Converge, rr.Clients, band, fmt.Sprintf("%d nodes", size))
 	if err != nil {
 		return res, err
@@ -128,6 +136,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 		_, errsBefore, _ := clients.Stats()
 		f.Timeline.Mark("drain " + n.Name)
 		t0 := time.Now()
+		r.Stopped = t0
 		if err := f.Stop(n, 30*time.Second); err != nil {
 			return res, err
 		}
@@ -139,6 +148,7 @@ func (rr RollingRestart) Run() (res *RollingResult, err error) {
 		}
 		r.ShedWhileDown = shedSince(before, stopped)
 		f.Timeline.Mark("restart " + n.Name)
+		r.Started = time.Now()
 		if err := f.Restart(n); err != nil {
 			return res, err
 		}

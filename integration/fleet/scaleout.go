@@ -35,6 +35,11 @@ type ScaleOut struct {
 	// Front is the outer balancer, one of FrontNames (empty: random); the
 	// ideal is simulated behind the matching shedsim balancer.
 	Front string
+	// StartLoad, when set, starts the Clients clients instead of
+	// StartClients (a NoRetry load, say).
+	StartLoad func(addr string) (Load, error)
+	// Phase1Only ends the run after phase 1 (From → 2 × From nodes).
+	Phase1Only bool
 }
 
 // ScaleOutResult is what a ScaleOut run measured.
@@ -162,7 +167,7 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 		return res, err
 	}
 	res.Timeline = f.Timeline
-	var clients *Clients
+	var clients Load
 	defer func() {
 		if clients != nil {
 			clients.Close()
@@ -183,11 +188,13 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 		return res, err
 	}
 	f.Timeline.Mark(fmt.Sprintf("%d nodes", from))
-	clients = StartClients(f.Front.Addr(), so.Clients, so.Every)
+	if clients, err = startLoad(so.StartLoad, f.Front.Addr(), so.Clients, so.Every); err != nil {
+		return res, err
+	}
 	s, err := f.WaitFor(60*time.Second, "every client connected", func(s Snapshot) (bool, string) {
 		_, errs, _ := clients.Stats()
-		return s.Total() == so.Clients && clients.Connects.Load() >= int64(so.Clients),
-			fmt.Sprintf("%d held, %d connects, %d failed requests (last: %v)", s.Total(), clients.Connects.Load(), len(errs), errs[max(len(errs)-3, 0):])
+		return s.Total() == so.Clients && clients.Opened() >= int64(so.Clients),
+			fmt.Sprintf("%d held, %d connects, %d failed requests (last: %v)", s.Total(), clients.Opened(), len(errs), errs[max(len(errs)-3, 0):])
 	})
 	if err != nil {
 		return res, err
@@ -231,7 +238,7 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	// Every shed connection comes back as one reconnection.
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		res.Reconnections = int(clients.Connects.Load()) - so.Clients
+		res.Reconnections = int(clients.Opened()) - so.Clients
 		if res.Reconnections == f.Snapshot().Shed() || time.Now().After(deadline) {
 			break
 		}
@@ -252,6 +259,9 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	}
 	if err := intruder.Proc.Kill(); err != nil {
 		return res, err
+	}
+	if so.Phase1Only {
+		return res, nil
 	}
 
 	// Phase 2: two more nodes; a reload and a kill while they fill.
@@ -274,6 +284,14 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	reqs, errs, _ := clients.Stats()
 	res.Phase2Requests, res.Phase2Errors = reqs-reqsBefore, errs[len(errsBefore):]
 	return res, nil
+}
+
+// startLoad starts the clients of a run: start's, or n Clients.
+func startLoad(start func(addr string) (Load, error), addr string, n int, every time.Duration) (Load, error) {
+	if start != nil {
+		return start(addr)
+	}
+	return StartClients(addr, n, every), nil
 }
 
 // settledFor is how long the fleet must shed nothing, converged, to be
@@ -410,7 +428,7 @@ func (so ScaleOut) reload(f *Fleet, res *ScaleOutResult) error {
 // kill kills n2, an old node, while the fleet rebalances, and waits for
 // the survivors to leave it out of their averages, converge and stop
 // shedding.
-func (so ScaleOut) kill(f *Fleet, res *ScaleOutResult, clients *Clients) error {
+func (so ScaleOut) kill(f *Fleet, res *ScaleOutResult, clients Load) error {
 	k := &res.Kill
 	dead := f.Nodes()[1]
 	k.Node = dead.Name
