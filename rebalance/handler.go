@@ -73,7 +73,23 @@ func (CloseHandler) CaddyModule() caddy.ModuleInfo {
 // on a connection the tracker does not know (no rebalance app, or a
 // server it is not registered with) passes through untouched.
 func (CloseHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	return next.ServeHTTP(conntrack.WrapResponseWriter(w, r), r)
+	return next.ServeHTTP(conntrack.WrapResponseWriter(w, r, shuttingDown), r)
+}
+
+// shuttingDown reports whether r's server is shutting down: Caddy's
+// {http.shutting_down}, true from the moment a stop or a reload that
+// closes the server's listener is scheduled, through shutdown_delay.
+// Responses then carry "Connection: close", so that kept-alive clients
+// leave at a response boundary while the server still serves, instead of
+// racing the close of their idle connections when the delay ends.
+func shuttingDown(r *http.Request) bool {
+	repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if !ok {
+		return false
+	}
+	v, _ := repl.Get("http.shutting_down")
+	b, _ := v.(bool)
+	return b
 }
 
 // warnNoCloseHandler logs one warning naming the HTTP servers of the

@@ -279,7 +279,7 @@ func TestWrapResponseWriterConnectionClose(t *testing.T) {
 	req := httptest.NewRequest("GET", "/", nil).WithContext(ctx)
 
 	untracked := httptest.NewRecorder()
-	if w := WrapResponseWriter(untracked, httptest.NewRequest("GET", "/", nil)); w != http.ResponseWriter(untracked) {
+	if w := WrapResponseWriter(untracked, httptest.NewRequest("GET", "/", nil), nil); w != http.ResponseWriter(untracked) {
 		t.Fatalf("untracked request: writer %T; want the server's own", w)
 	}
 

@@ -24,17 +24,26 @@ import (
 // instead of cutting the stream (wsclose.go).
 //
 // The check costs one context lookup per request.
-func WrapResponseWriter(w http.ResponseWriter, r *http.Request) http.ResponseWriter {
+//
+// draining, when not nil, is asked too as the final header is written:
+// while it returns true the response carries "Connection: close" whether
+// or not the connection was shed or is tracked at all (a server in its
+// shutdown delay, moving its clients off before it closes their idle
+// connections).
+func WrapResponseWriter(w http.ResponseWriter, r *http.Request, draining func(*http.Request) bool) http.ResponseWriter {
 	tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
 	if !ok {
-		return w
+		if draining == nil {
+			return w
+		}
+		return &closeWriter{ResponseWriter: w, req: r, draining: draining}
 	}
 	if r.ProtoMajor >= 2 && !tc.h2.Load() {
 		// The tracker then gives the server time to flush a shed
 		// connection's last frames before closing it.
 		tc.h2.Store(true)
 	}
-	return &closeWriter{ResponseWriter: w, tc: tc, req: r}
+	return &closeWriter{ResponseWriter: w, tc: tc, req: r, draining: draining}
 }
 
 // closeWriter adds "Connection: close" to the final response header when
@@ -42,8 +51,9 @@ func WrapResponseWriter(w http.ResponseWriter, r *http.Request) http.ResponseWri
 // frames of a WebSocket it hands over to a hijacking handler.
 type closeWriter struct {
 	http.ResponseWriter
-	tc          *trackedConn
+	tc          *trackedConn // nil when no tracker follows the connection
 	req         *http.Request
+	draining    func(*http.Request) bool // see WrapResponseWriter; may be nil
 	wroteHeader bool
 	switched    bool // a 101 Switching Protocols response went through
 }
@@ -57,9 +67,9 @@ func (cw *closeWriter) WriteHeader(status int) {
 	}
 	if !cw.wroteHeader && status >= 200 {
 		cw.wroteHeader = true
-		if cw.tc.closeAtBoundary() {
+		if cw.tc != nil && cw.tc.closeAtBoundary() || cw.draining != nil && cw.draining(cw.req) {
 			cw.Header().Set("Connection", "close")
-			if cw.req.ProtoMajor >= 2 {
+			if cw.tc != nil && cw.req.ProtoMajor >= 2 {
 				cw.tc.noteServerGoAway()
 			}
 		}
@@ -78,7 +88,7 @@ func (cw *closeWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
 	// net/http flushes a 101 written before Hijack and hands back an
 	// empty buffered writer; bytes already in it would have bypassed
 	// the frame count, so such a stream is left alone.
-	if err != nil || !cw.switched || !isWebSocketUpgrade(cw.req) || brw == nil || brw.Writer.Buffered() > 0 {
+	if err != nil || cw.tc == nil || !cw.switched || !isWebSocketUpgrade(cw.req) || brw == nil || brw.Writer.Buffered() > 0 {
 		return conn, brw, err
 	}
 	ws := newWSConn(conn)

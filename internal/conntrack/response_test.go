@@ -1,12 +1,15 @@
 package conntrack
 
 import (
+	"bufio"
 	"context"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/http/httptrace"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -86,7 +89,7 @@ func newCloseServer(t *testing.T, h2c bool) *closeServer {
 // closeMiddleware runs next with the writer WrapResponseWriter returns.
 func closeMiddleware(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		next.ServeHTTP(WrapResponseWriter(w, r), r)
+		next.ServeHTTP(WrapResponseWriter(w, r, nil), r)
 	})
 }
 
@@ -195,5 +198,50 @@ func TestWrapResponseWriterHTTP2(t *testing.T) {
 	}
 	if len(conns) != 3 || conns[0] != conns[1] || conns[2] == conns[1] {
 		t.Fatalf("connections used %v; want the first twice, then a new one", conns)
+	}
+}
+
+// TestWrapResponseWriterDraining: while draining says so, every final
+// response carries "Connection: close" and the server closes the
+// connection after it, on a connection no tracker follows too; before,
+// the connection stays open for the next request.
+func TestWrapResponseWriterDraining(t *testing.T) {
+	var draining atomic.Bool
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w = WrapResponseWriter(w, r, func(*http.Request) bool { return draining.Load() })
+		io.WriteString(w, "ok")
+	}))
+	defer srv.Close()
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	br := bufio.NewReader(conn)
+	get := func() *http.Response {
+		t.Helper()
+		if _, err := io.WriteString(conn, "GET / HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b, err := io.ReadAll(resp.Body); err != nil || string(b) != "ok" {
+			t.Fatalf("body %q, %v", b, err)
+		}
+		return resp
+	}
+	if resp := get(); resp.Close {
+		t.Fatal("not draining: the response closes the connection")
+	}
+	draining.Store(true)
+	// (ReadResponse takes "Connection: close" out of the header into Close.)
+	if resp := get(); !resp.Close {
+		t.Fatal("draining: the response does not say Connection: close")
+	}
+	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := br.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("after the draining response: read %d, %v; want the server's close (EOF)", n, err)
 	}
 }
