@@ -152,9 +152,11 @@ type Handler struct {
 	// MaxPartitions (1024).
 	FailLimit int `json:"fail_limit,omitempty"`
 
-	// Overall deadline for all sub-requests, retries included.
-	// Partitions that have not answered by then count as failed ("timeout")
-	// and are cancelled. Inside a selective group, the selective's deadline
+	// Overall deadline of the call, from the moment the handler starts:
+	// reading the request body and all sub-requests, retries included. A
+	// request body not received by then is answered 408 Request Timeout
+	// (no partition has seen the request). Partitions that have not
+	// answered by then count as failed ("timeout") and are cancelled. Inside a selective group, the selective's deadline
 	// replaces it (brpc's rule: the outer channel's timeout overrides its
 	// sub-channels'). From 1ms to 24h. Default: 30s.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
@@ -610,15 +612,21 @@ func (h *Handler) Capacity() (usable, total float64) {
 	return float64(u), float64(t)
 }
 
-// ServeHTTP fans the request out and writes the merged response.
+// ServeHTTP fans the request out and writes the merged response. The
+// call's deadline starts here: reading the request body counts against
+// Timeout as much as the sub-requests do.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
-	body, err := readBody(r, h.MaxRequestBody)
+	end, _ := calldeadline.Start(r.Context(), time.Duration(h.Timeout))
+	body, err := readBody(w, r, h.MaxRequestBody, end)
 	if err != nil {
-		if errors.Is(err, errBodyTooLarge) {
+		switch {
+		case errors.Is(err, errBodyTooLarge):
 			h.answer(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than max_request_body (%d bytes)", h.MaxRequestBody))
-			return nil
+		case errors.Is(err, calldeadline.ErrBodyTimeout):
+			h.answer(w, r, http.StatusRequestTimeout, err.Error()+h.deadlineName(r))
+		default:
+			h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
 		}
-		h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
 		return nil
 	}
 	if len(h.Reject) > 0 {
@@ -649,20 +657,30 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe(monoclock.Now()))
 		return nil
 	}
-	h.fanOut(w, r, sc, body)
+	h.fanOut(w, r, sc, body, end)
 	return nil
+}
+
+// deadlineName says which deadline a 408 answer is about: this
+// handler's timeout, or the one of a selective it is nested in.
+func (h *Handler) deadlineName(r *http.Request) string {
+	if _, outer := calldeadline.From(r.Context()); outer {
+		return " (the enclosing selective's timeout)"
+	}
+	return fmt.Sprintf(" (timeout %v)", time.Duration(h.Timeout))
 }
 
 var errBodyTooLarge = errors.New("request body too large")
 
-func readBody(r *http.Request, limit int64) ([]byte, error) {
+// readBody reads the request body whole, before end (zero: no deadline).
+func readBody(w http.ResponseWriter, r *http.Request, limit int64, end time.Time) ([]byte, error) {
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
 	if r.ContentLength > limit {
 		return nil, errBodyTooLarge
 	}
-	data, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	data, err := calldeadline.ReadBody(w, r, limit, end)
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
@@ -715,18 +733,13 @@ type outcome struct {
 	dial       string // the replica of the last attempt
 }
 
-// fanOut runs one sub-request per partition of sc and answers.
-func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, body []byte) {
+// fanOut runs one sub-request per partition of sc and answers, by end,
+// the call's deadline (zero: none).
+func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, body []byte, end time.Time) {
 	n := sc.count
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	// An outer combo handler's deadline (a selective's timeout) overrides
-	// this one's timeout, as in brpc.
-	end, outer := calldeadline.From(ctx)
-	if !outer && h.Timeout > 0 {
-		end = time.Now().Add(time.Duration(h.Timeout))
-	}
-	if outer || h.Timeout > 0 {
+	if !end.IsZero() {
 		var stop context.CancelFunc
 		ctx, stop = context.WithDeadlineCause(ctx, end, errTimeout)
 		defer stop()
