@@ -182,6 +182,21 @@ type Handler struct {
 	// partitions' worth of default-sized sub-responses.
 	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
 
+	// The most bytes all partition fan-outs of the process may hold for
+	// merging together, a bound shared by every partition handler: each
+	// fan-out reserves its worst case before its first sub-request —
+	// twice the least of max_merged_body and its partition count times
+	// max_response_body (the sub-responses, then the merged body), plus a
+	// copy of the request body per partition — and releases it when it
+	// has answered. A fan-out that does not fit waits, in order of
+	// arrival, until its deadline, and is then answered 503 naming this
+	// option; the fan-outs in flight never fail for it. The largest value
+	// among the running partition handlers applies, a handler without it
+	// counting as the default. At least 2 × max_merged_body, from 1 MiB to
+	// 1 TiB. Default: 1 GiB (16 fan-outs of 4 partitions at once with the
+	// default sizes).
+	MaxMergeMemory int64 `json:"max_merge_memory,omitempty"`
+
 	// How sub-responses are merged: a module in the namespace
 	// http.partition.mergers (json, concat, ndjson, first).
 	// Default: json.
@@ -398,6 +413,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		go sw.run(ctx.Done())
 	}
 	live.Add(h)
+	updateMergeMemory()
 	return nil
 }
 
@@ -440,6 +456,7 @@ func (h *Handler) validate() error {
 		checkSize("max_response_body", h.MaxResponseBody),
 		checkSize("max_merged_body", h.MaxMergedBody),
 		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
+		h.checkMergeMemory(),
 	}
 	if h.Retries != nil {
 		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))
@@ -593,6 +610,7 @@ func (h *Handler) Validate() error {
 // the naming file watcher stops when the config's context is cancelled.
 func (h *Handler) Cleanup() error {
 	live.Remove(h)
+	updateMergeMemory()
 	if h.hosts != nil {
 		h.hosts.Release()
 	}
@@ -776,6 +794,19 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 		return
 	}
 
+	// The fan-out's worst case, reserved before any sub-request and
+	// released after the answer is written (a panic included).
+	need := h.reservation(len(calls), len(body))
+	if err := mergeMemory.acquire(ctx, need); err != nil {
+		if r.Context().Err() != nil {
+			w.WriteHeader(499)
+			return
+		}
+		h.noMergeMemory(w, r, need, err)
+		return
+	}
+	defer mergeMemory.release(need)
+
 	limit := h.FailLimit
 	if limit <= 0 || limit > len(calls) {
 		limit = len(calls)
@@ -905,6 +936,19 @@ wait:
 	}
 	w.WriteHeader(status)
 	_, _ = w.Write(merged.Body)
+}
+
+// noMergeMemory answers 503 for a fan-out that could not reserve need
+// bytes of max_merge_memory: it never fits (err is errNeverFits), or no
+// room came before its deadline.
+func (h *Handler) noMergeMemory(w http.ResponseWriter, r *http.Request, need int64, err error) {
+	v := mergeMemory.view()
+	msg := fmt.Sprintf("merge memory full: this fan-out needs %d bytes, and max_merge_memory is %d with %d in use by %d fan-outs (%d waiting); no room before the deadline", need, v.Limit, v.InUse, v.FanOuts, v.Waiting)
+	if errors.Is(err, errNeverFits) {
+		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (2 × max_merged_body and the request body per partition), more than max_merge_memory %d", need, v.Limit)
+	}
+	w.Header().Set("Retry-After", "1")
+	h.answer(w, r, http.StatusServiceUnavailable, msg)
 }
 
 // tooLarge answers 502 for a request that went over max_merged_body, and
