@@ -29,6 +29,7 @@ func TestTimeoutCoversRequestBody(t *testing.T) {
 	if res.Status != 408 {
 		t.Fatalf("slow body: status %d %q, want 408", res.Status, res.Body)
 	}
+	t.Logf("slow body: %d after %v, %d of its bytes sent", res.Status, res.Elapsed.Round(time.Millisecond), res.Sent)
 	if res.Elapsed < timeout-50*time.Millisecond || res.Elapsed > timeout+1500*time.Millisecond {
 		t.Errorf("slow body answered after %v, want about the timeout %v", res.Elapsed, timeout)
 	}
