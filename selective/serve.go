@@ -39,8 +39,8 @@ type call struct {
 	// stream is the body when it is too large to keep and streams to
 	// one attempt.
 	stream *calldeadline.Stream
-	// deadline is the call's, if it has one.
-	deadline *time.Time
+	// deadline is the call's; zero: none.
+	deadline time.Time
 	hedge    bool // a backup request may be sent
 	key      string
 	keyed    bool
@@ -95,7 +95,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 
 	ctx := r.Context()
 	if bounded {
-		c.deadline = &deadline
+		c.deadline = deadline
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
@@ -425,12 +425,12 @@ func (c *call) answerFailure(ctx context.Context, last *attempt) error {
 		return "status " + strconv.Itoa(last.status)
 	})
 	switch {
-	case c.stream != nil && !c.stream.Complete() && c.deadline != nil && !time.Now().Before(*c.deadline):
+	case c.stream != nil && c.stream.Late(c.deadline):
 		// The client, not the group, held the call up: the group never
 		// had the whole request. (On HTTP/1 the body's read timeout has
 		// also cancelled the client request's context.)
 		calldeadline.CloseAfter(c.w, c.r)
-		return caddyhttp.Error(http.StatusRequestTimeout, fmt.Errorf("selective: %w (streamed to group %s)", calldeadline.ErrBodyTimeout, last.group.name))
+		return caddyhttp.Error(http.StatusRequestTimeout, fmt.Errorf("selective: %w (streamed to one group)", calldeadline.ErrBodyTimeout))
 	case c.r.Context().Err() != nil:
 		return caddyhttp.Error(499, c.r.Context().Err())
 	case ctx.Err() != nil:

@@ -102,7 +102,8 @@ func CloseAfter(w http.ResponseWriter, r *http.Request) {
 // than reading it first, bounded by the call's deadline (see StreamBody).
 type Stream struct {
 	io.ReadCloser
-	done atomic.Bool
+	done     atomic.Bool
+	timedOut atomic.Bool
 }
 
 // StreamBody bounds the reading of r's body, which the caller leaves to
@@ -124,14 +125,31 @@ func StreamBody(w http.ResponseWriter, r *http.Request, deadline time.Time) *Str
 // Read reads the body and notes its end.
 func (s *Stream) Read(p []byte) (int, error) {
 	n, err := s.ReadCloser.Read(p)
-	if err == io.EOF {
+	switch {
+	case err == io.EOF:
 		s.done.Store(true)
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		s.timedOut.Store(true)
 	}
 	return n, err
 }
 
 // Complete reports whether the body was read to its end.
 func (s *Stream) Complete() bool { return s.done.Load() }
+
+// TimedOut reports whether a read of the body failed at a read deadline:
+// the call's, or one of the server's read timeouts.
+func (s *Stream) TimedOut() bool { return s.timedOut.Load() }
+
+// Late reports whether the call ended for the client's body: a read of
+// it timed out, or deadline (zero: none) has passed with the body not
+// read to its end.
+func (s *Stream) Late(deadline time.Time) bool {
+	if s.TimedOut() {
+		return true
+	}
+	return !s.Complete() && !deadline.IsZero() && !time.Now().Before(deadline)
+}
 
 func isTimeout(err error) bool {
 	var t interface{ Timeout() bool }
