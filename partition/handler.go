@@ -156,8 +156,9 @@ type Handler struct {
 	// reading the request body and all sub-requests, retries included. A
 	// request body not received by then is answered 408 Request Timeout
 	// (no partition has seen the request). Partitions that have not
-	// answered by then count as failed ("timeout") and are cancelled. Inside a selective group, the selective's deadline
-	// replaces it (brpc's rule: the outer channel's timeout overrides its
+	// answered by then count as failed ("timeout") and are cancelled.
+	// Inside a selective group, the selective's deadline replaces it
+	// (brpc's rule: the outer channel's timeout overrides its
 	// sub-channels'). From 1ms to 24h. Default: 30s.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
@@ -945,7 +946,7 @@ func (h *Handler) noMergeMemory(w http.ResponseWriter, r *http.Request, need int
 	v := mergeMemory.view()
 	msg := fmt.Sprintf("merge memory full: this fan-out needs %d bytes, and max_merge_memory is %d with %d in use by %d fan-outs (%d waiting); no room before the deadline", need, v.Limit, v.InUse, v.FanOuts, v.Waiting)
 	if errors.Is(err, errNeverFits) {
-		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (2 × max_merged_body and the request body per partition), more than max_merge_memory %d", need, v.Limit)
+		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request body per partition), more than max_merge_memory %d", need, v.Limit)
 	}
 	w.Header().Set("Retry-After", "1")
 	h.answer(w, r, http.StatusServiceUnavailable, msg)
