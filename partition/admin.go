@@ -19,7 +19,9 @@ func init() {
 //
 //	GET /lbx/partitions
 //
-// returns every partition handler of the running configs with where its
+// returns the process-wide merge memory bound (max_merge_memory: the
+// limit, what the fan-outs in flight reserve, how many wait) and every
+// partition handler of the running configs with where its
 // upstreams come from (static, naming file, serf members) and, for each
 // of its schemes, the capacity and each partition's replicas with their
 // health: usable, ejected by lbx's outlier detection, or unavailable to
@@ -49,6 +51,9 @@ var live liveset.Set[*Handler]
 // partitionsView is the body of GET /lbx/partitions.
 type partitionsView struct {
 	Handlers []handlerView `json:"handlers"`
+	// MergeMemory is the process-wide bound on merge memory
+	// (max_merge_memory), which all partition handlers share.
+	MergeMemory mergeMemoryView `json:"merge_memory"`
 }
 
 // handlerView is one partition handler in the admin view.
@@ -105,7 +110,7 @@ type replicaView struct {
 func buildPartitionsView() partitionsView {
 	hs := live.All()
 	now := monoclock.Now()
-	v := partitionsView{Handlers: []handlerView{}}
+	v := partitionsView{Handlers: []handlerView{}, MergeMemory: mergeMemory.view()}
 	for _, h := range hs {
 		v.Handlers = append(v.Handlers, h.view(now))
 	}

@@ -51,6 +51,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		max_request_body <size>
 //		max_response_body <size>
 //		max_merged_body <size>
+//		max_merge_memory <size>
 //		merge json|concat|ndjson|first
 //		skip <cel expression>
 //		reject <cel expression> [<message>]
@@ -90,7 +91,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		od.Next()
 		switch name { // to, skip and reject repeat; reverse_proxy checks its own options
 		case "naming_file", "naming_max_removed_percent", "serf_tag", "poll_interval", "timeout", "fail_limit",
-			"max_request_body", "max_response_body", "max_merged_body", "merge", "lb_retries":
+			"max_request_body", "max_response_body", "max_merged_body", "max_merge_memory", "merge", "lb_retries":
 			if err := once.Check(od); err != nil {
 				return err
 			}
@@ -168,7 +169,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.FailLimit = n
 
-		case "max_request_body", "max_response_body", "max_merged_body":
+		case "max_request_body", "max_response_body", "max_merged_body", "max_merge_memory":
 			v, err := caddyopt.OneArg(od, what)
 			if err != nil {
 				return err
@@ -178,10 +179,14 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return caddyopt.Invalid(od, what, name, v, "a size such as 1MiB or 65536")
 			}
 			n := int64(min(size, math.MaxInt64))
+			sizeAt = od
+			if name == "max_merge_memory" {
+				h.MaxMergeMemory = n
+				break
+			}
 			if err := checkSize(name, n); err != nil {
 				return caddyopt.Errf(od, what, "%v", err)
 			}
-			sizeAt = od
 			switch name {
 			case "max_request_body":
 				h.MaxRequestBody = n
@@ -265,6 +270,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if sizeAt != nil {
 		resp, merged := cmp.Or(h.MaxResponseBody, defaultMaxResponseBody), cmp.Or(h.MaxMergedBody, defaultMaxMergedBody)
 		if err := checkMergedBody(resp, merged); err != nil {
+			return caddyopt.Errf(sizeAt, what, "%v", err)
+		}
+		sized := Handler{MaxMergedBody: merged, MaxMergeMemory: h.MaxMergeMemory}
+		if err := sized.checkMergeMemory(); err != nil {
 			return caddyopt.Errf(sizeAt, what, "%v", err)
 		}
 	}

@@ -152,10 +152,13 @@ type Handler struct {
 	// MaxPartitions (1024).
 	FailLimit int `json:"fail_limit,omitempty"`
 
-	// Overall deadline for all sub-requests, retries included.
-	// Partitions that have not answered by then count as failed ("timeout")
-	// and are cancelled. Inside a selective group, the selective's deadline
-	// replaces it (brpc's rule: the outer channel's timeout overrides its
+	// Overall deadline of the call, from the moment the handler starts:
+	// reading the request body and all sub-requests, retries included. A
+	// request body not received by then is answered 408 Request Timeout
+	// (no partition has seen the request). Partitions that have not
+	// answered by then count as failed ("timeout") and are cancelled.
+	// Inside a selective group, the selective's deadline replaces it
+	// (brpc's rule: the outer channel's timeout overrides its
 	// sub-channels'). From 1ms to 24h. Default: 30s.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
@@ -179,6 +182,21 @@ type Handler struct {
 	// At least max_response_body, at most 1 GiB. Default: 64 MiB, eight
 	// partitions' worth of default-sized sub-responses.
 	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
+
+	// The most bytes all partition fan-outs of the process may hold for
+	// merging together, a bound shared by every partition handler: each
+	// fan-out reserves its worst case before its first sub-request —
+	// twice the least of max_merged_body and its partition count times
+	// max_response_body (the sub-responses, then the merged body), plus a
+	// copy of the request body per partition — and releases it when it
+	// has answered. A fan-out that does not fit waits, in order of
+	// arrival, until its deadline, and is then answered 503 naming this
+	// option; the fan-outs in flight never fail for it. The largest value
+	// among the running partition handlers applies, a handler without it
+	// counting as the default. At least 2 × max_merged_body, from 1 MiB to
+	// 1 TiB. Default: 1 GiB (16 fan-outs of 4 partitions at once with the
+	// default sizes).
+	MaxMergeMemory int64 `json:"max_merge_memory,omitempty"`
 
 	// How sub-responses are merged: a module in the namespace
 	// http.partition.mergers (json, concat, ndjson, first).
@@ -396,6 +414,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		go sw.run(ctx.Done())
 	}
 	live.Add(h)
+	updateMergeMemory()
 	return nil
 }
 
@@ -438,6 +457,7 @@ func (h *Handler) validate() error {
 		checkSize("max_response_body", h.MaxResponseBody),
 		checkSize("max_merged_body", h.MaxMergedBody),
 		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
+		h.checkMergeMemory(),
 	}
 	if h.Retries != nil {
 		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))
@@ -591,6 +611,7 @@ func (h *Handler) Validate() error {
 // the naming file watcher stops when the config's context is cancelled.
 func (h *Handler) Cleanup() error {
 	live.Remove(h)
+	updateMergeMemory()
 	if h.hosts != nil {
 		h.hosts.Release()
 	}
@@ -610,15 +631,21 @@ func (h *Handler) Capacity() (usable, total float64) {
 	return float64(u), float64(t)
 }
 
-// ServeHTTP fans the request out and writes the merged response.
+// ServeHTTP fans the request out and writes the merged response. The
+// call's deadline starts here: reading the request body counts against
+// Timeout as much as the sub-requests do.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
-	body, err := readBody(r, h.MaxRequestBody)
+	end, _ := calldeadline.Start(r.Context(), time.Duration(h.Timeout))
+	body, err := readBody(w, r, h.MaxRequestBody, end)
 	if err != nil {
-		if errors.Is(err, errBodyTooLarge) {
+		switch {
+		case errors.Is(err, errBodyTooLarge):
 			h.answer(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than max_request_body (%d bytes)", h.MaxRequestBody))
-			return nil
+		case errors.Is(err, calldeadline.ErrBodyTimeout):
+			h.answer(w, r, http.StatusRequestTimeout, err.Error()+h.deadlineName(r))
+		default:
+			h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
 		}
-		h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
 		return nil
 	}
 	if len(h.Reject) > 0 {
@@ -649,20 +676,30 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe(monoclock.Now()))
 		return nil
 	}
-	h.fanOut(w, r, sc, body)
+	h.fanOut(w, r, sc, body, end)
 	return nil
+}
+
+// deadlineName says which deadline a 408 answer is about: this
+// handler's timeout, or the one of a selective it is nested in.
+func (h *Handler) deadlineName(r *http.Request) string {
+	if _, outer := calldeadline.From(r.Context()); outer {
+		return " (the enclosing selective's timeout)"
+	}
+	return fmt.Sprintf(" (timeout %v)", time.Duration(h.Timeout))
 }
 
 var errBodyTooLarge = errors.New("request body too large")
 
-func readBody(r *http.Request, limit int64) ([]byte, error) {
+// readBody reads the request body whole, before end (zero: no deadline).
+func readBody(w http.ResponseWriter, r *http.Request, limit int64, end time.Time) ([]byte, error) {
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
 	if r.ContentLength > limit {
 		return nil, errBodyTooLarge
 	}
-	data, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	data, err := calldeadline.ReadBody(w, r, limit, end)
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
@@ -715,18 +752,13 @@ type outcome struct {
 	dial       string // the replica of the last attempt
 }
 
-// fanOut runs one sub-request per partition of sc and answers.
-func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, body []byte) {
+// fanOut runs one sub-request per partition of sc and answers, by end,
+// the call's deadline (zero: none).
+func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, body []byte, end time.Time) {
 	n := sc.count
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	// An outer combo handler's deadline (a selective's timeout) overrides
-	// this one's timeout, as in brpc.
-	end, outer := calldeadline.From(ctx)
-	if !outer && h.Timeout > 0 {
-		end = time.Now().Add(time.Duration(h.Timeout))
-	}
-	if outer || h.Timeout > 0 {
+	if !end.IsZero() {
 		var stop context.CancelFunc
 		ctx, stop = context.WithDeadlineCause(ctx, end, errTimeout)
 		defer stop()
@@ -762,6 +794,19 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 		h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("all %d partitions skipped", n))
 		return
 	}
+
+	// The fan-out's worst case, reserved before any sub-request and
+	// released after the answer is written (a panic included).
+	need := h.reservation(len(calls), len(body))
+	if err := mergeMemory.acquire(ctx, need); err != nil {
+		if r.Context().Err() != nil {
+			w.WriteHeader(499)
+			return
+		}
+		h.noMergeMemory(w, r, need, err)
+		return
+	}
+	defer mergeMemory.release(need)
 
 	limit := h.FailLimit
 	if limit <= 0 || limit > len(calls) {
@@ -892,6 +937,19 @@ wait:
 	}
 	w.WriteHeader(status)
 	_, _ = w.Write(merged.Body)
+}
+
+// noMergeMemory answers 503 for a fan-out that could not reserve need
+// bytes of max_merge_memory: it never fits (err is errNeverFits), or no
+// room came before its deadline.
+func (h *Handler) noMergeMemory(w http.ResponseWriter, r *http.Request, need int64, err error) {
+	v := mergeMemory.view()
+	msg := fmt.Sprintf("merge memory full: this fan-out needs %d bytes, and max_merge_memory is %d with %d in use by %d fan-outs (%d waiting); no room before the deadline", need, v.Limit, v.InUse, v.FanOuts, v.Waiting)
+	if errors.Is(err, errNeverFits) {
+		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request body per partition), more than max_merge_memory %d", need, v.Limit)
+	}
+	w.Header().Set("Retry-After", "1")
+	h.answer(w, r, http.StatusServiceUnavailable, msg)
 }
 
 // tooLarge answers 502 for a request that went over max_merged_body, and

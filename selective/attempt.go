@@ -334,6 +334,12 @@ func (w *attemptWriter) WriteHeader(code int) {
 	if code >= 100 && code < 200 && code != http.StatusSwitchingProtocols {
 		return // interim responses of an attempt that has not won are dropped
 	}
+	if code == 499 && c.r.Context().Err() != nil {
+		// reverse_proxy's record that the client request was cancelled
+		// (the client left, or its body's read timed out), not an answer:
+		// the call answers for itself (answerFailure).
+		return
+	}
 	w.status = code
 	if c.h.retryOn.status(code) && c.mayNotBeFinal(w.a) {
 		w.state = writerHeld

@@ -177,6 +177,8 @@ type backend struct {
 	health    atomic.Int64 // status of GET /health; 200 when 0
 	hits      atomic.Int64
 	cancelled atomic.Int64
+	arrived   atomic.Int64 // requests whose headers arrived, body read or not
+	partial   atomic.Int64 // requests whose body broke off
 }
 
 func (e *env) backend(name string) *backend {
@@ -194,7 +196,10 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	_, _ = io.Copy(io.Discard, r.Body)
+	b.arrived.Add(1)
+	if _, err := io.Copy(io.Discard, r.Body); err != nil {
+		b.partial.Add(1)
+	}
 	b.hits.Add(1)
 	if d := time.Duration(b.delay.Load()); d > 0 {
 		select {

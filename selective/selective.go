@@ -104,12 +104,16 @@ type Handler struct {
 	// at most 100. Default: 10.
 	BackupBudget *float64 `json:"backup_budget,omitempty"`
 
-	// The deadline of the whole call, all attempts and the response body
-	// included. A selective or partition nested in a group takes this
-	// deadline instead of its own timeout (brpc's rule: the outer channel's
-	// timeout overrides its sub-channels'). A group's transport timeouts
-	// still bound each of its own round trips. From 1ms to 24h. Default: 0
-	// (none of its own; an outer one still applies).
+	// The deadline of the whole call, from the moment the handler starts:
+	// reading the request body, all attempts and the response body. A
+	// request body not received by then is answered 408 Request Timeout
+	// (no group has seen the request). A selective or partition nested in
+	// a group takes this deadline instead of its own timeout (brpc's
+	// rule: the outer channel's timeout overrides its sub-channels'). A
+	// group's transport timeouts still bound each of its own round trips.
+	// From 1ms to 24h. Default: 0 (none of its own; an outer one still
+	// applies, and without one the body is bounded by the server's read
+	// timeouts only: read_idle_timeout, 1m by default, and read_body).
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
 	// The largest request body kept in memory to replay on a retry or a

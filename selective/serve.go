@@ -36,9 +36,14 @@ type call struct {
 	// be repeated (the body is kept, or there is none).
 	body   []byte
 	replay bool
-	hedge  bool // a backup request may be sent
-	key    string
-	keyed  bool
+	// stream is the body when it is too large to keep and streams to
+	// one attempt.
+	stream *calldeadline.Stream
+	// deadline is the call's; zero: none.
+	deadline time.Time
+	hedge    bool // a backup request may be sent
+	key      string
+	keyed    bool
 
 	// done receives each attempt when it has finished.
 	done chan *attempt
@@ -80,31 +85,23 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 	if vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok {
 		c.vars = maps.Clone(vars)
 	}
-	if err := c.readBody(); err != nil {
+	// The call's deadline starts here: reading the request body counts
+	// against it as much as the attempts do.
+	deadline, bounded := calldeadline.Start(r.Context(), time.Duration(h.Timeout))
+	if err := c.readBody(deadline); err != nil {
 		return err
 	}
 	c.hedge = h.BackupRequest > 0 && c.replay && h.hedgeable(r)
 
 	ctx := r.Context()
-	if deadline, ok := h.deadline(ctx); ok {
+	if bounded {
+		c.deadline = deadline
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
 		ctx = calldeadline.With(ctx, deadline)
 	}
 	return c.run(ctx)
-}
-
-// deadline returns the call's deadline: an outer combo handler's, which
-// overrides this one's timeout, else now plus the timeout, if set.
-func (h *Handler) deadline(ctx context.Context) (time.Time, bool) {
-	if d, ok := calldeadline.From(ctx); ok {
-		return d, true
-	}
-	if h.Timeout > 0 {
-		return time.Now().Add(time.Duration(h.Timeout)), true
-	}
-	return time.Time{}, false
 }
 
 // hedgeable reports whether r may be sent twice: it matches backup_match
@@ -122,8 +119,9 @@ func (h *Handler) hedgeable(r *http.Request) bool {
 
 // readBody keeps the request body in memory, up to max_replay_body, so
 // that attempts can be repeated; a larger body is left to stream to a
-// single attempt.
-func (c *call) readBody() error {
+// single attempt. The body must arrive before deadline (zero: none), or
+// the call ends with 408.
+func (c *call) readBody(deadline time.Time) error {
 	r := c.r
 	if r.Body == nil || r.Body == http.NoBody {
 		c.replay = true
@@ -134,10 +132,14 @@ func (c *call) readBody() error {
 		limit = defaultMaxReplayBody
 	}
 	if r.ContentLength > limit {
+		c.stream = calldeadline.StreamBody(c.w, r, deadline)
 		return nil
 	}
-	buf, err := io.ReadAll(io.LimitReader(r.Body, limit+1))
+	buf, err := calldeadline.ReadBody(c.w, r, limit, deadline)
 	if err != nil {
+		if errors.Is(err, calldeadline.ErrBodyTimeout) {
+			return caddyhttp.Error(http.StatusRequestTimeout, fmt.Errorf("selective: %w", err))
+		}
 		if r.Context().Err() != nil {
 			return caddyhttp.Error(499, err)
 		}
@@ -145,10 +147,11 @@ func (c *call) readBody() error {
 	}
 	if int64(len(buf)) > limit {
 		// Too large to keep: what was read goes first, the rest streams.
+		c.stream = calldeadline.StreamBody(c.w, r, deadline)
 		r.Body = struct {
 			io.Reader
 			io.Closer
-		}{io.MultiReader(bytes.NewReader(buf), r.Body), r.Body}
+		}{io.MultiReader(bytes.NewReader(buf), c.stream), c.stream}
 		return nil
 	}
 	c.body, c.replay = buf, true
@@ -422,6 +425,12 @@ func (c *call) answerFailure(ctx context.Context, last *attempt) error {
 		return "status " + strconv.Itoa(last.status)
 	})
 	switch {
+	case c.stream != nil && c.stream.Late(c.deadline):
+		// The client, not the group, held the call up: the group never
+		// had the whole request. (On HTTP/1 the body's read timeout has
+		// also cancelled the client request's context.)
+		calldeadline.CloseAfter(c.w, c.r)
+		return caddyhttp.Error(http.StatusRequestTimeout, fmt.Errorf("selective: %w (streamed to one group)", calldeadline.ErrBodyTimeout))
 	case c.r.Context().Err() != nil:
 		return caddyhttp.Error(499, c.r.Context().Err())
 	case ctx.Err() != nil:

@@ -116,6 +116,7 @@ const baseline = `{
 			timeout 5s
 			max_request_body 1MB
 			max_response_body 1MB
+			max_merge_memory 1GiB
 			merge json
 			lb_retries 1
 			lb_policy ewma {
