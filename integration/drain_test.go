@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -105,6 +106,16 @@ func TestDrainRecipeSIGTERM(t *testing.T) {
 		t.Fatal("the long request did not reach a backend within 10s")
 	}
 
+	// A kept-alive client that never retries (Python's http.client, say):
+	// during the delay its next response says Connection: close, so it
+	// leaves at a response boundary instead of racing the close of its
+	// idle connection when the delay ends (the recipe's rebalance_close).
+	kept := dialKeptAlive(t, cfg.front)
+	if closed := kept.get(t, "/kept-before"); closed {
+		t.Fatal("before SIGTERM, a kept-alive response says Connection: close")
+	}
+	keptChecked := false
+
 	sent := time.Now()
 	if err := proc.Signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("sending SIGTERM: %v", err)
@@ -139,6 +150,12 @@ func TestDrainRecipeSIGTERM(t *testing.T) {
 		case status == http.StatusServiceUnavailable && strings.HasPrefix(body, "draining: shutting down in "):
 			drainingSeen++
 			untilShutdown = append(untilShutdown, strings.TrimPrefix(body, "draining: shutting down in "))
+			if !keptChecked {
+				keptChecked = true
+				if closed := kept.get(t, "/kept-while-draining"); !closed {
+					t.Fatal("during shutdown_delay, a response on a kept-alive connection does not say Connection: close")
+				}
+			}
 		default:
 			t.Fatalf("/ready after SIGTERM (%d draining answers seen): %d %q; want 503 and a draining body", drainingSeen, status, body)
 		}
@@ -574,4 +591,40 @@ func drainLbxGoroutines() []string {
 		}
 	}
 	return out
+}
+
+// keptAlive is one HTTP/1.1 connection a test reuses, as a client that
+// never retries: any error fails the test.
+type keptAlive struct {
+	conn net.Conn
+	br   *bufio.Reader
+}
+
+func dialKeptAlive(t *testing.T, addr string) *keptAlive {
+	t.Helper()
+	conn, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return &keptAlive{conn: conn, br: bufio.NewReader(conn)}
+}
+
+// get sends GET path and reads a 200 response whole; it reports whether
+// the response said Connection: close.
+func (k *keptAlive) get(t *testing.T, path string) (closed bool) {
+	t.Helper()
+	k.conn.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := fmt.Fprintf(k.conn, "GET %s HTTP/1.1\r\nHost: localhost\r\n\r\n", path); err != nil {
+		t.Fatalf("kept-alive GET %s: %v", path, err)
+	}
+	res, err := http.ReadResponse(k.br, nil)
+	if err != nil {
+		t.Fatalf("kept-alive GET %s: %v", path, err)
+	}
+	body, err := io.ReadAll(res.Body)
+	if err != nil || res.StatusCode != http.StatusOK {
+		t.Fatalf("kept-alive GET %s: %d %q %v", path, res.StatusCode, body, err)
+	}
+	return res.Close
 }

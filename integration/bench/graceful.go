@@ -80,6 +80,7 @@ func parseGracefulFlags(args []string, stderr io.Writer) (*gracefulConfig, error
 	fs.IntVar(&c.reloads, "reloads", 100, "reload: reloads per build and run")
 	fs.DurationVar(&c.gap, "gap", 300*time.Millisecond, "reload: time between reloads")
 	fs.IntVar(&c.burn, "burn", 0, "saturate the CPU: a child process with this many busy-looping goroutines for the whole run, stopped at the end (0: none)")
+	fs.StringVar(&c.settings.ShutdownDelay, "shutdown-delay", "2s", "rolling-restart: each node's shutdown_delay, during which its responses say Connection: close (empty: none, Caddy closes the idle connections at once)")
 	fs.StringVar(&c.settings.Interval, "interval", "200ms", "rebalance interval")
 	fs.StringVar(&c.settings.History, "history", "1s", "rebalance history")
 	fs.StringVar(&c.settings.Freshness, "freshness", "1s", "rebalance freshness")

@@ -26,6 +26,11 @@ type Settings struct {
 	// to (reverse_proxy), instead of answering "ok" itself: a Backend
 	// that counts request ids, for the no-retry runs.
 	Backend string
+	// ShutdownDelay, when set, is Caddy's shutdown_delay (a Caddy
+	// duration): on SIGTERM a node serves on this long, every response
+	// saying Connection: close (rebalance_close), so that its kept-alive
+	// clients leave before it closes their idle connections.
+	ShutdownDelay string
 }
 
 // NodeSpec is one node's configuration.
@@ -114,6 +119,9 @@ func (n *Node) Caddyfile(spec NodeSpec) string {
 		opts = append(opts, tags+"\t\t}")
 	}
 	s := spec.Settings
+	if s.ShutdownDelay != "" {
+		servers += "\n\tshutdown_delay " + s.ShutdownDelay
+	}
 	handler := `respond "ok"`
 	if s.Backend != "" {
 		handler = "reverse_proxy " + s.Backend
