@@ -226,6 +226,9 @@ func TestEWMATransportOptionsUnchanged(t *testing.T) {
 	request_buffers 4k
 	response_buffers 4k
 }`, b.addr, policy))
+			// Each check on a connection of the new config: one kept from
+			// the old config may still be served by it until its GOAWAY.
+			tr.CloseIdleConnections()
 			// Fits the buffer: forwarded with its length.
 			if r := post(3000); r.ContentLength != 3000 || r.Chunked {
 				t.Errorf("%q: buffered 3000-byte body arrived with Content-Length %d (chunked %v), want 3000",
@@ -242,6 +245,7 @@ func TestEWMATransportOptionsUnchanged(t *testing.T) {
 		// Without buffering the same body is forwarded chunked, so the
 		// check above can tell buffering from no buffering.
 		e.load(fmt.Sprintf("reverse_proxy %s {\n\tlb_policy ewma\n}", b.addr))
+		tr.CloseIdleConnections()
 		if r := post(3000); r.ContentLength != -1 {
 			t.Errorf("unbuffered body of unknown length arrived with Content-Length %d, want -1 (chunked)", r.ContentLength)
 		}

@@ -45,7 +45,8 @@ func TestCloseHandlerWraps(t *testing.T) {
 }
 
 // TestCloseHandlerUntracked: without a tracked connection (no rebalance
-// app) the handler passes the request through untouched.
+// app) and with the server not shutting down (no replacer says so), the
+// handler passes the request through untouched.
 func TestCloseHandlerUntracked(t *testing.T) {
 	rec := &recorder{header: http.Header{}}
 	var h CloseHandler

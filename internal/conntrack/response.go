@@ -25,15 +25,17 @@ import (
 //
 // The check costs one context lookup per request.
 //
-// draining, when not nil, is asked too as the final header is written:
-// while it returns true the response carries "Connection: close" whether
-// or not the connection was shed or is tracked at all (a server in its
-// shutdown delay, moving its clients off before it closes their idle
-// connections).
+// draining, when not nil, is asked too: while it returns true the
+// response carries "Connection: close" whether or not the connection was
+// shed (a server in its shutdown delay, moving its clients off before it
+// closes their idle connections). On a tracked connection it is asked as
+// the final header is written; on another, once, here: w itself is
+// returned unless the server is draining already (a client that sends a
+// request during the delay gets the header on it).
 func WrapResponseWriter(w http.ResponseWriter, r *http.Request, draining func(*http.Request) bool) http.ResponseWriter {
 	tc, ok := r.Context().Value(connCtxKey{}).(*trackedConn)
 	if !ok {
-		if draining == nil {
+		if draining == nil || !draining(r) {
 			return w
 		}
 		return &closeWriter{ResponseWriter: w, req: r, draining: draining}
