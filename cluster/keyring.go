@@ -106,13 +106,43 @@ func (c *keyChange) commit(kr *memberlist.Keyring) {
 		if !hasKey(kr.GetKeys(), k) || bytes.Equal(kr.GetPrimaryKey(), k) {
 			continue
 		}
-		if err := kr.RemoveKey(k); err != nil {
+		if err := removeKey(kr, k); err != nil {
 			c.err = errors.Join(c.err, fmt.Errorf("removing key %s: %v", keyID(k), err))
 			continue
 		}
 		c.removed = append(c.removed, keyID(k))
 	}
 	c.remove = nil
+}
+
+// removeKey drops key, not the primary, from kr, removing only a keyring's
+// last key at a time. memberlist's RemoveKey (v0.7.0) closes the gap of a
+// key in the middle by shifting the later keys within the array that
+// GetKeys handed out, while memberlist's packet goroutines iterate over
+// it to decrypt (a data race -race reported in CI). Removing the last
+// key writes no element, and every change installs a fresh array, so the
+// keys after key are removed from the end, then key, then installed again
+// in their order; AddKey appends beyond what readers of the array read.
+// For that moment a packet under one of those later keys does not decrypt
+// (gossip sends it again); none is the primary.
+func removeKey(kr *memberlist.Keyring, key []byte) error {
+	keys := kr.GetKeys()
+	i := slices.IndexFunc(keys, func(k []byte) bool { return bytes.Equal(k, key) })
+	if i < 0 {
+		return nil
+	}
+	later := slices.Clone(keys[i+1:])
+	var err error
+	for j := len(later) - 1; j >= 0 && err == nil; j-- {
+		err = kr.RemoveKey(later[j])
+	}
+	if err == nil {
+		err = kr.RemoveKey(key)
+	}
+	for _, k := range later {
+		err = errors.Join(err, kr.AddKey(k))
+	}
+	return err
 }
 
 // undo reverts what a failed reload's change did that another member may
