@@ -10,8 +10,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -146,6 +148,7 @@ func (e *env) loadWith(extra, sites string) {
 	e.t.Helper()
 	e.loaded = true
 	e.tb.failed.Store(false)
+	waitOldAdminGone(e.t)
 	e.tester.InitServer(globalOptionsWith(extra)+sites, "caddyfile")
 	if e.tb.failed.Load() {
 		e.t.FailNow()
@@ -154,6 +157,48 @@ func (e *env) loadWith(extra, sites string) {
 	// request the client sends on one of them as it closes fails, so the
 	// next requests start on new ones.
 	e.client.CloseIdleConnections()
+}
+
+// waitOldAdminGone waits, up to 5 s, until one socket at most listens on
+// the admin port. Every load replaces Caddy's admin server and stops the
+// old one after answering; until its socket closes, the kernel may hand
+// it a new connection and reset it as it closes (SO_REUSEPORT).
+// caddytest's InitServer starts by probing the admin API once, and on a
+// failed probe starts a second Caddy of its own with a bare config (CI
+// saw "POSTed configuration isn't active" after such a reset). Linux
+// only: elsewhere it returns at once.
+func waitOldAdminGone(t testing.TB) {
+	t.Helper()
+	_, portText, _ := strings.Cut(adminAddr, ":")
+	port, _ := strconv.Atoi(portText)
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		n, ok := listenersOnPort(port)
+		if !ok || n <= 1 {
+			return
+		}
+	}
+	t.Logf("two sockets still listen on the admin port %d after 5 s", port)
+}
+
+// listenersOnPort counts the TCP sockets in state LISTEN on port, from
+// /proc/net/tcp and tcp6; ok is false where those cannot be read.
+func listenersOnPort(port int) (n int, ok bool) {
+	want := fmt.Sprintf(":%04X ", port)
+	for _, f := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		ok = true
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			fields := strings.Fields(line)
+			// local_address is fields[1] (addr:PORT), st is fields[3]: 0A is LISTEN.
+			if len(fields) > 3 && strings.HasSuffix(fields[1]+" ", want) && fields[3] == "0A" {
+				n++
+			}
+		}
+	}
+	return n, ok
 }
 
 // failRecorder is the testing.TB handed to caddytest: it notes whether
@@ -634,4 +679,26 @@ func cancelAfter(cond func() bool) (context.Context, func()) {
 		}
 	}()
 	return ctx, func() { close(stop); <-done; cancel() }
+}
+
+// TestListenersOnPort: the count waitOldAdminGone relies on sees a
+// listening socket, and no longer once it closes.
+func TestListenersOnPort(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	n, ok := listenersOnPort(port)
+	if !ok {
+		ln.Close()
+		t.Skip("no /proc/net/tcp here")
+	}
+	if n != 1 {
+		t.Errorf("listening: %d sockets counted on port %d; want 1", n, port)
+	}
+	ln.Close()
+	if n, _ := listenersOnPort(port); n != 0 {
+		t.Errorf("closed: %d sockets counted on port %d; want 0", n, port)
+	}
 }
