@@ -146,10 +146,17 @@ func (e *env) loadFull(sites string) {
 // and sites.
 func (e *env) loadWith(extra, sites string) {
 	e.t.Helper()
+	e.loadCaddyfile(globalOptionsWith(extra) + sites)
+}
+
+// loadCaddyfile reloads Caddy with a whole Caddyfile, its own global
+// options included.
+func (e *env) loadCaddyfile(caddyfile string) {
+	e.t.Helper()
 	e.loaded = true
 	e.tb.failed.Store(false)
 	waitOldAdminGone(e.t)
-	e.tester.InitServer(globalOptionsWith(extra)+sites, "caddyfile")
+	e.tester.InitServer(caddyfile, "caddyfile")
 	if e.tb.failed.Load() {
 		e.t.FailNow()
 	}

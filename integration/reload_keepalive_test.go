@@ -56,14 +56,7 @@ func reloadUnderKeptAlivePOSTs(t *testing.T, wrappers string, clients, reloads i
 		return fmt.Sprintf("{\n\tskip_install_trust\n\tadmin %s\n\thttp_port %d\n\thttps_port %d\n\tdefault_bind 127.0.0.1\n\tauto_https off\n\tservers {\n\t\tprotocols h1 h2c\n%s\t}\n}\n:%d {\n\theader X-Gen %d\n\treverse_proxy %s\n}\n",
 			adminAddr, httpPort, httpsPort, listenerWrappers, httpPort, gen, strings.TrimPrefix(backend.URL, "http://"))
 	}
-	load := func(gen int) {
-		e.loaded = true
-		e.tb.failed.Store(false)
-		e.tester.InitServer(config(gen), "caddyfile")
-		if e.tb.failed.Load() {
-			t.FailNow()
-		}
-	}
+	load := func(gen int) { e.loadCaddyfile(config(gen)) }
 	load(0)
 
 	addr := fmt.Sprintf("127.0.0.1:%d", httpPort)
