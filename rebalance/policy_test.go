@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net"
 	"net/http"
@@ -748,8 +749,8 @@ func TestClusterLoadCaddy(t *testing.T) {
 		return float64(hits[name]) / float64(total)
 	}
 
+	var front *node
 	testutil.WaitFor(t, 20*time.Second, "the front sees the three members, and answers", func() (bool, string) {
-		var front *node
 		nodes.Range(func(_, v any) bool {
 			if n := v.(*node); n.name == "cl-front" {
 				front = n
@@ -769,15 +770,39 @@ func TestClusterLoadCaddy(t *testing.T) {
 		return alive == 3 && h["status 502"]+h["status 503"] == 0, fmt.Sprintf("%d alive; %v", alive, h)
 	})
 	listed = true
-	// All three fresh: a batch of 40 with none to cl-b (the most loaded)
-	// and some to cl-c is, by chance with loads unknown, 1 in 10^7.
-	testutil.WaitFor(t, 20*time.Second, "the loads rule: none to cl-b, some to cl-c", func() (bool, string) {
+	// counted lists the loads the front's node counts now, by member: the
+	// state a batch measures. A batch alone cannot tell it (CI once saw a
+	// batch of 40 pass while only cl-a counted, then 600 spread evenly).
+	counted := func() map[string]float64 {
+		ms, err := nodeLoads{front.driver().cluster}.memberLoads(time.Now())
+		if err != nil {
+			t.Fatalf("the front's loads: %v", err)
+		}
+		out := map[string]float64{}
+		for _, m := range ms {
+			if m.Counts && m.Tags["role"] == "api" {
+				out[m.Name] = m.Load
+			}
+		}
+		return out
+	}
+	allFresh := map[string]float64{"cl-a": 100, "cl-b": 900, "cl-c": 500}
+	// All three fresh and in the policy's reading: a batch of 40 with none
+	// to cl-b (the most loaded) and some to cl-c.
+	testutil.WaitFor(t, 20*time.Second, "all three loads count, and rule: none to cl-b, some to cl-c", func() (bool, string) {
+		c := counted()
+		if !maps.Equal(c, allFresh) {
+			return false, fmt.Sprint("counted: ", c)
+		}
 		h := batch(40)
 		return h["cl-b"] == 0 && h["cl-c"] > 0 && h["cl-a"] > 0, fmt.Sprint(h)
 	})
 	t.Logf("loads in effect %v after Caddy started", time.Since(start).Round(time.Millisecond))
 	const n = 600
 	fresh := batch(n)
+	if c := counted(); !maps.Equal(c, allFresh) {
+		t.Fatalf("the loads counted changed during the batch: %v", c)
+	}
 	t.Logf("loads a=100 b=900 c=500, all fresh, %d requests: %v (a %.3f, b %.3f, c %.3f; expected 2/3, 0, 1/3)",
 		n, fresh, share(fresh, "cl-a"), share(fresh, "cl-b"), share(fresh, "cl-c"))
 	if a := share(fresh, "cl-a"); a < 0.5 || a > 0.85 {
