@@ -59,6 +59,7 @@ const baseline = `{
 		shed_rate 1%
 		min_connections 50
 		boundary_timeout 30s
+		idle_close_after 2m
 	}
 }
 

@@ -58,6 +58,10 @@ func (s *server) namedCases() []badCase {
 		s.jsonCase("rebalance history 1000000h", "history", setApp("rebalance", "history", "1000000h")),
 		s.jsonCase("rebalance threshold 1e18", "threshold", setApp("rebalance", "threshold", 1e18)),
 		s.jsonCase("rebalance join_settle 1000000h", "join_settle", setApp("rebalance", "join_settle", "1000000h")),
+		s.jsonCase("rebalance idle_close_after 500ms", "idle_close_after 500ms is below the minimum 1s",
+			setApp("rebalance", "idle_close_after", "500ms")),
+		s.jsonCase("rebalance idle_close_after 25h", "idle_close_after 25h0m0s is above the maximum 24h0m0s",
+			setApp("rebalance", "idle_close_after", "25h")),
 		s.jsonCase("rebalance cpu bogus", "cpu", setApp("rebalance", "cpu", "bogus")),
 		s.jsonCase("rebalance cpu node with metric connections", "only used with metric cpu", setApp("rebalance", "cpu", "node")),
 		s.jsonCase("cluster tags over 512 bytes", "tag", setApp("cluster", "tags.big", strings.Repeat("x", 600))),
@@ -106,6 +110,8 @@ func (s *server) namedCases() []badCase {
 			"node_name badconfig\n\t\tencrypt_key "+gossipKey+" c2hvcnQ="),
 		s.caddyfileCase("Caddyfile lbx_handoff with an argument", `lbx_handoff listener wrapper: unexpected argument \"on\"; it takes none, at Caddyfile:`, "\t\t\tlbx_handoff\n", "\t\t\tlbx_handoff on\n"),
 		s.caddyfileCase("Caddyfile lbx_status with an argument", "wrong argument count", "\t\tlbx_status\n", "\t\tlbx_status verbose\n"),
+		s.caddyfileCase("Caddyfile rebalance idle_close_after 1ms", "idle_close_after 1ms is below the minimum 1s, at Caddyfile:",
+			"idle_close_after 2m", "idle_close_after 1ms"),
 		s.caddyfileCase("Caddyfile rebalance cpu bogus", "Caddyfile:", "boundary_timeout 30s", "boundary_timeout 30s\n\t\tcpu bogus"),
 	}
 }
