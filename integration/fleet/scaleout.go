@@ -58,8 +58,9 @@ type ScaleOutResult struct {
 	Shed, Moved     int
 	Ideal, IdealP99 float64
 	// Reconnections are the connections the clients opened after the
-	// first Clients, as of the end of phase 1: one per connection shed.
-	Reconnections int
+	// first Clients, as of the end of phase 1: one per connection shed by
+	// then, ShedAtEnd (a node may still shed one after Converged).
+	Reconnections, ShedAtEnd int
 	// Requests, Errors and Retried are the clients' totals for phase 1.
 	Requests int
 	Errors   []ClientError
@@ -239,7 +240,8 @@ func (so ScaleOut) Run() (res *ScaleOutResult, err error) {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		res.Reconnections = int(clients.Opened()) - so.Clients
-		if res.Reconnections == f.Snapshot().Shed() || time.Now().After(deadline) {
+		res.ShedAtEnd = f.Snapshot().Shed()
+		if res.Reconnections == res.ShedAtEnd || time.Now().After(deadline) {
 			break
 		}
 		time.Sleep(50 * time.Millisecond)
