@@ -123,6 +123,11 @@ func provisionGroup(ctx caddy.Context, g *Group) (*group, error) {
 		return nil, err
 	}
 	sum := sha256.Sum256(raw)
+	// After the key: a default written here must not change the state a
+	// reload finds the group's under.
+	if err := defaultGroupPolicy(g.Routes); err != nil {
+		return nil, err
+	}
 	pg := &group{
 		name:     g.Name,
 		nameHash: xxhash.Sum64String(g.Name),
@@ -140,6 +145,82 @@ func provisionGroup(ctx caddy.Context, g *Group) (*group, error) {
 	pg.metrics = newGroupMetrics(pg.name)
 	pg.findCapacity(pg.sub.Routes)
 	return pg, nil
+}
+
+// groupDefaultPolicy is the selection policy of a group's reverse_proxy
+// that names none: ewma, which judges replicas by what they answered, and
+// which reads the replicas a call already tried (so a backup in the same
+// group goes elsewhere). Caddy's own default, random, does neither.
+var groupDefaultPolicy = json.RawMessage(`{"policy":"ewma"}`)
+
+// defaultGroupPolicy gives each reverse_proxy in routes (and in their
+// subroutes) that names no selection policy groupDefaultPolicy, in its
+// raw JSON before it is provisioned. Nested selective and partition
+// handlers choose their own defaults.
+func defaultGroupPolicy(routes caddyhttp.RouteList) error {
+	for i := range routes {
+		for j, raw := range routes[i].HandlersRaw {
+			out, err := defaultHandlerPolicy(raw)
+			if err != nil {
+				return fmt.Errorf("route %d, handler %d: %v", i, j, err)
+			}
+			routes[i].HandlersRaw[j] = out
+		}
+	}
+	return nil
+}
+
+// defaultHandlerPolicy returns raw, a handler's JSON, with
+// groupDefaultPolicy written in if it is a reverse_proxy with no selection
+// policy, or a subroute holding one.
+func defaultHandlerPolicy(raw json.RawMessage) (json.RawMessage, error) {
+	var h map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &h); err != nil {
+		return nil, err
+	}
+	var name string
+	if err := json.Unmarshal(h["handler"], &name); err != nil {
+		return raw, nil // Caddy's provisioning reports it
+	}
+	switch name {
+	case "reverse_proxy":
+		var lb map[string]json.RawMessage
+		if v, ok := h["load_balancing"]; ok {
+			if err := json.Unmarshal(v, &lb); err != nil {
+				return nil, fmt.Errorf("load_balancing: %v", err)
+			}
+		}
+		if p, ok := lb["selection_policy"]; ok && len(p) > 0 && string(p) != "null" {
+			return raw, nil
+		}
+		if lb == nil {
+			lb = map[string]json.RawMessage{}
+		}
+		lb["selection_policy"] = groupDefaultPolicy
+		v, err := json.Marshal(lb)
+		if err != nil {
+			return nil, err
+		}
+		h["load_balancing"] = v
+	case "subroute":
+		var routes caddyhttp.RouteList
+		if v, ok := h["routes"]; ok {
+			if err := json.Unmarshal(v, &routes); err != nil {
+				return nil, fmt.Errorf("subroute routes: %v", err)
+			}
+		}
+		if err := defaultGroupPolicy(routes); err != nil {
+			return nil, fmt.Errorf("subroute: %v", err)
+		}
+		v, err := json.Marshal(routes)
+		if err != nil {
+			return nil, err
+		}
+		h["routes"] = v
+	default:
+		return raw, nil
+	}
+	return json.Marshal(h)
 }
 
 // findCapacity looks through routes for the first handler that tells the

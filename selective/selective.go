@@ -163,7 +163,9 @@ type Group struct {
 
 	// The routes a request sent to the group goes through, as in a
 	// subroute: usually one reverse_proxy handler. A group that writes no
-	// response fails with 502.
+	// response fails with 502. A reverse_proxy here (or in a subroute
+	// here) with no selection policy gets `ewma`, written in at
+	// provisioning.
 	Routes caddyhttp.RouteList `json:"routes,omitempty"`
 }
 
