@@ -1,6 +1,7 @@
 package lbpolicy
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -109,6 +110,14 @@ func (x *EWMASelection) UnmarshalJSON(b []byte) error {
 	type plain EWMASelection
 	return jsonfield.Decode(b, (*plain)(x))
 }
+
+// DefaultComboPolicy returns the selection policy, as module JSON, that
+// lbx's combo handlers give a reverse_proxy of theirs that names none
+// (partition's proxy, a selective group's): ewma, which judges replicas
+// by what they answered and reads the replicas a call already tried.
+// Caddy's own default, random, does neither. A new copy each call: it is
+// stored into configs.
+func DefaultComboPolicy() json.RawMessage { return json.RawMessage(`{"policy":"ewma"}`) }
 
 // CaddyModule returns the Caddy module information.
 func (*EWMASelection) CaddyModule() caddy.ModuleInfo {

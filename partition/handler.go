@@ -37,9 +37,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
-
-	// lbpolicy registers ewma, the default replica selection policy.
-	_ "github.com/caddy-lbx/lbx/lbpolicy"
+	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 func init() {
@@ -526,7 +524,7 @@ func (h *Handler) provisionProxy(ctx caddy.Context) error {
 		tmpl.LoadBalancing = new(reverseproxy.LoadBalancing)
 	}
 	if tmpl.LoadBalancing.SelectionPolicyRaw == nil {
-		tmpl.LoadBalancing.SelectionPolicyRaw = json.RawMessage(`{"policy":"ewma"}`)
+		tmpl.LoadBalancing.SelectionPolicyRaw = lbpolicy.DefaultComboPolicy()
 	}
 	retries, err := resolveRetries(h.Retries, tmpl.LoadBalancing)
 	if err != nil {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 // group is a provisioned Group.
@@ -147,15 +148,10 @@ func provisionGroup(ctx caddy.Context, g *Group) (*group, error) {
 	return pg, nil
 }
 
-// groupDefaultPolicy is the selection policy of a group's reverse_proxy
-// that names none: ewma, which judges replicas by what they answered, and
-// which reads the replicas a call already tried (so a backup in the same
-// group goes elsewhere). Caddy's own default, random, does neither.
-var groupDefaultPolicy = json.RawMessage(`{"policy":"ewma"}`)
-
 // defaultGroupPolicy gives each reverse_proxy in routes (and in their
-// subroutes) that names no selection policy groupDefaultPolicy, in its
-// raw JSON before it is provisioned. Nested selective and partition
+// subroutes) that names no selection policy lbpolicy.DefaultComboPolicy
+// (so a backup in the same group goes to another replica), in its raw
+// JSON before it is provisioned. Nested selective and partition
 // handlers choose their own defaults.
 func defaultGroupPolicy(routes caddyhttp.RouteList) error {
 	for i := range routes {
@@ -171,7 +167,7 @@ func defaultGroupPolicy(routes caddyhttp.RouteList) error {
 }
 
 // defaultHandlerPolicy returns raw, a handler's JSON, with
-// groupDefaultPolicy written in if it is a reverse_proxy with no selection
+// lbpolicy.DefaultComboPolicy written in if it is a reverse_proxy with no selection
 // policy, or a subroute holding one.
 func defaultHandlerPolicy(raw json.RawMessage) (json.RawMessage, error) {
 	var h map[string]json.RawMessage
@@ -196,7 +192,7 @@ func defaultHandlerPolicy(raw json.RawMessage) (json.RawMessage, error) {
 		if lb == nil {
 			lb = map[string]json.RawMessage{}
 		}
-		lb["selection_policy"] = groupDefaultPolicy
+		lb["selection_policy"] = lbpolicy.DefaultComboPolicy()
 		v, err := json.Marshal(lb)
 		if err != nil {
 			return nil, err
