@@ -51,6 +51,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"net/http"
 	"strconv"
@@ -128,6 +129,12 @@ type Model struct {
 	// serves normally. A failing backend still answers HealthPath with
 	// 200.
 	Fail FailMode `json:"fail,omitempty"`
+	// FailRate is the fraction of requests, in (0, 1], that Fail applies
+	// to; the others are served by the model. 0 means every request (the
+	// black hole). Which requests fail is a pure function of Seed and the
+	// request's number since the epoch, so every case meets the same
+	// sequence: a partly failing backend, as issue 24's flaky one.
+	FailRate float64 `json:"fail_rate,omitempty"`
 	// Change, when its At is positive, replaces Service and Freeze from
 	// At after the epoch on. The zero Change changes nothing.
 	Change Change `json:"change,omitzero"`
@@ -233,6 +240,10 @@ func (m Model) Validate() error {
 		return fmt.Errorf("backend %s: %w", m.Name, m.Freeze.validate())
 	case m.Fail > FailReset:
 		return fmt.Errorf("backend %s: invalid failure mode %d", m.Name, m.Fail)
+	case m.FailRate < 0 || m.FailRate > 1 || math.IsNaN(m.FailRate):
+		return fmt.Errorf("backend %s: fail rate must be between 0 and 1, got %v", m.Name, m.FailRate)
+	case m.FailRate > 0 && m.Fail == FailNone:
+		return fmt.Errorf("backend %s: fail rate %v without a failure mode", m.Name, m.FailRate)
 	case m.Change.At < 0:
 		return fmt.Errorf("backend %s: change at a negative time %v", m.Name, m.Change.At)
 	case m.Change.Enabled() && m.Change.Service < 0:
@@ -308,6 +319,7 @@ type Backend struct {
 	slots    chan struct{}
 	epoch    atomic.Int64 // unix nanoseconds; freezes are timed from it
 	started  atomic.Uint64
+	arrived  atomic.Uint64 // load requests since the epoch, for FailRate
 	inSystem atomic.Int64
 	health   atomic.Int64
 	phases   [numPhases]phaseCounters
@@ -369,6 +381,7 @@ func (b *Backend) URL() string { return "http://" + b.Addr() + "/" }
 func (b *Backend) SetEpoch(t time.Time) {
 	b.epoch.Store(t.UnixNano())
 	b.started.Store(0)
+	b.arrived.Store(0)
 }
 
 // HealthChecks returns the number of requests for HealthPath served since
@@ -462,7 +475,11 @@ func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			b.buckets[k].Add(1)
 		}
 	}
-	switch b.model.Fail {
+	fail := b.model.Fail
+	if fail != FailNone && !b.failsNext() {
+		fail = FailNone
+	}
+	switch fail {
 	case Fail503:
 		c.failed.Add(1)
 		b.answer(w, http.StatusServiceUnavailable)
@@ -531,6 +548,18 @@ func (b *Backend) holdTime(start time.Time) time.Duration {
 	begin := freeze.Thaw(rel)
 	end := freeze.Thaw(begin + b.serviceTime(service))
 	return end - rel
+}
+
+// failsNext reports whether the next load request is one of the FailRate
+// that fail: a draw from a hash of the model's Seed and the request's
+// number since the epoch (salted apart from the service-time draws).
+func (b *Backend) failsNext() bool {
+	r := b.model.FailRate
+	if r == 0 || r >= 1 {
+		return true
+	}
+	n := b.arrived.Add(1)
+	return unitFloat(splitmix64(b.model.Seed^0x9e3779b97f4a7c15^n*0xbf58476d1ce4e5b9)) < r
 }
 
 // serviceTime draws the service time of the next request to start work,

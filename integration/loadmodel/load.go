@@ -1,12 +1,14 @@
 package loadmodel
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 )
@@ -51,6 +53,13 @@ type Load struct {
 	// up to the first step run at Rate. Steps must be in increasing
 	// order of At, within (0, Duration).
 	Steps []Step
+	// Concurrency, if more than 0, makes the load a closed loop instead:
+	// that many clients each send a request as soon as their previous one
+	// finished, through the warm-up and the measured window, and Rate and
+	// Steps are ignored. A request's latency then runs from its send
+	// time. Fast failures come back at once and draw the next request
+	// sooner, as with real clients that keep a fixed number in flight.
+	Concurrency int
 }
 
 // Step is a change of the load's rate at a time in the measured window.
@@ -137,7 +146,9 @@ func (l Load) Validate() error {
 	switch {
 	case l.URL == "":
 		return errors.New("load: no URL")
-	case !(l.Rate > 0):
+	case l.Concurrency < 0:
+		return fmt.Errorf("load: negative concurrency %d", l.Concurrency)
+	case l.Concurrency == 0 && !(l.Rate > 0):
 		return fmt.Errorf("load: rate must be positive, got %v", l.Rate)
 	case l.Warmup < 0:
 		return fmt.Errorf("load: negative warm-up %v", l.Warmup)
@@ -230,6 +241,9 @@ func (l Load) Run(ctx context.Context) (*Result, error) {
 		defer client.CloseIdleConnections()
 	}
 
+	if l.Concurrency > 0 {
+		return l.runClosed(ctx, client, timeout)
+	}
 	offsets, nWarm := l.schedule()
 	res := &Result{Samples: make([]Sample, len(offsets)-nWarm), Window: l.Duration}
 
@@ -270,6 +284,46 @@ func (l Load) Run(ctx context.Context) (*Result, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	return res, nil
+}
+
+// runClosed is Run for a closed loop of l.Concurrency clients. Samples are
+// returned in order of their send time.
+func (l Load) runClosed(ctx context.Context, client *http.Client, timeout time.Duration) (*Result, error) {
+	t0 := time.Now()
+	measureStart := t0.Add(l.Warmup)
+	end := measureStart.Add(l.Duration)
+	var once sync.Once
+	var mu sync.Mutex
+	res := &Result{Window: l.Duration}
+	var wg sync.WaitGroup
+	for range l.Concurrency {
+		wg.Go(func() {
+			var mine []Sample
+			for ctx.Err() == nil {
+				now := time.Now()
+				if !now.Before(end) {
+					break
+				}
+				if now.Before(measureStart) {
+					l.send(ctx, client, timeout, PhaseWarmup, now, time.Time{})
+					continue
+				}
+				if l.OnMeasure != nil {
+					once.Do(l.OnMeasure)
+				}
+				mine = append(mine, l.send(ctx, client, timeout, PhaseMeasure, now, measureStart))
+			}
+			mu.Lock()
+			res.Samples = append(res.Samples, mine...)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	slices.SortFunc(res.Samples, func(a, b Sample) int { return cmp.Compare(a.Due, b.Due) })
 	return res, nil
 }
 

@@ -443,3 +443,93 @@ func TestLoadStep(t *testing.T) {
 		}
 	}
 }
+
+// TestFailRate checks that a partly failing backend fails about FailRate
+// of its load requests, the same ones after every SetEpoch, and serves the
+// others by the model.
+func TestFailRate(t *testing.T) {
+	b, err := StartBackend(Model{Name: "p", Workers: 4, Fail: Fail503, FailRate: 0.2, Seed: 7})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	client := NewClient(2 * time.Second)
+	defer client.CloseIdleConnections()
+	outcomes := func() []bool {
+		b.SetEpoch(time.Now())
+		var out []bool
+		for range 500 {
+			req, _ := http.NewRequest(http.MethodGet, b.URL(), nil)
+			req.Header.Set(PhaseHeader, PhaseMeasure.String())
+			resp, err := client.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			out = append(out, resp.StatusCode == http.StatusServiceUnavailable)
+		}
+		return out
+	}
+	first, second := outcomes(), outcomes()
+	failed := 0
+	for i, f := range first {
+		if f {
+			failed++
+		}
+		if f != second[i] {
+			t.Fatalf("request %d failed=%v first, %v after SetEpoch: want the same sequence", i, f, second[i])
+		}
+	}
+	// 500 draws at 0.2: mean 100, sd ≈ 9.
+	if failed < 65 || failed > 135 {
+		t.Errorf("%d of 500 failed, want ≈100 (FailRate 0.2)", failed)
+	}
+	for _, m := range []Model{
+		{Name: "x", Workers: 1, FailRate: 0.5},
+		{Name: "x", Workers: 1, Fail: Fail503, FailRate: 1.5},
+		{Name: "x", Workers: 1, Fail: Fail503, FailRate: -0.1},
+	} {
+		if m.Validate() == nil {
+			t.Errorf("model %+v validated, want an error", m)
+		}
+	}
+}
+
+// TestLoadClosedLoop checks that Concurrency keeps exactly that many
+// requests in flight at most, and measures only inside the window.
+func TestLoadClosedLoop(t *testing.T) {
+	b, err := StartBackend(Model{Name: "c", Workers: 16, Service: 5 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	measured := false
+	l := Load{URL: b.URL(), Concurrency: 3, Warmup: 50 * time.Millisecond, Duration: 300 * time.Millisecond,
+		Timeout: time.Second, OnMeasure: func() { measured = true }}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := l.Run(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !measured {
+		t.Error("OnMeasure was not called")
+	}
+	c := b.Counters(PhaseMeasure)
+	if c.MaxInSystem > 3 {
+		t.Errorf("the backend held %d requests at once, want at most the 3 clients", c.MaxInSystem)
+	}
+	// 3 clients × 300 ms ÷ ≥5 ms: at most 180, and at least a few dozen.
+	n := len(res.Samples)
+	if n < 20 || n > 190 {
+		t.Errorf("%d measured requests, want between 20 and 190", n)
+	}
+	for i, s := range res.Samples {
+		if s.Due < 0 || s.Due >= l.Duration || s.Outcome != OK {
+			t.Fatalf("sample %d: %+v, want an OK request sent inside the window", i, s)
+		}
+		if i > 0 && s.Due < res.Samples[i-1].Due {
+			t.Fatalf("samples out of order at %d", i)
+		}
+	}
+}
