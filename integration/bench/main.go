@@ -321,6 +321,13 @@ type policy struct {
 	// selective puts the reverse_proxy in one group of a selective
 	// handler; backup adds its backup_request (bench hedge).
 	selective, backup bool
+	// groups splits the upstreams of a selective into that many groups
+	// of consecutive upstreams, each its own reverse_proxy (0 or 1: one
+	// group of all). An empty caddyPolicy writes no lb_policy, the form
+	// users write first.
+	groups int
+	// backupAuto writes `backup_request auto` instead of a duration.
+	backupAuto bool
 }
 
 var allPolicies = []policy{

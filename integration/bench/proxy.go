@@ -227,6 +227,29 @@ type proxyConfig struct {
 	Selective     bool
 	BackupRequest string
 	BackupBudget  string
+	// Groups are the reverse_proxies: one of every upstream unless a
+	// selective splits them.
+	Groups []proxyGroup
+}
+
+// proxyGroup is one reverse_proxy of a Caddy config (a selective's group).
+type proxyGroup struct {
+	Name     string
+	Upstream []string
+}
+
+// splitGroups cuts upstreams into n groups of consecutive upstreams, as
+// even as can be, named g1…gn (n ≤ 1: one group "all").
+func splitGroups(upstreams []string, n int) []proxyGroup {
+	if n <= 1 {
+		return []proxyGroup{{Name: "all", Upstream: upstreams}}
+	}
+	n = min(n, len(upstreams))
+	gs := make([]proxyGroup, n)
+	for i := range gs {
+		gs[i] = proxyGroup{Name: fmt.Sprintf("g%d", i+1), Upstream: upstreams[i*len(upstreams)/n : (i+1)*len(upstreams)/n]}
+	}
+	return gs
 }
 
 // caddyfileTemplate is the Caddy config: the admin API on a loopback port
@@ -259,23 +282,30 @@ http://:{{.Port}} {
 	selective {
 {{- if .BackupRequest}}
 		backup_request {{.BackupRequest}}
+{{- end}}
+{{- if .BackupBudget}}
 		backup_budget {{.BackupBudget}}
 {{- end}}
-		group all {
+{{- end}}
+{{- range .Groups}}
+{{- if $.Selective}}
+		group {{.Name}} {
 {{- end}}
 	reverse_proxy{{range .Upstream}} {{.}}{{end}} {
-		lb_policy {{.Policy}}
-{{- if .PolicyOptions}} {
-{{- range .PolicyOptions}}
+{{- if $.Policy}}
+		lb_policy {{$.Policy}}
+{{- if $.PolicyOptions}} {
+{{- range $.PolicyOptions}}
 			{{.}}
 {{- end}}
 		}
 {{- end}}
-{{- if .HealthURI}}
-		health_uri {{.HealthURI}}
-		health_interval {{.HealthInterval}}
 {{- end}}
-{{- if .Retries}}
+{{- if $.HealthURI}}
+		health_uri {{$.HealthURI}}
+		health_interval {{$.HealthInterval}}
+{{- end}}
+{{- if $.Retries}}
 		lb_retries 2
 		lb_retry_match {
 			expression ` + "`{http.reverse_proxy.is_transport_error} == true`" + `
@@ -285,8 +315,11 @@ http://:{{.Port}} {
 		}
 {{- end}}
 	}
-{{- if .Selective}}
+{{- if $.Selective}}
 		}
+{{- end}}
+{{- end}}
+{{- if .Selective}}
 	}
 {{- end}}
 }
@@ -425,9 +458,17 @@ func newProxyConfig(pol policy, dir string, upstreams []string, opts proxyOption
 	}
 	c.Retries = opts.Retries
 	c.Selective = pol.selective
-	if pol.backup {
+	c.Groups = splitGroups(upstreams, pol.groups)
+	if pol.selective && pol.backup {
 		c.BackupRequest = opts.Backup.String()
-		c.BackupBudget = strconv.FormatFloat(opts.BackupBudget, 'f', -1, 64) + "%"
+		if pol.backupAuto {
+			c.BackupRequest = "auto"
+		}
+		// A budget of 0 leaves selective's default, as users who write
+		// only backup_request get.
+		if opts.BackupBudget > 0 {
+			c.BackupBudget = strconv.FormatFloat(opts.BackupBudget, 'f', -1, 64) + "%"
+		}
 	}
 	return c, nil
 }

@@ -201,6 +201,9 @@ type caseSpec struct {
 	buckets bool
 	// proxy holds the proxies' extra configuration.
 	proxy proxyOptions
+	// concurrency, if more than 0, runs a closed loop of that many
+	// clients instead of the open loop at rate.
+	concurrency int
 }
 
 // window is a named part [from, to) of the measured window.
@@ -251,12 +254,13 @@ func runCase(ctx context.Context, t tools, cs caseSpec, pol policy, backends []*
 	var cpuOK, psiOK bool
 	var measureStart time.Time
 	load := loadmodel.Load{
-		URL:      px.url,
-		Rate:     cr.OfferedRate,
-		Steps:    steps,
-		Warmup:   cs.warmup,
-		Duration: cs.duration,
-		Timeout:  cs.timeout,
+		URL:         px.url,
+		Rate:        cr.OfferedRate,
+		Steps:       steps,
+		Warmup:      cs.warmup,
+		Duration:    cs.duration,
+		Timeout:     cs.timeout,
+		Concurrency: cs.concurrency,
 		OnMeasure: func() {
 			measureStart = time.Now()
 			cpu0, cpuOK = px.cpu()

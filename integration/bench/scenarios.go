@@ -106,6 +106,14 @@ type variant struct {
 	proxy     proxyOptions
 	kind      verdictKind
 	notes     []string
+	// stock, if set, keeps only these of the run's policies, and forms
+	// are configurations of this variant's own, run after them (the
+	// classes of issue 24).
+	stock []string
+	forms []policy
+	// concurrency, if more than 0, replaces the open loop by that many
+	// closed-loop clients (rate is then only descriptive).
+	concurrency int
 }
 
 // scenConfig is `bench scenarios`' configuration, from flags.
@@ -120,6 +128,10 @@ type scenConfig struct {
 	caddyBin  string
 	jsonPath  string
 	quick     bool
+	// hedgeBackup is the hedge class's backup_request; autoOK whether the
+	// Caddy under test accepts `backup_request auto` (set when it runs).
+	hedgeBackup time.Duration
+	autoOK      bool
 }
 
 // Defaults of `bench scenarios`.
@@ -159,6 +171,7 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 	fs.StringVar(&pols, "policies", strings.Join(policyKeys(), ","), "policies to compare (those whose proxy is not installed are skipped)")
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.StringVar(&c.jsonPath, "json", "", "also write raw per-case results and the aggregates as JSON to this file")
+	fs.DurationVar(&c.hedgeBackup, "hedge-backup", defaultHedgeBackup, "backup_request of the hedge class's hedged forms (near the healthy p95 of its backends)")
 	fs.BoolVar(&c.quick, "quick", false, "smoke test: "+strings.Join(quickVariants, ", ")+"; ewma and least_conn; 1 seed; 0.5s warm-up, 2s window (flags given explicitly still win)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -196,6 +209,8 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 		return nil, fmt.Errorf("-warmup must not be negative, got %v", c.warmup)
 	case c.timeout <= 0:
 		return nil, fmt.Errorf("-timeout must be positive, got %v", c.timeout)
+	case c.hedgeBackup < time.Millisecond || c.hedgeBackup > time.Minute:
+		return nil, fmt.Errorf("-hedge-backup must be between 1ms and 1m, got %v", c.hedgeBackup)
 	}
 	var err error
 	if c.policies, err = parsePolicies(pols); err != nil {
@@ -208,7 +223,7 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 }
 
 // classOrder lists the classes in the order of issue 11.
-var classOrder = []string{"degraded", "mixed", "stalls", "homogeneous", "fastfail", "largepool", "dynamics"}
+var classOrder = []string{"degraded", "mixed", "stalls", "homogeneous", "fastfail", "largepool", "dynamics", "hedge", "partialfail"}
 
 func classNames() []string { return classOrder }
 
@@ -471,7 +486,7 @@ func buildVariants(duration time.Duration) []variant {
 			recoverAt: half,
 		})
 	}
-	return vs
+	return append(vs, issue24Variants()...)
 }
 
 // seedModels returns the variant's backend models for a seed: names b1…bn,
@@ -494,20 +509,25 @@ func seedModels(v variant, seed int, warmup time.Duration) []loadmodel.Model {
 
 // caseSpec returns the case of variant v under cfg.
 func (v variant) caseSpec(cfg *scenConfig) caseSpec {
-	return caseSpec{
-		scenario:   v.name,
-		rate:       v.rate,
-		steps:      v.steps,
-		directRate: v.directRate,
-		warmup:     cfg.warmup,
-		duration:   cfg.duration,
-		timeout:    cfg.timeout,
-		marked:     v.marked,
-		markLabel:  v.markLabel,
-		windows:    v.windows,
-		buckets:    v.recoverAt > 0,
-		proxy:      v.proxy,
+	cs := caseSpec{
+		scenario:    v.name,
+		rate:        v.rate,
+		steps:       v.steps,
+		directRate:  v.directRate,
+		warmup:      cfg.warmup,
+		duration:    cfg.duration,
+		timeout:     cfg.timeout,
+		marked:      v.marked,
+		markLabel:   v.markLabel,
+		windows:     v.windows,
+		buckets:     v.recoverAt > 0,
+		proxy:       v.proxy,
+		concurrency: v.concurrency,
 	}
+	if v.kind == targetsHedge {
+		cs.proxy.Backup = cfg.hedgeBackup
+	}
+	return cs
 }
 
 // caseOverhead estimates what a case costs besides its warm-up and
@@ -522,8 +542,8 @@ func caseOverhead(p policy) time.Duration {
 
 // estimate returns the expected wall time of the run's cases.
 func estimate(cfg *scenConfig, pols []policy) (cases int, d time.Duration) {
-	for range cfg.variants {
-		for _, p := range pols {
+	for _, v := range cfg.variants {
+		for _, p := range variantPolicies(v, pols, cfg.autoOK) {
 			cases += cfg.seeds
 			d += time.Duration(cfg.seeds) * (cfg.warmup + cfg.duration + caseOverhead(p))
 		}
@@ -630,6 +650,13 @@ func runScenarios(ctx context.Context, args []string, cmdline string, out, progr
 	} else if ctx.Err() != nil {
 		return nil, ctx.Err()
 	}
+	if needsAuto(cfg.variants) {
+		var why string
+		if cfg.autoOK, why = caddyAcceptsAuto(ctx, t.caddy, filepath.Join(tmp, "auto-check")); !cfg.autoOK {
+			rep.Notes = append(rep.Notes, "backup_request auto forms skipped: not supported by this build ("+why+")")
+			fmt.Fprintf(progress, "backup_request auto forms skipped: not supported by this build (%s)\n", why)
+		}
+	}
 	nCases, est := estimate(cfg, pols)
 	rep.Estimate = est.Round(time.Second).String()
 	fmt.Fprintf(progress, "%d variants × %d policies × %d seeds = %d cases, estimated %v\n",
@@ -678,6 +705,7 @@ func runScenarios(ctx context.Context, args []string, cmdline string, out, progr
 func runVariant(ctx context.Context, cfg *scenConfig, t tools, v variant, vi int, pols []policy, dir string, progress io.Writer, done *int, total int) ([]caseResult, error) {
 	var cases []caseResult
 	cs := v.caseSpec(cfg)
+	pols = variantPolicies(v, pols, cfg.autoOK)
 	for r := range cfg.seeds {
 		seed := cfg.firstSeed + r
 		cr, err := runSeed(ctx, t, cs, seedModels(v, seed, cfg.warmup), pols, (r+vi)%len(pols), seed, dir, func(c caseResult) {

@@ -108,6 +108,9 @@ type scenRow struct {
 	// Recovery is the recovering backend's comeback, for the recovery
 	// variant.
 	Recovery *recoveryStat `json:"recovery,omitempty"`
+	// ExtraPct is the attempts the backends received beyond the
+	// client's requests, as a share of them in % (backups, retries).
+	ExtraPct *stat `json:"extra_requests_pct,omitempty"`
 }
 
 // recovery is how a recovering backend regained its share in one case.
@@ -391,6 +394,7 @@ func summarizeVariant(v variant, cfg *scenConfig, pols []policy, cases []caseRes
 	from := int((cfg.warmup + v.recoverAt) / loadmodel.ArrivalBucket)
 	end := int((cfg.warmup + cfg.duration) / loadmodel.ArrivalBucket)
 	var psi []float64
+	pols = variantPolicies(v, pols, cfg.autoOK)
 	for _, p := range pols {
 		var runs []caseResult
 		for _, c := range cases {
@@ -423,7 +427,14 @@ func summarizeVariant(v variant, cfg *scenConfig, pols []policy, cases []caseRes
 		s := statOf(psi)
 		vs.CPUPressure = &s
 	}
-	vs.Verdicts = verdicts(v.kind, v.windows, vs.Rows)
+	switch v.kind {
+	case targetsHedge:
+		vs.Verdicts = hedgeVerdicts(vs.Rows, pols, selectiveDefaultBudget)
+	case targetsPartial, targetsPartialRetries:
+		vs.Verdicts = partialVerdicts(v.kind, vs.Rows, v.models, v.marked)
+	default:
+		vs.Verdicts = verdicts(v.kind, v.windows, vs.Rows)
+	}
 	return vs
 }
 
@@ -448,6 +459,9 @@ func aggregateRow(p policy, runs []caseResult, windows []window, rec []recovery)
 		}
 		return 100 * float64(c.Summary.Errors) / float64(c.Summary.Requests)
 	})
+	if s := of(func(c caseResult) float64 { return 100 * extraShare(c) }); s.N > 0 {
+		r.ExtraPct = &s
+	}
 	if s := of(func(c caseResult) float64 {
 		if c.DegradedShare == nil {
 			return math.NaN()
@@ -604,7 +618,11 @@ func (r *scenReport) writeMarkdown(w io.Writer) error {
 func writeVariant(b *strings.Builder, v variantSummary, cases []caseResult) {
 	fmt.Fprintf(b, "## %s — %s\n\n", v.Name, v.Title)
 	fmt.Fprintf(b, "%s\n\n", v.About)
-	fmt.Fprintf(b, "Load: %.0f req/s (%s); direct: %.0f req/s.", v.Rate, v.Load, v.DirectRate)
+	if v.Rate > 0 {
+		fmt.Fprintf(b, "Load: %.0f req/s (%s); direct: %.0f req/s.", v.Rate, v.Load, v.DirectRate)
+	} else {
+		fmt.Fprintf(b, "Load: %s.", v.Load)
+	}
 	if len(v.Steps) > 0 {
 		var st []string
 		for _, s := range v.Steps {
@@ -625,11 +643,18 @@ func writeVariant(b *strings.Builder, v variantSummary, cases []caseResult) {
 		b.WriteString(" share to " + v.MarkLabel + " |")
 	}
 	b.WriteString(" proxy CPU/request |")
+	hasExtra := v.Class == "hedge"
+	if hasExtra {
+		b.WriteString(" extra requests |")
+	}
 	if hasWin {
 		b.WriteString(" p99 in step |")
 	}
 	b.WriteString("\n|---|--:|--:|--:|--:|--:|")
 	if hasShare {
+		b.WriteString("--:|")
+	}
+	if hasExtra {
 		b.WriteString("--:|")
 	}
 	if hasWin {
@@ -651,6 +676,13 @@ func writeVariant(b *strings.Builder, v variantSummary, cases []caseResult) {
 			fmt.Fprintf(b, " %s |", sh)
 		}
 		fmt.Fprintf(b, " %s |", cpu)
+		if hasExtra {
+			ex := "—"
+			if x.ExtraPct != nil {
+				ex = fmtStat(*x.ExtraPct, fmtPct)
+			}
+			fmt.Fprintf(b, " %s |", ex)
+		}
 		if hasWin {
 			fmt.Fprintf(b, " %s |", fmtStat(x.Windows["step"], fmtMs))
 		}
@@ -688,7 +720,11 @@ func writeVariant(b *strings.Builder, v variantSummary, cases []caseResult) {
 		b.WriteString("\n")
 	}
 	if len(v.Verdicts) > 0 {
-		b.WriteString("\nVerdict for lbx ewma (medians over seeds):\n\n")
+		if v.Class == "hedge" || v.Class == "partialfail" {
+			b.WriteString("\nVerdicts per form (medians over seeds):\n\n")
+		} else {
+			b.WriteString("\nVerdict for lbx ewma (medians over seeds):\n\n")
+		}
 		for _, vd := range v.Verdicts {
 			b.WriteString("- " + vd.String() + "\n")
 		}
