@@ -229,7 +229,8 @@ func hedgeVerdicts(rowList []scenRow, pols []policy, budget float64) []verdict {
 		if r.ExtraPct != nil {
 			extra = r.ExtraPct.Median
 		}
-		out = append(out, compare(pre+"extra requests ≤ budget", extra, budget, "≤", "%", "selective's default backup_budget"))
+		out = append(out, compare(pre+"extra requests ≤ budget", extra, budget, "≤", "%", "selective's default backup_budget"),
+			compare(pre+"0 errors in every seed", r.ErrorPct.Max, 0, "≤", "%", ""))
 	}
 	return out
 }

@@ -166,6 +166,9 @@ func TestHedgeVerdicts(t *testing.T) {
 		"auto: p99.9 ≤ best unhedged ÷ 2":        true,
 		"auto: p99 ≤ 1.1 × best unhedged + 1 ms": true,
 		"auto: extra requests ≤ budget":          false,
+		"two: 0 errors in every seed":            true,
+		"one: 0 errors in every seed":            true,
+		"auto: 0 errors in every seed":           true,
 	}
 	if len(got) != len(want) {
 		t.Errorf("%d verdicts, want %d: %v", len(got), len(want), got)
@@ -226,5 +229,85 @@ func TestPartialVerdicts(t *testing.T) {
 	}
 	if vs := partialVerdicts(targetsPartial, rows, v.models, v.marked); len(vs) != 4 {
 		t.Errorf("without retries: %d verdicts, want 4 (no 0-errors criterion)", len(vs))
+	}
+}
+
+// TestPoolCostNamingFile checks the naming file of `bench poolcost`: n
+// lines of distinct addresses, the live ones one per partition of a
+// 3-partition scheme, the rest in the 2-partition scheme that has no
+// partition 1.
+func TestPoolCostNamingFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "server_list")
+	live := []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}
+	const n = 70_000 // past 65,536, where the address's second byte turns
+	if err := writeNamingFile(path, n, live); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	tags := map[string]int{}
+	for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		if strings.HasPrefix(line, "#") {
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) != 2 || seen[f[0]] {
+			t.Fatalf("bad or repeated line %q", line)
+		}
+		seen[f[0]] = true
+		tags[f[1]]++
+	}
+	if len(seen) != n || tags["0/3"] != 1 || tags["1/3"] != 1 || tags["2/3"] != 1 || tags["0/2"] != n-3 || tags["1/2"] != 0 {
+		t.Errorf("%d replicas, tags %v; want %d, one per partition of 3, the rest 0/2", len(seen), tags, n)
+	}
+}
+
+// TestPoolCostFlagsAndVerdicts checks the flags' bounds and the criteria
+// on made-up results: flat p50, slow /metrics and RSS that stays up.
+func TestPoolCostFlagsAndVerdicts(t *testing.T) {
+	for _, bad := range [][]string{{"-sizes", "2"}, {"-sizes", "x"}, {"-rates", "0"}, {"-rates", ""}, {"-duration", "10ms"}, {"-admin-timeout", "0s"}} {
+		if _, err := parsePoolCostFlags(bad, &strings.Builder{}); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+	c, err := parsePoolCostFlags(nil, &strings.Builder{})
+	if err != nil || len(c.sizes) != 4 || c.sizes[3] != 200_000 || len(c.rates) != 2 {
+		t.Fatalf("defaults: %+v, %v", c, err)
+	}
+	ok := func(p string, d time.Duration) adminTiming {
+		return adminTiming{Path: p, Took: d, Status: 200, Bytes: 100}
+	}
+	r := &poolCostResult{
+		RSSStart: 40 << 20, RSSAfter: 100 << 20,
+		Sizes: []poolCostSize{
+			{Size: 3, Rates: []poolCostRate{{Rate: 100, P50: 1400 * time.Microsecond}}},
+			{Size: 200_000, Rates: []poolCostRate{{Rate: 100, P50: 2 * time.Millisecond}},
+				Admin: []adminTiming{ok("/lbx/upstreams", 300*time.Millisecond), {Path: "/metrics", Took: 10 * time.Second, TimedOut: true}}},
+		},
+	}
+	got := map[string]bool{}
+	for _, v := range r.verdicts() {
+		got[v.Name] = v.Evaluated && v.Pass
+	}
+	want := map[string]bool{
+		"p50 at 200000 replicas ≤ 2 × at 3, 100 req/s": true,
+		"errors at 200000 replicas, 100 req/s":         true,
+		"GET /lbx/upstreams at 200000 replicas < 1 s":  true,
+		"GET /metrics at 200000 replicas < 1 s":        false,
+		"RSS after shrinking ≤ 1.5 × at the start":     false,
+	}
+	if len(got) != len(want) {
+		t.Errorf("verdicts %v", got)
+	}
+	for k, w := range want {
+		if got[k] != w {
+			t.Errorf("%s: pass %v, want %v", k, got[k], w)
+		}
+	}
+	if !strings.Contains(r.markdown(), "> 10s (timeout)") {
+		t.Errorf("markdown lacks the timeout:\n%s", r.markdown())
 	}
 }

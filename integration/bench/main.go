@@ -68,6 +68,8 @@ func main() {
 		_, err = runRebalance(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "scenarios":
 		_, err = runScenarios(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	case len(os.Args) > 1 && os.Args[1] == "poolcost":
+		err = runPoolCost(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "hedge":
 		err = runHedge(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "gossip":

@@ -30,3 +30,6 @@ func cpuPressure() (time.Duration, bool) { return 0, false }
 
 // processCPU is not measured here.
 func processCPU() time.Duration { return 0 }
+
+// processRSS is not available here.
+func processRSS(int) (int64, error) { return 0, errors.New("RSS not available on this OS") }

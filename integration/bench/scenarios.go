@@ -132,6 +132,8 @@ type scenConfig struct {
 	// Caddy under test accepts `backup_request auto` (set when it runs).
 	hedgeBackup time.Duration
 	autoOK      bool
+	// hedgeLoad is the hedge class's utilization target.
+	hedgeLoad float64
 }
 
 // Defaults of `bench scenarios`.
@@ -172,6 +174,7 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.StringVar(&c.jsonPath, "json", "", "also write raw per-case results and the aggregates as JSON to this file")
 	fs.DurationVar(&c.hedgeBackup, "hedge-backup", defaultHedgeBackup, "backup_request of the hedge class's hedged forms (near the healthy p95 of its backends)")
+	fs.Float64Var(&c.hedgeLoad, "hedge-load", hedgeLoad, "utilization the hedge class's rate aims at (issue 24: 0.45; lower it on a machine short of CPU and say so)")
 	fs.BoolVar(&c.quick, "quick", false, "smoke test: "+strings.Join(quickVariants, ", ")+"; ewma and least_conn; 1 seed; 0.5s warm-up, 2s window (flags given explicitly still win)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -209,6 +212,8 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 		return nil, fmt.Errorf("-warmup must not be negative, got %v", c.warmup)
 	case c.timeout <= 0:
 		return nil, fmt.Errorf("-timeout must be positive, got %v", c.timeout)
+	case !(c.hedgeLoad > 0) || c.hedgeLoad >= 1:
+		return nil, fmt.Errorf("-hedge-load must be above 0 and below 1, got %v", c.hedgeLoad)
 	case c.hedgeBackup < time.Millisecond || c.hedgeBackup > time.Minute:
 		return nil, fmt.Errorf("-hedge-backup must be between 1ms and 1m, got %v", c.hedgeBackup)
 	}
@@ -218,6 +223,13 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 	}
 	if c.variants, err = selectVariants(classes, buildVariants(c.duration)); err != nil {
 		return nil, err
+	}
+	for i := range c.variants {
+		if v := &c.variants[i]; v.kind == targetsHedge {
+			v.rate = math.Round(c.hedgeLoad * 4 * cap2ms)
+			v.directRate = v.rate / 4
+			v.load = fmt.Sprintf("%.0f%% of capacity (4 × ≈%.0f req/s)", 100*c.hedgeLoad, cap2ms)
+		}
 	}
 	return c, nil
 }
