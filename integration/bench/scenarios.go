@@ -671,8 +671,8 @@ func runScenarios(ctx context.Context, args []string, cmdline string, out, progr
 	}
 	nCases, est := estimate(cfg, pols)
 	rep.Estimate = est.Round(time.Second).String()
-	fmt.Fprintf(progress, "%d variants × %d policies × %d seeds = %d cases, estimated %v\n",
-		len(cfg.variants), len(pols), cfg.seeds, nCases, est.Round(time.Second))
+	fmt.Fprintf(progress, "%d variants × their policies × %d seeds = %d cases, estimated %v\n",
+		len(cfg.variants), cfg.seeds, nCases, est.Round(time.Second))
 
 	var runErr error
 	done := 0
