@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -275,7 +276,7 @@ func TestParseScenarioFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(c.variants) != 16 || c.seeds != 3 || c.warmup != 2*time.Second || c.duration != 6*time.Second || len(c.policies) != len(allPolicies) {
+	if len(c.variants) != 24 || c.seeds != 3 || c.warmup != 2*time.Second || c.duration != 6*time.Second || len(c.policies) != len(allPolicies) {
 		t.Errorf("defaults: %d variants, %d seeds, %v, %v, %d policies", len(c.variants), c.seeds, c.warmup, c.duration, len(c.policies))
 	}
 	names := func(c *scenConfig) string {
@@ -343,7 +344,12 @@ func TestVariants(t *testing.T) {
 		if w := v.proxy.Weights; w != nil && len(w) != len(v.models) {
 			t.Errorf("%s: %d weights for %d backends", v.name, len(w), len(v.models))
 		}
-		if !(v.rate > 0) || !(v.directRate > 0) || v.directRate > v.rate {
+		if v.concurrency > 0 {
+			// A closed loop (issue 24's partialfail): no rate, no direct.
+			if v.rate != 0 || slices.ContainsFunc(variantPolicies(v, allPolicies, true), func(p policy) bool { return p.kind == kindDirect }) {
+				t.Errorf("%s: a closed loop with rate %v or a direct baseline", v.name, v.rate)
+			}
+		} else if !(v.rate > 0) || !(v.directRate > 0) || v.directRate > v.rate {
 			t.Errorf("%s: rate %v, direct %v", v.name, v.rate, v.directRate)
 		}
 		a, b := seedModels(v, 1, 2*time.Second), seedModels(v, 2, 2*time.Second)
@@ -355,12 +361,12 @@ func TestVariants(t *testing.T) {
 				t.Errorf("%s: %v", v.name, err)
 			}
 		}
-		l := loadmodel.Load{URL: "http://127.0.0.1/", Rate: v.rate, Duration: 6 * time.Second, Steps: v.steps}
+		l := loadmodel.Load{URL: "http://127.0.0.1/", Rate: v.rate, Duration: 6 * time.Second, Steps: v.steps, Concurrency: v.concurrency}
 		if err := l.Validate(); err != nil {
 			t.Errorf("%s: %v", v.name, err)
 		}
 	}
-	if len(seen) != 16 {
+	if len(seen) != 24 {
 		t.Errorf("%d variants", len(seen))
 	}
 	// The recovering backend changes at the warm-up plus half the window.
