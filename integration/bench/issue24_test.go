@@ -1,6 +1,8 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"math"
 	"os"
@@ -309,5 +311,31 @@ func TestPoolCostFlagsAndVerdicts(t *testing.T) {
 	}
 	if !strings.Contains(r.markdown(), "> 10s (timeout)") {
 		t.Errorf("markdown lacks the timeout:\n%s", r.markdown())
+	}
+}
+
+// TestPoolcostRun runs `bench poolcost` end to end at tiny sizes: it
+// checks that a naming-file version is seen applied (Caddy's log line),
+// that every size and view is measured and the criteria printed, never how
+// fast anything was. It starts Caddy, so -short skips it (and its name
+// keeps it out of the quick -run 'PoolCost' selection).
+func TestPoolcostRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Caddy and runs load")
+	}
+	bin := testCaddy(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out bytes.Buffer
+	err := runPoolCost(ctx, []string{"-caddy", bin, "-sizes", "3,40", "-rates", "50", "-warmup", "0s", "-duration", "1s", "-apply-timeout", "30s"},
+		"go test", &out, testWriter{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Log("\n" + out.String())
+	for _, want := range []string{"| 3 |", "| 40 |", "GET /metrics at 40 replicas < 1 s", "RSS after shrinking", "applied in"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("report lacks %q", want)
+		}
 	}
 }
