@@ -9,8 +9,9 @@
 //	cd integration && go run ./bench [flags]
 //	cd integration && go run ./bench -quick   # a smoke test of well under a minute
 //	cd integration && go run ./bench rebalance [flags]   # the rebalance scale-out, with a plot
-//	cd integration && go run ./bench scenarios [flags]   # the scenario classes of issue 11 (docs/benchmarks.md)
+//	cd integration && go run ./bench scenarios [flags]   # the scenario classes of issues 11 and 24 (docs/benchmarks.md)
 //	cd integration && go run ./bench hedge [flags]       # selective's backup requests under freezes
+//	cd integration && go run ./bench poolcost [flags]    # a request's cost as a partition naming file grows to 200,000
 //	cd integration && go run ./bench gossip [flags]      # load gossip through serf at 16 to 128+ members
 //	cd integration && go run ./bench fleetsim [flags]    # the rebalance decision simulated on fleets of 100 to 1000+ nodes
 //	cd integration && go run ./bench reload [flags]      # requests a config reload loses, stock Caddy and lbx side by side

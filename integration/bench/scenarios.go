@@ -152,7 +152,7 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: "+benchCommand+" scenarios [flags]\n\n"+
-			"Runs the scenario classes of issue 11, every policy side by side in each\n"+
+			"Runs the scenario classes of issues 11 and 24, every policy side by side in each\n"+
 			"variant, over several seeds; prints a Markdown table per variant and a\n"+
 			"verdict for lbx ewma against the targets.\n\n"+
 			"Classes and their variants:\n")
