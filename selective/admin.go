@@ -61,6 +61,7 @@ type handlerStatus struct {
 	BackupTokens    float64       `json:"backup_tokens"`
 	BackupRefused   uint64        `json:"backup_refused"`
 	BackupBusy      uint64        `json:"backup_busy"`
+	BackupQueued    uint64        `json:"backup_queued"`
 	TimeoutMs       float64       `json:"timeout_ms,omitempty"`
 	Groups          []groupStatus `json:"groups"`
 }
@@ -100,6 +101,7 @@ func (h *Handler) status(now int64) handlerStatus {
 		BackupTokens:    h.budget.available(),
 		BackupRefused:   h.budget.refused.Load(),
 		BackupBusy:      h.backupBusy.Load(),
+		BackupQueued:    h.backupQueued.Load(),
 		TimeoutMs:       ms(time.Duration(h.Timeout)),
 		Groups:          []groupStatus{},
 	}

@@ -144,6 +144,9 @@ type Handler struct {
 	// backupBusy counts backup requests not sent because the group
 	// chosen had no spare capacity (see group.spare).
 	backupBusy atomic.Uint64
+	// backupQueued counts calls whose backup was held back because the
+	// first attempt was queued at a replica making progress, not stuck.
+	backupQueued atomic.Uint64
 }
 
 // Group is one group of Handler: a name, a weight, and the routes that
