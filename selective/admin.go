@@ -81,6 +81,9 @@ type groupStatus struct {
 	Failures   uint64  `json:"failures"`
 	BackupSent uint64  `json:"backup_sent"`
 	BackupWon  uint64  `json:"backup_won"`
+	// BackupDelayMs is the delay backup_request_auto last set for calls
+	// whose first attempt went to the group; absent without it.
+	BackupDelayMs float64 `json:"backup_delay_ms,omitempty"`
 }
 
 func buildView() selectiveStatus {
@@ -113,6 +116,10 @@ func (h *Handler) status(now int64) handlerStatus {
 		if failing {
 			capacity = 0
 		}
+		var delayMs float64
+		if h.BackupRequestAuto != nil {
+			delayMs = ms(h.backupDelay(g, now))
+		}
 		hv.Groups = append(hv.Groups, groupStatus{
 			Name:       g.name,
 			Weight:     g.weight,
@@ -127,6 +134,8 @@ func (h *Handler) status(now int64) handlerStatus {
 			Failures:   st.failures.Load(),
 			BackupSent: st.backupSent.Load(),
 			BackupWon:  st.backupWon.Load(),
+
+			BackupDelayMs: delayMs,
 		})
 	}
 	return hv

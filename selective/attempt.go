@@ -213,6 +213,9 @@ func (a *attempt) judge() {
 		outcome := hoststate.Failure
 		if a.failure == failCancel {
 			outcome = hoststate.Abandoned
+			// a lower bound on its latency: a hedged stall still
+			// counts in the distribution the auto delay follows
+			st.lat.Observe(now, now-a.start)
 		}
 		a.c.h.table.ObserveAt(st.stats, a.start, now, outcome)
 		a.observed = true
@@ -237,7 +240,11 @@ func (a *attempt) headers(failed bool) {
 	if failed {
 		outcome = hoststate.Failure
 	}
-	a.c.h.table.ObserveAt(a.group.state.stats, a.start, monoclock.Now(), outcome)
+	now := monoclock.Now()
+	if !failed {
+		a.group.state.lat.Observe(now, now-a.start)
+	}
+	a.c.h.table.ObserveAt(a.group.state.stats, a.start, now, outcome)
 }
 
 // classify tells a group's error apart for retry_on: a dial error, a

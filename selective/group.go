@@ -16,6 +16,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/latdist"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 	"github.com/caddy-lbx/lbx/lbpolicy"
 )
@@ -46,6 +47,9 @@ type group struct {
 	// unless an ejection happened since: counting is O(upstreams).
 	countedAt, countEpoch atomic.Int64
 	counted               atomic.Int64
+
+	// The backup delay backup_request_auto last computed, and when.
+	autoNs, autoAt atomic.Int64
 }
 
 // countEvery is how long (ns) a count of a group's usable upstreams is
@@ -73,6 +77,10 @@ type groupState struct {
 	consecutive   atomic.Int64
 	lastFailureNs atomic.Int64
 	failing       atomic.Bool
+
+	// lat is the recent distribution of the group's answer latencies,
+	// for backup_request_auto.
+	lat *latdist.Dist
 
 	attempts, failures, answers atomic.Uint64
 	backupSent, backupWon       atomic.Uint64
@@ -140,7 +148,7 @@ func provisionGroup(ctx caddy.Context, g *Group) (*group, error) {
 		return nil, err
 	}
 	v, _, _ := groupStates.LoadOrNew(pg.key, func() (caddy.Destructor, error) {
-		return &groupState{stats: hoststate.NewStats(pg.key)}, nil
+		return &groupState{stats: hoststate.NewStats(pg.key), lat: latdist.New(autoWindow)}, nil
 	})
 	pg.state = v.(*groupState)
 	pg.metrics = newGroupMetrics(pg.name)

@@ -92,7 +92,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 	if err := c.readBody(deadline); err != nil {
 		return err
 	}
-	c.hedge = h.BackupRequest > 0 && c.replay && h.hedgeable(r)
+	c.hedge = h.hedges() && c.replay && h.hedgeable(r)
 
 	ctx := r.Context()
 	if bounded {
@@ -164,13 +164,17 @@ func (c *call) readBody(deadline time.Time) error {
 // a retry on another group after a failure, while none is running.
 func (c *call) run(ctx context.Context) error {
 	h := c.h
-	if g := h.pick(c, monoclock.Now(), func(int) bool { return false }); g >= 0 {
+	now := monoclock.Now()
+	var delay time.Duration
+	if g := h.pick(c, now, func(int) bool { return false }); g >= 0 {
 		c.launch(ctx, g, kindFirst, nil)
+		if c.hedge {
+			delay = h.backupDelay(h.groups[g], now)
+		}
 	}
 	var hedgeC <-chan time.Time
 	var hedgeT *time.Timer
-	delay := time.Duration(h.BackupRequest)
-	if c.hedge {
+	if c.hedge && delay > 0 {
 		hedgeT = time.NewTimer(delay)
 		defer hedgeT.Stop()
 		hedgeC = hedgeT.C
