@@ -36,10 +36,13 @@ func init() {
 
 // Handler balances each request among Groups: it chooses a group by
 // Policy, sends the request through the group's routes, retries a failed
-// call on another group up to MaxRetry times, and, with BackupRequest
-// set, sends a second attempt to another group (or the same one, when it
-// is the only one) if the first has not answered within the delay,
-// taking whichever answers first.
+// call on another group up to MaxRetry times, and, with BackupRequest or
+// BackupRequestAuto set, sends a second attempt to an idle replica the
+// call is not using (in another group, or the same one) if the first has
+// not answered within the delay and looks stuck rather than queued,
+// taking whichever answers first. The rules for when and where a backup
+// goes, and for its budget, are stated once in docs/selective.md
+// ("Backup requests").
 //
 // A call fails, for retries, as RetryOn says: by default on a dial error,
 // a timeout, another proxy error (a reset, a closed connection) and the
@@ -53,7 +56,7 @@ func init() {
 // Placeholders of the client request, for logs and later handlers:
 // {http.selective.group} (the group that answered), {http.selective.attempts},
 // {http.selective.tried} (the groups tried, in order, comma-separated),
-// {http.selective.backup} (none, sent, won or refused) and
+// {http.selective.backup} (none, sent, won, queued, refused or busy) and
 // {http.selective.error} (the last failure, when the call failed). The
 // answering attempt's reverse_proxy placeholders, such as
 // {http.reverse_proxy.upstream.hostport}, are copied to the client
@@ -86,10 +89,15 @@ type Handler struct {
 	RetryAnyMethod bool `json:"retry_any_method,omitempty"`
 
 	// The delay after which a request that has not had response headers
-	// yet is sent to a second group (or the same one, when there is only
-	// one), the first answer winning: brpc's backup_request_ms. Only
-	// requests matching BackupMatch are hedged, within BackupBudget. From
-	// 1ms to 1h. Default: 0 (no backup requests).
+	// yet may be sent a second time, the first answer winning: brpc's
+	// backup_request_ms. The backup is sent only when the first attempt
+	// looks stuck (its replica has finished nothing for half the delay;
+	// one making progress is merely queued, and is looked at again every
+	// half delay), and only to a replica with spare capacity that the
+	// call is not using: another group's, or another in the same group.
+	// Only requests matching BackupMatch are hedged, within BackupBudget.
+	// From 1ms to 1h. Default: 0 (no backup requests, unless
+	// backup_request_auto is set).
 	BackupRequest caddy.Duration `json:"backup_request,omitempty"`
 	// Set the backup delay from each group's own recent answer latencies
 	// instead of a fixed backup_request (not both): the delay for a call
