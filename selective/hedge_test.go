@@ -184,3 +184,36 @@ func TestBackupOnlyWhenStuck(t *testing.T) {
 		t.Fatalf("calls queued at a frozen replica: no answer from b; want backups sent")
 	}
 }
+
+// When the group the policy picks for a backup has no spare replica, the
+// backup goes to another replica of the group already trying the call:
+// group b's only replica is the one the first attempt is at (Caddy counts
+// requests per address), so the backup goes to a2 in group a. Before,
+// the backup was given up as busy.
+func TestBackupFallsBackToSameGroup(t *testing.T) {
+	e := newEnv(t)
+	a1, a2 := e.backend("a1"), e.backend("a2")
+	a1.delay.Store(int64(time.Second))
+	e.load(fmt.Sprintf(`	selective {
+		group a {
+			reverse_proxy %s %s {
+				lb_policy panic {
+					policy first
+				}
+			}
+		}
+		group b {
+			reverse_proxy %s
+		}
+		policy failover
+		backup_request 50ms
+		status_header
+	}`, a1.addr, a2.addr, a1.addr))
+	r := e.get("/")
+	if r.body != "a2" || !strings.Contains(r.header.Get("X-Selective"), "a; attempts=2; tried=a; backup=won") {
+		t.Fatalf("got %q (%s); want a2's answer by a backup in group a", r.body, r.header.Get("X-Selective"))
+	}
+	if n := a1.hits.Load(); n != 1 {
+		t.Errorf("a1 saw %d requests; want 1 (no backup to the replica trying the call)", n)
+	}
+}
