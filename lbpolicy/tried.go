@@ -119,6 +119,32 @@ func Avoid(r *http.Request, dial string) {
 	}
 }
 
+// AvoidAll is Avoid for several upstreams at once: every dial in dials
+// counts as tried by r before its first attempt, so a policy that tracks
+// what a request tried chooses among the others while one is usable.
+// The selective handler gives a backup request in the same group every
+// replica it must not use — those its running attempts went to, and those
+// without spare capacity — so that the backup lands on an idle one. The
+// list is kept in r's replacer (see triedKey), which r must carry, as
+// every request Caddy's server prepared does; without one only the first
+// dial is recorded.
+func AvoidAll(r *http.Request, dials []string) {
+	if len(dials) == 0 {
+		return
+	}
+	vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+	if !ok {
+		return
+	}
+	vars[triedVar] = &reverseproxy.Upstream{Dial: dials[0]}
+	if len(dials) == 1 {
+		return
+	}
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set(triedKey, &Tried{dials: slices.Clone(dials)})
+	}
+}
+
 // backupSender is a handler that may send a request twice through the
 // routes below it, marking with Avoid what the first attempt used (the
 // selective handler with backup requests).

@@ -323,3 +323,29 @@ func TestTriedWithoutReplacer(t *testing.T) {
 		t.Fatalf("no request: %v", u)
 	}
 }
+
+// TestAvoidAllSteersFirstAttempt: with the fastest upstreams marked by
+// AvoidAll, a full-scan ewma sends the request to the one left, a slow
+// one it would never choose otherwise; with every upstream marked, it
+// still chooses (the fastest), as a retry does once all were tried.
+// With Avoid, which keeps one dial, the second fastest would be chosen.
+func TestAvoidAllSteersFirstAttempt(t *testing.T) {
+	s := provisionEWMA(t, &EWMASelection{Choices: choicesAll})
+	pool := newPool(t, 4)
+	for i, u := range pool {
+		observe(s, u, time.Duration(i+1)*time.Millisecond, hoststate.Success)
+	}
+	for range 50 {
+		r := clientRequest()
+		AvoidAll(r, []string{pool[0].Dial, pool[1].Dial, pool[2].Dial})
+		if u := s.Select(pool, r, nil); u != pool[3] {
+			t.Fatalf("picked %v; want the one upstream not avoided, %v", u, pool[3])
+		}
+	}
+	r := clientRequest()
+	AvoidAll(r, []string{pool[0].Dial, pool[1].Dial, pool[2].Dial, pool[3].Dial})
+	if u := s.Select(pool, r, nil); u != pool[0] {
+		t.Fatalf("with every upstream avoided, picked %v; want the fastest, %v", u, pool[0])
+	}
+	AvoidAll(clientRequest(), nil) // nothing to record: no panic
+}

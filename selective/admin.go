@@ -61,6 +61,7 @@ type handlerStatus struct {
 	BackupTokens    float64       `json:"backup_tokens"`
 	BackupRefused   uint64        `json:"backup_refused"`
 	BackupBusy      uint64        `json:"backup_busy"`
+	BackupQueued    uint64        `json:"backup_queued"`
 	TimeoutMs       float64       `json:"timeout_ms,omitempty"`
 	Groups          []groupStatus `json:"groups"`
 }
@@ -80,6 +81,9 @@ type groupStatus struct {
 	Failures   uint64  `json:"failures"`
 	BackupSent uint64  `json:"backup_sent"`
 	BackupWon  uint64  `json:"backup_won"`
+	// BackupDelayMs is the delay backup_request_auto last set for calls
+	// whose first attempt went to the group; absent without it.
+	BackupDelayMs float64 `json:"backup_delay_ms,omitempty"`
 }
 
 func buildView() selectiveStatus {
@@ -100,6 +104,7 @@ func (h *Handler) status(now int64) handlerStatus {
 		BackupTokens:    h.budget.available(),
 		BackupRefused:   h.budget.refused.Load(),
 		BackupBusy:      h.backupBusy.Load(),
+		BackupQueued:    h.backupQueued.Load(),
 		TimeoutMs:       ms(time.Duration(h.Timeout)),
 		Groups:          []groupStatus{},
 	}
@@ -110,6 +115,10 @@ func (h *Handler) status(now int64) handlerStatus {
 		capacity := usable * g.weight
 		if failing {
 			capacity = 0
+		}
+		var delayMs float64
+		if h.BackupRequestAuto != nil {
+			delayMs = ms(h.backupDelay(g, now))
 		}
 		hv.Groups = append(hv.Groups, groupStatus{
 			Name:       g.name,
@@ -125,6 +134,8 @@ func (h *Handler) status(now int64) handlerStatus {
 			Failures:   st.failures.Load(),
 			BackupSent: st.backupSent.Load(),
 			BackupWon:  st.backupWon.Load(),
+
+			BackupDelayMs: delayMs,
 		})
 	}
 	return hv

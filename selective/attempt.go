@@ -96,22 +96,19 @@ var errHeldTooLarge = fmt.Errorf("failure response larger than %d bytes", maxHel
 // errNoAnswer is a group's failure when its routes wrote no response.
 var errNoAnswer = caddyhttp.Error(http.StatusBadGateway, errors.New("the group's routes wrote no response"))
 
-// launch starts an attempt of kind on group g.
-func (c *call) launch(ctx context.Context, g int, kind attemptKind) {
+// launch starts an attempt of kind on group g; avoid lists the upstreams
+// its group's policy must leave out (a backup's, see group.spare).
+func (c *call) launch(ctx context.Context, g int, kind attemptKind, avoid []string) {
 	grp := c.h.groups[g]
 	actx, cancel := context.WithCancel(ctx)
 	a := &attempt{c: c, g: g, group: grp, kind: kind, cancel: cancel}
 	a.w = attemptWriter{a: a}
 	a.req, a.repl = c.newRequest(actx, &a.w)
-	if kind == kindBackup {
-		// A backup on a group that is already trying the request goes to
-		// another replica: the group's policy leaves out the upstream the
-		// running attempt went to (when it tracks what requests tried, as
-		// lb_policy ewma and panic do under a selective that hedges).
-		for _, dial := range c.runningDials(g) {
-			lbpolicy.Avoid(a.req, dial)
-		}
-	}
+	// A backup on a group that is already trying the request goes to
+	// another replica, one with spare capacity: the group's policy leaves
+	// out the others (when it tracks what requests tried, as lb_policy
+	// ewma and panic do under a selective that hedges).
+	lbpolicy.AvoidAll(a.req, avoid)
 	c.mu.Lock()
 	c.attempts = append(c.attempts, a)
 	c.mu.Unlock()
@@ -216,6 +213,9 @@ func (a *attempt) judge() {
 		outcome := hoststate.Failure
 		if a.failure == failCancel {
 			outcome = hoststate.Abandoned
+			// a lower bound on its latency: a hedged stall still
+			// counts in the distribution the auto delay follows
+			st.lat.Observe(now, now-a.start)
 		}
 		a.c.h.table.ObserveAt(st.stats, a.start, now, outcome)
 		a.observed = true
@@ -240,7 +240,11 @@ func (a *attempt) headers(failed bool) {
 	if failed {
 		outcome = hoststate.Failure
 	}
-	a.c.h.table.ObserveAt(a.group.state.stats, a.start, monoclock.Now(), outcome)
+	now := monoclock.Now()
+	if !failed {
+		a.group.state.lat.Observe(now, now-a.start)
+	}
+	a.c.h.table.ObserveAt(a.group.state.stats, a.start, now, outcome)
 }
 
 // classify tells a group's error apart for retry_on: a dial error, a

@@ -35,7 +35,7 @@ const defaultStatusHeader = "X-Selective"
 //		max_retry <n>
 //		retry_on dial|timeout|error|<status>...
 //		retry_any_method
-//		backup_request <duration>
+//		backup_request <duration> | auto [quantile <percent>] [min <duration>] [max <duration>]
 //		backup_match <matcher>
 //		backup_budget <percent>
 //		timeout <duration>
@@ -85,7 +85,20 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 			err = caddyopt.NoArgs(d, what)
 			s.RetryAnyMethod = true
 		case "backup_request":
-			s.BackupRequest, err = durationOption(d, what, checkBackupRequest)
+			var args []string
+			if args, err = caddyopt.Args(d, what); err == nil {
+				if args[0] == "auto" {
+					s.BackupRequestAuto, err = parseBackupAuto(d, what, args[1:])
+				} else if len(args) > 1 {
+					err = caddyopt.Errf(d, what, "backup_request: one duration or auto expected, got another: %q", args[1])
+				} else {
+					var v time.Duration
+					if v, err = caddyopt.DurationValue(d, what, name, args[0]); err == nil {
+						err = bounded(d, what, checkBackupRequest(v))
+						s.BackupRequest = caddy.Duration(v)
+					}
+				}
+			}
 		case "backup_match":
 			var set caddy.ModuleMap
 			if set, err = caddyhttp.ParseCaddyfileNestedMatcherSet(d); err != nil {
@@ -158,6 +171,53 @@ func durationOption(d *caddyfile.Dispenser, what string, check func(d time.Durat
 		return 0, err
 	}
 	return caddy.Duration(v), bounded(d, what, check(v))
+}
+
+// parseBackupAuto reads what follows `backup_request auto`: pairs of
+// quantile <percent>, min <duration> and max <duration>, each at most once.
+func parseBackupAuto(d *caddyfile.Dispenser, what string, args []string) (*BackupAuto, error) {
+	a := new(BackupAuto)
+	seen := map[string]bool{}
+	for i := 0; i < len(args); i += 2 {
+		key := args[i]
+		if key != "quantile" && key != "min" && key != "max" {
+			return nil, caddyopt.Errf(d, what, "backup_request auto: unknown option %q; want quantile, min or max", key)
+		}
+		if seen[key] {
+			return nil, caddyopt.Errf(d, what, "backup_request auto: %s given twice", key)
+		}
+		seen[key] = true
+		if i+1 >= len(args) {
+			return nil, caddyopt.Errf(d, what, "backup_request auto: %s needs a value", key)
+		}
+		val := args[i+1]
+		opt := "backup_request auto " + key
+		switch key {
+		case "quantile":
+			q, err := strconv.ParseFloat(strings.TrimSuffix(val, "%"), 64)
+			if err != nil || q == 0 {
+				return nil, caddyopt.Invalid(d, what, opt, val, "a percentage from 50 to 99.9, such as 95")
+			}
+			a.Quantile = q
+		default:
+			v, err := caddyopt.DurationValue(d, what, opt, val)
+			if err != nil {
+				return nil, err
+			}
+			if v == 0 {
+				return nil, caddyopt.Invalid(d, what, opt, val, "a duration from 1ms to 1h")
+			}
+			if key == "min" {
+				a.Min = caddy.Duration(v)
+			} else {
+				a.Max = caddy.Duration(v)
+			}
+		}
+	}
+	if err := a.validate(); err != nil {
+		return nil, caddyopt.Errf(d, what, "%v", err)
+	}
+	return a, nil
 }
 
 // parsePolicy reads `policy <name> [<key or threshold>]`.

@@ -16,6 +16,7 @@ import (
 	"github.com/cespare/xxhash/v2"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/latdist"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 	"github.com/caddy-lbx/lbx/lbpolicy"
 )
@@ -46,6 +47,9 @@ type group struct {
 	// unless an ejection happened since: counting is O(upstreams).
 	countedAt, countEpoch atomic.Int64
 	counted               atomic.Int64
+
+	// The backup delay backup_request_auto last computed, and when.
+	autoNs, autoAt atomic.Int64
 }
 
 // countEvery is how long (ns) a count of a group's usable upstreams is
@@ -73,6 +77,10 @@ type groupState struct {
 	consecutive   atomic.Int64
 	lastFailureNs atomic.Int64
 	failing       atomic.Bool
+
+	// lat is the recent distribution of the group's answer latencies,
+	// for backup_request_auto.
+	lat *latdist.Dist
 
 	attempts, failures, answers atomic.Uint64
 	backupSent, backupWon       atomic.Uint64
@@ -140,7 +148,7 @@ func provisionGroup(ctx caddy.Context, g *Group) (*group, error) {
 		return nil, err
 	}
 	v, _, _ := groupStates.LoadOrNew(pg.key, func() (caddy.Destructor, error) {
-		return &groupState{stats: hoststate.NewStats(pg.key)}, nil
+		return &groupState{stats: hoststate.NewStats(pg.key), lat: latdist.New(autoWindow)}, nil
 	})
 	pg.state = v.(*groupState)
 	pg.metrics = newGroupMetrics(pg.name)
@@ -292,23 +300,47 @@ func (g *group) usable(i int, u *reverseproxy.Upstream, now int64) bool {
 
 // spare reports whether the group can take a backup request without
 // queueing it behind other work (Prequal's lesson: a hedge that waits in
-// a busy replica's queue delays what is queued there and seldom wins).
-// A group of static upstreams has spare capacity when one of them, other
-// than those in avoid (where the call's running attempts went), is usable
-// with no request in flight, as Caddy counts them (every handler's
-// requests to that address); any other group when it has fewer of this
-// handler's attempts in flight than usable capacity.
-func (g *group) spare(now int64, avoid []string) bool {
+// a busy replica's queue delays what is queued there and seldom wins),
+// and returns the upstreams the backup must not go to. running is where
+// the call's attempts on this group went: a backup never joins them.
+//
+// A group of static upstreams has spare capacity when one of them, not in
+// running, is usable, has no request in flight as Caddy counts them
+// (every handler's requests to that address), and is not expected to take
+// longer than limit ns (base is the typical latency, for hosts not seen
+// lately): a replica that froze, whose abandoned attempts left it looking
+// idle, is still expected to be as slow as its stall (hoststate's Judge).
+// avoid then lists every usable upstream that is not such a replica, so
+// that the group's policy (when it tracks what a request tried, as ewma
+// and panic do) chooses among the spare ones only.
+//
+// Any other group has spare capacity when it has fewer of this handler's
+// attempts in flight than usable capacity, and avoid is running: a group
+// of one dynamic upstream with the call's attempt on it has none.
+func (g *group) spare(now int64, running []string, limit, base float64) (ok bool, avoid []string) {
 	if g.static == nil {
 		usable, _ := g.capacity(now)
-		return float64(g.state.inFlight.Load()) < usable
+		if float64(g.state.inFlight.Load()) >= usable {
+			return false, nil
+		}
+		return true, running
 	}
 	for i, u := range g.static {
-		if u.NumRequests() == 0 && g.usable(i, u, now) && !slices.Contains(avoid, u.Dial) {
-			return true
+		if !g.usable(i, u, now) {
+			continue
 		}
+		if !slices.Contains(running, u.Dial) && u.NumRequests() == 0 {
+			if lat, _ := g.hosts.Judge(g.upStats[i], now, base); lat <= limit {
+				ok = true
+				continue
+			}
+		}
+		avoid = append(avoid, u.Dial)
 	}
-	return false
+	if !ok {
+		return false, nil
+	}
+	return true, avoid
 }
 
 // failingNow reports whether the group is in its failure cooldown.

@@ -20,7 +20,7 @@ var (
 	}, []string{"group"})
 	backupRefusedTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "caddy_lbx_selective_backup_refused_total",
-		Help: "Backup requests not sent, by reason: budget (the backup budget was spent) or busy (the group chosen had no idle replica or spare capacity).",
+		Help: "Backup requests not sent, by reason: budget (the backup budget was spent), busy (no replica the call was not using had spare capacity) or queued (the first attempt's replica was making progress: queued, not stuck; counted once per call).",
 	}, []string{"reason"})
 )
 
@@ -28,6 +28,7 @@ var (
 const (
 	refusedBudget = "budget"
 	refusedBusy   = "busy"
+	refusedQueued = "queued"
 )
 
 // registerMetrics adds the metrics to the config's registry; registering

@@ -36,10 +36,13 @@ func init() {
 
 // Handler balances each request among Groups: it chooses a group by
 // Policy, sends the request through the group's routes, retries a failed
-// call on another group up to MaxRetry times, and, with BackupRequest
-// set, sends a second attempt to another group (or the same one, when it
-// is the only one) if the first has not answered within the delay,
-// taking whichever answers first.
+// call on another group up to MaxRetry times, and, with BackupRequest or
+// BackupRequestAuto set, sends a second attempt to an idle replica the
+// call is not using (in another group, or the same one) if the first has
+// not answered within the delay and looks stuck rather than queued,
+// taking whichever answers first. The rules for when and where a backup
+// goes, and for its budget, are stated once in docs/selective.md
+// ("Backup requests").
 //
 // A call fails, for retries, as RetryOn says: by default on a dial error,
 // a timeout, another proxy error (a reset, a closed connection) and the
@@ -53,7 +56,7 @@ func init() {
 // Placeholders of the client request, for logs and later handlers:
 // {http.selective.group} (the group that answered), {http.selective.attempts},
 // {http.selective.tried} (the groups tried, in order, comma-separated),
-// {http.selective.backup} (none, sent, won or refused) and
+// {http.selective.backup} (none, sent, won, queued, refused or busy) and
 // {http.selective.error} (the last failure, when the call failed). The
 // answering attempt's reverse_proxy placeholders, such as
 // {http.reverse_proxy.upstream.hostport}, are copied to the client
@@ -86,11 +89,21 @@ type Handler struct {
 	RetryAnyMethod bool `json:"retry_any_method,omitempty"`
 
 	// The delay after which a request that has not had response headers
-	// yet is sent to a second group (or the same one, when there is only
-	// one), the first answer winning: brpc's backup_request_ms. Only
-	// requests matching BackupMatch are hedged, within BackupBudget. From
-	// 1ms to 1h. Default: 0 (no backup requests).
+	// yet may be sent a second time, the first answer winning: brpc's
+	// backup_request_ms. The backup is sent only when the first attempt
+	// looks stuck (its replica has finished nothing for half the delay;
+	// one making progress is merely queued, and is looked at again every
+	// half delay), and only to a replica with spare capacity that the
+	// call is not using: another group's, or another in the same group.
+	// Only requests matching BackupMatch are hedged, within BackupBudget.
+	// From 1ms to 1h. Default: 0 (no backup requests, unless
+	// backup_request_auto is set).
 	BackupRequest caddy.Duration `json:"backup_request,omitempty"`
+	// Set the backup delay from each group's own recent answer latencies
+	// instead of a fixed backup_request (not both): the delay for a call
+	// is a high quantile of the latencies of the group its first attempt
+	// went to. Default: off.
+	BackupRequestAuto *BackupAuto `json:"backup_request_auto,omitempty"`
 
 	// The requests that may be sent twice (a backup request), as matcher
 	// sets, any of which must match. Default: method GET or HEAD, without
@@ -144,6 +157,9 @@ type Handler struct {
 	// backupBusy counts backup requests not sent because the group
 	// chosen had no spare capacity (see group.spare).
 	backupBusy atomic.Uint64
+	// backupQueued counts calls whose backup was held back because the
+	// first attempt was queued at a replica making progress, not stuck.
+	backupQueued atomic.Uint64
 }
 
 // Group is one group of Handler: a name, a weight, and the routes that
@@ -168,6 +184,109 @@ type Group struct {
 	// provisioning.
 	Routes caddyhttp.RouteList `json:"routes,omitempty"`
 }
+
+// BackupAuto sets the backup delay from a group's observed latencies
+// (Handler's backup_request_auto). The latencies are the times to
+// response headers of the group's attempts over the last 5 to 10
+// seconds, kept in a fixed-size histogram (about 9% resolution); an
+// attempt cancelled before it answered counts with the time it had
+// waited, so hedged stalls keep the tail in view.
+//
+// The quantile is the share of calls that may wait for the delay before
+// a backup is considered: at the default 95th percentile, about 5% of
+// calls reach the timer (The Tail at Scale's suggestion), under the
+// default backup_budget of 10%, and of those only the stuck ones are
+// hedged. A lower quantile hedges more calls; a higher one waits longer.
+type BackupAuto struct {
+	// The quantile of the recent latencies the delay follows, in
+	// percent: from 50 to 99.9. Default: 95.
+	Quantile float64 `json:"quantile,omitempty"`
+	// The shortest delay: the quantile is raised to it. From 1ms to 1h.
+	// Default: 1ms.
+	Min caddy.Duration `json:"min,omitempty"`
+	// The longest delay: the quantile is lowered to it. It is also the
+	// delay until the group has answered 100 attempts in the window, a
+	// conservative start. From min to 1h. Default: 1s.
+	Max caddy.Duration `json:"max,omitempty"`
+}
+
+// Defaults and bounds of backup_request_auto.
+const (
+	defaultAutoQuantile = 95.0
+	minAutoQuantile     = 50.0
+	maxAutoQuantile     = 99.9
+	defaultAutoMin      = time.Millisecond
+	defaultAutoMax      = time.Second
+	// autoMinSamples: answers in the window before the quantile is used.
+	autoMinSamples = 100
+	// autoWindow: how long each of the histogram's two windows lasts.
+	autoWindow = 5 * time.Second
+	// autoRefresh: how long a group's computed delay is reused (ns).
+	autoRefresh = int64(50 * time.Millisecond)
+)
+
+func (a *BackupAuto) quantile() float64 {
+	if a.Quantile == 0 {
+		return defaultAutoQuantile
+	}
+	return a.Quantile
+}
+
+func (a *BackupAuto) bounds() (lo, hi time.Duration) {
+	lo, hi = defaultAutoMin, defaultAutoMax
+	if a.Min != 0 {
+		lo = time.Duration(a.Min)
+	}
+	if a.Max != 0 {
+		hi = time.Duration(a.Max)
+	}
+	return lo, hi
+}
+
+// validate checks the auto delay's options.
+func (a *BackupAuto) validate() error {
+	if a.Quantile != 0 && (a.Quantile < minAutoQuantile || a.Quantile > maxAutoQuantile) {
+		return fmt.Errorf("backup_request_auto quantile %g is outside %g to %g (percent)", a.Quantile, minAutoQuantile, maxAutoQuantile)
+	}
+	if a.Min != 0 {
+		if err := bounds.Duration("backup_request_auto min", time.Duration(a.Min), minBackupRequest, maxBackupRequest); err != nil {
+			return err
+		}
+	}
+	if a.Max != 0 {
+		if err := bounds.Duration("backup_request_auto max", time.Duration(a.Max), minBackupRequest, maxBackupRequest); err != nil {
+			return err
+		}
+	}
+	if lo, hi := a.bounds(); lo > hi {
+		return fmt.Errorf("backup_request_auto min %v is above max %v", lo, hi)
+	}
+	return nil
+}
+
+// backupDelay returns the backup delay of a call whose first attempt
+// went to group g: backup_request, or with backup_request_auto the
+// group's quantile within the bounds (max until it has enough answers).
+func (h *Handler) backupDelay(g *group, now int64) time.Duration {
+	a := h.BackupRequestAuto
+	if a == nil {
+		return time.Duration(h.BackupRequest)
+	}
+	if at := g.autoAt.Load(); at != 0 && now-at < autoRefresh {
+		return time.Duration(g.autoNs.Load())
+	}
+	lo, hi := a.bounds()
+	d := hi
+	if q, n := g.state.lat.Quantile(now, a.quantile()/100); n >= autoMinSamples {
+		d = min(max(time.Duration(q), lo), hi)
+	}
+	g.autoNs.Store(int64(d))
+	g.autoAt.Store(now)
+	return d
+}
+
+// hedges reports whether the handler may send backup requests.
+func (h *Handler) hedges() bool { return h.BackupRequest > 0 || h.BackupRequestAuto != nil }
 
 // Policy is how Handler chooses a group.
 type Policy struct {
@@ -347,6 +466,14 @@ func (h *Handler) validate() error {
 			return err
 		}
 	}
+	if h.BackupRequestAuto != nil {
+		if h.BackupRequest != 0 {
+			return errors.New("backup_request and backup_request_auto both given; give one")
+		}
+		if err := h.BackupRequestAuto.validate(); err != nil {
+			return err
+		}
+	}
 	if h.BackupBudget != nil {
 		if err := checkBackupBudget(*h.BackupBudget); err != nil {
 			return err
@@ -453,7 +580,7 @@ func (p *Policy) validate() error {
 // SendsBackupRequests reports whether the handler hedges: the selection
 // policies of its groups then record what each attempt used, for a backup
 // to leave it out (see lbpolicy.Avoid).
-func (h *Handler) SendsBackupRequests() bool { return h.BackupRequest > 0 }
+func (h *Handler) SendsBackupRequests() bool { return h.hedges() }
 
 // Cleanup releases the groups' state and unregisters the handler.
 func (h *Handler) Cleanup() error {

@@ -62,6 +62,7 @@ const (
 	backupWon     = "won"
 	backupRefused = "refused"
 	backupBusy    = "busy"
+	backupQueued  = "queued"
 )
 
 // maxAttempts bounds one call's attempts: the first, every retry, and one
@@ -91,7 +92,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 	if err := c.readBody(deadline); err != nil {
 		return err
 	}
-	c.hedge = h.BackupRequest > 0 && c.replay && h.hedgeable(r)
+	c.hedge = h.hedges() && c.replay && h.hedgeable(r)
 
 	ctx := r.Context()
 	if bounded {
@@ -163,14 +164,20 @@ func (c *call) readBody(deadline time.Time) error {
 // a retry on another group after a failure, while none is running.
 func (c *call) run(ctx context.Context) error {
 	h := c.h
-	if g := h.pick(c, monoclock.Now(), func(int) bool { return false }); g >= 0 {
-		c.launch(ctx, g, kindFirst)
+	now := monoclock.Now()
+	var delay time.Duration
+	if g := h.pick(c, now, func(int) bool { return false }); g >= 0 {
+		c.launch(ctx, g, kindFirst, nil)
+		if c.hedge {
+			delay = h.backupDelay(h.groups[g], now)
+		}
 	}
 	var hedgeC <-chan time.Time
-	if c.hedge {
-		t := time.NewTimer(time.Duration(h.BackupRequest))
-		defer t.Stop()
-		hedgeC = t.C
+	var hedgeT *time.Timer
+	if c.hedge && delay > 0 {
+		hedgeT = time.NewTimer(delay)
+		defer hedgeT.Stop()
+		hedgeC = hedgeT.C
 	}
 	running := len(c.attempts)
 	var last *attempt
@@ -178,8 +185,14 @@ func (c *call) run(ctx context.Context) error {
 		select {
 		case <-hedgeC:
 			hedgeC = nil
-			if c.sendBackup(ctx) {
+			switch c.sendBackup(ctx, delay) {
+			case hedgeSent:
 				running++
+			case hedgeLater:
+				// Queued, not stuck: look again, as a replica that
+				// is making progress may yet freeze.
+				hedgeT.Reset(max(delay/2, minBackupRequest))
+				hedgeC = hedgeT.C
 			}
 		case a := <-c.done:
 			running--
@@ -199,7 +212,7 @@ func (c *call) run(ctx context.Context) error {
 				continue
 			}
 			if g := h.pick(c, monoclock.Now(), c.retryExcluded(a.g)); g >= 0 {
-				c.launch(ctx, g, kindRetry)
+				c.launch(ctx, g, kindRetry, nil)
 				running++
 			}
 		}
@@ -221,11 +234,18 @@ func (c *call) run(ctx context.Context) error {
 	return c.answerFailure(ctx, last)
 }
 
+// What sendBackup did.
+const (
+	hedgeNone  = iota // no backup, and none to come
+	hedgeSent         // a backup request was sent
+	hedgeLater        // the call is queued, not stuck: look again later
+)
+
 // sendBackup sends the backup request, if the call still waits for its
-// first answer, to a group without an attempt running (the same group
-// when there is only one), when that group has spare capacity and the
-// budget allows it. It reports whether it sent one.
-func (c *call) sendBackup(ctx context.Context) bool {
+// first answer and looks stuck rather than queued (see queued), to a
+// replica with spare capacity that no attempt of the call is using (see
+// backupTarget), within the budget.
+func (c *call) sendBackup(ctx context.Context, delay time.Duration) int {
 	c.mu.Lock()
 	waiting := c.winner == nil
 	for _, a := range c.attempts {
@@ -235,30 +255,117 @@ func (c *call) sendBackup(ctx context.Context) bool {
 	}
 	c.mu.Unlock()
 	if !waiting || ctx.Err() != nil {
-		return false
+		return hedgeNone
 	}
 	now := monoclock.Now()
-	g := c.h.pick(c, now, c.runningExcluded)
-	if g < 0 && len(c.h.groups) == 1 {
-		g = 0
+	if c.queued(now, delay) {
+		c.mu.Lock()
+		first := c.backup == backupNone
+		if first {
+			c.backup = backupQueued
+		}
+		c.mu.Unlock()
+		if first {
+			c.h.backupQueued.Add(1)
+			backupRefusedTotal.WithLabelValues(refusedQueued).Inc()
+		}
+		return hedgeLater
 	}
+	g, avoid := c.backupTarget(now, delay)
 	if g < 0 {
-		return false
-	}
-	if !c.h.groups[g].spare(now, c.runningDials(g)) {
 		c.setBackup(backupBusy)
 		c.h.backupBusy.Add(1)
 		backupRefusedTotal.WithLabelValues(refusedBusy).Inc()
-		return false
+		return hedgeNone
 	}
 	if !c.h.budget.take() {
 		c.setBackup(backupRefused)
 		backupRefusedTotal.WithLabelValues(refusedBudget).Inc()
-		return false
+		return hedgeNone
 	}
 	c.setBackup(backupSent)
-	c.launch(ctx, g, kindBackup)
-	return true
+	c.launch(ctx, g, kindBackup, avoid)
+	return hedgeSent
+}
+
+// queued reports whether a running attempt of the call waits where work
+// is moving: its replica finished something (another request's answer)
+// within the last half delay. Such an attempt is merely queued: a backup
+// would add load where the queue is, and the answer is on its way. An
+// attempt whose replica has finished nothing for half the delay or more
+// while busy is stuck (a freeze, a slow request): that includes a replica
+// busy with this request alone, which was idle when it got it, since its
+// busy period began with the attempt, a whole delay ago.
+//
+// The replica's state is the one lbx's policies keep for every upstream
+// (ewma, the default in a group, and panic record it); for an upstream
+// no lbx policy observes, and for groups that are not one reverse_proxy
+// with static upstreams, the group's own state stands in: whether any
+// attempt of this handler on the group got an answer lately.
+func (c *call) queued(now int64, delay time.Duration) bool {
+	half := float64(delay) / 2
+	base := c.h.table.Baseline()
+	c.mu.Lock()
+	running := make([]*attempt, 0, 2)
+	for _, a := range c.attempts {
+		if !a.finished {
+			running = append(running, a)
+		}
+	}
+	c.mu.Unlock()
+	for _, a := range running {
+		if a.stalled(now, base) < half {
+			return true
+		}
+	}
+	return false
+}
+
+// stalled returns how long (ns) the replica a went to has finished
+// nothing while busy; see queued.
+func (a *attempt) stalled(now int64, base float64) float64 {
+	g := a.group
+	if g.static != nil {
+		if dial, ok := a.repl.GetString("http.reverse_proxy.upstream.hostport"); ok {
+			for i, u := range g.static {
+				if u.Dial != dial {
+					continue
+				}
+				if _, busy := g.hosts.Judge(g.upStats[i], now, base); busy > 0 {
+					return busy
+				}
+				break
+			}
+		}
+	}
+	_, busy := a.c.h.table.Judge(g.state.stats, now, base)
+	return busy
+}
+
+// backupTarget returns the group a backup request goes to and the
+// upstreams its policy must leave out, or -1 when no group has a spare
+// replica the call is not already using. A spare replica must be expected
+// to answer within the delay or twice the groups' typical latency,
+// whichever is longer: one expected to be slower than the attempt it
+// backs up is no backup.
+func (c *call) backupTarget(now int64, delay time.Duration) (int, []string) {
+	h := c.h
+	base := h.table.Baseline()
+	limit := max(float64(delay), 2*base)
+	if g := h.pick(c, now, c.runningExcluded); g >= 0 {
+		if ok, avoid := h.groups[g].spare(now, nil, limit, base); ok {
+			return g, avoid
+		}
+	}
+	for g := range h.groups {
+		if !c.runningExcluded(g) {
+			continue
+		}
+		if ok, avoid := h.groups[g].spare(now, c.runningDials(g), limit, base); ok {
+			return g, avoid
+		}
+	}
+	return -1, nil
 }
 
 // runningDials returns the upstreams the call's running attempts on
