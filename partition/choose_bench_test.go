@@ -45,6 +45,10 @@ func chooseCase(tb testing.TB, kind string, n int) (*layout, *hoststate.Table) {
 				r.stats.Eject(now, 0, func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures)
 			}
 		}
+		if l.audited.Load() != nil {
+			// As the background audit would within capRefresh.
+			l.audited.Store(l.takeAudit(monoclock.Now()))
+		}
 	}
 	return l, hosts
 }
