@@ -2,6 +2,8 @@ package partition
 
 import (
 	"math/rand/v2"
+	"runtime/debug"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
@@ -35,6 +37,11 @@ const (
 	// bounded while leaving it enough candidates to compare (the power
 	// of d choices with d = 32).
 	aperture = 32
+
+	// stableAbove is the partition size above which a request's
+	// candidates come from the audit's sample first rather than from
+	// fresh random draws (see drawUpstreams).
+	stableAbove = 4096
 
 	// maxDescribed is the most partitions a 503 answer names as having
 	// no usable replica; the rest are counted.
@@ -115,4 +122,33 @@ func (l *layout) reaudit() {
 	defer l.auditing.Store(false)
 	defer func() { _ = recover() }() // keep the last audit; the next stale request retries
 	l.audited.Store(l.takeAudit(monoclock.Now()))
+}
+
+// Returning memory after a large list shrinks. Go's heap lets go of the
+// old list's objects at the next collection, but the runtime hands the
+// pages back to the operating system only gradually, so the process's
+// RSS would stay near its peak for minutes after 200,000 upstreams became
+// 3. After a shrink by at least bigShrink replica slots the handler asks
+// the runtime to return them (debug.FreeOSMemory, a full collection) once
+// the old version is let go of everywhere: after returnDelay, when the
+// naming watcher has replaced its own copy and requests that had loaded
+// the old layout have finished. At most once per returnEvery, since the
+// collection it forces stops the world briefly.
+const (
+	bigShrink   = 50000
+	returnDelay = time.Second
+	returnEvery = time.Minute
+)
+
+// lastReturn is when returnMemorySoon last scheduled a return (monoclock).
+var lastReturn atomic.Int64
+
+// returnMemorySoon schedules debug.FreeOSMemory after returnDelay, unless
+// one was scheduled within returnEvery.
+func returnMemorySoon() {
+	now, last := monoclock.Now(), lastReturn.Load()
+	if last != 0 && now-last < int64(returnEvery) || !lastReturn.CompareAndSwap(last, now) {
+		return
+	}
+	time.AfterFunc(returnDelay, debug.FreeOSMemory)
 }

@@ -291,6 +291,12 @@ func (source) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 // few of the partition's replicas are usable, draws miss them); random
 // draws of replicas not tried; random draws of any. The policy then
 // picks among the candidates (power of d choices).
+//
+// Above stableAbove replicas the audit's sample comes first: random
+// draws over a list that large miss the CPU caches on every candidate,
+// while the sample stays the same, and in cache, until the next audit
+// (capRefresh) draws another. Over time every usable replica is in the
+// sample equally often.
 func (st *subState) drawUpstreams() []*reverseproxy.Upstream {
 	now := monoclock.Now()
 	pool := make([]*reverseproxy.Upstream, 0, aperture)
@@ -317,13 +323,21 @@ func (st *subState) drawUpstreams() []*reverseproxy.Upstream {
 			}
 		}
 	}
-	draw(func(r *replica) bool { return r.usable(now) && !tried(r) })
-	if n == 0 {
+	fromSample := func() {
 		for _, r := range st.sample {
 			if r.usable(now) && !tried(r) {
 				add(r)
 			}
 		}
+	}
+	if len(st.replicas) > stableAbove {
+		fromSample()
+	}
+	if n == 0 {
+		draw(func(r *replica) bool { return r.usable(now) && !tried(r) })
+	}
+	if n == 0 {
+		fromSample()
 	}
 	if n == 0 {
 		draw(func(r *replica) bool { return !tried(r) })
