@@ -117,6 +117,19 @@ func (l *layout) current(now int64) *audit {
 	return a
 }
 
+// sample returns the last audit's sample of usable replicas of partition
+// i, for a partition large enough to draw from (see drawUpstreams); nil
+// otherwise.
+func (s *scheme) sample(i int) []*replica {
+	if len(s.parts[i]) <= aperture {
+		return nil
+	}
+	if a := s.l.audited.Load(); a != nil {
+		return a.schemes[s.idx].parts[i].sample
+	}
+	return nil
+}
+
 // reaudit takes and publishes a new audit; one runs at a time per layout.
 func (l *layout) reaudit() {
 	defer l.auditing.Store(false)

@@ -65,7 +65,7 @@ func chooseOnce(tb testing.TB, l *layout, intn func(int) int, req *http.Request,
 	}
 	handed := 0
 	for i := range sc.parts {
-		*st = subState{replicas: sc.parts[i], skipEjected: true}
+		*st = subState{replicas: sc.parts[i], sample: sc.sample(i), skipEjected: true}
 		ups, err := source{}.GetUpstreams(req)
 		if err != nil || len(ups) == 0 {
 			tb.Fatalf("partition %d: %d upstreams, %v", i, len(ups), err)

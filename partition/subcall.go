@@ -85,13 +85,8 @@ func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int
 	c := &subCall{
 		index: i,
 		rec:   &recorder{header: make(http.Header), limit: h.MaxResponseBody, budget: p.budget},
-		state: &subState{replicas: sc.parts[i], skipEjected: h.skipEjected},
+		state: &subState{replicas: sc.parts[i], sample: sc.sample(i), skipEjected: h.skipEjected},
 		start: time.Now(),
-	}
-	if len(sc.parts[i]) > aperture {
-		if a := sc.l.audited.Load(); a != nil {
-			c.state.sample = a.schemes[sc.idx].parts[i].sample
-		}
 	}
 	ctx = context.WithValue(ctx, subStateKey{}, c.state)
 	req := p.req.Clone(ctx)
