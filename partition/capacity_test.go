@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -106,4 +107,58 @@ func schemeCount(s *scheme) int {
 		return 0
 	}
 	return s.count
+}
+
+// TestChooseConcurrent chooses and hands out candidates from several
+// goroutines while replicas are ejected (each ejection starts a
+// background audit), for the race detector (go test -race).
+func TestChooseConcurrent(t *testing.T) {
+	l, hosts := chooseCase(t, "live", 5000)
+	defer hosts.Release()
+	part := l.schemes[0].parts[0]
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			x := g
+			for i := 0; ; i++ {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				sc := l.choose(func(n int) int { x++; return x % n }, monoclock.Now())
+				if sc == nil {
+					continue
+				}
+				st := &subState{replicas: sc.parts[0], sample: sc.sample(0)}
+				req, _ := http.NewRequestWithContext(context.WithValue(context.Background(), subStateKey{}, st), http.MethodGet, "/", nil)
+				if ups, _ := (source{}).GetUpstreams(req); len(ups) == 0 || len(ups) > aperture {
+					t.Errorf("%d candidates", len(ups))
+					return
+				}
+			}
+		}()
+	}
+	for i, r := range part[:200] {
+		r.stats.Eject(monoclock.Now(), 0, func(int64) time.Duration { return time.Minute }, hoststate.ReasonConsecutiveFailures)
+		if i%20 == 0 {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	// The audit catches up with the ejections within a deadline.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		l.current(monoclock.Now())
+		if a := l.audited.Load(); a.schemes[0].capacity == len(part)-200 {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("audit capacity %d; want %d", a.schemes[0].capacity, len(part)-200)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	close(done)
+	wg.Wait()
 }
