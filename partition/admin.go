@@ -1,6 +1,8 @@
 package partition
 
 import (
+	"fmt"
+	"net/http"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -26,7 +28,21 @@ func init() {
 // of its schemes, the capacity and each partition's replicas with their
 // health: usable, ejected by lbx's outlier detection, or unavailable to
 // Caddy (passive health checks, max_requests).
+//
+// The view stays bounded however long the upstream list is: each
+// partition lists at most 8 replicas (?replicas=N asks for up to
+// maxViewReplicas), those not usable first, with its totals (total,
+// usable, ejected) and how many it left out (replicas_omitted).
 type adminAPI struct{}
+
+const (
+	// defaultViewReplicas is how many replicas of each partition the
+	// view lists when the request does not say.
+	defaultViewReplicas = 8
+	// maxViewReplicas is the most replicas of each partition ?replicas=
+	// may ask for.
+	maxViewReplicas = 1000
+)
 
 // CaddyModule returns the Caddy module information.
 func (adminAPI) CaddyModule() caddy.ModuleInfo {
@@ -40,8 +56,25 @@ func (adminAPI) CaddyModule() caddy.ModuleInfo {
 func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/partitions",
-		Handler: adminjson.Handler(buildPartitionsView),
+		Handler: caddy.AdminHandlerFunc(servePartitions),
 	}}
+}
+
+// servePartitions answers GET /lbx/partitions[?replicas=N].
+func servePartitions(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	n := defaultViewReplicas
+	if q := r.URL.Query().Get("replicas"); q != "" {
+		v, err := strconv.Atoi(q)
+		if err != nil || v < 0 || v > maxViewReplicas {
+			return caddy.APIError{HTTPStatus: http.StatusBadRequest,
+				Err: fmt.Errorf("replicas=%q: want a number of replicas per partition from 0 to %d", q, maxViewReplicas)}
+		}
+		n = v
+	}
+	return adminjson.Write(w, http.StatusOK, buildPartitionsView(n))
 }
 
 // live holds the provisioned handlers, for the admin view: Provision adds
@@ -85,9 +118,16 @@ type schemeView struct {
 
 // partitionView is one partition of a scheme in the admin view.
 type partitionView struct {
-	Name     string        `json:"name"` // "p<index>", as in X-Partition-Status
-	Tag      string        `json:"tag"`
-	Usable   int           `json:"usable"`
+	Name   string `json:"name"` // "p<index>", as in X-Partition-Status
+	Tag    string `json:"tag"`
+	Usable int    `json:"usable"`
+	// Total is the partition's number of replicas and Ejected how many
+	// of them lbx's outlier detection has ejected; Replicas lists at
+	// most the number asked for (8 by default), those not usable first,
+	// and Omitted counts the others.
+	Total    int           `json:"total"`
+	Ejected  int           `json:"ejected"`
+	Omitted  int           `json:"replicas_omitted"`
 	Replicas []replicaView `json:"replicas"`
 }
 
@@ -106,19 +146,20 @@ type replicaView struct {
 }
 
 // buildPartitionsView assembles the admin view of every provisioned
-// partition handler.
-func buildPartitionsView() partitionsView {
+// partition handler, listing at most listed replicas per partition.
+func buildPartitionsView(listed int) partitionsView {
 	hs := live.All()
 	now := monoclock.Now()
 	v := partitionsView{Handlers: []handlerView{}, MergeMemory: mergeMemory.view()}
 	for _, h := range hs {
-		v.Handlers = append(v.Handlers, h.view(now))
+		v.Handlers = append(v.Handlers, h.view(now, listed))
 	}
 	return v
 }
 
-// view returns the handler's admin view at now (a monoclock reading).
-func (h *Handler) view(now int64) handlerView {
+// view returns the handler's admin view at now (a monoclock reading),
+// listing at most listed replicas per partition.
+func (h *Handler) view(now int64, listed int) handlerView {
 	h.swapMu.Lock()
 	hv := handlerView{
 		Static: len(h.static), NamingFile: h.NamingFile, Naming: len(h.fileEntries),
@@ -136,19 +177,47 @@ func (h *Handler) view(now int64) handlerView {
 	for _, s := range l.schemes {
 		sv := schemeView{Count: s.count, Capacity: s.capacity(now), Size: s.size(), Partitions: []partitionView{}}
 		for i, reps := range s.parts {
-			pv := partitionView{Name: "p" + strconv.Itoa(i), Tag: Tag{Index: i, Count: s.count}.String(), Replicas: []replicaView{}}
-			for _, r := range reps {
-				rv := r.view(now)
-				if rv.Health == "usable" {
-					pv.Usable++
-				}
-				pv.Replicas = append(pv.Replicas, rv)
-			}
-			sv.Partitions = append(sv.Partitions, pv)
+			sv.Partitions = append(sv.Partitions, partitionViewOf(i, s.count, reps, now, listed))
 		}
 		hv.Schemes = append(hv.Schemes, sv)
 	}
 	return hv
+}
+
+// partitionViewOf returns the view of partition i of a scheme of count
+// partitions. It counts every replica (O(replicas), for the admin API
+// only) but lists at most listed: all of them, in order, when they fit;
+// otherwise those not usable first, since they are what an operator looks
+// for.
+func partitionViewOf(i, count int, reps []*replica, now int64, listed int) partitionView {
+	pv := partitionView{Name: "p" + strconv.Itoa(i), Tag: Tag{Index: i, Count: count}.String(),
+		Total: len(reps), Replicas: []replicaView{}}
+	for _, r := range reps {
+		switch {
+		case r.usable(now):
+			pv.Usable++
+		case r.ejected(now):
+			pv.Ejected++
+		}
+	}
+	if len(reps) <= listed {
+		for _, r := range reps {
+			pv.Replicas = append(pv.Replicas, r.view(now))
+		}
+		return pv
+	}
+	for _, wantUsable := range []bool{false, true} {
+		for _, r := range reps {
+			if len(pv.Replicas) == listed {
+				break
+			}
+			if r.usable(now) == wantUsable {
+				pv.Replicas = append(pv.Replicas, r.view(now))
+			}
+		}
+	}
+	pv.Omitted = len(reps) - len(pv.Replicas)
+	return pv
 }
 
 // view returns the replica's admin view at now, by the rule usable

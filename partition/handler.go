@@ -595,6 +595,9 @@ func (h *Handler) installPart(part *[]Entry, entries []Entry) error {
 	}
 	h.current.Store(l)
 	dropGone(old, l, h.hosts)
+	if old != nil && old.slots-l.slots >= bigShrink {
+		returnMemorySoon()
+	}
 	return nil
 }
 

@@ -10,6 +10,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // replica is one upstream address. It is shared by every partition the
@@ -56,6 +57,8 @@ func (r *replica) ejected(now int64) bool {
 type scheme struct {
 	count int
 	parts [][]*replica // parts[i]: the replicas of partition i
+	idx   int          // its place in its layout's schemes
+	l     *layout      // the layout it belongs to, for its audit
 }
 
 // capacity is the least number of usable replicas over the scheme's
@@ -68,6 +71,9 @@ func (s *scheme) capacity(now int64) int {
 		for _, r := range reps {
 			if r.usable(now) {
 				n++
+				if c >= 0 && n >= c {
+					break // this partition cannot lower the minimum
+				}
 			}
 		}
 		if c < 0 || n < c {
@@ -82,16 +88,26 @@ func (s *scheme) capacity(now int64) int {
 
 // describe explains a scheme's capacity for error messages, e.g.
 // "3 partitions: capacity 0 (p2 has no usable replica)".
-func (s *scheme) describe(now int64) string {
+func (s *scheme) describe(now int64, a *audit) string {
 	var empty []string
+	omitted := 0
 	for i, reps := range s.parts {
 		n, ejected := 0, 0
-		for _, r := range reps {
-			if r.usable(now) {
-				n++
-			} else if r.ejected(now) {
-				ejected++
+		if a != nil {
+			pa := a.schemes[s.idx].parts[i]
+			n, ejected = pa.usable, pa.ejected
+		} else {
+			for _, r := range reps {
+				if r.usable(now) {
+					n++
+				} else if r.ejected(now) {
+					ejected++
+				}
 			}
+		}
+		if n == 0 && len(empty) == maxDescribed {
+			omitted++
+			continue
 		}
 		if n == 0 {
 			p := "p" + strconv.Itoa(i)
@@ -102,7 +118,16 @@ func (s *scheme) describe(now int64) string {
 		}
 	}
 	if len(empty) == 0 {
-		return fmt.Sprintf("%d partitions: capacity %d", s.count, s.capacity(now))
+		c := 0
+		if a != nil {
+			c = a.schemes[s.idx].capacity
+		} else {
+			c = s.capacity(now)
+		}
+		return fmt.Sprintf("%d partitions: capacity %d", s.count, c)
+	}
+	if omitted > 0 {
+		empty = append(empty, "and "+strconv.Itoa(omitted)+" more")
 	}
 	return fmt.Sprintf("%d partitions: capacity 0 (no usable replica for %s)", s.count, strings.Join(empty, ", "))
 }
@@ -114,6 +139,13 @@ type layout struct {
 	entries []Entry
 	schemes []*scheme // by ascending partition count
 	byAddr  map[string]*replica
+
+	// slots counts the replicas of every partition (a replica serving
+	// two partitions counts twice). Above exactSlots, requests read the
+	// schemes' capacities from audited instead of counting them.
+	slots    int
+	audited  atomic.Pointer[audit]
+	auditing atomic.Bool // a background audit is running
 }
 
 // buildLayout groups entries (already free of duplicates) into schemes,
@@ -171,6 +203,15 @@ func buildLayout(entries []Entry, prev *layout, hosts *hoststate.Table) (*layout
 		return nil, fmt.Errorf("%d partition schemes (partition counts %s); at most %d may coexist",
 			len(l.schemes), strings.Join(counts, ", "), MaxSchemes)
 	}
+	for i, s := range l.schemes {
+		s.idx, s.l = i, l
+		for _, reps := range s.parts {
+			l.slots += len(reps)
+		}
+	}
+	if l.slots > exactSlots {
+		l.audited.Store(l.takeAudit(monoclock.Now()))
+	}
 	return l, nil
 }
 
@@ -193,8 +234,13 @@ func (s *scheme) size() int {
 // DynamicPartitionChannel's capacity is the sum of its schemes'), and of
 // their sizes.
 func (l *layout) capacity(now int64) (usable, total int) {
+	a := l.current(now)
 	for _, s := range l.schemes {
-		usable += s.capacity(now)
+		if a != nil {
+			usable += a.schemes[s.idx].capacity
+		} else {
+			usable += s.capacity(now)
+		}
 		total += s.size()
 	}
 	return usable, total
@@ -217,8 +263,13 @@ func dropGone(prev, next *layout, hosts *hoststate.Table) {
 func (l *layout) choose(intn func(int) int, now int64) *scheme {
 	var caps [MaxSchemes]int
 	total := 0
+	a := l.current(now)
 	for i, s := range l.schemes {
-		caps[i] = s.capacity(now)
+		if a != nil {
+			caps[i] = a.schemes[i].capacity
+		} else {
+			caps[i] = s.capacity(now)
+		}
 		total += caps[i]
 	}
 	if total == 0 {
@@ -239,9 +290,10 @@ func (l *layout) describe(now int64) string {
 	if len(l.schemes) == 0 {
 		return "no upstreams"
 	}
+	a := l.current(now)
 	parts := make([]string, len(l.schemes))
 	for i, s := range l.schemes {
-		parts[i] = s.describe(now)
+		parts[i] = s.describe(now, a)
 	}
 	return strings.Join(parts, "; ")
 }

@@ -64,7 +64,7 @@ func TestCapacityRespectsEjection(t *testing.T) {
 	if got := two.capacity(now); got != 0 {
 		t.Errorf("with %s ejected: capacity %d; want 0", a, got)
 	}
-	if got, want := two.describe(now), "2 partitions: capacity 0 (no usable replica for p0 (1 ejected))"; got != want {
+	if got, want := two.describe(now, nil), "2 partitions: capacity 0 (no usable replica for p0 (1 ejected))"; got != want {
 		t.Errorf("describe: %q; want %q", got, want)
 	}
 	for i := range 100 {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"slices"
@@ -59,8 +60,12 @@ type subStateKey struct{}
 // each attempt. It is used by one goroutine at a time.
 type subState struct {
 	replicas []*replica
-	given    []givenUpstream
-	tried    []string // hostports of earlier attempts
+	// sample is, for a partition of more than aperture replicas, its
+	// audit's random sample of usable replicas: the candidates when
+	// random draws find none.
+	sample []*replica
+	given  []givenUpstream
+	tried  []string // hostports of earlier attempts
 	// skipEjected: leave replicas ejected by lbx's outlier detection out
 	// while others are left (for policies that do not know ejection).
 	skipEjected bool
@@ -80,7 +85,7 @@ func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int
 	c := &subCall{
 		index: i,
 		rec:   &recorder{header: make(http.Header), limit: h.MaxResponseBody, budget: p.budget},
-		state: &subState{replicas: sc.parts[i], skipEjected: h.skipEjected},
+		state: &subState{replicas: sc.parts[i], sample: sc.sample(i), skipEjected: h.skipEjected},
 		start: time.Now(),
 	}
 	ctx = context.WithValue(ctx, subStateKey{}, c.state)
@@ -247,6 +252,9 @@ func (source) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 			}
 		}
 	}
+	if len(st.replicas) > aperture {
+		return st.drawUpstreams(), nil
+	}
 	// Passes, from the most to the least preferred: replicas not tried
 	// and not ejected; not tried; any.
 	pass := 1
@@ -269,6 +277,70 @@ func (source) GetUpstreams(r *http.Request) ([]*reverseproxy.Upstream, error) {
 		}
 	}
 	return pool, nil
+}
+
+// drawUpstreams hands reverse_proxy at most aperture replicas of a large
+// partition, so that neither this source nor the selection policy scans
+// all of them. Preferred, in turn: random draws of usable replicas not
+// tried yet; the audit's sample of usable replicas not tried yet (when
+// few of the partition's replicas are usable, draws miss them); random
+// draws of replicas not tried; random draws of any. The policy then
+// picks among the candidates (power of d choices).
+//
+// Above stableAbove replicas the audit's sample comes first: random
+// draws over a list that large miss the CPU caches on every candidate,
+// while the sample stays the same, and in cache, until the next audit
+// (capRefresh) draws another. Over time every usable replica is in the
+// sample equally often.
+func (st *subState) drawUpstreams() []*reverseproxy.Upstream {
+	now := monoclock.Now()
+	pool := make([]*reverseproxy.Upstream, 0, aperture)
+	var picked [aperture]*replica
+	n := 0
+	add := func(r *replica) {
+		if slices.Contains(picked[:n], r) {
+			return
+		}
+		picked[n] = r
+		n++
+		u := &reverseproxy.Upstream{Dial: r.dial}
+		pool = append(pool, u)
+		st.given = append(st.given, givenUpstream{rep: r, up: u})
+	}
+	tried := func(r *replica) bool { return slices.Contains(st.tried, r.hostport) }
+	draw := func(ok func(*replica) bool) {
+		for range 2 * aperture {
+			if n == aperture {
+				return
+			}
+			if r := st.replicas[rand.IntN(len(st.replicas))]; ok(r) {
+				add(r)
+			}
+		}
+	}
+	fromSample := func() {
+		for _, r := range st.sample {
+			if r.usable(now) && !tried(r) {
+				add(r)
+			}
+		}
+	}
+	if len(st.replicas) > stableAbove {
+		fromSample()
+	}
+	if n == 0 {
+		draw(func(r *replica) bool { return r.usable(now) && !tried(r) })
+	}
+	if n == 0 {
+		fromSample()
+	}
+	if n == 0 {
+		draw(func(r *replica) bool { return !tried(r) })
+	}
+	if n == 0 {
+		draw(func(*replica) bool { return true })
+	}
+	return pool
 }
 
 // recorder is the ResponseWriter of a sub-request: it keeps the status,
