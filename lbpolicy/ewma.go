@@ -484,7 +484,7 @@ func (c ewmaCandidates) Cost(i int) choose.Cost {
 	// fast draws about its success-weighted share instead of more than a
 	// healthy one. On the queue rather than the latency, because the tie
 	// band would swallow a latency factor below 1.5 (20% failures).
-	cost.Queue *= m.stats.FailurePrice(c.now)
+	cost.Queue *= c.table.FailurePrice(m.stats, c.now)
 	return cost
 }
 

@@ -127,7 +127,7 @@ func (c simCandidates) Cost(i int) choose.Cost {
 	latency, busy := c.s.table.Judge(b.stats, c.now, c.base)
 	cost := choose.CostOf(b.inFlight, inv, latency, busy)
 	if c.priced {
-		cost.Queue *= b.stats.FailurePrice(c.now)
+		cost.Queue *= c.s.table.FailurePrice(b.stats, c.now)
 	}
 	return cost
 }

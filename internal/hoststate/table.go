@@ -254,21 +254,42 @@ func (t *Table) SelectionLatency(s *Stats, now int64) float64 {
 	if s.Ejected(now) {
 		return math.Inf(1)
 	}
-	return t.Expected(s, now, t.Baseline()) * s.FailurePrice(now)
+	return t.Expected(s, now, t.Baseline()) * t.FailurePrice(s, now)
+}
+
+// FailurePrice is the host's FailurePrice, except that a rested host
+// (see rested) pays none: like its latency, its failures may be over,
+// and one request will tell. Without this a host that failed once at
+// light load would lose every tie to an idle host, get no request to
+// show it recovered, and keep its price for as long as its counts take
+// to fade (TestSlowStartRampAfterEjection).
+func (t *Table) FailurePrice(s *Stats, now int64) float64 {
+	if t.rested(s, now) {
+		return 1
+	}
+	return s.FailurePrice(now)
+}
+
+// rested reports whether the host has nothing in flight, no stall marked
+// and no attempt finished for the horizon: what it did before may no
+// longer be true of it, so selection expects of it what it expects of
+// the pool.
+func (t *Table) rested(s *Stats, now int64) bool {
+	return s.pending.Load() <= 0 && s.stuckUntilNs.Load() <= now && now-s.lastDoneNs.Load() >= t.horizonNs
 }
 
 // Judge returns what Expected does, and for how long the host has been
 // busy without finishing anything (0 when it has nothing in flight): with
 // equal queues, the host furthest into its current work frees up first.
 func (t *Table) Judge(s *Stats, now int64, base float64) (latency, busy float64) {
+	if t.rested(s, now) {
+		return base, 0
+	}
 	pending := s.pending.Load()
 	lastDone := s.lastDoneNs.Load()
 	stuck := int64(0)
 	if until := s.stuckUntilNs.Load(); until > now {
 		stuck = now - s.stuckFromNs.Load()
-	}
-	if pending <= 0 && stuck <= 0 && now-lastDone >= t.horizonNs {
-		return base, 0
 	}
 	est := float64(s.estimateNs.Load())
 	if est == 0 {
