@@ -573,7 +573,7 @@ type adminReport struct {
 
 func fetchReport() (adminReport, error) {
 	var rep adminReport
-	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams")
+	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams?limit=1000")
 	if err != nil {
 		return rep, err
 	}

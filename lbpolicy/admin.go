@@ -1,6 +1,13 @@
 package lbpolicy
 
 import (
+	"fmt"
+	"net/http"
+	"net/url"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -8,6 +15,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/adminjson"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 func init() {
@@ -16,13 +24,24 @@ func init() {
 
 // adminAPI serves lbx's view of the upstreams on Caddy's admin endpoint:
 //
-//	GET /lbx/upstreams
+//	GET /lbx/upstreams[?limit=N][&after=DIAL]
+//	GET /lbx/upstreams?dial=DIAL
 //
-// returns every upstream address any config uses, with its latency
-// estimate, requests in flight, samples and failures, and every pool a
-// selection policy of ours serves, with weights, availability and panic
-// mode. Numbers are machine-readable; fields ending in _human repeat them
-// for people.
+// It returns, a page at a time, the upstream addresses any config uses,
+// sorted by dial address, with their latency estimates, requests in
+// flight, samples and failures, and every pool a selection policy of ours
+// serves, with weights, availability and panic mode. A page holds the
+// addresses after `after` (exclusive; from the start without it), at most
+// `limit` of them (1 to 1000, default 100) in each list; next_after is the
+// after of the next page, absent on the last. Each pool lists its members
+// in the page's range, in upstream order, and counts all of them. A
+// summary over every upstream (counts by state, the worst few) comes with
+// every page. `dial` asks for one address. Numbers are machine-readable;
+// fields ending in _human repeat them for people.
+//
+// The views are paged because a pool can hold hundreds of thousands of
+// upstreams (a naming file): listed whole, one answer took about a minute
+// and a hundred megabytes.
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -37,8 +56,114 @@ func (adminAPI) CaddyModule() caddy.ModuleInfo {
 func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/upstreams",
-		Handler: adminjson.Handler(buildUpstreamsStatus),
+		Handler: caddy.AdminHandlerFunc(serveUpstreams),
 	}}
+}
+
+// serveUpstreams answers GET /lbx/upstreams: a page, or 400 naming the
+// query parameter that is wrong.
+func serveUpstreams(w http.ResponseWriter, r *http.Request) error {
+	if r.Method != http.MethodGet {
+		return caddy.APIError{HTTPStatus: http.StatusMethodNotAllowed, Err: fmt.Errorf("method %s not allowed", r.Method)}
+	}
+	q, err := parsePageQuery(r.URL.Query())
+	if err != nil {
+		return caddy.APIError{HTTPStatus: http.StatusBadRequest, Err: err}
+	}
+	return adminjson.Write(w, http.StatusOK, buildUpstreamsPage(q))
+}
+
+// Bounds of a page of GET /lbx/upstreams.
+const (
+	defaultPageLimit = 100
+	maxPageLimit     = 1000
+	// worstShown is how many upstreams the summary names as the worst.
+	worstShown = 10
+)
+
+// pageQuery is what a GET /lbx/upstreams asks for.
+type pageQuery struct {
+	limit int
+	after string // exclusive; "" is before every address
+	dial  string // when set: this address only
+}
+
+// parsePageQuery reads the query of GET /lbx/upstreams, refusing what it
+// does not know rather than ignoring it: a misspelt parameter would
+// otherwise quietly return the first page.
+func parsePageQuery(v url.Values) (pageQuery, error) {
+	q := pageQuery{limit: defaultPageLimit}
+	for name, vals := range v {
+		if len(vals) != 1 {
+			return q, fmt.Errorf("query parameter %q given %d times; give it once", name, len(vals))
+		}
+		val := vals[0]
+		switch name {
+		case "limit":
+			n, err := strconv.Atoi(val)
+			if err != nil || n < 1 || n > maxPageLimit {
+				return q, fmt.Errorf("limit=%q: want a whole number from 1 to %d", val, maxPageLimit)
+			}
+			q.limit = n
+		case "after":
+			q.after = val
+		case "dial":
+			if val == "" {
+				return q, fmt.Errorf("dial is empty: want an upstream's dial address, e.g. dial=10.0.0.1:80")
+			}
+			q.dial = val
+		default:
+			return q, fmt.Errorf("unknown query parameter %q: want limit, after or dial", name)
+		}
+	}
+	if q.dial != "" && (v.Has("after") || v.Has("limit")) {
+		return q, fmt.Errorf("dial=%q asks for one upstream: it takes no after or limit", q.dial)
+	}
+	return q, nil
+}
+
+// dialRange is the dial addresses a page covers: those in (after, upTo],
+// or, when only is set, that one.
+type dialRange struct {
+	after, upTo string
+	bounded     bool // upTo applies; else the range runs to the end
+	only        string
+}
+
+// has reports whether dial is in r.
+func (r dialRange) has(dial string) bool {
+	if r.only != "" {
+		return dial == r.only
+	}
+	return dial > r.after && (!r.bounded || dial <= r.upTo)
+}
+
+// filter returns the members of ms in r, in their order.
+func (r dialRange) filter(ms []poolMember) []poolMember {
+	out := []poolMember{}
+	for _, m := range ms {
+		if r.has(m.Dial) {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// pageEnd returns, of the addresses dials yields (in any order), the
+// limit-th smallest after `after`, and whether there are more than limit:
+// where a page of that list must stop.
+func pageEnd(after string, limit int, each func(yield func(string))) (end string, more bool) {
+	var rest []string
+	each(func(d string) {
+		if d > after {
+			rest = append(rest, d)
+		}
+	})
+	if len(rest) <= limit {
+		return "", false
+	}
+	slices.Sort(rest)
+	return rest[limit-1], true
 }
 
 // upstreamView is one upstream in the admin API's output.
@@ -75,48 +200,197 @@ type upstreamView struct {
 
 // upstreamsStatus is the body of GET /lbx/upstreams.
 type upstreamsStatus struct {
+	// Total is how many upstream addresses are in use, on this page or not.
+	Total int `json:"total"`
+	// Limit is the most addresses this page lists, in upstreams and in
+	// each pool.
+	Limit int `json:"limit"`
+	// NextAfter is the after query of the next page; absent on the last.
+	NextAfter string `json:"next_after,omitempty"`
+	// Summary describes every upstream, on this page or not.
+	Summary upstreamsSummary `json:"summary"`
+	// Upstreams are the addresses on this page, sorted.
 	Upstreams []upstreamView `json:"upstreams"`
-	Pools     []poolStatus   `json:"pools"`
+	// Pools are the pools of lbx's policies, each with its members on
+	// this page.
+	Pools []poolStatus `json:"pools"`
 }
 
-// buildUpstreamsStatus assembles the admin API's view of the current state.
-func buildUpstreamsStatus() upstreamsStatus {
-	status := upstreamsStatus{Upstreams: []upstreamView{}, Pools: allPoolStatuses()}
-	now := time.Now()
-	for _, s := range hoststate.All() {
-		v := upstreamView{
-			Dial:          s.Dial,
-			EstimateMs:    float64(s.Estimate) / 1e6,
-			EstimateHuman: s.Estimate.Round(10 * time.Microsecond).String(),
-			EstimateAgeMs: float64(s.Age) / 1e6,
-			InFlight:      s.InFlight,
-			Pending:       s.Pending,
-			Samples:       s.Samples,
-			SamplesHuman:  humanize.Comma(int64(s.Samples)),
-			Failures:      s.Failures,
-			PassiveFails:  s.PassiveFails,
+// upstreamsSummary describes every upstream in use, for a view that cannot
+// list them all.
+type upstreamsSummary struct {
+	// States counts the upstreams by state (see upstreamState).
+	States map[string]int `json:"states"`
+	// Worst are the upstreams with the highest latency estimate, at most
+	// worstShown, worst first: ejected ones, then failing ones, then the
+	// slowest. Upstreams with no samples and no failures are left out.
+	Worst []upstreamView `json:"worst"`
+}
 
-			EjectedForMs:        float64(s.EjectedFor) / 1e6,
-			Ejections:           s.Ejections,
-			EjectionsOverflow:   s.Overflows,
-			EjectionsByReason:   make(map[string]uint64, len(s.Outlier.ByReason)),
-			ConsecutiveFailures: s.ConsecFailures,
+// Upstream states, as counted in the summary.
+const (
+	stateHealthy   = "healthy"   // answering, the last attempt succeeded
+	stateFailing   = "failing"   // the last attempt (or more) failed
+	stateEjected   = "ejected"   // ejected by outlier detection
+	stateUnsampled = "unsampled" // no attempt finished yet
+)
+
+// upstreamState returns the state an upstream is counted in.
+func upstreamState(s hoststate.Snapshot) string {
+	switch {
+	case s.EjectedFor > 0:
+		return stateEjected
+	case s.FailStreak > 0 || s.ConsecFailures > 0:
+		return stateFailing
+	case s.Samples == 0:
+		return stateUnsampled
+	}
+	return stateHealthy
+}
+
+// badness orders upstreams for the summary's worst: ejected, then failing
+// (by failures in a row), then by latency estimate.
+func badness(s hoststate.Snapshot) (rank int, by float64) {
+	switch upstreamState(s) {
+	case stateEjected:
+		return 2, float64(s.EjectedFor)
+	case stateFailing:
+		return 1, float64(max(s.FailStreak, s.ConsecFailures))
+	}
+	return 0, float64(s.Estimate)
+}
+
+// worse reports whether a belongs before b in the summary's worst.
+func worse(a, b hoststate.Snapshot) bool {
+	ra, ba := badness(a)
+	rb, bb := badness(b)
+	if ra != rb {
+		return ra > rb
+	}
+	if ba != bb {
+		return ba > bb
+	}
+	return a.Dial < b.Dial
+}
+
+// buildUpstreamsPage assembles the page q asks for. It reads every
+// upstream once (O(upstreams), no snapshot kept but the page's and the
+// worst's) and sorts only those after the page's start.
+func buildUpstreamsPage(q pageQuery) upstreamsStatus {
+	now := monoclock.Now()
+	status := upstreamsStatus{
+		Limit:     q.limit,
+		Upstreams: []upstreamView{},
+		Summary:   upstreamsSummary{States: map[string]int{stateHealthy: 0, stateFailing: 0, stateEjected: 0, stateUnsampled: 0}, Worst: []upstreamView{}},
+	}
+	if q.dial != "" {
+		status.Limit = 1
+	}
+	var (
+		page  []*hoststate.Stats
+		worst []hoststate.Snapshot
+	)
+	hoststate.Each(func(st *hoststate.Stats) bool {
+		status.Total++
+		snap := st.Snapshot(now)
+		status.Summary.States[upstreamState(snap)]++
+		if snap.Samples > 0 || snap.EjectedFor > 0 || snap.Failures > 0 {
+			worst = keepWorst(worst, snap)
 		}
-		for r, n := range s.Outlier.ByReason {
-			v.EjectionsByReason[hoststate.EjectReason(r).String()] = n
+		if q.dial != "" && st.Dial() == q.dial || q.dial == "" && st.Dial() > q.after {
+			page = append(page, st)
 		}
-		if s.Outlier.HasEjected {
-			v.EjectionReason = s.Outlier.LastReason.String()
+		return true
+	})
+	slices.SortFunc(page, func(a, b *hoststate.Stats) int { return strings.Compare(a.Dial(), b.Dial()) })
+
+	// The page ends where the first of its lists (the upstreams, or a
+	// pool's members) reaches limit, so that the next page, after that
+	// address, misses nothing in any of them.
+	r := dialRange{after: q.after, only: q.dial}
+	pools := allPoolStatuses()
+	if q.dial == "" {
+		if len(page) > q.limit {
+			r.upTo, r.bounded = page[q.limit-1].Dial(), true
 		}
-		if s.Samples == 0 {
-			v.EstimateHuman = "no samples yet"
+		for _, p := range pools {
+			end, more := pageEnd(q.after, q.limit, func(yield func(string)) {
+				for _, m := range p.Upstreams {
+					yield(m.Dial)
+				}
+			})
+			if more && (!r.bounded || end < r.upTo) {
+				r.upTo, r.bounded = end, true
+			}
 		}
-		if s.SinceFailure > 0 {
-			v.LastFailureHuman = humanize.Time(now.Add(-s.SinceFailure))
+		if r.bounded {
+			status.NextAfter = r.upTo
 		}
-		status.Upstreams = append(status.Upstreams, v)
+	}
+	for _, st := range page {
+		if !r.has(st.Dial()) {
+			break
+		}
+		status.Upstreams = append(status.Upstreams, viewOf(st.Snapshot(now)))
+	}
+	for i := range pools {
+		pools[i].Upstreams = r.filter(pools[i].Upstreams)
+	}
+	status.Pools = pools
+	for _, s := range worst {
+		status.Summary.Worst = append(status.Summary.Worst, viewOf(s))
 	}
 	return status
+}
+
+// keepWorst adds s to worst, kept sorted worst first and at most
+// worstShown long.
+func keepWorst(worst []hoststate.Snapshot, s hoststate.Snapshot) []hoststate.Snapshot {
+	if len(worst) == worstShown && !worse(s, worst[len(worst)-1]) {
+		return worst
+	}
+	i := sort.Search(len(worst), func(i int) bool { return worse(s, worst[i]) })
+	if len(worst) < worstShown {
+		worst = append(worst, hoststate.Snapshot{})
+	}
+	copy(worst[i+1:], worst[i:])
+	worst[i] = s
+	return worst
+}
+
+// viewOf returns the admin API's view of one upstream.
+func viewOf(s hoststate.Snapshot) upstreamView {
+	v := upstreamView{
+		Dial:          s.Dial,
+		EstimateMs:    float64(s.Estimate) / 1e6,
+		EstimateHuman: s.Estimate.Round(10 * time.Microsecond).String(),
+		EstimateAgeMs: float64(s.Age) / 1e6,
+		InFlight:      s.InFlight,
+		Pending:       s.Pending,
+		Samples:       s.Samples,
+		SamplesHuman:  humanize.Comma(int64(s.Samples)),
+		Failures:      s.Failures,
+		PassiveFails:  s.PassiveFails,
+
+		EjectedForMs:        float64(s.EjectedFor) / 1e6,
+		Ejections:           s.Ejections,
+		EjectionsOverflow:   s.Overflows,
+		EjectionsByReason:   make(map[string]uint64, len(s.Outlier.ByReason)),
+		ConsecutiveFailures: s.ConsecFailures,
+	}
+	for r, n := range s.Outlier.ByReason {
+		v.EjectionsByReason[hoststate.EjectReason(r).String()] = n
+	}
+	if s.Outlier.HasEjected {
+		v.EjectionReason = s.Outlier.LastReason.String()
+	}
+	if s.Samples == 0 {
+		v.EstimateHuman = "no samples yet"
+	}
+	if s.SinceFailure > 0 {
+		v.LastFailureHuman = humanize.Time(time.Now().Add(-s.SinceFailure))
+	}
+	return v
 }
 
 // Interface guards

@@ -1,7 +1,9 @@
 package lbpolicy
 
 import (
-	"sort"
+	"fmt"
+	"slices"
+	"strings"
 	"sync"
 )
 
@@ -9,8 +11,20 @@ import (
 type poolStatus struct {
 	// Policy is the selection policy's name, e.g. "ewma" or "panic(least_conn)".
 	Policy string `json:"policy"`
-	// Upstreams are the pool's members in upstream order.
+	// Name names the pool by its members: their dial addresses, comma
+	// separated, for a pool of up to poolNameMembers; for a larger one the
+	// first few, how many more, and a hash of them all, so that it stays
+	// short and still tells pools apart. It is the upstreams label of the
+	// pool's metrics.
+	Name string `json:"name"`
+	// Upstreams are the pool's members on this page (see GET
+	// /lbx/upstreams: those whose dial address is in the page's range), in
+	// upstream order.
 	Upstreams []poolMember `json:"upstreams"`
+	// Total is how many members the pool has, on this page or not.
+	Total int `json:"upstreams_total"`
+	// States counts the pool's members, all of them, by state.
+	States poolStates `json:"states"`
 	// Available is how many members are available now (counted when the
 	// status is read, whether or not panic mode is enabled).
 	Available int `json:"available"`
@@ -24,6 +38,23 @@ type poolStatus struct {
 	// RetryBudget is the state of the pool's retry budget; absent when
 	// it has none.
 	RetryBudget *retryBudgetStatus `json:"retry_budget,omitempty"`
+
+	first string // the first member's dial address, for sorting
+}
+
+// poolStates counts a pool's members by state. A member is counted in
+// every state that applies to it.
+type poolStates struct {
+	// Available counts the members that may be chosen: see poolMember's
+	// available.
+	Available int `json:"available"`
+	// Unavailable counts the others: unhealthy to Caddy, at max_requests,
+	// or ejected by outlier detection.
+	Unavailable int `json:"unavailable"`
+	// CaddyUnhealthy counts the members Caddy's health checks mark down.
+	CaddyUnhealthy int `json:"caddy_unhealthy"`
+	// Ramping counts the members on a slow-start ramp.
+	Ramping int `json:"ramping"`
 }
 
 // retryBudgetStatus is the state of a retry budget.
@@ -81,7 +112,11 @@ func unregisterPool(r poolStatusSource) {
 }
 
 // allPoolStatuses returns the statuses of all registered pools that have
-// served a request, ordered by policy and first member.
+// served a request, ordered by policy and first member, with every member.
+// The policies describe every member of their pools; the page of GET
+// /lbx/upstreams cuts them down (see dialRange.filter), so that its answer
+// stays the size of a page while the policies keep one way to describe a
+// pool.
 func allPoolStatuses() []poolStatus {
 	statusSourcesMu.Lock()
 	rs := make([]poolStatusSource, 0, len(statusSources))
@@ -90,22 +125,74 @@ func allPoolStatuses() []poolStatus {
 	}
 	statusSourcesMu.Unlock()
 	out := make([]poolStatus, 0, len(rs))
-	for _, r := range rs {
-		out = append(out, r.poolStatuses()...)
-	}
-	sort.Slice(out, func(i, j int) bool {
-		a, b := out[i], out[j]
-		if a.Policy != b.Policy {
-			return a.Policy < b.Policy
+	for _, src := range rs {
+		for _, p := range src.poolStatuses() {
+			out = append(out, summarizePool(p))
 		}
-		return firstDial(a) < firstDial(b)
+	}
+	slices.SortFunc(out, func(a, b poolStatus) int {
+		if a.Policy != b.Policy {
+			return strings.Compare(a.Policy, b.Policy)
+		}
+		return strings.Compare(a.first, b.first)
 	})
 	return out
 }
 
-func firstDial(r poolStatus) string {
-	if len(r.Upstreams) == 0 {
-		return ""
+// summarizePool fills in what a policy's full status of a pool implies:
+// its name, size and counts by state.
+func summarizePool(p poolStatus) poolStatus {
+	p.Total = len(p.Upstreams)
+	p.Name = poolName(p.Upstreams)
+	if len(p.Upstreams) > 0 {
+		p.first = p.Upstreams[0].Dial
 	}
-	return r.Upstreams[0].Dial
+	for _, m := range p.Upstreams {
+		if m.Available {
+			p.States.Available++
+		} else {
+			p.States.Unavailable++
+		}
+		if !m.Healthy {
+			p.States.CaddyUnhealthy++
+		}
+		if m.SlowStartPercent != nil {
+			p.States.Ramping++
+		}
+	}
+	return p
 }
+
+// poolNameMembers is how many members a pool may have and still be named
+// by all its dial addresses.
+const poolNameMembers = 4
+
+// poolName returns a pool's name (see poolStatus.Name). A pool of
+// hundreds of thousands of members named in full would make one metrics
+// label, and one JSON field per page, of megabytes.
+func poolName(ms []poolMember) string {
+	var b strings.Builder
+	shown := min(len(ms), poolNameMembers)
+	if len(ms) > poolNameMembers {
+		shown = poolNameMembers - 1
+	}
+	for i, m := range ms[:shown] {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(m.Dial)
+	}
+	if rest := len(ms) - shown; rest > 0 {
+		h := uint64(14695981039346656037) // FNV-1a of every dial, in order
+		for _, m := range ms {
+			for i := 0; i < len(m.Dial); i++ {
+				h = (h ^ uint64(m.Dial[i])) * 1099511628211
+			}
+			h = (h ^ 0xff) * 1099511628211
+		}
+		fmt.Fprintf(&b, ",+%d more #%08x", rest, uint32(h^h>>32))
+	}
+	return b.String()
+}
+
+func firstDial(r poolStatus) string { return r.first }
