@@ -1,6 +1,8 @@
 package lbpolicy
 
 import (
+	"math"
+	"slices"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
@@ -8,12 +10,29 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/metricsreg"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // stateCollector exposes lbx's per-upstream and per-pool state as
 // Prometheus metrics. It reads the shared state at scrape time, so the hot
 // paths pay nothing for metrics.
+//
+// The upstream series are capped: the first maxUpstreamSeries addresses,
+// in dial order (so the set is stable from scrape to scrape), get series
+// of their own; the rest are added up under upstream="_other" (counters
+// and the ejected gauge summed, the latency estimate their highest). The
+// count of upstreams by state, caddy_lbx_upstreams, covers every address.
+// A pool of hundreds of thousands of upstreams (a naming file) would
+// otherwise make a scrape of hundreds of megabytes that no Prometheus
+// takes in time.
 type stateCollector struct{}
+
+// maxUpstreamSeries is how many upstream addresses get series of their own.
+const maxUpstreamSeries = 1000
+
+// otherUpstreams is the upstream label of the series that add up the
+// addresses beyond maxUpstreamSeries. No dial address looks like it.
+const otherUpstreams = "_other"
 
 var (
 	descEstimate = prometheus.NewDesc("caddy_lbx_upstream_latency_estimate_seconds",
@@ -28,6 +47,8 @@ var (
 		"Ejections of the upstream by outlier detection, by reason.", []string{"upstream", "reason"}, nil)
 	descOverflow = prometheus.NewDesc("caddy_lbx_upstream_ejections_overflow_total",
 		"Ejections of the upstream that max_ejection_percent refused: it met a rule while the pool was at its cap.", []string{"upstream"}, nil)
+	descUpstreams = prometheus.NewDesc("caddy_lbx_upstreams",
+		"Upstream addresses in use by lbx's policies, by state: healthy, failing (the last attempts failed), ejected (by outlier detection), unsampled (no attempt finished yet). Covers every address, also those beyond the per-upstream series cap.", []string{"state"}, nil)
 	descPanic = prometheus.NewDesc("caddy_lbx_pool_panic",
 		"1 while the pool is in panic mode (too few upstreams available; health ignored), else 0.", []string{"policy", "upstreams"}, nil)
 	descPanicEntered = prometheus.NewDesc("caddy_lbx_pool_panic_entered_total",
@@ -38,14 +59,29 @@ var (
 
 // Describe implements prometheus.Collector.
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descOverflow, descPanic, descPanicEntered, descRetriesRefused} {
+	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descOverflow, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
 		ch <- d
 	}
 }
 
 // Collect implements prometheus.Collector.
 func (stateCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, s := range hoststate.All() {
+	now := monoclock.Now()
+	var all []*hoststate.Stats
+	hoststate.Each(func(s *hoststate.Stats) bool {
+		all = append(all, s)
+		return true
+	})
+	slices.SortFunc(all, func(a, b *hoststate.Stats) int { return strings.Compare(a.Dial(), b.Dial()) })
+	states := map[string]int{stateHealthy: 0, stateFailing: 0, stateEjected: 0, stateUnsampled: 0}
+	var other otherSeries
+	for i, st := range all {
+		s := st.Snapshot(now)
+		states[upstreamState(s)]++
+		if i >= maxUpstreamSeries {
+			other.add(s)
+			continue
+		}
 		if s.Samples > 0 {
 			ch <- prometheus.MustNewConstMetric(descEstimate, prometheus.GaugeValue, s.Estimate.Seconds(), s.Dial)
 		}
@@ -61,6 +97,13 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), s.Dial, hoststate.EjectReason(r).String())
 		}
 	}
+	if other.n > 0 {
+		other.collect(ch)
+	}
+	for state, n := range states {
+		ch <- prometheus.MustNewConstMetric(descUpstreams, prometheus.GaugeValue, float64(n), state)
+	}
+
 	// Several handlers may serve the same pool with the same policy: one
 	// series per (policy, upstreams), panicking if any of them is.
 	type key struct{ policy, upstreams string }
@@ -73,11 +116,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	pools := map[key]*agg{}
 	var order []key
 	for _, p := range allPoolStatuses() {
-		dials := make([]string, len(p.Upstreams))
-		for i, u := range p.Upstreams {
-			dials[i] = u.Dial
-		}
-		k := key{p.Policy, strings.Join(dials, ",")}
+		k := key{p.Policy, p.Name}
 		a, ok := pools[k]
 		if !ok {
 			a = new(agg)
@@ -102,6 +141,46 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		if a.budgeted {
 			ch <- prometheus.MustNewConstMetric(descRetriesRefused, prometheus.CounterValue, float64(a.refused), k.policy, k.upstreams)
 		}
+	}
+}
+
+// otherSeries adds up the upstreams beyond maxUpstreamSeries.
+type otherSeries struct {
+	n                            int
+	samples, failures, overflows uint64
+	ejected                      int
+	byReason                     [hoststate.NumEjectReasons]uint64
+	worst                        float64 // the highest estimate, s, of those sampled
+	sampled                      bool
+}
+
+func (o *otherSeries) add(s hoststate.Snapshot) {
+	o.n++
+	o.samples += s.Samples
+	o.failures += s.Failures
+	o.overflows += s.Overflows
+	if s.EjectedFor > 0 {
+		o.ejected++
+	}
+	for r, n := range s.Outlier.ByReason {
+		o.byReason[r] += n
+	}
+	if s.Samples > 0 {
+		o.worst = math.Max(o.worst, s.Estimate.Seconds())
+		o.sampled = true
+	}
+}
+
+func (o *otherSeries) collect(ch chan<- prometheus.Metric) {
+	if o.sampled {
+		ch <- prometheus.MustNewConstMetric(descEstimate, prometheus.GaugeValue, o.worst, otherUpstreams)
+	}
+	ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(o.samples), otherUpstreams)
+	ch <- prometheus.MustNewConstMetric(descFailures, prometheus.CounterValue, float64(o.failures), otherUpstreams)
+	ch <- prometheus.MustNewConstMetric(descEjected, prometheus.GaugeValue, float64(o.ejected), otherUpstreams)
+	ch <- prometheus.MustNewConstMetric(descOverflow, prometheus.CounterValue, float64(o.overflows), otherUpstreams)
+	for r, n := range o.byReason {
+		ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), otherUpstreams, hoststate.EjectReason(r).String())
 	}
 }
 
