@@ -4,10 +4,8 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
-	"slices"
 	"sort"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -123,15 +121,19 @@ func parsePageQuery(v url.Values) (pageQuery, error) {
 }
 
 // dialRange is the dial addresses a page covers: those in (after, upTo],
-// or, when only is set, that one.
+// or, when only is set, that one, or none.
 type dialRange struct {
 	after, upTo string
 	bounded     bool // upTo applies; else the range runs to the end
 	only        string
+	none        bool // the range holds nothing
 }
 
 // has reports whether dial is in r.
 func (r dialRange) has(dial string) bool {
+	if r.none {
+		return false
+	}
 	if r.only != "" {
 		return dial == r.only
 	}
@@ -149,21 +151,20 @@ func (r dialRange) filter(ms []poolMember) []poolMember {
 	return out
 }
 
-// pageEnd returns, of the addresses dials yields (in any order), the
+// pageEnd returns, of the addresses each yields (in any order), the
 // limit-th smallest after `after`, and whether there are more than limit:
 // where a page of that list must stop.
 func pageEnd(after string, limit int, each func(yield func(string))) (end string, more bool) {
-	var rest []string
+	l := newLowest(limit+1, func(d string) string { return d })
 	each(func(d string) {
 		if d > after {
-			rest = append(rest, d)
+			l.offer(d)
 		}
 	})
-	if len(rest) <= limit {
+	if len(l.h) <= limit {
 		return "", false
 	}
-	slices.Sort(rest)
-	return rest[limit-1], true
+	return l.sorted()[limit-1], true
 }
 
 // upstreamView is one upstream in the admin API's output.
@@ -275,7 +276,8 @@ func worse(a, b hoststate.Snapshot) bool {
 
 // buildUpstreamsPage assembles the page q asks for. It reads every
 // upstream once (O(upstreams), no snapshot kept but the page's and the
-// worst's) and sorts only those after the page's start.
+// worst's) and keeps the page's in a heap of limit+1: nothing the size
+// of the list is sorted or copied.
 func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 	now := monoclock.Now()
 	status := upstreamsStatus{
@@ -286,10 +288,8 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 	if q.dial != "" {
 		status.Limit = 1
 	}
-	var (
-		page  []*hoststate.Stats
-		worst []hoststate.Snapshot
-	)
+	var worst []hoststate.Snapshot
+	keep := newLowest(q.limit+1, (*hoststate.Stats).Dial)
 	hoststate.Each(func(st *hoststate.Stats) bool {
 		status.Total++
 		snap := st.Snapshot(now)
@@ -298,27 +298,23 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 			worst = keepWorst(worst, snap)
 		}
 		if q.dial != "" && st.Dial() == q.dial || q.dial == "" && st.Dial() > q.after {
-			page = append(page, st)
+			keep.offer(st)
 		}
 		return true
 	})
-	slices.SortFunc(page, func(a, b *hoststate.Stats) int { return strings.Compare(a.Dial(), b.Dial()) })
+	page := keep.sorted()
 
 	// The page ends where the first of its lists (the upstreams, or a
 	// pool's members) reaches limit, so that the next page, after that
 	// address, misses nothing in any of them.
 	r := dialRange{after: q.after, only: q.dial}
-	pools := allPoolStatuses()
+	reports := allPoolReports()
 	if q.dial == "" {
 		if len(page) > q.limit {
 			r.upTo, r.bounded = page[q.limit-1].Dial(), true
 		}
-		for _, p := range pools {
-			end, more := pageEnd(q.after, q.limit, func(yield func(string)) {
-				for _, m := range p.Upstreams {
-					yield(m.Dial)
-				}
-			})
+		for _, p := range reports {
+			end, more := pageEnd(q.after, q.limit, p.dials)
 			if more && (!r.bounded || end < r.upTo) {
 				r.upTo, r.bounded = end, true
 			}
@@ -333,10 +329,7 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 		}
 		status.Upstreams = append(status.Upstreams, viewOf(st.Snapshot(now)))
 	}
-	for i := range pools {
-		pools[i].Upstreams = r.filter(pools[i].Upstreams)
-	}
-	status.Pools = pools
+	status.Pools = poolStatusesIn(reports, r)
 	for _, s := range worst {
 		status.Summary.Worst = append(status.Summary.Worst, viewOf(s))
 	}

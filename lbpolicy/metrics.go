@@ -2,8 +2,6 @@ package lbpolicy
 
 import (
 	"math"
-	"slices"
-	"strings"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -67,21 +65,33 @@ func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector.
 func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	now := monoclock.Now()
-	var all []*hoststate.Stats
+	// The addresses with series of their own: the first in dial order.
+	// A heap finds them without sorting the whole list.
+	first := newLowest(maxUpstreamSeries, (*hoststate.Stats).Dial)
 	hoststate.Each(func(s *hoststate.Stats) bool {
-		all = append(all, s)
+		first.offer(s)
 		return true
 	})
-	slices.SortFunc(all, func(a, b *hoststate.Stats) int { return strings.Compare(a.Dial(), b.Dial()) })
+	own := make(map[*hoststate.Stats]bool, len(first.h))
+	for _, s := range first.h {
+		own[s] = true
+	}
 	states := map[string]int{stateHealthy: 0, stateFailing: 0, stateEjected: 0, stateUnsampled: 0}
 	var other otherSeries
-	for i, st := range all {
+	// Read under the registry's lock, send after it: a scrape that blocks
+	// on its channel must not hold up configs taking new addresses.
+	snaps := make([]hoststate.Snapshot, 0, len(own))
+	hoststate.Each(func(st *hoststate.Stats) bool {
 		s := st.Snapshot(now)
 		states[upstreamState(s)]++
-		if i >= maxUpstreamSeries {
+		if own[st] {
+			snaps = append(snaps, s)
+		} else {
 			other.add(s)
-			continue
 		}
+		return true
+	})
+	for _, s := range snaps {
 		if s.Samples > 0 {
 			ch <- prometheus.MustNewConstMetric(descEstimate, prometheus.GaugeValue, s.Estimate.Seconds(), s.Dial)
 		}

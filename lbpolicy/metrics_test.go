@@ -142,3 +142,24 @@ func TestMetricsCapUpstreamSeries(t *testing.T) {
 		t.Errorf("caddy_lbx_upstreams adds up to %v; want every address (%d)", states, len(hoststate.All()))
 	}
 }
+
+// BenchmarkMetrics200k: one gather of lbx's metrics with 200,000
+// upstreams in one pool (see setup200k).
+func BenchmarkMetrics200k(b *testing.B) {
+	setup200k(b)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collector)
+	b.ReportAllocs()
+	series := 0
+	for b.Loop() {
+		mfs, err := reg.Gather()
+		if err != nil {
+			b.Fatal(err)
+		}
+		series = 0
+		for _, mf := range mfs {
+			series += len(mf.GetMetric())
+		}
+	}
+	b.ReportMetric(float64(series), "series")
+}

@@ -5,6 +5,8 @@ import (
 	"slices"
 	"strings"
 	"sync"
+
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // poolStatus describes one handler's pool as its selection policy sees it.
@@ -111,24 +113,89 @@ func unregisterPool(r poolStatusSource) {
 	statusSourcesMu.Unlock()
 }
 
-// allPoolStatuses returns the statuses of all registered pools that have
-// served a request, ordered by policy and first member, with every member.
-// The policies describe every member of their pools; the page of GET
-// /lbx/upstreams cuts them down (see dialRange.filter), so that its answer
-// stays the size of a page while the policies keep one way to describe a
-// pool.
-func allPoolStatuses() []poolStatus {
+// pagedSource is implemented by the policies whose pools can be described
+// a page at a time: describing every member of a pool of 200,000 for a
+// page of 100 cost most of an answer's time and memory.
+type pagedSource interface {
+	poolStatusSource
+	// reportViews returns the views to report (see views.all).
+	reportViews() []*poolView
+	// describe returns the status of v, listing the members of sub, a
+	// view of some of v's members (see poolView.subset); the pool-wide
+	// fields (availability, panic, counts) are v's.
+	describe(v, sub *poolView) poolStatus
+}
+
+// poolReport is one pool to report, and the policy that serves it.
+type poolReport struct {
+	src  pagedSource
+	view *poolView
+	full *poolStatus // for a policy that is not a pagedSource: its whole status
+}
+
+// dials calls yield with each member's dial address.
+func (p poolReport) dials(yield func(string)) {
+	if p.full != nil {
+		for _, m := range p.full.Upstreams {
+			yield(m.Dial)
+		}
+		return
+	}
+	for _, u := range p.view.ups {
+		yield(u.Dial)
+	}
+}
+
+// status returns the pool's status with the members r holds.
+func (p poolReport) status(r dialRange) poolStatus {
+	if p.full != nil {
+		st := *p.full
+		st.Upstreams = r.filter(st.Upstreams)
+		return st
+	}
+	st := p.src.describe(p.view, p.view.subset(r))
+	st.Total = len(p.view.ups)
+	st.Name = poolName(len(p.view.ups), func(i int) string { return p.view.ups[i].Dial })
+	if len(p.view.ups) > 0 {
+		st.first = p.view.ups[0].Dial
+	}
+	if st.Upstreams == nil {
+		st.Upstreams = []poolMember{}
+	}
+	return st
+}
+
+// allPoolReports returns the pools of every registered policy that have
+// served a request.
+func allPoolReports() []poolReport {
 	statusSourcesMu.Lock()
 	rs := make([]poolStatusSource, 0, len(statusSources))
 	for r := range statusSources {
 		rs = append(rs, r)
 	}
 	statusSourcesMu.Unlock()
-	out := make([]poolStatus, 0, len(rs))
+	var out []poolReport
 	for _, src := range rs {
-		for _, p := range src.poolStatuses() {
-			out = append(out, summarizePool(p))
+		if ps, ok := src.(pagedSource); ok {
+			for _, v := range ps.reportViews() {
+				out = append(out, poolReport{src: ps, view: v})
+			}
+			continue
 		}
+		for _, st := range src.poolStatuses() {
+			st := summarizePool(st)
+			out = append(out, poolReport{full: &st})
+		}
+	}
+	return out
+}
+
+// poolStatusesIn returns the statuses of reports, each listing the members
+// r holds, ordered by policy and first member.
+func poolStatusesIn(reports []poolReport, r dialRange) []poolStatus {
+	out := make([]poolStatus, 0, len(reports))
+	for _, p := range reports {
+		out = append(out, p.status(r))
 	}
 	slices.SortFunc(out, func(a, b poolStatus) int {
 		if a.Policy != b.Policy {
@@ -139,11 +206,86 @@ func allPoolStatuses() []poolStatus {
 	return out
 }
 
+// allPoolStatuses returns the statuses of all registered pools that have
+// served a request, ordered by policy and first member, listing no member:
+// what the pool metrics read.
+func allPoolStatuses() []poolStatus {
+	return poolStatusesIn(allPoolReports(), dialRange{none: true})
+}
+
+// subset returns a view of the members of v that r holds, in v's order,
+// for describing them: it shares their state but has none of v's own
+// (availability, panic).
+func (v *poolView) subset(r dialRange) *poolView {
+	sub := &poolView{}
+	for i, u := range v.ups {
+		if !r.has(u.Dial) {
+			continue
+		}
+		sub.ups = append(sub.ups, u)
+		if v.members != nil {
+			sub.members = append(sub.members, member{stats: v.members[i].stats, invWeight: v.members[i].invWeight})
+		}
+	}
+	return sub
+}
+
+// countStates counts the members of v by state, at now; ramping, when
+// set, reports whether member i is on a slow-start ramp.
+func (v *poolView) countStates(now int64, ramping func(i int) bool) poolStates {
+	var c poolStates
+	for i, u := range v.ups {
+		if u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now)) {
+			c.Available++
+		} else {
+			c.Unavailable++
+		}
+		if !u.Healthy() {
+			c.CaddyUnhealthy++
+		}
+		if ramping != nil && ramping(i) {
+			c.Ramping++
+		}
+	}
+	return c
+}
+
+// reportViews implements pagedSource.
+func (s *EWMASelection) reportViews() []*poolView { return s.views.all() }
+
+// describe implements pagedSource.
+func (s *EWMASelection) describe(v, sub *poolView) poolStatus {
+	st := s.statusOf(sub, v == s.views.last.Load())
+	now := monoclock.Now()
+	st.Available = v.availableNow()
+	st.Panic = v.panic.on.Load()
+	st.PanicEntered = v.panic.entered.Load()
+	var ramping func(int) bool
+	if s.SlowStart != nil {
+		ramping = func(i int) bool { return s.SlowStart.factor(v.members[i].stats.RampStart(now), now) < 1 }
+	}
+	st.States = v.countStates(now, ramping)
+	return st
+}
+
+// reportViews implements pagedSource.
+func (p *PanicSelection) reportViews() []*poolView { return p.views.all() }
+
+// describe implements pagedSource.
+func (p *PanicSelection) describe(v, sub *poolView) poolStatus {
+	st := p.statusOf(sub)
+	st.Available = v.availableNow()
+	st.Panic = v.panic.on.Load()
+	st.PanicEntered = v.panic.entered.Load()
+	st.States = v.countStates(monoclock.Now(), nil)
+	return st
+}
+
 // summarizePool fills in what a policy's full status of a pool implies:
 // its name, size and counts by state.
 func summarizePool(p poolStatus) poolStatus {
 	p.Total = len(p.Upstreams)
-	p.Name = poolName(p.Upstreams)
+	p.Name = poolName(len(p.Upstreams), func(i int) string { return p.Upstreams[i].Dial })
 	if len(p.Upstreams) > 0 {
 		p.first = p.Upstreams[0].Dial
 	}
@@ -170,23 +312,24 @@ const poolNameMembers = 4
 // poolName returns a pool's name (see poolStatus.Name). A pool of
 // hundreds of thousands of members named in full would make one metrics
 // label, and one JSON field per page, of megabytes.
-func poolName(ms []poolMember) string {
+func poolName(n int, dial func(i int) string) string {
 	var b strings.Builder
-	shown := min(len(ms), poolNameMembers)
-	if len(ms) > poolNameMembers {
+	shown := min(n, poolNameMembers)
+	if n > poolNameMembers {
 		shown = poolNameMembers - 1
 	}
-	for i, m := range ms[:shown] {
+	for i := range shown {
 		if i > 0 {
 			b.WriteByte(',')
 		}
-		b.WriteString(m.Dial)
+		b.WriteString(dial(i))
 	}
-	if rest := len(ms) - shown; rest > 0 {
+	if rest := n - shown; rest > 0 {
 		h := uint64(14695981039346656037) // FNV-1a of every dial, in order
-		for _, m := range ms {
-			for i := 0; i < len(m.Dial); i++ {
-				h = (h ^ uint64(m.Dial[i])) * 1099511628211
+		for i := range n {
+			d := dial(i)
+			for j := 0; j < len(d); j++ {
+				h = (h ^ uint64(d[j])) * 1099511628211
 			}
 			h = (h ^ 0xff) * 1099511628211
 		}

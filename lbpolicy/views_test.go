@@ -445,3 +445,40 @@ func TestUpstreamsSummary(t *testing.T) {
 		t.Errorf("worst: %q; want ejected, failing, slow, fast", got)
 	}
 }
+
+// setup200k gives the package state 200,000 upstream addresses, all in
+// one ewma pool that has served a request, as a naming file of that size
+// does; a few have samples. It returns after Cleanup is registered.
+func setup200k(b *testing.B) {
+	b.Helper()
+	s := provisionEWMA(b, &EWMASelection{})
+	const n = 200_000
+	pool := make(reverseproxy.UpstreamPool, n)
+	for i := range pool {
+		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: fmt.Sprintf("10.%d.%d.%d:80", i>>16, i>>8&0xff, i&0xff)}
+	}
+	if s.Select(pool, httptest.NewRequest(http.MethodGet, "/", nil), nil) == nil {
+		b.Fatal("nothing selected")
+	}
+	now := monoclock.Now()
+	for i := 0; i < n; i += 97 {
+		s.table.ObserveAt(s.table.Stats(pool[i].Dial), now-int64(time.Millisecond), now, hoststate.Success)
+	}
+}
+
+// BenchmarkUpstreamsView200k: one GET /lbx/upstreams (the first page, of
+// the default size) with 200,000 upstreams in one pool, answer encoded.
+func BenchmarkUpstreamsView200k(b *testing.B) {
+	setup200k(b)
+	req := httptest.NewRequest(http.MethodGet, "/lbx/upstreams", nil)
+	b.ReportAllocs()
+	size := 0
+	for b.Loop() {
+		rec := httptest.NewRecorder()
+		if err := serveUpstreams(rec, req); err != nil {
+			b.Fatal(err)
+		}
+		size = rec.Body.Len()
+	}
+	b.ReportMetric(float64(size), "bytes/answer")
+}
