@@ -31,6 +31,18 @@ type Stats struct {
 	win        window       // recent answers, under mu
 	estimateNs atomic.Int64 // median of win; 0 until the first answer
 	stampNs    atomic.Int64 // monoclock.Now() of the last answer counted in win
+	// answerNs is the last non-zero median of win. Unlike estimateNs it
+	// outlives an ejection (which forgets the window so the host returns
+	// as a new one), so that what is reported of an ejected host is the
+	// speed it last answered at, never 0.
+	answerNs atomic.Int64
+
+	// The failure ratio: time-decayed counts of finished attempts and of
+	// failed ones (float64 bits), and when they were last decayed (see
+	// failures.go). Written under mu, read without it.
+	attemptsW atomic.Uint64
+	failedW   atomic.Uint64
+	weighedNs atomic.Int64
 
 	lastDoneNs  atomic.Int64 // monoclock.Now() of the last answer or failure
 	busySinceNs atomic.Int64 // monoclock.Now() when pending last went from 0 to 1
@@ -168,6 +180,9 @@ func (s *Stats) observe(now, start int64, outcome Outcome, horizon int64) (answe
 		s.lastFailureNs.Store(now)
 		s.failStreak.Add(1)
 		if est := s.estimateNs.Load(); est == 0 || elapsed <= est {
+			s.mu.Lock()
+			s.weigh(now, true)
+			s.mu.Unlock()
 			return 0
 		}
 	case Abandoned:
@@ -180,8 +195,15 @@ func (s *Stats) observe(now, start int64, outcome Outcome, horizon int64) (answe
 		}
 	}
 	s.mu.Lock()
+	if outcome != Abandoned {
+		s.weigh(now, outcome == Failure)
+	}
 	s.win.add(now, elapsed)
-	s.estimateNs.Store(s.win.median(now - horizon))
+	m := s.win.median(now - horizon)
+	s.estimateNs.Store(m)
+	if m != 0 {
+		s.answerNs.Store(m)
+	}
 	s.stampNs.Store(now)
 	s.mu.Unlock()
 	return answer
@@ -189,8 +211,13 @@ func (s *Stats) observe(now, start int64, outcome Outcome, horizon int64) (answe
 
 // Snapshot is a point-in-time view of one upstream's state.
 type Snapshot struct {
-	Dial         string
-	Estimate     time.Duration // median of recent answers; 0 when never sampled
+	Dial     string
+	Estimate time.Duration // median of recent answers; 0 when never sampled
+	// AnswerMedian is the median of the host's recent answers, kept while it is ejected or
+	// failing (Estimate may be 0 then); 0 only when it never answered.
+	AnswerMedian time.Duration
+	// FailureRatio is the recent, time-decayed share of the host's attempts that failed, 0..1.
+	FailureRatio float64
 	Age          time.Duration // since the last answer counted in the estimate
 	FailStreak   int64         // failed attempts in a row
 	Samples      uint64
@@ -212,11 +239,13 @@ type Snapshot struct {
 // Snapshot reads the state without locking.
 func (s *Stats) Snapshot(now int64) Snapshot {
 	snap := Snapshot{
-		Dial:     s.dial,
-		Estimate: time.Duration(s.estimateNs.Load()),
-		Samples:  s.samples.Load(),
-		Failures: s.failures.Load(),
-		Pending:  s.pending.Load(),
+		Dial:         s.dial,
+		Estimate:     time.Duration(s.estimateNs.Load()),
+		AnswerMedian: time.Duration(s.answerNs.Load()),
+		FailureRatio: s.FailureRatio(now),
+		Samples:      s.samples.Load(),
+		Failures:     s.failures.Load(),
+		Pending:      s.pending.Load(),
 	}
 	if lf := s.lastFailureNs.Load(); lf != 0 {
 		snap.SinceFailure = time.Duration(now - lf)

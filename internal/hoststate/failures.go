@@ -1,0 +1,74 @@
+package hoststate
+
+import (
+	"math"
+	"time"
+)
+
+// The failure ratio of a host: of its recent attempts, the share that
+// failed. A failure streak (see failurePenalty) prices a host that fails
+// every attempt, but a host failing one attempt in five almost never has
+// a streak, and its instant failures keep its queue short, so by latency
+// and load alone it looks as cheap as the best host and draws more than
+// its share of traffic. The ratio is what lets selection price it.
+//
+// Both counts decay exponentially with time (time constant failureDecay),
+// so the ratio describes the last few seconds whatever the request rate:
+// a host that recovers is believed again within seconds, and memory is
+// three words per host. The ratio is read as failures / (attempts +
+// failurePrior): the prior, one attempt that succeeded, keeps a single
+// failure from reading as a ratio of 1, and lets the ratio of a host
+// nobody tries any more fade to 0 as its counts decay, instead of staying
+// frozen at its last value.
+
+// failureDecay is the time constant of the failure ratio's memory: an
+// attempt counts e times less after it. A few seconds is tens to
+// thousands of attempts at the rates where the ratio matters, enough to
+// tell 10% from 20%, and short enough that a host that healed regains its
+// share soon after.
+const failureDecay = 2 * time.Second
+
+// failurePrior is the weight, in attempts, of the success the ratio
+// assumes before any is seen.
+const failurePrior = 1.0
+
+// decayOver returns how much a count keeps over elapsed ns.
+func decayOver(elapsed int64) float64 {
+	if elapsed <= 0 {
+		return 1
+	}
+	return math.Exp(-float64(elapsed) / float64(failureDecay))
+}
+
+// weigh counts one finished attempt, failed or not, at now in the failure
+// ratio. s.mu must be held: the counts are read, decayed and written as
+// one step.
+func (s *Stats) weigh(now int64, failed bool) {
+	d := decayOver(now - s.weighedNs.Load())
+	a := math.Float64frombits(s.attemptsW.Load())*d + 1
+	f := math.Float64frombits(s.failedW.Load()) * d
+	if failed {
+		f++
+	}
+	s.attemptsW.Store(math.Float64bits(a))
+	s.failedW.Store(math.Float64bits(f))
+	if now > s.weighedNs.Load() {
+		s.weighedNs.Store(now)
+	}
+}
+
+// FailureRatio returns the recent, time-decayed share of the host's
+// finished attempts that failed (transport errors, timeouts and failure
+// statuses; attempts the client abandoned do not count), from 0 to 1.
+// It is 0 for a host that never failed or has not failed for many
+// seconds. It takes no lock: a read racing an update may mix old and new
+// counts for an instant, which the clamp keeps within 0..1.
+func (s *Stats) FailureRatio(now int64) float64 {
+	f := math.Float64frombits(s.failedW.Load())
+	if f <= 0 {
+		return 0
+	}
+	a := math.Float64frombits(s.attemptsW.Load())
+	d := decayOver(now - s.weighedNs.Load())
+	return min(f*d/(a*d+failurePrior), 1)
+}
