@@ -2,6 +2,7 @@ package lbpolicy
 
 import (
 	"fmt"
+	"math"
 	"net/http"
 	"net/url"
 	"sort"
@@ -170,11 +171,27 @@ func pageEnd(after string, limit int, each func(yield func(string))) (end string
 // upstreamView is one upstream in the admin API's output.
 type upstreamView struct {
 	Dial string `json:"dial"`
-	// EstimateMs is the raw peak-EWMA latency estimate (not decayed), in
-	// milliseconds; 0 when never sampled.
-	EstimateMs    float64 `json:"latency_estimate_ms"`
-	EstimateHuman string  `json:"latency_estimate_human"`
-	// EstimateAgeMs is how long ago the estimate last changed.
+	// State is what the summary counts the upstream as: healthy, failing
+	// (its last attempts failed), ejected or unsampled.
+	State string `json:"state"`
+	// AnswerMedianMs is what the upstream's answers took: the median time
+	// to response headers of its recent answers, in milliseconds, kept
+	// while it is ejected or failing; 0 when it never answered. It is not
+	// what selection uses: see expected_ms.
+	AnswerMedianMs    float64 `json:"answer_median_ms"`
+	AnswerMedianHuman string  `json:"answer_median_human"`
+	// ExpectedMs is the latency selection expects of one more request to
+	// the upstream now, in milliseconds: the answer median, or the pool's
+	// typical latency, raised by a stall in progress and by failures in a
+	// row (before queueing behind requests in flight, which the policy
+	// adds). null while the upstream is ejected: selection does not choose
+	// it at all. An upstream no lbx policy prices reports its answer
+	// median.
+	ExpectedMs *float64 `json:"expected_ms"`
+	// FailureRatio is the recent, time-decayed share of the upstream's
+	// attempts that failed, 0 to 1.
+	FailureRatio float64 `json:"failure_ratio"`
+	// EstimateAgeMs is how long ago the answer median last changed.
 	EstimateAgeMs    float64 `json:"estimate_age_ms"`
 	InFlight         int     `json:"in_flight"`
 	Pending          int64   `json:"awaiting_headers"`
@@ -222,9 +239,10 @@ type upstreamsStatus struct {
 type upstreamsSummary struct {
 	// States counts the upstreams by state (see upstreamState).
 	States map[string]int `json:"states"`
-	// Worst are the upstreams with the highest latency estimate, at most
-	// worstShown, worst first: ejected ones, then failing ones, then the
-	// slowest. Upstreams with no samples and no failures are left out.
+	// Worst are the upstreams selection judges worst, at most worstShown,
+	// worst first: by expected latency (ejected ones first), then failure
+	// ratio, then answer median. Upstreams with no samples and no
+	// failures are left out.
 	Worst []upstreamView `json:"worst"`
 }
 
@@ -249,29 +267,71 @@ func upstreamState(s hoststate.Snapshot) string {
 	return stateHealthy
 }
 
-// badness orders upstreams for the summary's worst: ejected, then failing
-// (by failures in a row), then by latency estimate.
-func badness(s hoststate.Snapshot) (rank int, by float64) {
-	switch upstreamState(s) {
-	case stateEjected:
-		return 2, float64(s.EjectedFor)
-	case stateFailing:
-		return 1, float64(max(s.FailStreak, s.ConsecFailures))
-	}
-	return 0, float64(s.Estimate)
+// rated is an upstream's snapshot and what selection expects of it (ns).
+type rated struct {
+	snap     hoststate.Snapshot
+	expected float64
 }
 
-// worse reports whether a belongs before b in the summary's worst.
-func worse(a, b hoststate.Snapshot) bool {
-	ra, ba := badness(a)
-	rb, bb := badness(b)
-	if ra != rb {
-		return ra > rb
+// worse reports whether a belongs before b in the summary's worst: by
+// what selection expects of them (+Inf for an ejected one), then by
+// failure ratio, then by answer median.
+func worse(a, b rated) bool {
+	if a.expected != b.expected {
+		return a.expected > b.expected
 	}
-	if ba != bb {
-		return ba > bb
+	if a.snap.FailureRatio != b.snap.FailureRatio {
+		return a.snap.FailureRatio > b.snap.FailureRatio
 	}
-	return a.Dial < b.Dial
+	if a.snap.AnswerMedian != b.snap.AnswerMedian {
+		return a.snap.AnswerMedian > b.snap.AnswerMedian
+	}
+	return a.snap.Dial < b.snap.Dial
+}
+
+// tables are the state tables of lbx's policies, which price upstreams
+// for selection.
+type tables []*hoststate.Table
+
+// policyTables returns the tables of every registered policy that keeps
+// one.
+func policyTables() tables {
+	statusSourcesMu.Lock()
+	defer statusSourcesMu.Unlock()
+	var out tables
+	for src := range statusSources {
+		switch p := src.(type) {
+		case *EWMASelection:
+			if p.table != nil {
+				out = append(out, p.table)
+			}
+		case *PanicSelection:
+			if p.table != nil {
+				out = append(out, p.table)
+			}
+		}
+	}
+	return out
+}
+
+// expected returns what selection expects of st at now, in ns: the most
+// any policy's table expects (+Inf when ejected), or, when no table holds
+// it, its answer median. The most, because a report must never show an
+// upstream as cheaper than some policy judges it.
+func (ts tables) expected(st *hoststate.Stats, now int64) float64 {
+	worst, priced := 0.0, false
+	for _, t := range ts {
+		if _, ok := t.Lookup(st.Dial()); ok {
+			worst, priced = max(worst, t.SelectionLatency(st, now)), true
+		}
+	}
+	if !priced {
+		if st.Ejected(now) {
+			return math.Inf(1)
+		}
+		return float64(st.Snapshot(now).AnswerMedian)
+	}
+	return worst
 }
 
 // buildUpstreamsPage assembles the page q asks for. It reads every
@@ -288,14 +348,15 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 	if q.dial != "" {
 		status.Limit = 1
 	}
-	var worst []hoststate.Snapshot
+	var worst []rated
+	prices := policyTables()
 	keep := newLowest(q.limit+1, (*hoststate.Stats).Dial)
 	hoststate.Each(func(st *hoststate.Stats) bool {
 		status.Total++
 		snap := st.Snapshot(now)
 		status.Summary.States[upstreamState(snap)]++
 		if snap.Samples > 0 || snap.EjectedFor > 0 || snap.Failures > 0 {
-			worst = keepWorst(worst, snap)
+			worst = keepWorst(worst, rated{snap, prices.expected(st, now)})
 		}
 		if q.dial != "" && st.Dial() == q.dial || q.dial == "" && st.Dial() > q.after {
 			keep.offer(st)
@@ -327,43 +388,46 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 		if !r.has(st.Dial()) {
 			break
 		}
-		status.Upstreams = append(status.Upstreams, viewOf(st.Snapshot(now)))
+		status.Upstreams = append(status.Upstreams, viewOf(st.Snapshot(now), prices.expected(st, now)))
 	}
 	status.Pools = poolStatusesIn(reports, r)
-	for _, s := range worst {
-		status.Summary.Worst = append(status.Summary.Worst, viewOf(s))
+	for _, w := range worst {
+		status.Summary.Worst = append(status.Summary.Worst, viewOf(w.snap, w.expected))
 	}
 	return status
 }
 
 // keepWorst adds s to worst, kept sorted worst first and at most
 // worstShown long.
-func keepWorst(worst []hoststate.Snapshot, s hoststate.Snapshot) []hoststate.Snapshot {
+func keepWorst(worst []rated, s rated) []rated {
 	if len(worst) == worstShown && !worse(s, worst[len(worst)-1]) {
 		return worst
 	}
 	i := sort.Search(len(worst), func(i int) bool { return worse(s, worst[i]) })
 	if len(worst) < worstShown {
-		worst = append(worst, hoststate.Snapshot{})
+		worst = append(worst, rated{})
 	}
 	copy(worst[i+1:], worst[i:])
 	worst[i] = s
 	return worst
 }
 
-// viewOf returns the admin API's view of one upstream.
-func viewOf(s hoststate.Snapshot) upstreamView {
+// viewOf returns the admin API's view of one upstream; expected is what
+// selection expects of it, in ns (see expectedOf).
+func viewOf(s hoststate.Snapshot, expected float64) upstreamView {
 	v := upstreamView{
-		Dial:          s.Dial,
-		EstimateMs:    float64(s.Estimate) / 1e6,
-		EstimateHuman: s.Estimate.Round(10 * time.Microsecond).String(),
-		EstimateAgeMs: float64(s.Age) / 1e6,
-		InFlight:      s.InFlight,
-		Pending:       s.Pending,
-		Samples:       s.Samples,
-		SamplesHuman:  humanize.Comma(int64(s.Samples)),
-		Failures:      s.Failures,
-		PassiveFails:  s.PassiveFails,
+		Dial:              s.Dial,
+		State:             upstreamState(s),
+		AnswerMedianMs:    float64(s.AnswerMedian) / 1e6,
+		AnswerMedianHuman: s.AnswerMedian.Round(10 * time.Microsecond).String(),
+		FailureRatio:      s.FailureRatio,
+		EstimateAgeMs:     float64(s.Age) / 1e6,
+		InFlight:          s.InFlight,
+		Pending:           s.Pending,
+		Samples:           s.Samples,
+		SamplesHuman:      humanize.Comma(int64(s.Samples)),
+		Failures:          s.Failures,
+		PassiveFails:      s.PassiveFails,
 
 		EjectedForMs:        float64(s.EjectedFor) / 1e6,
 		Ejections:           s.Ejections,
@@ -377,8 +441,12 @@ func viewOf(s hoststate.Snapshot) upstreamView {
 	if s.Outlier.HasEjected {
 		v.EjectionReason = s.Outlier.LastReason.String()
 	}
-	if s.Samples == 0 {
-		v.EstimateHuman = "no samples yet"
+	if !math.IsInf(expected, 0) && !math.IsNaN(expected) {
+		e := expected / 1e6
+		v.ExpectedMs = &e
+	}
+	if s.AnswerMedian == 0 {
+		v.AnswerMedianHuman = "no answers yet"
 	}
 	if s.SinceFailure > 0 {
 		v.LastFailureHuman = humanize.Time(time.Now().Add(-s.SinceFailure))

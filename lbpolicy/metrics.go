@@ -18,7 +18,8 @@ import (
 // The upstream series are capped: the first maxUpstreamSeries addresses,
 // in dial order (so the set is stable from scrape to scrape), get series
 // of their own; the rest are added up under upstream="_other" (counters
-// and the ejected gauge summed, the latency estimate their highest). The
+// and the ejected gauge summed; answer median, expected latency and
+// failure ratio their highest). The
 // count of upstreams by state, caddy_lbx_upstreams, covers every address.
 // A pool of hundreds of thousands of upstreams (a naming file) would
 // otherwise make a scrape of hundreds of megabytes that no Prometheus
@@ -33,8 +34,12 @@ const maxUpstreamSeries = 1000
 const otherUpstreams = "_other"
 
 var (
-	descEstimate = prometheus.NewDesc("caddy_lbx_upstream_latency_estimate_seconds",
-		"Latency estimate of the upstream: the median time to response headers of its recent answers.", []string{"upstream"}, nil)
+	descAnswerMedian = prometheus.NewDesc("caddy_lbx_upstream_answer_median_seconds",
+		"What the upstream's answers took: the median time to response headers of its recent answers, kept while it is ejected or failing (upstreams that answered). Not what selection uses: see caddy_lbx_upstream_expected_latency_seconds.", []string{"upstream"}, nil)
+	descExpected = prometheus.NewDesc("caddy_lbx_upstream_expected_latency_seconds",
+		"The latency selection expects of one more request to the upstream now: the answer median or the pool's typical latency, raised by a stall in progress and by failures in a row; +Inf while it is ejected.", []string{"upstream"}, nil)
+	descFailureRatio = prometheus.NewDesc("caddy_lbx_upstream_failure_ratio",
+		"Recent, time-decayed share of the upstream's attempts that failed, 0 to 1.", []string{"upstream"}, nil)
 	descSamples = prometheus.NewDesc("caddy_lbx_upstream_samples_total",
 		"Attempts observed for the upstream (successes and failures).", []string{"upstream"}, nil)
 	descFailures = prometheus.NewDesc("caddy_lbx_upstream_failures_total",
@@ -57,7 +62,7 @@ var (
 
 // Describe implements prometheus.Collector.
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descOverflow, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
+	for _, d := range []*prometheus.Desc{descAnswerMedian, descExpected, descFailureRatio, descSamples, descFailures, descEjected, descEjections, descOverflow, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
 		ch <- d
 	}
 }
@@ -80,10 +85,11 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	var other otherSeries
 	// Read under the registry's lock, send after it: a scrape that blocks
 	// on its channel must not hold up configs taking new addresses.
-	snaps := make([]hoststate.Snapshot, 0, len(own))
+	prices := policyTables()
+	snaps := make([]rated, 0, len(own))
 	hoststate.Each(func(st *hoststate.Stats) bool {
-		s := st.Snapshot(now)
-		states[upstreamState(s)]++
+		s := rated{st.Snapshot(now), prices.expected(st, now)}
+		states[upstreamState(s.snap)]++
 		if own[st] {
 			snaps = append(snaps, s)
 		} else {
@@ -91,10 +97,15 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		return true
 	})
-	for _, s := range snaps {
-		if s.Samples > 0 {
-			ch <- prometheus.MustNewConstMetric(descEstimate, prometheus.GaugeValue, s.Estimate.Seconds(), s.Dial)
+	for _, r := range snaps {
+		s := r.snap
+		if s.AnswerMedian > 0 {
+			ch <- prometheus.MustNewConstMetric(descAnswerMedian, prometheus.GaugeValue, s.AnswerMedian.Seconds(), s.Dial)
 		}
+		if s.Samples > 0 || s.EjectedFor > 0 || s.Failures > 0 {
+			ch <- prometheus.MustNewConstMetric(descExpected, prometheus.GaugeValue, r.expected/1e9, s.Dial)
+		}
+		ch <- prometheus.MustNewConstMetric(descFailureRatio, prometheus.GaugeValue, s.FailureRatio, s.Dial)
 		ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(s.Samples), s.Dial)
 		ch <- prometheus.MustNewConstMetric(descFailures, prometheus.CounterValue, float64(s.Failures), s.Dial)
 		ejected := 0.0
@@ -160,11 +171,12 @@ type otherSeries struct {
 	samples, failures, overflows uint64
 	ejected                      int
 	byReason                     [hoststate.NumEjectReasons]uint64
-	worst                        float64 // the highest estimate, s, of those sampled
-	sampled                      bool
+	median, expected, ratio      float64 // the highest of each, s
+	answered, priced             bool
 }
 
-func (o *otherSeries) add(s hoststate.Snapshot) {
+func (o *otherSeries) add(r rated) {
+	s := r.snap
 	o.n++
 	o.samples += s.Samples
 	o.failures += s.Failures
@@ -175,16 +187,25 @@ func (o *otherSeries) add(s hoststate.Snapshot) {
 	for r, n := range s.Outlier.ByReason {
 		o.byReason[r] += n
 	}
-	if s.Samples > 0 {
-		o.worst = math.Max(o.worst, s.Estimate.Seconds())
-		o.sampled = true
+	if s.AnswerMedian > 0 {
+		o.median = math.Max(o.median, s.AnswerMedian.Seconds())
+		o.answered = true
 	}
+	if s.Samples > 0 || s.EjectedFor > 0 || s.Failures > 0 {
+		o.expected = math.Max(o.expected, r.expected/1e9)
+		o.priced = true
+	}
+	o.ratio = math.Max(o.ratio, s.FailureRatio)
 }
 
 func (o *otherSeries) collect(ch chan<- prometheus.Metric) {
-	if o.sampled {
-		ch <- prometheus.MustNewConstMetric(descEstimate, prometheus.GaugeValue, o.worst, otherUpstreams)
+	if o.answered {
+		ch <- prometheus.MustNewConstMetric(descAnswerMedian, prometheus.GaugeValue, o.median, otherUpstreams)
 	}
+	if o.priced {
+		ch <- prometheus.MustNewConstMetric(descExpected, prometheus.GaugeValue, o.expected, otherUpstreams)
+	}
+	ch <- prometheus.MustNewConstMetric(descFailureRatio, prometheus.GaugeValue, o.ratio, otherUpstreams)
 	ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(o.samples), otherUpstreams)
 	ch <- prometheus.MustNewConstMetric(descFailures, prometheus.CounterValue, float64(o.failures), otherUpstreams)
 	ch <- prometheus.MustNewConstMetric(descEjected, prometheus.GaugeValue, float64(o.ejected), otherUpstreams)

@@ -57,8 +57,8 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 			if w, ok := want[mf.GetName()]; ok && v != w {
 				t.Errorf("%s = %v, want %v", mf.GetName(), v, w)
 			}
-			if mf.GetName() == "caddy_lbx_upstream_latency_estimate_seconds" && (v < 0.004 || v > 0.1) {
-				t.Errorf("latency estimate %v s, want ≈0.004", v)
+			if mf.GetName() == "caddy_lbx_upstream_answer_median_seconds" && (v < 0.004 || v > 0.1) {
+				t.Errorf("answer median %v s, want ≈0.004", v)
 			}
 		}
 	}
@@ -70,8 +70,8 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 	if len(wantEjections) != 0 {
 		t.Errorf("no ejections_total series for reasons %v", wantEjections)
 	}
-	if !found["caddy_lbx_upstream_latency_estimate_seconds"] {
-		t.Error("latency estimate missing")
+	if !found["caddy_lbx_upstream_answer_median_seconds"] {
+		t.Error("answer median missing")
 	}
 	if n, err := testutil.GatherAndCount(reg, "caddy_lbx_upstream_ejected"); err != nil || n == 0 {
 		t.Fatalf("GatherAndCount: %d, %v", n, err)

@@ -77,10 +77,15 @@ type poolMember struct {
 	// Available is Caddy's availability (health checks, max_requests)
 	// and, for policies with outlier ejection, not ejected.
 	Available bool `json:"available"`
-	// EstimateMs is the latency estimate this pool uses for the member
-	// (decayed toward the pool's typical latency), in milliseconds; absent
-	// for policies that do not estimate latency.
-	EstimateMs *float64 `json:"estimate_ms,omitempty"`
+	// EstimateMs is the latency this pool's selection expects of the
+	// member now (see the upstream's expected_ms), in milliseconds; absent
+	// for policies that do not estimate latency, and while the member is
+	// ejected (selection does not choose it).
+	EstimateMs *float64 `json:"expected_ms,omitempty"`
+	// AnswerMedianMs is what the member's answers took (see the
+	// upstream's answer_median_ms); absent for policies that keep no
+	// upstream state.
+	AnswerMedianMs *float64 `json:"answer_median_ms,omitempty"`
 	// SlowStartPercent is the member's effective weight, in percent of
 	// its weight, while it ramps up after joining or returning to the
 	// pool; absent when it is not ramping.
@@ -265,6 +270,14 @@ func (s *EWMASelection) describe(v, sub *poolView) poolStatus {
 		ramping = func(i int) bool { return s.SlowStart.factor(v.members[i].stats.RampStart(now), now) < 1 }
 	}
 	st.States = v.countStates(now, ramping)
+	for i := range st.Upstreams {
+		m, stats := &st.Upstreams[i], sub.members[i].stats
+		if stats.Ejected(now) {
+			m.EstimateMs = nil
+		}
+		a := float64(stats.Snapshot(now).AnswerMedian) / 1e6
+		m.AnswerMedianMs = &a
+	}
 	return st
 }
 
