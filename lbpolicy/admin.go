@@ -289,6 +289,12 @@ func worse(a, b rated) bool {
 	return a.snap.Dial < b.snap.Dial
 }
 
+// priced reports whether an upstream has been tried at all (answered,
+// failed or ejected): the others have no expected latency worth a series
+// or a place among the worst, and a naming file can hold hundreds of
+// thousands of them.
+func priced(s hoststate.Snapshot) bool { return s.Samples > 0 || s.EjectedFor > 0 || s.Failures > 0 }
+
 // tables are the state tables of lbx's policies, which price upstreams
 // for selection.
 type tables []*hoststate.Table
@@ -355,7 +361,7 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 		status.Total++
 		snap := st.Snapshot(now)
 		status.Summary.States[upstreamState(snap)]++
-		if snap.Samples > 0 || snap.EjectedFor > 0 || snap.Failures > 0 {
+		if priced(snap) {
 			worst = keepWorst(worst, rated{snap, prices.expected(st, now)})
 		}
 		if q.dial != "" && st.Dial() == q.dial || q.dial == "" && st.Dial() > q.after {

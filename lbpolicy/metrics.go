@@ -88,7 +88,10 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	prices := policyTables()
 	snaps := make([]rated, 0, len(own))
 	hoststate.Each(func(st *hoststate.Stats) bool {
-		s := rated{st.Snapshot(now), prices.expected(st, now)}
+		s := rated{snap: st.Snapshot(now)}
+		if priced(s.snap) {
+			s.expected = prices.expected(st, now)
+		}
 		states[upstreamState(s.snap)]++
 		if own[st] {
 			snaps = append(snaps, s)
@@ -102,7 +105,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		if s.AnswerMedian > 0 {
 			ch <- prometheus.MustNewConstMetric(descAnswerMedian, prometheus.GaugeValue, s.AnswerMedian.Seconds(), s.Dial)
 		}
-		if s.Samples > 0 || s.EjectedFor > 0 || s.Failures > 0 {
+		if priced(s) {
 			ch <- prometheus.MustNewConstMetric(descExpected, prometheus.GaugeValue, r.expected/1e9, s.Dial)
 		}
 		ch <- prometheus.MustNewConstMetric(descFailureRatio, prometheus.GaugeValue, s.FailureRatio, s.Dial)
@@ -191,7 +194,7 @@ func (o *otherSeries) add(r rated) {
 		o.median = math.Max(o.median, s.AnswerMedian.Seconds())
 		o.answered = true
 	}
-	if s.Samples > 0 || s.EjectedFor > 0 || s.Failures > 0 {
+	if priced(s) {
 		o.expected = math.Max(o.expected, r.expected/1e9)
 		o.priced = true
 	}
