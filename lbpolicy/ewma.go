@@ -35,13 +35,16 @@ func init() {
 // without answering for longer than that while requests are in flight (a
 // stall is seen as it happens), and doubled for each failed attempt in a
 // row (a transport error, or a 502, 503 or 504: an instant failure never
-// looks fast). The first 1.5× of a difference in expected latency does not
-// count: upstreams within it are compared by load alone, exactly as
-// least_conn would, and only the excess of a clear difference in speed is
-// weighed against the load. An
-// upstream not tried for Decay, with nothing in flight, is expected at the
-// pool's typical latency, so one request tells whether it has recovered;
-// a new upstream starts there too, neither starved nor stampeded.
+// looks fast). An upstream that fails part of its attempts has its cost
+// multiplied by 1/(1−f)², f being the share of its attempts of the last
+// few seconds that failed, so it draws about its success-weighted share
+// rather than more than a healthy one. The first 1.5× of a difference
+// in expected latency does not count: upstreams within it are compared by
+// load alone, exactly as least_conn would, and only the excess of a clear
+// difference in speed is weighed against the load. An upstream not tried
+// for Decay, with nothing in flight, is expected at the pool's typical
+// latency, so one request tells whether it has recovered; a new upstream
+// starts there too, neither starved nor stampeded.
 //
 // Latency is observed at the round trip: in Provision the policy wraps the
 // reverse_proxy handler's transport (the configured one, or Caddy's
@@ -475,7 +478,14 @@ func (c ewmaCandidates) Cost(i int) choose.Cost {
 		// tie-break alone biases the rest of the choice either way.
 		busy = 0
 	}
-	return choose.CostOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
+	cost := choose.CostOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
+	// Partial failures: the queue is charged for the share of recent
+	// attempts that failed (hoststate's FailurePrice), so a host failing
+	// fast draws about its success-weighted share instead of more than a
+	// healthy one. On the queue rather than the latency, because the tie
+	// band would swallow a latency factor below 1.5 (20% failures).
+	cost.Queue *= m.stats.FailurePrice(c.now)
+	return cost
 }
 
 // bestOfTwo is the common case of two random choices, written out so the

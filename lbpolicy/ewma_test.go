@@ -87,6 +87,36 @@ func TestEWMAFastFailingUpstreamIsNotCheap(t *testing.T) {
 	}
 }
 
+// TestEWMAPartlyFailingUpstreamIsPriced: an upstream as fast as the
+// other but failing one attempt in five (never twice in a row, so no
+// failure streak) is charged for it: idle and equally fast, the healthy
+// one wins every time. Without the failure price in Cost the two tie and
+// each gets about half.
+func TestEWMAPartlyFailingUpstreamIsPriced(t *testing.T) {
+	s := provisionEWMA(t, &EWMASelection{})
+	pool := newPool(t, 2)
+	for i := range 40 {
+		observe(s, pool[1], 2*time.Millisecond, hoststate.Success)
+		if i%5 == 2 {
+			observe(s, pool[0], 50*time.Microsecond, hoststate.Failure)
+		} else {
+			observe(s, pool[0], 2*time.Millisecond, hoststate.Success)
+		}
+	}
+	st := s.table.Stats(pool[0].Dial)
+	if f := st.FailureRatio(monoclock.Now()); f < 0.15 || f > 0.25 {
+		t.Fatalf("failure ratio after 8 failures in 40 attempts is %.3f; want about 0.2", f)
+	}
+	if n := shares(s, pool, 1000)[pool[0]]; n != 0 {
+		t.Fatalf("the partly failing upstream was chosen %d times of 1000 against an equally fast healthy one", n)
+	}
+	now := monoclock.Now()
+	if sel, exp := s.table.SelectionLatency(st, now), s.table.Expected(st, now, s.table.Baseline()); sel < 1.4*exp {
+		t.Fatalf("SelectionLatency %v of the partly failing upstream does not include its failure price (Expected %v)",
+			time.Duration(sel), time.Duration(exp))
+	}
+}
+
 func TestEWMANewUpstreamGetsPrior(t *testing.T) {
 	s := provisionEWMA(t, &EWMASelection{})
 	pool := newPool(t, 4)

@@ -33,6 +33,9 @@ type simBackend struct {
 	// fails: every request is answered at once with a failure (a 503
 	// from a black hole).
 	fails bool
+	// failRate: this share of requests is answered at once with a
+	// failure (a partly failing backend); the rest are served.
+	failRate float64
 
 	busy     int
 	queue    []*simReq
@@ -46,6 +49,7 @@ type simReq struct {
 	backend   int
 	tried     []int
 	start     int64 // BeginAt time
+	failed    bool  // answered at once with a failure
 }
 
 func (b *simBackend) thaw(t time.Duration) time.Duration {
@@ -96,6 +100,8 @@ type simRule interface {
 type simEWMA struct {
 	k       int
 	weights []float64
+	// unpriced leaves out the failure price, to show what it does
+	unpriced bool
 }
 
 type simCandidates struct {
@@ -104,6 +110,8 @@ type simCandidates struct {
 	base    float64
 	weights []float64
 	tried   []int
+	// priced: the queue is charged the failure price, as ewma's Cost does
+	priced bool
 }
 
 func (c simCandidates) Len() int { return len(c.s.backends) }
@@ -117,11 +125,15 @@ func (c simCandidates) Cost(i int) choose.Cost {
 	}
 	b := c.s.backends[i]
 	latency, busy := c.s.table.Judge(b.stats, c.now, c.base)
-	return choose.CostOf(b.inFlight, inv, latency, busy)
+	cost := choose.CostOf(b.inFlight, inv, latency, busy)
+	if c.priced {
+		cost.Queue *= b.stats.FailurePrice(c.now)
+	}
+	return cost
 }
 
 func (r simEWMA) choose(s *sim, tried []int) int {
-	c := simCandidates{s: s, now: s.clock(), base: s.table.Baseline(), weights: r.weights, tried: tried}
+	c := simCandidates{s: s, now: s.clock(), base: s.table.Baseline(), weights: r.weights, tried: tried, priced: !r.unpriced}
 	var i int
 	if r.k == 0 {
 		i = choose.Cheapest(c)
@@ -174,6 +186,11 @@ type sim struct {
 	// the estimator's "never tried" (0) is far in the past.
 	epoch time.Duration
 
+	// closedUntil, when set, makes the load closed-loop (see runClosed):
+	// each finished client request is followed at once by a new one
+	// until then.
+	closedUntil time.Duration
+
 	latencies []time.Duration // of finished client requests
 	errors    int
 }
@@ -224,6 +241,17 @@ func (s *sim) runSchedule(rate func(time.Duration) float64, d time.Duration) {
 	}
 }
 
+// runClosed runs conc clients that each send a request as soon as their
+// previous one finished, for d, and finishes what is in flight: the
+// load generator's fixed concurrency.
+func (s *sim) runClosed(conc int, d time.Duration) {
+	s.closedUntil = d
+	for range conc {
+		heap.Push(&s.q, simEvent{at: 0, req: &simReq{}})
+	}
+	s.runSchedule(func(time.Duration) float64 { return 1e-9 }, 0)
+}
+
 func (s *sim) send(r *simReq) {
 	i := s.rule.choose(s, r.tried)
 	b := s.backends[i]
@@ -232,7 +260,8 @@ func (s *sim) send(r *simReq) {
 	b.arrivals = append(b.arrivals, s.now)
 	r.start = s.clock()
 	b.stats.BeginAt(r.start)
-	if b.fails {
+	r.failed = b.fails || (b.failRate > 0 && s.rng.Float64() < b.failRate)
+	if r.failed {
 		heap.Push(&s.q, simEvent{at: s.now + 100*time.Microsecond, done: true, req: r})
 		return
 	}
@@ -254,7 +283,7 @@ func (s *sim) finish(r *simReq) {
 	b := s.backends[r.backend]
 	b.inFlight--
 	outcome := hoststate.Success
-	if b.fails {
+	if r.failed {
 		outcome = hoststate.Failure
 	} else {
 		b.busy--
@@ -274,6 +303,9 @@ func (s *sim) finish(r *simReq) {
 		s.errors++
 	}
 	s.latencies = append(s.latencies, s.now-r.due)
+	if s.now < s.closedUntil {
+		heap.Push(&s.q, simEvent{at: s.now, req: &simReq{due: s.now}})
+	}
 }
 
 func (s *sim) percentile(p float64) time.Duration {

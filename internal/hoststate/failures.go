@@ -72,3 +72,33 @@ func (s *Stats) FailureRatio(now int64) float64 {
 	d := decayOver(now - s.weighedNs.Load())
 	return min(f*d/(a*d+failurePrior), 1)
 }
+
+// maxPricedFailureRatio caps the ratio FailurePrice reads, so that the
+// price stays finite (at most 100): a host failing more than this is left
+// to the failure streak, to outlier ejection and to Caddy's health checks.
+const maxPricedFailureRatio = 0.9
+
+// FailurePrice returns the factor by which selection multiplies the cost
+// of one more request to the host for its recent failures:
+// 1 / (1 − f)², f being FailureRatio (capped at maxPricedFailureRatio).
+//
+// Why this form. A host that fails a share f of its attempts delivers
+// 1 − f answers per attempt, and its instant failures also let it take
+// attempts faster than a healthy host of its speed, by about 1 / (1 − f)
+// when failures cost it nothing. A least-loaded rule hands out attempts
+// in proportion to how fast a host takes them at equal queues, so charging
+// its queue once for each effect — (1 − f)⁻¹ twice — brings its share of
+// attempts down to its success-weighted share: what it would get if
+// healthy, times 1 − f. A host that never fails pays 1, so nothing
+// changes for it. (Envoy's client-side weighted round robin lowers a
+// host's weight by errors per query in the same spirit; Finagle's failure
+// accrual instead removes a host after a run of failures, which the
+// failure streak and outlier ejection already do here.)
+func (s *Stats) FailurePrice(now int64) float64 {
+	f := s.FailureRatio(now)
+	if f <= 0 {
+		return 1
+	}
+	ok := 1 - min(f, maxPricedFailureRatio)
+	return 1 / (ok * ok)
+}

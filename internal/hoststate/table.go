@@ -243,8 +243,9 @@ func (t *Table) Expected(s *Stats, now int64, base float64) float64 {
 }
 
 // SelectionLatency returns, in ns, the latency that selection expects of
-// one more request to s at now: Expected at the pool's Baseline, the
-// figure a policy multiplies by the host's queue. It is +Inf for a host
+// one more request to s at now: Expected at the pool's Baseline, times
+// the host's FailurePrice (which lb_policy ewma charges its queue: the
+// two are one product in its cost). It is +Inf for a host
 // ejected at now, which selection does not choose at all (except in
 // panic mode), so that a report of it can never read as fast. Unlike
 // Snapshot's Estimate, which is a plain median and is 0 for a host that
@@ -253,7 +254,7 @@ func (t *Table) SelectionLatency(s *Stats, now int64) float64 {
 	if s.Ejected(now) {
 		return math.Inf(1)
 	}
-	return t.Expected(s, now, t.Baseline())
+	return t.Expected(s, now, t.Baseline()) * s.FailurePrice(now)
 }
 
 // Judge returns what Expected does, and for how long the host has been
