@@ -182,8 +182,8 @@ type upstreamView struct {
 	AnswerMedianHuman string  `json:"answer_median_human"`
 	// ExpectedMs is the latency selection expects of one more request to
 	// the upstream now, in milliseconds: the answer median, or the pool's
-	// typical latency, raised by a stall in progress and by failures in a
-	// row (before queueing behind requests in flight, which the policy
+	// typical latency, raised by a stall in progress, by failures in a row
+	// and by its failure ratio (before queueing behind requests in flight, which the policy
 	// adds). null while the upstream is ejected: selection does not choose
 	// it at all. An upstream no lbx policy prices reports its answer
 	// median.

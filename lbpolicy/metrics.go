@@ -37,7 +37,7 @@ var (
 	descAnswerMedian = prometheus.NewDesc("caddy_lbx_upstream_answer_median_seconds",
 		"What the upstream's answers took: the median time to response headers of its recent answers, kept while it is ejected or failing (upstreams that answered). Not what selection uses: see caddy_lbx_upstream_expected_latency_seconds.", []string{"upstream"}, nil)
 	descExpected = prometheus.NewDesc("caddy_lbx_upstream_expected_latency_seconds",
-		"The latency selection expects of one more request to the upstream now: the answer median or the pool's typical latency, raised by a stall in progress and by failures in a row; +Inf while it is ejected.", []string{"upstream"}, nil)
+		"The latency selection expects of one more request to the upstream now: the answer median or the pool's typical latency, raised by a stall in progress, by failures in a row and by its failure ratio; +Inf while it is ejected.", []string{"upstream"}, nil)
 	descFailureRatio = prometheus.NewDesc("caddy_lbx_upstream_failure_ratio",
 		"Recent, time-decayed share of the upstream's attempts that failed, 0 to 1.", []string{"upstream"}, nil)
 	descSamples = prometheus.NewDesc("caddy_lbx_upstream_samples_total",
