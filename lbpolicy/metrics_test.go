@@ -2,6 +2,7 @@ package lbpolicy
 
 import (
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -57,6 +58,9 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 			if w, ok := want[mf.GetName()]; ok && v != w {
 				t.Errorf("%s = %v, want %v", mf.GetName(), v, w)
 			}
+			if mf.GetName() == "caddy_lbx_upstream_expected_latency_seconds" && !math.IsInf(v, 1) {
+				t.Errorf("expected latency of an ejected upstream %v s, want +Inf (never lower than selection's view)", v)
+			}
 			if mf.GetName() == "caddy_lbx_upstream_answer_median_seconds" && (v < 0.004 || v > 0.1) {
 				t.Errorf("answer median %v s, want ≈0.004", v)
 			}
@@ -69,6 +73,9 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 	}
 	if len(wantEjections) != 0 {
 		t.Errorf("no ejections_total series for reasons %v", wantEjections)
+	}
+	if !found["caddy_lbx_upstream_expected_latency_seconds"] {
+		t.Error("expected latency missing")
 	}
 	if !found["caddy_lbx_upstream_answer_median_seconds"] {
 		t.Error("answer median missing")
