@@ -284,7 +284,7 @@ type eidReport struct {
 
 func fetchEidReport() (eidReport, error) {
 	var rep eidReport
-	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams")
+	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams?limit=1000")
 	if err != nil {
 		return rep, err
 	}

@@ -535,7 +535,7 @@ func dials(bs ...*backend) string {
 type upstreamInfo struct {
 	Dial       string  `json:"dial"`
 	Reason     string  `json:"ejection_reason"`
-	EstimateMs float64 `json:"latency_estimate_ms"`
+	EstimateMs float64 `json:"answer_median_ms"`
 	Samples    uint64  `json:"samples"`
 	Failures   uint64  `json:"failures"`
 	InFlight   int     `json:"in_flight"`
@@ -549,7 +549,7 @@ type poolMember struct {
 	Weight     float64  `json:"weight"`
 	Healthy    bool     `json:"caddy_healthy"`
 	Available  bool     `json:"available"`
-	EstimateMs *float64 `json:"estimate_ms"`
+	EstimateMs *float64 `json:"expected_ms"`
 	SlowStart  *float64 `json:"slow_start_weight_percent"`
 }
 
@@ -573,7 +573,7 @@ type adminReport struct {
 
 func fetchReport() (adminReport, error) {
 	var rep adminReport
-	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams")
+	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams?limit=1000")
 	if err != nil {
 		return rep, err
 	}

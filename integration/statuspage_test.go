@@ -301,7 +301,7 @@ func TestStatusPage(t *testing.T) {
 				} `json:"schemes"`
 			} `json:"handlers"`
 		}
-		if err := getJSON("http://"+admin+"/lbx/upstreams", &ups); err != nil {
+		if err := getJSON("http://"+admin+"/lbx/upstreams?limit=1000", &ups); err != nil {
 			return false, err.Error()
 		}
 		if err := getJSON("http://"+admin+"/lbx/partitions", &parts); err != nil {

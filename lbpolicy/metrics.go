@@ -1,23 +1,45 @@
 package lbpolicy
 
 import (
-	"strings"
+	"math"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/metricsreg"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // stateCollector exposes lbx's per-upstream and per-pool state as
 // Prometheus metrics. It reads the shared state at scrape time, so the hot
 // paths pay nothing for metrics.
+//
+// The upstream series are capped: the first maxUpstreamSeries addresses,
+// in dial order (so the set is stable from scrape to scrape), get series
+// of their own; the rest are added up under upstream="_other" (counters
+// and the ejected gauge summed; answer median, expected latency and
+// failure ratio their highest). The
+// count of upstreams by state, caddy_lbx_upstreams, covers every address.
+// A pool of hundreds of thousands of upstreams (a naming file) would
+// otherwise make a scrape of hundreds of megabytes that no Prometheus
+// takes in time.
 type stateCollector struct{}
 
+// maxUpstreamSeries is how many upstream addresses get series of their own.
+const maxUpstreamSeries = 1000
+
+// otherUpstreams is the upstream label of the series that add up the
+// addresses beyond maxUpstreamSeries. No dial address looks like it.
+const otherUpstreams = "_other"
+
 var (
-	descEstimate = prometheus.NewDesc("caddy_lbx_upstream_latency_estimate_seconds",
-		"Latency estimate of the upstream: the median time to response headers of its recent answers.", []string{"upstream"}, nil)
+	descAnswerMedian = prometheus.NewDesc("caddy_lbx_upstream_answer_median_seconds",
+		"What the upstream's answers took: the median time to response headers of its recent answers, kept while it is ejected or failing (upstreams that answered). Not what selection uses: see caddy_lbx_upstream_expected_latency_seconds.", []string{"upstream"}, nil)
+	descExpected = prometheus.NewDesc("caddy_lbx_upstream_expected_latency_seconds",
+		"The latency selection expects of one more request to the upstream now: the answer median or the pool's typical latency, raised by a stall in progress, by failures in a row and by its failure ratio; +Inf while it is ejected.", []string{"upstream"}, nil)
+	descFailureRatio = prometheus.NewDesc("caddy_lbx_upstream_failure_ratio",
+		"Recent, time-decayed share of the upstream's attempts that failed, 0 to 1.", []string{"upstream"}, nil)
 	descSamples = prometheus.NewDesc("caddy_lbx_upstream_samples_total",
 		"Attempts observed for the upstream (successes and failures).", []string{"upstream"}, nil)
 	descFailures = prometheus.NewDesc("caddy_lbx_upstream_failures_total",
@@ -28,6 +50,8 @@ var (
 		"Ejections of the upstream by outlier detection, by reason.", []string{"upstream", "reason"}, nil)
 	descOverflow = prometheus.NewDesc("caddy_lbx_upstream_ejections_overflow_total",
 		"Ejections of the upstream that max_ejection_percent refused: it met a rule while the pool was at its cap.", []string{"upstream"}, nil)
+	descUpstreams = prometheus.NewDesc("caddy_lbx_upstreams",
+		"Upstream addresses in use by lbx's policies, by state: healthy, failing (the last attempts failed), ejected (by outlier detection), unsampled (no attempt finished yet). Covers every address, also those beyond the per-upstream series cap.", []string{"state"}, nil)
 	descPanic = prometheus.NewDesc("caddy_lbx_pool_panic",
 		"1 while the pool is in panic mode (too few upstreams available; health ignored), else 0.", []string{"policy", "upstreams"}, nil)
 	descPanicEntered = prometheus.NewDesc("caddy_lbx_pool_panic_entered_total",
@@ -38,17 +62,53 @@ var (
 
 // Describe implements prometheus.Collector.
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descEstimate, descSamples, descFailures, descEjected, descEjections, descOverflow, descPanic, descPanicEntered, descRetriesRefused} {
+	for _, d := range []*prometheus.Desc{descAnswerMedian, descExpected, descFailureRatio, descSamples, descFailures, descEjected, descEjections, descOverflow, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
 		ch <- d
 	}
 }
 
 // Collect implements prometheus.Collector.
 func (stateCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, s := range hoststate.All() {
-		if s.Samples > 0 {
-			ch <- prometheus.MustNewConstMetric(descEstimate, prometheus.GaugeValue, s.Estimate.Seconds(), s.Dial)
+	now := monoclock.Now()
+	// The addresses with series of their own: the first in dial order.
+	// A heap finds them without sorting the whole list.
+	first := newLowest(maxUpstreamSeries, (*hoststate.Stats).Dial)
+	hoststate.Each(func(s *hoststate.Stats) bool {
+		first.offer(s)
+		return true
+	})
+	own := make(map[*hoststate.Stats]bool, len(first.h))
+	for _, s := range first.h {
+		own[s] = true
+	}
+	states := map[string]int{stateHealthy: 0, stateFailing: 0, stateEjected: 0, stateUnsampled: 0}
+	var other otherSeries
+	// Read under the registry's lock, send after it: a scrape that blocks
+	// on its channel must not hold up configs taking new addresses.
+	prices := policyTables()
+	snaps := make([]rated, 0, len(own))
+	hoststate.Each(func(st *hoststate.Stats) bool {
+		s := rated{snap: st.Snapshot(now)}
+		if priced(s.snap) {
+			s.expected = prices.expected(st, now)
 		}
+		states[upstreamState(s.snap)]++
+		if own[st] {
+			snaps = append(snaps, s)
+		} else {
+			other.add(s)
+		}
+		return true
+	})
+	for _, r := range snaps {
+		s := r.snap
+		if s.AnswerMedian > 0 {
+			ch <- prometheus.MustNewConstMetric(descAnswerMedian, prometheus.GaugeValue, s.AnswerMedian.Seconds(), s.Dial)
+		}
+		if priced(s) {
+			ch <- prometheus.MustNewConstMetric(descExpected, prometheus.GaugeValue, r.expected/1e9, s.Dial)
+		}
+		ch <- prometheus.MustNewConstMetric(descFailureRatio, prometheus.GaugeValue, s.FailureRatio, s.Dial)
 		ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(s.Samples), s.Dial)
 		ch <- prometheus.MustNewConstMetric(descFailures, prometheus.CounterValue, float64(s.Failures), s.Dial)
 		ejected := 0.0
@@ -61,6 +121,13 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), s.Dial, hoststate.EjectReason(r).String())
 		}
 	}
+	if other.n > 0 {
+		other.collect(ch)
+	}
+	for state, n := range states {
+		ch <- prometheus.MustNewConstMetric(descUpstreams, prometheus.GaugeValue, float64(n), state)
+	}
+
 	// Several handlers may serve the same pool with the same policy: one
 	// series per (policy, upstreams), panicking if any of them is.
 	type key struct{ policy, upstreams string }
@@ -73,11 +140,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	pools := map[key]*agg{}
 	var order []key
 	for _, p := range allPoolStatuses() {
-		dials := make([]string, len(p.Upstreams))
-		for i, u := range p.Upstreams {
-			dials[i] = u.Dial
-		}
-		k := key{p.Policy, strings.Join(dials, ",")}
+		k := key{p.Policy, p.Name}
 		a, ok := pools[k]
 		if !ok {
 			a = new(agg)
@@ -102,6 +165,56 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		if a.budgeted {
 			ch <- prometheus.MustNewConstMetric(descRetriesRefused, prometheus.CounterValue, float64(a.refused), k.policy, k.upstreams)
 		}
+	}
+}
+
+// otherSeries adds up the upstreams beyond maxUpstreamSeries.
+type otherSeries struct {
+	n                            int
+	samples, failures, overflows uint64
+	ejected                      int
+	byReason                     [hoststate.NumEjectReasons]uint64
+	median, expected, ratio      float64 // the highest of each, s
+	answered, priced             bool
+}
+
+func (o *otherSeries) add(r rated) {
+	s := r.snap
+	o.n++
+	o.samples += s.Samples
+	o.failures += s.Failures
+	o.overflows += s.Overflows
+	if s.EjectedFor > 0 {
+		o.ejected++
+	}
+	for r, n := range s.Outlier.ByReason {
+		o.byReason[r] += n
+	}
+	if s.AnswerMedian > 0 {
+		o.median = math.Max(o.median, s.AnswerMedian.Seconds())
+		o.answered = true
+	}
+	if priced(s) {
+		o.expected = math.Max(o.expected, r.expected/1e9)
+		o.priced = true
+	}
+	o.ratio = math.Max(o.ratio, s.FailureRatio)
+}
+
+func (o *otherSeries) collect(ch chan<- prometheus.Metric) {
+	if o.answered {
+		ch <- prometheus.MustNewConstMetric(descAnswerMedian, prometheus.GaugeValue, o.median, otherUpstreams)
+	}
+	if o.priced {
+		ch <- prometheus.MustNewConstMetric(descExpected, prometheus.GaugeValue, o.expected, otherUpstreams)
+	}
+	ch <- prometheus.MustNewConstMetric(descFailureRatio, prometheus.GaugeValue, o.ratio, otherUpstreams)
+	ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(o.samples), otherUpstreams)
+	ch <- prometheus.MustNewConstMetric(descFailures, prometheus.CounterValue, float64(o.failures), otherUpstreams)
+	ch <- prometheus.MustNewConstMetric(descEjected, prometheus.GaugeValue, float64(o.ejected), otherUpstreams)
+	ch <- prometheus.MustNewConstMetric(descOverflow, prometheus.CounterValue, float64(o.overflows), otherUpstreams)
+	for r, n := range o.byReason {
+		ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), otherUpstreams, hoststate.EjectReason(r).String())
 	}
 }
 

@@ -1,6 +1,8 @@
 package lbpolicy
 
 import (
+	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -56,8 +58,11 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 			if w, ok := want[mf.GetName()]; ok && v != w {
 				t.Errorf("%s = %v, want %v", mf.GetName(), v, w)
 			}
-			if mf.GetName() == "caddy_lbx_upstream_latency_estimate_seconds" && (v < 0.004 || v > 0.1) {
-				t.Errorf("latency estimate %v s, want ≈0.004", v)
+			if mf.GetName() == "caddy_lbx_upstream_expected_latency_seconds" && !math.IsInf(v, 1) {
+				t.Errorf("expected latency of an ejected upstream %v s, want +Inf (never lower than selection's view)", v)
+			}
+			if mf.GetName() == "caddy_lbx_upstream_answer_median_seconds" && (v < 0.004 || v > 0.1) {
+				t.Errorf("answer median %v s, want ≈0.004", v)
 			}
 		}
 	}
@@ -69,8 +74,11 @@ func TestMetricsExposeUpstreamState(t *testing.T) {
 	if len(wantEjections) != 0 {
 		t.Errorf("no ejections_total series for reasons %v", wantEjections)
 	}
-	if !found["caddy_lbx_upstream_latency_estimate_seconds"] {
-		t.Error("latency estimate missing")
+	if !found["caddy_lbx_upstream_expected_latency_seconds"] {
+		t.Error("expected latency missing")
+	}
+	if !found["caddy_lbx_upstream_answer_median_seconds"] {
+		t.Error("answer median missing")
 	}
 	if n, err := testutil.GatherAndCount(reg, "caddy_lbx_upstream_ejected"); err != nil || n == 0 {
 		t.Fatalf("GatherAndCount: %d, %v", n, err)
@@ -93,4 +101,72 @@ func hasLabel(labels []*dto.LabelPair, name, value string) bool {
 		}
 	}
 	return false
+}
+
+// TestMetricsCapUpstreamSeries: past maxUpstreamSeries addresses, the
+// rest share upstream="_other" series that add them up, and
+// caddy_lbx_upstreams counts every address by state. Without the cap the
+// 1,100 addresses of the test made 1,100 samples_total series (and 200,000
+// upstreams a scrape that did not finish in a minute).
+func TestMetricsCapUpstreamSeries(t *testing.T) {
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(collector)
+	table := hoststate.NewTable(hoststate.Config{})
+	t.Cleanup(table.Release)
+	const n = maxUpstreamSeries + 100
+	now := monoclock.Now()
+	for i := range n {
+		// "~" sorts after every other test's addresses: the last 100 are ours.
+		s := table.Stats(fmt.Sprintf("~%s-%04d:80", t.Name(), i))
+		table.ObserveAt(s, now-int64(time.Millisecond), now, hoststate.Success)
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	labels := map[string]int{}
+	var other, states float64
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			switch mf.GetName() {
+			case "caddy_lbx_upstream_samples_total":
+				labels[labelValue(m.GetLabel(), "upstream")]++
+				if hasLabel(m.GetLabel(), "upstream", otherUpstreams) {
+					other = m.GetCounter().GetValue()
+				}
+			case "caddy_lbx_upstreams":
+				states += m.GetGauge().GetValue()
+			}
+		}
+	}
+	if len(labels) != maxUpstreamSeries+1 || labels[otherUpstreams] != 1 {
+		t.Errorf("%d upstream labels on samples_total (_other: %d); want %d and one _other", len(labels), labels[otherUpstreams], maxUpstreamSeries+1)
+	}
+	if other < 100 {
+		t.Errorf("_other samples_total %v; want at least the 100 addresses past the cap", other)
+	}
+	if int(states) < n || int(states) != len(hoststate.All()) {
+		t.Errorf("caddy_lbx_upstreams adds up to %v; want every address (%d)", states, len(hoststate.All()))
+	}
+}
+
+// BenchmarkMetrics200k: one gather of lbx's metrics with 200,000
+// upstreams in one pool (see setup200k).
+func BenchmarkMetrics200k(b *testing.B) {
+	setup200k(b)
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collector)
+	b.ReportAllocs()
+	series := 0
+	for b.Loop() {
+		mfs, err := reg.Gather()
+		if err != nil {
+			b.Fatal(err)
+		}
+		series = 0
+		for _, mf := range mfs {
+			series += len(mf.GetMetric())
+		}
+	}
+	b.ReportMetric(float64(series), "series")
 }

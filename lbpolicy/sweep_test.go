@@ -388,7 +388,7 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 	o.eject(ejected, monoclock.Now(), hoststate.ReasonFailurePercentage)
 
 	views := map[string]upstreamView{}
-	for _, v := range buildUpstreamsStatus().Upstreams {
+	for _, v := range buildUpstreamsPage(pageQuery{limit: maxPageLimit}).Upstreams {
 		views[v.Dial] = v
 	}
 	if v := views[never.Dial()]; v.EjectionReason != "" || len(v.EjectionsByReason) != 3 || v.EjectionsByReason["success_rate"] != 0 {

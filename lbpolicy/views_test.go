@@ -2,9 +2,15 @@ package lbpolicy
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -49,7 +55,7 @@ func lbxSeries(t *testing.T, mark string) (upstream, pool int) {
 // upstreamsView returns the dial addresses holding mark in /lbx/upstreams'
 // upstreams, and how many of its pools hold one.
 func upstreamsView(mark string) (dials []string, pools int) {
-	st := buildUpstreamsStatus()
+	st := buildUpstreamsPage(pageQuery{limit: maxPageLimit})
 	for _, u := range st.Upstreams {
 		if strings.Contains(u.Dial, mark) {
 			dials = append(dials, u.Dial)
@@ -153,8 +159,8 @@ func TestChurnedUpstreamsReleased(t *testing.T) {
 	// which series they had then, varies.)
 	churnUp, _ := lbxSeries(t, mark+"churn:")
 	inFlightUp, _ := lbxSeries(t, mark+"churn:10007")
-	if churnUp != inFlightUp || inFlightUp == 0 || inFlightUp > 8 {
-		t.Errorf("after release: %d upstream series of churned addresses, %d of them the in-flight address's; want only its few (1 to 8)", churnUp, inFlightUp)
+	if churnUp != inFlightUp || inFlightUp == 0 || inFlightUp > 10 {
+		t.Errorf("after release: %d upstream series of churned addresses, %d of them the in-flight address's; want only its few (1 to 10)", churnUp, inFlightUp)
 	}
 
 	// The request finishes, and traffic stops: linger later the address
@@ -256,4 +262,230 @@ func TestReleaserStops(t *testing.T) {
 	testutil.WaitFor(t, 5*time.Second, "the release loop to end", func() (bool, string) {
 		return !ids()[mine[0]], mine[0] + " still runs"
 	})
+}
+
+// walkPages reads GET /lbx/upstreams page by page with limit, checking
+// that no page is longer than limit in any list, and returns the page
+// count, the addresses holding mark in the upstreams, and those of every
+// pool whose name holds mark, each in the order the pages gave them.
+func walkPages(t *testing.T, limit int, mark string) (pages int, dials []string, members map[string][]string) {
+	t.Helper()
+	members = map[string][]string{}
+	after := ""
+	for {
+		q := url.Values{"limit": {strconv.Itoa(limit)}}
+		if after != "" {
+			q.Set("after", after)
+		}
+		rec := httptest.NewRecorder()
+		if err := serveUpstreams(rec, httptest.NewRequest(http.MethodGet, "/lbx/upstreams?"+q.Encode(), nil)); err != nil {
+			t.Fatalf("page after %q: %v", after, err)
+		}
+		var st upstreamsStatus
+		if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
+			t.Fatal(err)
+		}
+		pages++
+		if len(st.Upstreams) > limit {
+			t.Fatalf("page after %q lists %d upstreams; limit %d", after, len(st.Upstreams), limit)
+		}
+		for _, u := range st.Upstreams {
+			if strings.Contains(u.Dial, mark) {
+				dials = append(dials, u.Dial)
+			}
+		}
+		for _, p := range st.Pools {
+			if len(p.Upstreams) > limit {
+				t.Fatalf("page after %q lists %d members of pool %s; limit %d", after, len(p.Upstreams), p.Name, limit)
+			}
+			if strings.Contains(p.Name, mark) {
+				for _, m := range p.Upstreams {
+					members[p.Name] = append(members[p.Name], m.Dial)
+				}
+			}
+		}
+		if st.NextAfter == "" {
+			return pages, dials, members
+		}
+		if st.NextAfter <= after || pages > 10000 {
+			t.Fatalf("next_after %q after %q: the pages do not advance", st.NextAfter, after)
+		}
+		after = st.NextAfter
+	}
+}
+
+// TestUpstreamsPaged: GET /lbx/upstreams lists at most limit addresses per
+// page, in the upstreams and in each pool, and walking next_after gives
+// every address once, the upstreams sorted and each pool's members in
+// pool order within a page, with the pool's size and name (short for a
+// large pool) on every page. Without paging the first page held all 280
+// addresses of the test.
+func TestUpstreamsPaged(t *testing.T) {
+	mark := t.Name() + "-"
+	s := provisionEWMA(t, &EWMASelection{})
+	// A pool of 250 in descending order, so pool order is not dial order,
+	// and 30 addresses that only the registry holds.
+	const n, extra = 250, 30
+	pool := make(reverseproxy.UpstreamPool, n)
+	for i := range pool {
+		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: fmt.Sprintf("%sp%03d:80", mark, n-1-i)}
+	}
+	if s.Select(pool, httptest.NewRequest(http.MethodGet, "/", nil), nil) == nil {
+		t.Fatal("nothing selected")
+	}
+	var want []string
+	for i := range n {
+		want = append(want, fmt.Sprintf("%sp%03d:80", mark, i))
+	}
+	for i := range extra {
+		d := fmt.Sprintf("%sx%02d:80", mark, i)
+		s.table.Stats(d)
+		want = append(want, d)
+	}
+	slices.Sort(want)
+
+	const limit = 7
+	pages, dials, members := walkPages(t, limit, mark)
+	if strings.Join(dials, " ") != strings.Join(want, " ") {
+		t.Errorf("the pages' upstreams holding the mark: %d (%v…); want the %d addresses once each, sorted", len(dials), dials[:min(len(dials), 5)], len(want))
+	}
+	if len(members) != 1 {
+		t.Fatalf("pools named for the mark: %d; want 1 (%v)", len(members), slices.Collect(maps.Keys(members)))
+	}
+	for name, ms := range members {
+		if !strings.Contains(name, "+247 more #") || len(name) > 200 {
+			t.Errorf("pool name %q; want three members, +247 more and a hash", name)
+		}
+		got := slices.Clone(ms)
+		slices.Sort(got)
+		if len(ms) != n || slices.Compact(got) == nil || len(slices.Compact(got)) != n {
+			t.Errorf("the pool's members over the pages: %d, %d distinct; want %d once each", len(ms), len(slices.Compact(got)), n)
+		}
+	}
+	if pages < (n+extra)/limit {
+		t.Errorf("%d pages of %d; want at least %d", pages, limit, (n+extra)/limit)
+	}
+
+	// One address, with the pool cut down to it.
+	one := fmt.Sprintf("%sp%03d:80", mark, 42)
+	rec := httptest.NewRecorder()
+	if err := serveUpstreams(rec, httptest.NewRequest(http.MethodGet, "/lbx/upstreams?dial="+url.QueryEscape(one), nil)); err != nil {
+		t.Fatal(err)
+	}
+	var st upstreamsStatus
+	if err := json.Unmarshal(rec.Body.Bytes(), &st); err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Upstreams) != 1 || st.Upstreams[0].Dial != one || st.NextAfter != "" {
+		t.Errorf("dial=%s: upstreams %+v, next_after %q; want that one alone", one, st.Upstreams, st.NextAfter)
+	}
+	for _, p := range st.Pools {
+		if strings.Contains(p.Name, mark) && (len(p.Upstreams) != 1 || p.Upstreams[0].Dial != one || p.Total != n) {
+			t.Errorf("dial=%s: pool lists %d members of %d; want that one of %d", one, len(p.Upstreams), p.Total, n)
+		}
+	}
+}
+
+// TestUpstreamsQueryRefused: a query GET /lbx/upstreams cannot honour gets
+// 400 with a message naming the parameter, not a silent first page.
+func TestUpstreamsQueryRefused(t *testing.T) {
+	for _, tc := range []struct{ query, want string }{
+		{"limit=0", `limit="0"`},
+		{"limit=1001", `limit="1001"`},
+		{"limit=ten", `limit="ten"`},
+		{"limit=5&limit=6", `"limit" given 2 times`},
+		{"page=2", `unknown query parameter "page"`},
+		{"dial=", "dial is empty"},
+		{"dial=a:80&after=b", "takes no after or limit"},
+	} {
+		err := serveUpstreams(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, "/lbx/upstreams?"+tc.query, nil))
+		var apiErr caddy.APIError
+		if !errors.As(err, &apiErr) || apiErr.HTTPStatus != http.StatusBadRequest || !strings.Contains(apiErr.Err.Error(), tc.want) {
+			t.Errorf("?%s: %v; want 400 saying %q", tc.query, err, tc.want)
+		}
+	}
+	for _, ok := range []string{"", "limit=1", "limit=1000", "after=zzz", "dial=a:80"} {
+		if err := serveUpstreams(httptest.NewRecorder(), httptest.NewRequest(http.MethodGet, "/lbx/upstreams?"+ok, nil)); err != nil {
+			t.Errorf("?%s: %v", ok, err)
+		}
+	}
+}
+
+// TestUpstreamsSummary: the summary counts every upstream by state and
+// names the worst by what selection expects of them, an ejected one
+// (expected_ms null) before a failing one before the slowest, whatever
+// page is asked for; the ejected one keeps its answer median.
+func TestUpstreamsSummary(t *testing.T) {
+	mark := t.Name() + "-"
+	table := provisionEWMA(t, &EWMASelection{}).table
+	now := monoclock.Now()
+	ejected, failing, slow, fast := table.Stats(mark+"ejected:80"), table.Stats(mark+"failing:80"), table.Stats(mark+"slow:80"), table.Stats(mark+"fast:80")
+	table.ObserveAt(slow, now-int64(900*time.Millisecond), now, hoststate.Success)
+	table.ObserveAt(fast, now-int64(time.Millisecond), now, hoststate.Success)
+	table.ObserveAt(failing, now-int64(time.Millisecond), now, hoststate.Failure)
+	table.ObserveAt(ejected, now-int64(3*time.Millisecond), now, hoststate.Success)
+	if _, _, ok := ejected.Eject(now, time.Minute, func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
+		t.Fatal("not ejected")
+	}
+	st := buildUpstreamsPage(pageQuery{limit: 1, after: "\xff"})
+	if len(st.Upstreams) != 0 || st.Total < 4 {
+		t.Errorf("a page after every address: %d upstreams, total %d; want none of at least 4", len(st.Upstreams), st.Total)
+	}
+	for state, atLeast := range map[string]int{stateEjected: 1, stateFailing: 1, stateHealthy: 2, stateUnsampled: 0} {
+		if st.Summary.States[state] < atLeast {
+			t.Errorf("summary counts %d %s; want at least %d (%v)", st.Summary.States[state], state, atLeast, st.Summary.States)
+		}
+	}
+	var order []string
+	for _, u := range st.Summary.Worst {
+		if d, ok := strings.CutPrefix(u.Dial, mark); ok {
+			order = append(order, d)
+			if d == "ejected:80" && (u.ExpectedMs != nil || u.AnswerMedianMs < 2.5 || u.State != stateEjected) {
+				t.Errorf("ejected: expected_ms %v, answer_median_ms %v, state %s; want null, its 3 ms answers, ejected", u.ExpectedMs, u.AnswerMedianMs, u.State)
+			}
+			if d == "fast:80" && (u.ExpectedMs == nil || *u.ExpectedMs <= 0) {
+				t.Errorf("fast: expected_ms %v; want a positive figure", u.ExpectedMs)
+			}
+		}
+	}
+	if got := strings.Join(order, " "); got != "ejected:80 failing:80 slow:80 fast:80" {
+		t.Errorf("worst: %q; want ejected, failing, slow, fast", got)
+	}
+}
+
+// setup200k gives the package state 200,000 upstream addresses, all in
+// one ewma pool that has served a request, as a naming file of that size
+// does; a few have samples. It returns after Cleanup is registered.
+func setup200k(b *testing.B) {
+	b.Helper()
+	s := provisionEWMA(b, &EWMASelection{})
+	const n = 200_000
+	pool := make(reverseproxy.UpstreamPool, n)
+	for i := range pool {
+		pool[i] = &reverseproxy.Upstream{Host: new(reverseproxy.Host), Dial: fmt.Sprintf("10.%d.%d.%d:80", i>>16, i>>8&0xff, i&0xff)}
+	}
+	if s.Select(pool, httptest.NewRequest(http.MethodGet, "/", nil), nil) == nil {
+		b.Fatal("nothing selected")
+	}
+	now := monoclock.Now()
+	for i := 0; i < n; i += 97 {
+		s.table.ObserveAt(s.table.Stats(pool[i].Dial), now-int64(time.Millisecond), now, hoststate.Success)
+	}
+}
+
+// BenchmarkUpstreamsView200k: one GET /lbx/upstreams (the first page, of
+// the default size) with 200,000 upstreams in one pool, answer encoded.
+func BenchmarkUpstreamsView200k(b *testing.B) {
+	setup200k(b)
+	req := httptest.NewRequest(http.MethodGet, "/lbx/upstreams", nil)
+	b.ReportAllocs()
+	size := 0
+	for b.Loop() {
+		rec := httptest.NewRecorder()
+		if err := serveUpstreams(rec, req); err != nil {
+			b.Fatal(err)
+		}
+		size = rec.Body.Len()
+	}
+	b.ReportMetric(float64(size), "bytes/answer")
 }

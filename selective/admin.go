@@ -68,13 +68,16 @@ type handlerStatus struct {
 
 // groupStatus is one group in the admin view.
 type groupStatus struct {
-	Name       string  `json:"name"`
-	Weight     float64 `json:"weight"`
-	Usable     float64 `json:"usable"`
-	Upstreams  float64 `json:"upstreams"`
-	Capacity   float64 `json:"capacity"`
-	Failing    bool    `json:"failing"`
-	EstimateMs float64 `json:"latency_estimate_ms"`
+	Name      string  `json:"name"`
+	Weight    float64 `json:"weight"`
+	Usable    float64 `json:"usable"`
+	Upstreams float64 `json:"upstreams"`
+	Capacity  float64 `json:"capacity"`
+	Failing   bool    `json:"failing"`
+	// EstimateMs is what the group's answers took: the median time to
+	// response headers of its recent answers, in milliseconds, kept while
+	// it fails (the name says which of lbx's two estimates it is).
+	EstimateMs float64 `json:"answer_median_ms"`
 	InFlight   int64   `json:"in_flight"`
 	Attempts   uint64  `json:"attempts"`
 	Answers    uint64  `json:"answers"`
@@ -127,7 +130,7 @@ func (h *Handler) status(now int64) handlerStatus {
 			Upstreams:  total,
 			Capacity:   capacity,
 			Failing:    failing,
-			EstimateMs: ms(st.stats.Snapshot(now).Estimate),
+			EstimateMs: ms(st.stats.Snapshot(now).AnswerMedian),
 			InFlight:   st.inFlight.Load(),
 			Attempts:   st.attempts.Load(),
 			Answers:    st.answers.Load(),
