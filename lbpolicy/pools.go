@@ -320,7 +320,7 @@ func summarizePool(p poolStatus) poolStatus {
 
 // poolNameMembers is how many members a pool may have and still be named
 // by all its dial addresses.
-const poolNameMembers = 4
+const poolNameMembers = 16
 
 // poolName returns a pool's name (see poolStatus.Name). A pool of
 // hundreds of thousands of members named in full would make one metrics
