@@ -148,6 +148,17 @@ const baseline = `{
 			status_header X-Selective
 		}
 	}
+	handle /selective-auto {
+		selective {
+			group one {
+				reverse_proxy {B1}
+			}
+			group two {
+				reverse_proxy {B2}
+			}
+			backup_request auto quantile 99 min 5ms max 500ms
+		}
+	}
 	handle /naming {
 		partition {
 			naming_file {NAMING}
@@ -180,7 +191,7 @@ const baseline = `{
 
 // trafficPaths are the routes the background traffic uses; each must
 // answer 200 under the baseline.
-var trafficPaths = []string{"/ewma", "/panic", "/partition", "/selective", "/naming", "/lbx/upstreams"}
+var trafficPaths = []string{"/ewma", "/panic", "/partition", "/selective", "/selective-auto", "/naming", "/lbx/upstreams"}
 
 // server is a cmd/caddy process serving the baseline, with traffic on it.
 type server struct {
