@@ -415,7 +415,7 @@ func (s *EWMASelection) startRamp(v *poolView, i int, now int64) {
 func (s *EWMASelection) logRamp(dial, why string) {
 	if ce := s.logger.Check(zap.InfoLevel, "upstream slow start"); ce != nil {
 		ce.Write(zap.String("upstream", dial), zap.String("reason", why),
-			zap.Duration("window", time.Duration(s.SlowStart.Window)),
+			zap.Stringer("window", time.Duration(s.SlowStart.Window)),
 			zap.Float64("min_weight_percent", *s.SlowStart.MinWeightPercent))
 	}
 }
@@ -480,13 +480,17 @@ func (c ewmaCandidates) Cost(i int) choose.Cost {
 	}
 	cost := choose.CostOf(c.pool[i].NumRequests(), m.invWeight, latency, busy)
 	// Partial failures: the queue is charged for the share of recent
-	// attempts that failed (hoststate's FailurePrice), so a host failing
-	// fast draws about its success-weighted share instead of more than a
-	// healthy one. On the queue rather than the latency, because the tie
-	// band would swallow a latency factor below 1.5 (20% failures).
-	cost.Queue *= c.table.FailurePrice(m.stats, c.now)
+	// attempts that failed (hoststate's QueueCharge: its price, or the
+	// share cap), so a host failing fast draws at most about its
+	// success-weighted share instead of more than a healthy one. On the
+	// queue rather than the latency, because the tie band would swallow a
+	// latency factor below 1.5 (20% failures).
+	cost.Queue *= c.table.QueueCharge(m.stats, c.now, m.invWeight, c.shareReference)
 	return cost
 }
+
+// shareReference is the view's share reference, for QueueCharge.
+func (c ewmaCandidates) shareReference() float64 { return c.view.shareReference(c.now) }
 
 // bestOfTwo is the common case of two random choices, written out so the
 // hot path makes direct, inlinable calls: both draws come from one random
@@ -527,6 +531,9 @@ func (s *EWMASelection) statusOf(v *poolView, withBudget bool) poolStatus {
 		PanicThreshold: s.panic.percent(),
 		Panic:          v.panic.on.Load(),
 		PanicEntered:   v.panic.entered.Load(),
+	}
+	if s.SlowStart != nil {
+		status.SlowStart = time.Duration(s.SlowStart.Window).String()
 	}
 	if b := s.RetryBudget; b != nil && withBudget {
 		status.RetryBudget = &retryBudgetStatus{

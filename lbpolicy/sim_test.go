@@ -127,9 +127,20 @@ func (c simCandidates) Cost(i int) choose.Cost {
 	latency, busy := c.s.table.Judge(b.stats, c.now, c.base)
 	cost := choose.CostOf(b.inFlight, inv, latency, busy)
 	if c.priced {
-		cost.Queue *= c.s.table.FailurePrice(b.stats, c.now)
+		cost.Queue *= c.s.table.QueueCharge(b.stats, c.now, inv, c.shareReference)
 	}
 	return cost
+}
+
+// shareReference is hoststate.ShareReference over the simulated pool.
+func (c simCandidates) shareReference() float64 {
+	return hoststate.ShareReference(c.now, len(c.s.backends), func(i int) (*hoststate.Stats, float64) {
+		inv := 1.0
+		if c.weights != nil {
+			inv = 1 / c.weights[i]
+		}
+		return c.s.backends[i].stats, inv
+	})
 }
 
 func (r simEWMA) choose(s *sim, tried []int) int {

@@ -1,6 +1,7 @@
 package lbpolicy
 
 import (
+	"math"
 	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -29,6 +30,10 @@ type poolView struct {
 	shadowOf map[*reverseproxy.Upstream]int
 
 	countedAt atomic.Int64
+	// shareRef caches hoststate.ShareReference over the members (float64
+	// bits) as of shareAt; see shareReference.
+	shareRef  atomic.Uint64
+	shareAt   atomic.Int64
 	available atomic.Int64
 	epoch     atomic.Uint64 // hoststate.EjectionEpoch at the last count
 	panic     panicState
@@ -56,6 +61,27 @@ type member struct {
 	stats     *hoststate.Stats
 	invWeight float64     // 1 / weight
 	down      atomic.Bool // unhealthy at the last count
+}
+
+// shareEvery is how long (ns) a computed share reference is reused. The
+// rates it compares decay over seconds, and computing it visits the pool,
+// so it is computed at most ten times a second, and only while a failing
+// member is being costed.
+const shareEvery = int64(100e6)
+
+// shareReference returns hoststate.ShareReference over the view's
+// members at about now.
+func (v *poolView) shareReference(now int64) float64 {
+	if at := v.shareAt.Load(); at != 0 && now-at < shareEvery {
+		return math.Float64frombits(v.shareRef.Load())
+	}
+	ref := hoststate.ShareReference(now, len(v.members), func(i int) (*hoststate.Stats, float64) {
+		return v.members[i].stats, v.members[i].invWeight
+	})
+	// concurrent refreshes compute the same thing; the last store wins
+	v.shareRef.Store(math.Float64bits(ref))
+	v.shareAt.Store(now)
+	return ref
 }
 
 // matches reports whether v was built from pool. It checks identity and

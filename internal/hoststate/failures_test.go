@@ -111,3 +111,75 @@ func TestAnswerMedianSurvivesEjection(t *testing.T) {
 		t.Fatalf("SelectionLatency after the ejection ended = %v; want finite", l)
 	}
 }
+
+// TestShareCap: a host failing 10% of its attempts is over its share once
+// it has taken more than 0.81 of the attempts per unit of weight of the
+// busiest host that is not failing, and not below that; a weight of 3
+// triples what it may take; when every host fails there is no reference
+// and nobody is capped; a rested host is never capped. Without the cap
+// (OverShare always false) the first check fails.
+func TestShareCap(t *testing.T) {
+	tb := NewTable(Config{})
+	defer tb.Release()
+	now := int64(time.Hour)
+	// record counts n attempts at now (so nothing decays), one in
+	// every `every` failing (0: none)
+	record := func(s *Stats, n, every int) {
+		for i := range n {
+			o := Success
+			if every > 0 && i%every == every-1 {
+				o = Failure
+			}
+			s.BeginAt(now)
+			tb.ObserveAt(s, now, now, o)
+		}
+	}
+	healthy, slow, flaky := tb.Stats(t.Name()+"-a"), tb.Stats(t.Name()+"-b"), tb.Stats(t.Name()+"-c")
+	record(healthy, 1000, 0)
+	record(slow, 100, 0)
+	record(flaky, 1000, 10)
+	ref := func(inv ...float64) func() float64 {
+		return func() float64 {
+			hosts := []*Stats{healthy, slow, flaky}
+			return ShareReference(now, 3, func(i int) (*Stats, float64) { return hosts[i], inv[i] })
+		}
+	}
+	if r := flaky.FailureRatio(now); math.Abs(r-0.1) > 0.001 {
+		t.Fatalf("flaky's failure ratio %.4f; want 0.1 (100 of 1000)", r)
+	}
+	if r := ref(1, 1, 1)(); math.Abs(r-1000) > 1e-6 {
+		t.Fatalf("share reference %v; want 1000, the healthy host's attempts", r)
+	}
+	if !tb.OverShare(flaky, now, 1, ref(1, 1, 1)) {
+		t.Errorf("flaky (1000 attempts, 10%% failing) is not over its share of a healthy host's 1000 × 0.81")
+	}
+	if tb.OverShare(flaky, now, 1.0/3, ref(1, 1, 1.0/3)) {
+		t.Errorf("flaky of weight 3 (333 attempts per unit) is over its share of 1000 × 0.81")
+	}
+	if tb.OverShare(healthy, now, 1, ref(1, 1, 1)) {
+		t.Errorf("a host that never failed is over its share")
+	}
+	if got := tb.QueueCharge(flaky, now, 1, ref(1, 1, 1)); !math.IsInf(got, 1) {
+		t.Errorf("QueueCharge of a host over its share = %v; want +Inf", got)
+	}
+	if got, want := tb.QueueCharge(flaky, now, 1.0/3, ref(1, 1, 1.0/3)), flaky.FailurePrice(now); got != want {
+		t.Errorf("QueueCharge of a host within its share = %v; want its price %v", got, want)
+	}
+	if got := tb.QueueCharge(healthy, now, 1, func() float64 { t.Fatal("reference asked for a healthy host"); return 0 }); got != 1 {
+		t.Errorf("QueueCharge of a healthy host = %v; want 1", got)
+	}
+	// every host failing: no reference, no cap
+	record(healthy, 100, 1)
+	record(slow, 100, 1)
+	if r := ref(1, 1, 1)(); r != 0 {
+		t.Errorf("share reference with every host failing = %v; want 0", r)
+	}
+	if tb.OverShare(flaky, now, 1, ref(1, 1, 1)) {
+		t.Errorf("flaky is capped although every host fails")
+	}
+	// rested: nothing in flight and nothing finished for the horizon
+	later := now + int64(time.Minute)
+	if tb.OverShare(flaky, later, 1, func() float64 { return 1e-9 }) {
+		t.Errorf("a rested host is capped")
+	}
+}

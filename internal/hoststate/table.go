@@ -270,6 +270,23 @@ func (t *Table) FailurePrice(s *Stats, now int64) float64 {
 	return s.FailurePrice(now)
 }
 
+// QueueCharge returns the factor by which selection multiplies the queue
+// of one more request to s, of inverse weight invWeight, for its recent
+// failures: its FailurePrice, or +Inf while it is OverShare, so that it
+// loses to every host that is not (and ties with those that are).
+// reference is called for a failing host only, as computing it visits
+// the pool.
+func (t *Table) QueueCharge(s *Stats, now int64, invWeight float64, reference func() float64) float64 {
+	price := t.FailurePrice(s, now)
+	if price == 1 {
+		return 1
+	}
+	if t.OverShare(s, now, invWeight, reference) {
+		return math.Inf(1)
+	}
+	return price
+}
+
 // rested reports whether the host has nothing in flight, no stall marked
 // and no attempt finished for the horizon: what it did before may no
 // longer be true of it, so selection expects of it what it expects of
