@@ -5,7 +5,6 @@ import (
 	"math"
 	"net/http"
 	"net/url"
-	"sort"
 	"strconv"
 	"time"
 
@@ -156,7 +155,7 @@ func (r dialRange) filter(ms []poolMember) []poolMember {
 // limit-th smallest after `after`, and whether there are more than limit:
 // where a page of that list must stop.
 func pageEnd(after string, limit int, each func(yield func(string))) (end string, more bool) {
-	l := newLowest(limit+1, func(d string) string { return d })
+	l := newFirstN(limit+1, byDial)
 	each(func(d string) {
 		if d > after {
 			l.offer(d)
@@ -354,15 +353,15 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 	if q.dial != "" {
 		status.Limit = 1
 	}
-	var worst []rated
+	worst := newFirstN(worstShown, worse)
 	prices := policyTables()
-	keep := newLowest(q.limit+1, (*hoststate.Stats).Dial)
+	keep := newFirstN(q.limit+1, statsByDial)
 	hoststate.Each(func(st *hoststate.Stats) bool {
 		status.Total++
 		snap := st.Snapshot(now)
 		status.Summary.States[upstreamState(snap)]++
 		if priced(snap) {
-			worst = keepWorst(worst, rated{snap, prices.expected(st, now)})
+			worst.offer(rated{snap, prices.expected(st, now)})
 		}
 		if q.dial != "" && st.Dial() == q.dial || q.dial == "" && st.Dial() > q.after {
 			keep.offer(st)
@@ -397,25 +396,10 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 		status.Upstreams = append(status.Upstreams, viewOf(st.Snapshot(now), prices.expected(st, now)))
 	}
 	status.Pools = poolStatusesIn(reports, r)
-	for _, w := range worst {
+	for _, w := range worst.sorted() {
 		status.Summary.Worst = append(status.Summary.Worst, viewOf(w.snap, w.expected))
 	}
 	return status
-}
-
-// keepWorst adds s to worst, kept sorted worst first and at most
-// worstShown long.
-func keepWorst(worst []rated, s rated) []rated {
-	if len(worst) == worstShown && !worse(s, worst[len(worst)-1]) {
-		return worst
-	}
-	i := sort.Search(len(worst), func(i int) bool { return worse(s, worst[i]) })
-	if len(worst) < worstShown {
-		worst = append(worst, rated{})
-	}
-	copy(worst[i+1:], worst[i:])
-	worst[i] = s
-	return worst
 }
 
 // viewOf returns the admin API's view of one upstream; expected is what

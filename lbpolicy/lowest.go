@@ -2,25 +2,32 @@ package lbpolicy
 
 import (
 	"slices"
-	"strings"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
 )
 
-// lowest keeps the n values with the smallest keys of those offered to
-// it, in a max-heap on the key: a page of a list of hundreds of thousands
-// costs O(list × log n) and n slots, where sorting the list would cost
-// O(list × log list) and a copy of it.
-type lowest[T any] struct {
-	n   int
-	key func(T) string
-	h   []T
+// firstN keeps the n values that come first, by before, of those offered
+// to it, in a heap whose root is the last of them: choosing a page of a
+// list of hundreds of thousands, or its worst few, costs O(list × log n)
+// and n slots, where sorting the list would cost O(list × log list) and a
+// copy of it.
+type firstN[T any] struct {
+	n      int
+	before func(a, b T) bool // a comes before b
+	h      []T
 }
 
-func newLowest[T any](n int, key func(T) string) *lowest[T] {
-	return &lowest[T]{n: n, key: key, h: make([]T, 0, min(n, 1024))}
+func newFirstN[T any](n int, before func(a, b T) bool) *firstN[T] {
+	return &firstN[T]{n: n, before: before, h: make([]T, 0, min(n, 1024))}
 }
 
-// offer adds x if it is among the n smallest so far.
-func (l *lowest[T]) offer(x T) {
+// byDial and statsByDial order upstreams by dial address, for firstN.
+func byDial(a, b string) bool { return a < b }
+
+func statsByDial(a, b *hoststate.Stats) bool { return a.Dial() < b.Dial() }
+
+// offer adds x if it is among the first n so far.
+func (l *firstN[T]) offer(x T) {
 	if l.n <= 0 {
 		return
 	}
@@ -28,7 +35,7 @@ func (l *lowest[T]) offer(x T) {
 		l.h = append(l.h, x)
 		for i := len(l.h) - 1; i > 0; {
 			p := (i - 1) / 2
-			if l.key(l.h[p]) >= l.key(l.h[i]) {
+			if !l.before(l.h[p], l.h[i]) {
 				break
 			}
 			l.h[p], l.h[i] = l.h[i], l.h[p]
@@ -36,7 +43,7 @@ func (l *lowest[T]) offer(x T) {
 		}
 		return
 	}
-	if l.key(x) >= l.key(l.h[0]) {
+	if !l.before(x, l.h[0]) {
 		return
 	}
 	l.h[0] = x
@@ -45,10 +52,10 @@ func (l *lowest[T]) offer(x T) {
 		if c >= len(l.h) {
 			break
 		}
-		if c+1 < len(l.h) && l.key(l.h[c+1]) > l.key(l.h[c]) {
+		if c+1 < len(l.h) && l.before(l.h[c], l.h[c+1]) {
 			c++
 		}
-		if l.key(l.h[i]) >= l.key(l.h[c]) {
+		if !l.before(l.h[i], l.h[c]) {
 			break
 		}
 		l.h[i], l.h[c] = l.h[c], l.h[i]
@@ -56,8 +63,16 @@ func (l *lowest[T]) offer(x T) {
 	}
 }
 
-// sorted returns the values kept, smallest key first. It reorders l.
-func (l *lowest[T]) sorted() []T {
-	slices.SortFunc(l.h, func(a, b T) int { return strings.Compare(l.key(a), l.key(b)) })
+// sorted returns the values kept, first first. It reorders l.
+func (l *firstN[T]) sorted() []T {
+	slices.SortFunc(l.h, func(a, b T) int {
+		switch {
+		case l.before(a, b):
+			return -1
+		case l.before(b, a):
+			return 1
+		}
+		return 0
+	})
 	return l.h
 }

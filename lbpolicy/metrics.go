@@ -72,7 +72,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 	now := monoclock.Now()
 	// The addresses with series of their own: the first in dial order.
 	// A heap finds them without sorting the whole list.
-	first := newLowest(maxUpstreamSeries, (*hoststate.Stats).Dial)
+	first := newFirstN(maxUpstreamSeries, statsByDial)
 	hoststate.Each(func(s *hoststate.Stats) bool {
 		first.offer(s)
 		return true
