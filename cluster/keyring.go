@@ -274,6 +274,10 @@ type keyringReport struct {
 	// Primary (list only) is the fingerprint of the primary key when
 	// every node that answered has the same one.
 	Primary string `json:"primary,omitempty"`
+	// Unencrypted (list only) is set when this node's gossip is not
+	// encrypted: it has no keyring, so the list is empty and no node was
+	// asked.
+	Unencrypted bool `json:"unencrypted,omitempty"`
 	// Error is set when the operation did not succeed on every node:
 	// some node failed or did not answer.
 	Error string `json:"error,omitempty"`
@@ -354,6 +358,11 @@ func (m *member) keyringOp(op keyringOp, key []byte, local bool) (rep keyringRep
 		}
 		m.record(op, rep, err)
 	}()
+	if m.keyring == nil && op == opList {
+		// not an error: the answer to "which keys?" is "none"
+		rep.Unencrypted = true
+		return rep, nil
+	}
 	if m.keyring == nil {
 		return rep, errKeyringRefused{error: errors.New("gossip is not encrypted: this node's serf member started without encrypt_key, and memberlist cannot turn encryption on while it runs; set encrypt_key on every node and restart them")}
 	}

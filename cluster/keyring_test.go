@@ -6,11 +6,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -402,16 +404,18 @@ func TestDescribeKeys(t *testing.T) {
 	}
 }
 
-// TestKeyringNoEncryption: a cluster without a key answers the admin
-// API with a clear refusal: encryption cannot be turned on at runtime.
+// TestKeyringNoEncryption: a cluster without a key lists no keys, with
+// 200 and unencrypted set (the README's first look at the keys must not
+// read as an error), and refuses a change clearly: encryption cannot be
+// turned on at runtime.
 func TestKeyringNoEncryption(t *testing.T) {
 	a := testCluster(t, "clear", nil)
-	for _, op := range []keyringOp{opList, opInstall} {
-		method, body := http.MethodPost, keyBody(testGossipKey)
-		if op == opList {
-			method, body = http.MethodGet, ""
-		}
-		code, _, msg := keyringCall(t, a, method, op, body)
+	code, rep, msg := keyringCall(t, a, http.MethodGet, opList, "")
+	if code != http.StatusOK || !rep.Unencrypted || len(rep.Keys) != 0 || rep.Error != "" {
+		t.Errorf("list without encryption: %d %+v %q; want 200, unencrypted, no keys, no error", code, rep, msg)
+	}
+	for _, op := range []keyringOp{opInstall, opUse, opRemove} {
+		code, _, msg := keyringCall(t, a, http.MethodPost, op, keyBody(testGossipKey))
 		if code != http.StatusConflict || !strings.Contains(msg, "gossip is not encrypted") || !strings.Contains(msg, "restart") {
 			t.Errorf("%s without encryption: %d %q; want 409 saying encryption is off until a restart", op, code, msg)
 		}
@@ -825,4 +829,30 @@ func keyringSeries(t *testing.T) map[string]float64 {
 		out[s.labels["op"]+"/"+s.labels["result"]] = s.value
 	}
 	return out
+}
+
+// TestJoinedByLaterPeer: a node whose join address answers nothing (its
+// peers are not up yet) fails its join and says so, then reads as joined,
+// with no join error, once another node starts and joins it, although its
+// own join never succeeds: it stops retrying once it sees a member. Without
+// the rule in status it stays "joined": false with the stale error (issue
+// 25's first rough edge).
+func TestJoinedByLaterPeer(t *testing.T) {
+	nobody := net.JoinHostPort("127.0.0.1", strconv.Itoa(freePort(t)))
+	first := testCluster(t, "early", func(a *App) {
+		a.EncryptKey = testGossipKey
+		a.Join = []string{nobody}
+	})
+	testutil.WaitFor(t, 15*time.Second, "the early node reports its failed join", func() (bool, string) {
+		st, _ := first.Status()
+		return st.JoinError != "" && !st.Joined, fmt.Sprintf("%+v", st)
+	})
+	testCluster(t, "late", func(a *App) {
+		a.EncryptKey = testGossipKey
+		a.Join = []string{first.gossipAddr()}
+	})
+	testutil.WaitFor(t, 15*time.Second, "the early node reads as joined", func() (bool, string) {
+		st, _ := first.Status()
+		return st.Joined && st.JoinError == "", fmt.Sprintf("%+v", st)
+	})
 }
