@@ -473,7 +473,7 @@ func (m *member) joinLoop() {
 			}
 			m.mu.Unlock()
 			if err != nil {
-				m.logger.Warn("cannot join the cluster", zap.Error(err), zap.Duration("retry_in", backoff))
+				m.logger.Warn("cannot join the cluster", zap.Error(err), zap.Stringer("retry_in", backoff))
 				backoff = min(2*backoff, 30*time.Second)
 			} else {
 				m.logger.Info("joined the cluster", zap.Strings("join", s.join), zap.Int("members", m.serf.NumNodes()))
@@ -522,9 +522,17 @@ func (m *member) list() []Member {
 	return out
 }
 
-// status returns the member's join and conflict state.
+// status returns the member's join and conflict state. A node that
+// another member joined is in the cluster although its own last join
+// failed (it started before its peers): it reads as joined, and that
+// join's error, stale now, is not shown.
 func (m *member) status() Status {
+	joinedBy := m.running() && m.aliveOthers() > 0
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return Status{Name: m.name, Addr: m.addr, Joined: m.joined, JoinError: m.joinErr, Conflict: m.conflict, Encrypted: m.keyring != nil}
+	st := Status{Name: m.name, Addr: m.addr, Joined: m.joined || joinedBy, JoinError: m.joinErr, Conflict: m.conflict, Encrypted: m.keyring != nil}
+	if joinedBy {
+		st.JoinError = ""
+	}
+	return st
 }

@@ -74,9 +74,11 @@ type Status struct {
 	Addr string
 	// Encrypted is true when gossip is encrypted.
 	Encrypted bool
-	// Joined is true once a join of the configured addresses succeeded.
+	// Joined is true once a join of the configured addresses succeeded,
+	// and while another member is alive (one that joined this node).
 	Joined bool
-	// JoinError is the last join's error; empty after a success.
+	// JoinError is the last join's error; empty after a success and
+	// while Joined.
 	JoinError string
 	// Conflict is set when serf shut the member down because another
 	// member uses its name.
