@@ -108,7 +108,7 @@ func (w *serfLog) Write(p []byte) (int, error) {
 	}
 	if c := w.logger.Check(lvl, line); c != nil {
 		if suppressed > 0 {
-			c.Write(zap.Int("suppressed_similar", suppressed), zap.Duration("rate_limit_period", gossipLogPeriod))
+			c.Write(zap.Int("suppressed_similar", suppressed), zap.Stringer("rate_limit_period", gossipLogPeriod))
 		} else {
 			c.Write()
 		}

@@ -307,7 +307,7 @@ func (o *Outlier) eject(s *hoststate.Stats, now int64, reason hoststate.EjectRea
 	d := time.Duration(until - now)
 	if ce := o.logger.Check(zap.WarnLevel, "upstream ejected"); ce != nil {
 		fields := append([]zap.Field{zap.String("upstream", s.Dial()), zap.String("reason", reason.String())}, detail...)
-		ce.Write(append(fields, zap.Int64("ejections_in_a_row", m), zap.Duration("for", d))...)
+		ce.Write(append(fields, zap.Int64("ejections_in_a_row", m), zap.Stringer("for", d))...)
 	}
 	o.events.Emit(eventUpstreamEjected, map[string]any{
 		"host": s.Dial(), "reason": reason.String(), "for_ms": d.Milliseconds(), "ejections_in_a_row": m,

@@ -618,9 +618,9 @@ func (a *App) Start() error {
 		zap.String("node_name", n.name), zap.Bool("reused_state", loaded),
 		zap.String("metric", a.Metric), cpu, zap.Float64("threshold_percent", a.params.Threshold*100),
 		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
-		zap.Int("min_connections", a.params.MinConnections), zap.Duration("interval", a.interval), zap.Duration("history", a.history),
-		zap.Duration("boundary_timeout", a.boundary), zap.Duration("join_settle", a.params.joinSettle()),
-		zap.Duration("idle_close_after", a.idleClose))
+		zap.Int("min_connections", a.params.MinConnections), zap.Stringer("interval", a.interval), zap.Stringer("history", a.history),
+		zap.Stringer("boundary_timeout", a.boundary), zap.Stringer("join_settle", a.params.joinSettle()),
+		zap.Stringer("idle_close_after", a.idleClose))
 	return nil
 }
 

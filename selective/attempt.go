@@ -273,7 +273,7 @@ func (g *group) noteFailure(h *Handler, now int64) {
 	st := g.state
 	st.lastFailureNs.Store(now)
 	if st.consecutive.Add(1) >= failingStreak && st.failing.CompareAndSwap(false, true) {
-		h.logger.Warn("selective group failing; other groups are preferred", zap.String("group", g.name), zap.Int("failures_in_a_row", failingStreak), zap.Duration("cooldown", failingCooldown))
+		h.logger.Warn("selective group failing; other groups are preferred", zap.String("group", g.name), zap.Int("failures_in_a_row", failingStreak), zap.Stringer("cooldown", failingCooldown))
 		h.events.Emit("selective_group_failing", map[string]any{"group": g.name})
 	}
 }
