@@ -37,6 +37,9 @@ type poolStatus struct {
 	Panic bool `json:"panic"`
 	// PanicEntered counts the times the pool entered panic mode.
 	PanicEntered uint64 `json:"panic_entered_total"`
+	// SlowStart is the policy's slow start window (e.g. "30s"); absent
+	// when slow start is off, and then no member ramps.
+	SlowStart string `json:"slow_start,omitempty"`
 	// RetryBudget is the state of the pool's retry budget; absent when
 	// it has none.
 	RetryBudget *retryBudgetStatus `json:"retry_budget,omitempty"`

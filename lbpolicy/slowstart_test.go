@@ -97,6 +97,9 @@ func TestSlowStartNewMember(t *testing.T) {
 	if rep.Upstreams[0].SlowStartPercent != nil {
 		t.Fatal("report shows an old member ramping")
 	}
+	if want := time.Duration(s.SlowStart.Window).String(); rep.SlowStart != want {
+		t.Errorf("report's slow_start %q; want the window %q", rep.SlowStart, want)
+	}
 }
 
 func TestSlowStartFactor(t *testing.T) {
