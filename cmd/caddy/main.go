@@ -3,6 +3,10 @@
 package main
 
 import (
+	// as in stock Caddy's main: time zones work on hosts without zoneinfo
+	// (minimal containers)
+	_ "time/tzdata"
+
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
