@@ -47,36 +47,36 @@ const reservedTagPrefix = "lbx_"
 // by bind address, so a reload neither leaves nor rejoins the cluster. It
 // leaves gracefully when Caddy stops or a config without it is loaded.
 type App struct {
-	// NodeName is this node's unique name in the cluster, at most 128
+	// This node's unique name in the cluster, at most 128
 	// bytes. A node that joins with a name the cluster already has loses
 	// serf's vote and stops gossiping (reported in the admin view, the
 	// log and the caddy_lbx_cluster_name_conflict metric). It cannot change
 	// while the member runs. Default: the host name.
 	NodeName string `json:"node_name,omitempty"`
 
-	// Bind is the address (host:port) serf listens on, TCP and UDP.
+	// The address (host:port) serf listens on, TCP and UDP.
 	// Default: 0.0.0.0:7946.
 	Bind string `json:"bind,omitempty"`
 
-	// Advertise is the address (host:port) other members use to reach
-	// this one, when it differs from Bind (NAT, containers). Default: the
+	// The address (host:port) other members use to reach
+	// this one, when it differs from `bind` (NAT, containers). Default: the
 	// bind address, or a private IP of this host when binding 0.0.0.0.
 	Advertise string `json:"advertise,omitempty"`
 
-	// Join lists addresses (host:port) of cluster members to join. The
+	// Addresses (host:port) of cluster members to join. The
 	// node retries with backoff while it sees no other alive member.
 	// Default: none (a cluster of one until others join it).
 	Join []string `json:"join,omitempty"`
 
-	// EncryptKey is the base64 gossip encryption key (16, 24 or 32 bytes
+	// The base64 gossip encryption key (16, 24 or 32 bytes
 	// decoded; e.g. `head -c32 /dev/urandom | base64`), the same on every
 	// node; placeholders such as {env.LBX_GOSSIP_KEY} are replaced. A node
 	// with another key cannot join. For several keys (a rotation), see
-	// EncryptKeys. Default: none, gossip in clear text (a warning is
+	// `encrypt_keys`. Default: none, gossip in clear text (a warning is
 	// logged).
 	EncryptKey string `json:"encrypt_key,omitempty"`
 
-	// InsecurePlaintextGossip allows a cluster without a key (neither
+	// Allow a cluster without a key (neither
 	// encrypt_key nor encrypt_keys) on a bind address that is not
 	// loopback. Without a key anyone who reaches the gossip port joins the
 	// cluster, reads its gossip and advertises the addresses this node
@@ -86,12 +86,12 @@ type App struct {
 	// anyway. Default: false.
 	InsecurePlaintextGossip bool `json:"insecure_plaintext_gossip,omitempty"`
 
-	// EncryptKeys are several gossip keys, primary first, instead of
-	// EncryptKey (setting both is an error): the primary encrypts what
+	// Several gossip keys, primary first, instead of
+	// `encrypt_key` (setting both is an error): the primary encrypts what
 	// this node sends, and every key decrypts what it receives, so that a
 	// key can be rotated with no restart by rolling configs ([old, new]
 	// on every node, then [new, old], then [new]). Each is checked as
-	// EncryptKey is; at most 16, no duplicates. When a reload keeps the
+	// `encrypt_key` is; at most 16, no duplicates. When a reload keeps the
 	// running member and changes this list, the new keys are installed on
 	// this node, the new primary used, and the keys the list dropped
 	// removed once the previous config stopped; a reload that keeps the
@@ -102,7 +102,7 @@ type App struct {
 	// restart. Default: none.
 	EncryptKeys []string `json:"encrypt_keys,omitempty"`
 
-	// Tags are serf tags this node publishes for discovery (e.g. role,
+	// Serf tags this node publishes for discovery (e.g. role,
 	// zone, the port it serves on). Keys starting with "lbx_" are
 	// reserved. Serf allows a member 512 bytes of tags, encoded, including
 	// the ones lbx publishes: a config whose tags do not fit is refused.

@@ -17,24 +17,24 @@ import (
 // the one member selection of every module that takes its upstreams from
 // the cluster (`dynamic serf`, partition's `serf_tag`).
 type Selector struct {
-	// Tags the members must carry, all with these values (e.g.
+	// The tags the members must carry, all with these values (e.g.
 	// {"role": "api"}). Default: none, every alive member.
 	Tags map[string]string `json:"tags,omitempty"`
 
-	// Port is the port to dial on every member, unless its PortTag tag
-	// gives one. One of Port and PortTag is required.
+	// The port to dial on every member, unless its `port_tag` tag
+	// gives one. One of `port` and `port_tag` is required.
 	Port string `json:"port,omitempty"`
 
-	// PortTag names the member tag that holds the port to dial (e.g.
-	// "http_port"); a member without it is dialed at Port, or left out
-	// (logged) when Port is not set. Default: none.
+	// The member tag that holds the port to dial (e.g.
+	// "http_port"); a member without it is dialed at `port`, or left out
+	// (logged) when `port` is not set. Default: none.
 	PortTag string `json:"port_tag,omitempty"`
 
-	// ExcludeSelf leaves this node out even when its tags match.
+	// Leave this node out even when its tags match.
 	// Default: false.
 	ExcludeSelf bool `json:"exclude_self,omitempty"`
 
-	// AllowNetworks, when set, are the only networks (CIDRs such as
+	// When set, the only networks (CIDRs such as
 	// 10.0.0.0/8, or single IPs) a member's advertised IP may be in to
 	// be dialed; other members are refused (reason
 	// network_not_allowed). Whatever it says, the dial policy also
@@ -44,7 +44,7 @@ type Selector struct {
 	// Default: none, every network.
 	AllowNetworks []string `json:"allow_networks,omitempty"`
 
-	// AllowPorts, when set, are the only ports (8080) or inclusive port
+	// When set, the only ports (8080) or inclusive port
 	// ranges (8000-8099) a member may be dialed at; other members are
 	// refused (reason port_not_allowed). Default: none, every port.
 	AllowPorts []string `json:"allow_ports,omitempty"`

@@ -63,11 +63,12 @@ const defaultUpstreamsRefresh = time.Second
 // It needs the cluster app in the same config (the `cluster` global
 // option); without it the config does not load.
 type SerfUpstreams struct {
-	// Selector picks the members (tags, port, port_tag, exclude_self,
-	// allow_networks, allow_ports) and applies the dial policy.
+	// The member selection, inlined in this module's JSON: `tags`,
+	// `port`, `port_tag`, `exclude_self`, `allow_networks` and
+	// `allow_ports` pick the members, and the dial policy applies.
 	Selector
 
-	// Refresh is the longest time between two readings of the member
+	// The longest time between two readings of the member
 	// list, from 10ms to 1h. Default: 1s.
 	Refresh caddy.Duration `json:"refresh,omitempty"`
 
