@@ -87,11 +87,11 @@ const (
 // option). Its state (the load window, whether it is shedding) survives
 // config reloads along with the cluster member.
 type App struct {
-	// Metric is the load to balance: "connections" (the HTTP connections
+	// The load to balance: "connections" (the HTTP connections
 	// held, in any state), "throughput" (bytes per second read from and
 	// written to this process's HTTP connections over the last interval,
 	// TLS records included), or "cpu" (the node's CPU or this process's,
-	// as CPU says).
+	// as `cpu` says).
 	//
 	// Throughput needs the `rebalance` listener wrapper
 	// (caddy.listeners.rebalance) before `tls` in the listener_wrappers of
@@ -105,7 +105,7 @@ type App struct {
 	// connections.
 	Metric string `json:"metric,omitempty"`
 
-	// CPU is what metric cpu measures: "node", the node's CPU
+	// What metric cpu measures: "node", the node's CPU
 	// utilisation over the last interval in percent of all its CPUs (0 to
 	// 100, from /proc/stat: the other work on the node counts, as it does
 	// for OneFS SmartConnect's CPU balancing), or "process", this
@@ -116,43 +116,43 @@ type App struct {
 	// (Linux), else process.
 	CPU string `json:"cpu,omitempty"`
 
-	// Interval is how often the node samples its load, gossips it,
+	// How often the node samples its load, gossips it,
 	// decides and sheds, from 100ms to 10m. Default: 1s.
 	Interval caddy.Duration `json:"interval,omitempty"`
 
-	// History is the window over which samples are averaged before they
+	// The window over which samples are averaged before they
 	// are gossiped (one sample per interval): at least interval, at most
 	// 24h and 3600 intervals. Default: 10s.
 	History caddy.Duration `json:"history,omitempty"`
 
-	// Freshness is how recently a member's load tag must have changed
+	// How recently a member's load tag must have changed
 	// for the member to count, and how long the gossip average may go
 	// without an exchange (and a peer stay silent) before the decision
 	// falls back to the tags, from interval to 24h. Default: 5 ×
 	// interval, at least 3s.
 	Freshness caddy.Duration `json:"freshness,omitempty"`
 
-	// Threshold is the percentage above the cluster average at which a
+	// The percentage above the cluster average at which a
 	// node starts shedding, above 0 and at most 1000. Default: 20.
 	Threshold float64 `json:"threshold,omitempty"`
 
-	// StopBand is the percentage above the average down to which a
-	// shedding node keeps shedding; above 0 and at most Threshold.
+	// The percentage above the average down to which a
+	// shedding node keeps shedding; above 0 and at most `threshold`.
 	// Stopping at the threshold itself would leave new nodes stuck below
-	// −threshold. Default: Threshold / 2.
+	// −threshold. Default: `threshold` / 2.
 	StopBand float64 `json:"stop_band,omitempty"`
 
-	// ShedRate is the largest percentage of its connections a node sheds
+	// The largest percentage of its connections a node sheds
 	// per interval (at least one connection), above 0 and at most 100.
 	// Default: 0.5.
 	ShedRate float64 `json:"shed_rate,omitempty"`
 
-	// MinConnections is the number of connections a node never sheds
+	// The number of connections a node never sheds
 	// below, and below which it does not shed at all: with few
 	// connections, imbalance is noise. At most 10,000,000. Default: 50.
 	MinConnections *int `json:"min_connections,omitempty"`
 
-	// BoundaryTimeout is how long a shed active connection is given to
+	// How long a shed active connection is given to
 	// reach a response boundary (the end of its response in flight:
 	// server-sent events, a long poll, an endless download, a long
 	// HTTP/2 stream); once exceeded, it is closed anyway, cutting that
@@ -163,18 +163,18 @@ type App struct {
 	// flight is not cut unless the operator asks.
 	BoundaryTimeout caddy.Duration `json:"boundary_timeout,omitempty"`
 
-	// JoinSettle is how long no node sheds after a member joins (became
+	// How long no node sheds after a member joins (became
 	// alive), so that nodes added one after another, as autoscalers and
 	// deploys add them, are filled once: connections shed before the last
 	// of them is in land on the nodes there, which must shed them again.
-	// Joins less than JoinSettle apart make one burst, which holds
-	// shedding for at most 4 × JoinSettle from its first join, so steady
+	// Joins less than `join_settle` apart make one burst, which holds
+	// shedding for at most 4 × `join_settle` from its first join, so steady
 	// churn in a large fleet cannot stop it. At most 24h; a negative
 	// value (the Caddyfile's `off`) turns the wait off. Default:
 	// freshness.
 	JoinSettle caddy.Duration `json:"join_settle,omitempty"`
 
-	// IdleCloseAfter is how long a shed HTTP/1.1 connection must stay
+	// How long a shed HTTP/1.1 connection must stay
 	// idle before it is closed outright, from 1s to 24h. Until then it is
 	// only marked: a request on it gets "Connection: close" on its
 	// response (through rebalance_close) and the connection closes after

@@ -69,20 +69,20 @@ func init() {
 // It needs the rebalance app in the same config (the `rebalance` global
 // option); without it the config does not load.
 type ClusterLoadSelection struct {
-	// PortTag names the member tag that holds the port a member serves
+	// The member tag that holds the port a member serves
 	// at (e.g. "http_port"), as in `dynamic serf`; a member without it is
-	// matched at Port. Default: none.
+	// matched at `port`. Default: none.
 	PortTag string `json:"port_tag,omitempty"`
 
-	// Port is the port a member serves at when it has no PortTag tag.
-	// Default: none; with neither Port nor PortTag, upstreams are
+	// The port a member serves at when it has no `port_tag` tag.
+	// Default: none; with neither `port` nor `port_tag`, upstreams are
 	// matched to members by IP alone.
 	Port string `json:"port,omitempty"`
 
-	// Refresh is the time between two readings of the members' loads.
+	// The time between two readings of the members' loads.
 	// The app takes in the members' reports once per interval, and the
 	// loads are read again at the first request after the app has taken
-	// in reports Refresh after those last read: a refresh shorter than
+	// in reports `refresh` after those last read: a refresh shorter than
 	// the interval has the effect of the interval. From 10ms to 1h.
 	// Default: the rebalance app's interval (1s by default).
 	Refresh caddy.Duration `json:"refresh,omitempty"`
