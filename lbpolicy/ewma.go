@@ -69,7 +69,7 @@ type EWMASelection struct {
 	// request per period. Default: 1s.
 	Decay caddy.Duration `json:"decay,omitempty"`
 
-	// Weights of the upstreams, in the order they are configured; each at
+	// The weights of the upstreams, in the order they are configured; each at
 	// least 1. A weight divides the cost, so an upstream of weight 2 is
 	// expected to serve twice the concurrent requests at the same latency.
 	// Upstreams beyond the list have weight 1. Default: all 1.
@@ -80,12 +80,12 @@ type EWMASelection struct {
 	// mode. Default: 50.
 	PanicThreshold *float64 `json:"panic_threshold,omitempty"`
 
-	// Outlier ejection from live traffic; off when absent. An ejected
+	// Ejection of outliers, judged on live traffic; off when absent. An ejected
 	// upstream is not chosen (unless the pool is in panic mode) and counts
 	// as unavailable for the panic threshold.
 	Outlier *Outlier `json:"outlier,omitempty"`
 
-	// Slow start: an upstream that joins the pool, or returns to it after
+	// A slow start: an upstream that joins the pool, or returns to it after
 	// an ejection or after failing Caddy's health checks, gets a share
 	// that ramps up over a window instead of a full share at once. Off
 	// when absent.

@@ -54,15 +54,15 @@ type Outlier struct {
 	Interval caddy.Duration `json:"interval,omitempty"`
 
 	// Turns success-rate ejection off. It is on by default: every
-	// Interval, when at least SuccessRateMinHosts upstreams of the pool
-	// had at least SuccessRateMinRequests attempts each, an upstream among
-	// them whose success rate is below mean − SuccessRateStdevFactor ×
-	// standard deviation (of those upstreams' success rates) is ejected.
+	// `interval`, when at least `success_rate_min_hosts` upstreams of the
+	// pool had at least `success_rate_min_requests` attempts each, an
+	// upstream among them whose success rate is below mean −
+	// `success_rate_stdev_factor` × standard deviation (of those upstreams' success rates) is ejected.
 	// Default: false.
 	DisableSuccessRate bool `json:"disable_success_rate,omitempty"`
 
-	// How many upstreams must have had SuccessRateMinRequests attempts in
-	// an interval for success rates to be compared. Default: 5.
+	// How many upstreams must have had `success_rate_min_requests`
+	// attempts in an interval for success rates to be compared. Default: 5.
 	SuccessRateMinHosts int `json:"success_rate_min_hosts,omitempty"`
 
 	// How many attempts an upstream needs in an interval for its success
@@ -73,13 +73,14 @@ type Outlier struct {
 	// upstream's must be for it to be ejected. Default: 1.9.
 	SuccessRateStdevFactor float64 `json:"success_rate_stdev_factor,omitempty"`
 
-	// Failure percentage, from 0 to 100, above which an upstream with
-	// FailurePercentageMinRequests attempts in an interval is ejected,
-	// provided at least FailurePercentageMinHosts upstreams had that many.
+	// The failure percentage, from 0 to 100, above which an upstream with
+	// `failure_percentage_min_requests` attempts in an interval is
+	// ejected, provided at least `failure_percentage_min_hosts` upstreams
+	// had that many.
 	// Default: none (failure-percentage ejection is off).
 	FailurePercentageThreshold *float64 `json:"failure_percentage_threshold,omitempty"`
 
-	// How many upstreams must have had FailurePercentageMinRequests
+	// How many upstreams must have had `failure_percentage_min_requests`
 	// attempts in an interval for failure percentages to be judged.
 	// Default: 5.
 	FailurePercentageMinHosts int `json:"failure_percentage_min_hosts,omitempty"`

@@ -36,8 +36,8 @@ type PanicSelection struct {
 	// The wrapped selection policy. Default: random (Caddy's default).
 	PolicyRaw json.RawMessage `json:"selection_policy,omitempty" caddy:"namespace=http.reverse_proxy.selection_policies inline_key=policy"`
 
-	// Outlier ejection from live traffic for the wrapped policy; off when
-	// absent. Ejected upstreams are hidden from the wrapped policy (unless
+	// Ejection of outliers, judged on live traffic, for the wrapped
+	// policy; off when absent. Ejected upstreams are hidden from the wrapped policy (unless
 	// the pool is in panic mode) and count as unavailable for the
 	// threshold. Not allowed around ewma, which takes its own outlier
 	// block.
