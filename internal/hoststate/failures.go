@@ -99,15 +99,8 @@ func (s *Stats) FailurePrice(now int64) float64 {
 	if f <= 0 {
 		return 1
 	}
-	return 1 / failureDiscount(f)
-}
-
-// failureDiscount is (1 − f)², f capped at maxPricedFailureRatio: the
-// inverse of the price, and the share of the reference rate the cap
-// allows.
-func failureDiscount(f float64) float64 {
 	ok := 1 - min(f, maxPricedFailureRatio)
-	return ok * ok
+	return 1 / (ok * ok)
 }
 
 // The share cap. The price above works by shortening a failing host's
@@ -117,13 +110,19 @@ func failureDiscount(f float64) float64 {
 // and its instant failures let it take more attempts than a healthy host
 // of its speed (issue 24's partialfail class: 53% of the attempts where
 // its success-weighted share is 43%). So a failing host is also held to
-// a rate: at most (1 − f)² — the inverse of its price — times the
-// attempts per unit of weight of the busiest host that is not failing.
-// (1 − f) alone would hold it at its success-weighted share exactly, but
-// a rate read with lag and noise sits above its cap about half the time;
-// the square keeps it below, at every load, and is the one factor the
-// price already uses. The rate is the decayed attempt count the failure
-// ratio divides by, so the cap costs no more state per host.
+// a rate: at most shareCapMargin × (1 − f) times the attempts per unit of
+// weight of the busiest host that is not failing. (1 − f) alone would
+// hold it at its success-weighted share exactly, but a rate read with lag
+// and noise sits above its cap about half the time; the margin keeps it
+// below. A stricter cap, (1 − f)² as the price is, measured no better at
+// 10% failures and cost half the throughput at 50% (the host's good
+// answers are capacity too, and with retries its failures cost little).
+// The rate is the decayed attempt count the failure ratio divides by, so
+// the cap costs no more state per host.
+
+// shareCapMargin is the fraction of its success-weighted share a failing
+// host is held to under the share cap.
+const shareCapMargin = 0.9
 
 // healthyFailureRatio is the failure ratio under which a host is not
 // failing: its rate is a reference for the cap, and it is not capped.
@@ -154,9 +153,9 @@ func ShareReference(now int64, n int, host func(i int) (s *Stats, invWeight floa
 
 // OverShare reports whether s, of inverse weight invWeight, is a failing
 // host that has taken more than its share of attempts: more than
-// failureDiscount of its failure ratio times the reference per unit of
-// weight, the reference being ShareReference's, which is asked for only
-// when s is failing. A rested host (see Table.rested)
+// shareCapMargin × (1 − f) times the reference per unit of weight, f
+// being its failure ratio (capped as in FailurePrice) and the reference
+// ShareReference's, which is asked for only when s is failing. A rested host (see Table.rested)
 // is never over, as it pays no price either.
 func (t *Table) OverShare(s *Stats, now int64, invWeight float64, reference func() float64) bool {
 	f := s.FailureRatio(now)
@@ -164,5 +163,5 @@ func (t *Table) OverShare(s *Stats, now int64, invWeight float64, reference func
 		return false
 	}
 	ref := reference()
-	return ref > 0 && s.Attempts(now)*invWeight > failureDiscount(f)*ref
+	return ref > 0 && s.Attempts(now)*invWeight > shareCapMargin*(1-min(f, maxPricedFailureRatio))*ref
 }

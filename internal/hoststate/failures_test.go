@@ -113,7 +113,7 @@ func TestAnswerMedianSurvivesEjection(t *testing.T) {
 }
 
 // TestShareCap: a host failing 10% of its attempts is over its share once
-// it has taken more than 0.81 of the attempts per unit of weight of the
+// it has taken more than 0.9 × 0.9 of the attempts per unit of weight of the
 // busiest host that is not failing, and not below that; a weight of 3
 // triples what it may take; when every host fails there is no reference
 // and nobody is capped; a rested host is never capped. Without the cap
@@ -155,6 +155,17 @@ func TestShareCap(t *testing.T) {
 	}
 	if tb.OverShare(flaky, now, 1.0/3, ref(1, 1, 1.0/3)) {
 		t.Errorf("flaky of weight 3 (333 attempts per unit) is over its share of 1000 × 0.81")
+	}
+	// half failing: held to 0.9 × 0.5 = 0.45 of the reference, so 400
+	// attempts are within its share and 500 are not
+	half := tb.Stats(t.Name() + "-d")
+	record(half, 400, 2)
+	if tb.OverShare(half, now, 1, ref(1, 1, 1)) {
+		t.Errorf("a host failing half of 400 attempts is over its share of 1000 × 0.45")
+	}
+	record(half, 100, 2)
+	if !tb.OverShare(half, now, 1, ref(1, 1, 1)) {
+		t.Errorf("a host failing half of 500 attempts is within its share of 1000 × 0.45")
 	}
 	if tb.OverShare(healthy, now, 1, ref(1, 1, 1)) {
 		t.Errorf("a host that never failed is over its share")
