@@ -95,7 +95,11 @@ const maxPricedFailureRatio = 0.9
 // accrual instead removes a host after a run of failures, which the
 // failure streak and outlier ejection already do here.)
 func (s *Stats) FailurePrice(now int64) float64 {
-	f := s.FailureRatio(now)
+	return priceOf(s.FailureRatio(now))
+}
+
+// priceOf is FailurePrice for a failure ratio f.
+func priceOf(f float64) float64 {
 	if f <= 0 {
 		return 1
 	}
@@ -158,8 +162,12 @@ func ShareReference(now int64, n int, host func(i int) (s *Stats, invWeight floa
 // ShareReference's, which is asked for only when s is failing. A rested host (see Table.rested)
 // is never over, as it pays no price either.
 func (t *Table) OverShare(s *Stats, now int64, invWeight float64, reference func() float64) bool {
-	f := s.FailureRatio(now)
-	if f < healthyFailureRatio || t.rested(s, now) {
+	return !t.rested(s, now) && s.overShare(now, s.FailureRatio(now), invWeight, reference)
+}
+
+// overShare is OverShare for a host that is not rested, of failure ratio f.
+func (s *Stats) overShare(now int64, f, invWeight float64, reference func() float64) bool {
+	if f < healthyFailureRatio {
 		return false
 	}
 	ref := reference()

@@ -277,14 +277,18 @@ func (t *Table) FailurePrice(s *Stats, now int64) float64 {
 // reference is called for a failing host only, as computing it visits
 // the pool.
 func (t *Table) QueueCharge(s *Stats, now int64, invWeight float64, reference func() float64) float64 {
-	price := t.FailurePrice(s, now)
-	if price == 1 {
+	if t.rested(s, now) {
 		return 1
 	}
-	if t.OverShare(s, now, invWeight, reference) {
+	// the ratio is read once for both: each read decays the counts to now
+	f := s.FailureRatio(now)
+	if f <= 0 {
+		return 1
+	}
+	if s.overShare(now, f, invWeight, reference) {
 		return math.Inf(1)
 	}
-	return price
+	return priceOf(f)
 }
 
 // rested reports whether the host has nothing in flight, no stall marked
