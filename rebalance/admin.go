@@ -12,6 +12,7 @@ import (
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/adminjson"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 func init() {
@@ -166,15 +167,15 @@ type lowEntryView struct {
 }
 
 // viewAverage returns the admin view of avg, as of a decision at at.
-func viewAverage(avg averageView, at time.Time) gossipAverageView {
+func viewAverage(avg shed.AverageView, at time.Time) gossipAverageView {
 	v := gossipAverageView{
 		Used: avg.Used, Why: avg.Why, Average: finite(avg.Average), Size: finite(avg.Size),
 		Members: avg.Members, Peers: avg.Peers, Exchanges: avg.Exchanges,
 		LastExchangeAgeMs: -1, Lowest: []lowEntryView{},
 		RefusedByTags: avg.Refused, ClampedToTags: avg.Clamped,
 	}
-	if avg.Tags.ok {
-		v.TagsLow, v.TagsHigh, v.TagsAverage = finite(avg.Tags.lo()), finite(avg.Tags.hi()), finite(avg.Tags.mean)
+	if avg.Tags.OK {
+		v.TagsLow, v.TagsHigh, v.TagsAverage = finite(avg.Tags.Lo()), finite(avg.Tags.Hi()), finite(avg.Tags.Mean)
 		v.TagsSlack = finite(avg.MeanSlack)
 	}
 	if !avg.LastExchange.IsZero() {
@@ -306,7 +307,7 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 			Stale: n.last.Stale, NotAlive: n.last.NotAlive, Invalid: n.last.Invalid, OtherMetric: n.last.OtherMetric, Ignored: n.last.Ignored,
 			Shedding: n.last.Active(), Lifting: n.last.Lift.Lifting, Lowest: finite(n.last.Lowest), LowestName: n.last.LowestName,
 			Shed: n.last.Shed, Forced: n.lastForced, Reason: n.last.Reason,
-			AverageFrom: fromTags,
+			AverageFrom: shed.FromTags,
 		},
 		GossipAverage:   n.viewAverage(),
 		Connections:     cs.conns,
@@ -322,21 +323,21 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 		v.Decision.CurrentHuman = formatLoad(s.metric, n.current)
 		v.Decision.AverageHuman = formatLoad(s.metric, n.last.Average)
 		v.Threshold = s.params.Threshold * 100
-		v.StopBand = s.params.stopBand() * 100
+		v.StopBand = s.params.EffectiveStopBand() * 100
 		v.ShedRate = s.params.ShedRate * 100
 		v.MinConns = s.params.MinConnections
 		v.BoundaryTimeout = s.boundary.Milliseconds()
-		v.JoinSettle = s.params.joinSettle().Milliseconds()
+		v.JoinSettle = s.params.EffectiveJoinSettle().Milliseconds()
 		v.IdleCloseAfter = s.idleClose.Milliseconds()
 	}
 	if n.average.Used {
-		v.Decision.AverageFrom = fromGossip
+		v.Decision.AverageFrom = shed.FromGossip
 	}
 	v.ShedTotalHuman = fmt.Sprintf("%s connections (%s idle, %s active, %s upgraded); %s forced closed at boundary_timeout",
 		humanize.Comma(int64(n.shed.Total())), humanize.Comma(int64(n.shed.Idle)),
 		humanize.Comma(int64(n.shed.Active)), humanize.Comma(int64(n.shed.Hijacked)),
 		humanize.Comma(int64(n.forced)))
-	var params Params
+	var params shed.Params
 	if s != nil {
 		params = s.params
 	}
@@ -348,8 +349,8 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 			Self:   m.Self,
 			Tags:   m.Tags,
 		}
-		raw := m.Tags[LoadTag]
-		metric, load, ok := parseLoadTag(raw)
+		raw := m.Tags[shed.LoadTag]
+		metric, load, ok := shed.ParseLoadTag(raw)
 		if ok {
 			mv.Metric, mv.Load, mv.LoadHuman = metric, load, formatLoad(metric, load)
 		}
@@ -368,18 +369,18 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 			continue
 		}
 		// The rule Decide uses; the load is NaN when the tag holds none.
-		r := memberReport{Name: m.Name, Status: m.Status, Load: load, At: at, Metric: metric}
-		switch params.standing(r, now) {
-		case notAlive:
+		r := shed.Report{Name: m.Name, Status: m.Status, Load: load, At: at, Metric: metric}
+		switch params.Standing(r, now) {
+		case shed.NotAlive:
 			mv.Why = "not alive"
-		case stale:
+		case shed.Stale:
 			mv.Why = "report not fresh"
 			if raw == "" {
 				mv.Why = "no load report"
 			}
-		case invalid:
-			mv.Why = fmt.Sprintf("invalid load report (want a number from 0 to %g): %.64q", float64(maxLoad), raw)
-		case otherMetric:
+		case shed.Invalid:
+			mv.Why = fmt.Sprintf("invalid load report (want a number from 0 to %g): %.64q", float64(shed.MaxLoad), raw)
+		case shed.OtherMetric:
 			mv.Why = "reports another metric"
 		default:
 			if n.lift.Ignored == m.Name && now.Before(n.lift.IgnoredUntil) {

@@ -18,24 +18,19 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 func init() {
 	caddy.RegisterModule(App{})
 }
 
-// Metrics a node can balance on.
+// Metrics a node can balance on (shed states them).
 const (
-	metricConnections = "connections"
-	metricThroughput  = "throughput"
-	metricCPU         = "cpu"
-	// metricNodeCPU is the metric of `metric cpu` with `cpu node`, as the
-	// node reports it: the node's CPU, in percent of all its CPUs. Its own
-	// name keeps it apart from this process's CPU ("cpu") wherever metrics
-	// are told apart (the load tags, the gossip average's message kinds,
-	// the policy's loads): the two are never averaged together. It is not
-	// an option's value.
-	metricNodeCPU = "node_cpu"
+	metricConnections = shed.MetricConnections
+	metricThroughput  = shed.MetricThroughput
+	metricCPU         = shed.MetricCPU
+	metricNodeCPU     = shed.MetricNodeCPU
 )
 
 // What metric cpu measures (App.CPU).
@@ -187,7 +182,7 @@ type App struct {
 	// shorter than Caddy's own idle_timeout (5m). Default: 2m.
 	IdleCloseAfter caddy.Duration `json:"idle_close_after,omitempty"`
 
-	params   Params
+	params   shed.Params
 	interval time.Duration
 	history  time.Duration
 	boundary time.Duration
@@ -262,7 +257,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.cluster = clusterApp
 	}
 	a.cluster.Provide(requireRebalance)
-	if err := a.cluster.CheckTagsFit(map[string]string{LoadTag: longestLoadTag(a.metric)}); err != nil {
+	if err := a.cluster.CheckTagsFit(map[string]string{shed.LoadTag: longestLoadTag(a.metric)}); err != nil {
 		return fmt.Errorf("rebalance: cluster %v", err)
 	}
 
@@ -315,7 +310,7 @@ func (a *App) resolve() {
 	if a.MinConnections != nil {
 		minConns = *a.MinConnections
 	}
-	a.params = Params{
+	a.params = shed.Params{
 		Threshold:      threshold / 100,
 		StopBand:       a.StopBand / 100,
 		ShedRate:       shedRate / 100,
@@ -617,9 +612,9 @@ func (a *App) Start() error {
 	a.logger.Info("rebalance started",
 		zap.String("node_name", n.name), zap.Bool("reused_state", loaded),
 		zap.String("metric", a.Metric), cpu, zap.Float64("threshold_percent", a.params.Threshold*100),
-		zap.Float64("stop_band_percent", a.params.stopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
+		zap.Float64("stop_band_percent", a.params.EffectiveStopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
 		zap.Int("min_connections", a.params.MinConnections), zap.Stringer("interval", a.interval), zap.Stringer("history", a.history),
-		zap.Stringer("boundary_timeout", a.boundary), zap.Stringer("join_settle", a.params.joinSettle()),
+		zap.Stringer("boundary_timeout", a.boundary), zap.Stringer("join_settle", a.params.EffectiveJoinSettle()),
 		zap.Stringer("idle_close_after", a.idleClose))
 	return nil
 }

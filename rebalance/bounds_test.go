@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -278,7 +279,7 @@ func TestReloadTagsTooLarge(t *testing.T) {
 	}
 	gossips := func() (bool, string) {
 		tags := selfTags(n)
-		_, _, ok := parseLoadTag(tags[LoadTag])
+		_, _, ok := shed.ParseLoadTag(tags[shed.LoadTag])
 		return ok && tags["zone"] == "a", fmt.Sprintf("tags %v", tags)
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips its load", gossips)
@@ -300,10 +301,10 @@ func TestReloadTagsTooLarge(t *testing.T) {
 		t.Fatalf("the old config does not serve: %v", err)
 	}
 	got.Body.Close()
-	seq := selfTags(n)[LoadTag]
+	seq := selfTags(n)[shed.LoadTag]
 	testutil.WaitFor(t, 5*time.Second, "the node still publishes new load reports", func() (bool, string) {
 		ok, why := gossips()
-		return ok && selfTags(n)[LoadTag] != seq, why
+		return ok && selfTags(n)[shed.LoadTag] != seq, why
 	})
 }
 

@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -87,8 +88,8 @@ func TestCaddyWiring(t *testing.T) {
 		t.Fatal("no node in the pool")
 	}
 	testutil.WaitFor(t, 5*time.Second, "the node gossips 3 connections", func() (bool, string) {
-		tag := selfTags(n)[LoadTag]
-		_, load, _ := parseLoadTag(tag)
+		tag := selfTags(n)[shed.LoadTag]
+		_, load, _ := shed.ParseLoadTag(tag)
 		return load >= 3, fmt.Sprintf("tag %q", tag)
 	})
 

@@ -19,6 +19,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -333,7 +334,7 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 	// The new settings drive: the peer sees the new tag and the new load.
 	testutil.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
 		if m, found := memberOf(peer, "reload-x"); found {
-			_, load, _ := parseLoadTag(m.Tags[LoadTag])
+			_, load, _ := shed.ParseLoadTag(m.Tags[shed.LoadTag])
 			return m.Status == cluster.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
 		}
 		return false, "not listed"

@@ -5,8 +5,9 @@
 // (Piko's rebalancing, with hysteresis and without ghost nodes).
 //
 // The pieces, from the inside out:
-//   - Decide (decide.go): the pure shedding decision, and Window, the
-//     smoother;
+//   - the decision (internal/shed): when and how much to shed, the
+//     smoothing window, the load tag's format and the rule of the gossip
+//     average, all pure;
 //   - the process's connections (process.go): one value, shared across
 //     config reloads in a caddy.UsagePool, holding the connection tracker
 //     and the byte counters of internal/conntrack, which do the tracking,

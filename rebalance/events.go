@@ -4,6 +4,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/events"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // EventShed is the Caddy event a node emits after each interval in which
@@ -21,7 +22,7 @@ type emitter struct{ events.Emitter }
 func newEmitter(ctx caddy.Context) emitter { return emitter{events.New(ctx)} }
 
 // emitShed announces an interval that shed res, or forced closes.
-func (e emitter) emitShed(node, metric string, local float64, d Decision, res ShedResult, forced int) {
+func (e emitter) emitShed(node, metric string, local float64, d shed.Decision, res ShedResult, forced int) {
 	e.Emit(EventShed, map[string]any{
 		"node":            node,
 		"metric":          metric,

@@ -9,6 +9,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -130,7 +131,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 func TestEventNoEventsApp(t *testing.T) {
 	ctx := testContext(t)
 	e := newEmitter(ctx)
-	e.emitShed("n", metricConnections, 2, Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
+	e.emitShed("n", metricConnections, 2, shed.Decision{Average: 1, Counted: 2}, ShedResult{Idle: 1}, 0)
 	if _, err := ctx.AppIfConfigured("events"); err == nil {
 		t.Fatal("the events app was created")
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -23,7 +24,7 @@ import (
 // quicker), at the end of the test.
 func badPeer(t *testing.T, name, join string, tag func(seq int) string) {
 	t.Helper()
-	s := testutil.SerfMember(t, name, map[string]string{LoadTag: tag(0)}, join)
+	s := testutil.SerfMember(t, name, map[string]string{shed.LoadTag: tag(0)}, join)
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -37,7 +38,7 @@ func badPeer(t *testing.T, name, join string, tag func(seq int) string) {
 				return
 			case <-tick.C:
 			}
-			s.SetTags(map[string]string{LoadTag: tag(seq)})
+			s.SetTags(map[string]string{shed.LoadTag: tag(seq)})
 		}
 	}()
 	// Runs before SerfMember's cleanup (last registered, first run),
@@ -64,7 +65,7 @@ func stopTogether(apps ...*App) {
 
 // lastDecision returns a copy of n's last decision and how many intervals
 // shed since it started.
-func lastDecision(n *node) (Decision, uint64) {
+func lastDecision(n *node) (shed.Decision, uint64) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	return n.last, n.shedDecisions
@@ -266,7 +267,7 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 	}
 	withLoad := func(n int) map[string]string {
 		tags := tagsOf(n)
-		tags[LoadTag] = longestLoadTag(metricConnections)
+		tags[shed.LoadTag] = longestLoadTag(metricConnections)
 		return tags
 	}
 	if err := s.SetTags(withLoad(fits)); err != nil {
@@ -284,5 +285,5 @@ func TestTagSizeMatchesSerf(t *testing.T) {
 // fitsWithLoadTag is the check the app makes at Provision: the cluster's
 // tags with the longest load tag of metric.
 func fitsWithLoadTag(tags map[string]string, metric string) error {
-	return (&cluster.App{Tags: tags}).CheckTagsFit(map[string]string{LoadTag: longestLoadTag(metric)})
+	return (&cluster.App{Tags: tags}).CheckTagsFit(map[string]string{shed.LoadTag: longestLoadTag(metric)})
 }

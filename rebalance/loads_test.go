@@ -9,6 +9,7 @@ import (
 	"github.com/hashicorp/serf/serf"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -25,7 +26,7 @@ func reportLoad(t *testing.T, s *serf.Serf, tags map[string]string, metric strin
 			for k, v := range tags {
 				next[k] = v
 			}
-			next[LoadTag] = fmt.Sprintf("%s %g %d", metric, load, seq)
+			next[shed.LoadTag] = fmt.Sprintf("%s %g %d", metric, load, seq)
 			_ = s.SetTags(next) // waits for the broadcast, up to a second
 			select {
 			case <-quit:
@@ -62,7 +63,7 @@ func TestMemberLoads(t *testing.T) {
 	reportLoad(t, fresh, map[string]string{"http_port": "8001"}, metricConnections, 120)
 	cpu := testutil.SerfMember(t, "ml-cpu", nil, join)
 	reportLoad(t, cpu, nil, metricCPU, 50)
-	testutil.SerfMember(t, "ml-stale", map[string]string{LoadTag: "connections 5 1"}, join)
+	testutil.SerfMember(t, "ml-stale", map[string]string{shed.LoadTag: "connections 5 1"}, join)
 	testutil.SerfMember(t, "ml-silent", map[string]string{"http_port": "8004"}, join)
 	gone := testutil.SerfMember(t, "ml-gone", nil, join)
 	stopGone := reportLoad(t, gone, nil, metricConnections, 1)
@@ -108,18 +109,5 @@ func TestMemberLoads(t *testing.T) {
 	stopped := &App{cluster: &cluster.App{}}
 	if _, err := (nodeLoads{stopped.cluster}).memberLoads(time.Now()); err != errNotStarted {
 		t.Errorf("no node: %v", err)
-	}
-}
-
-// TestParseLoadTag: what a load tag may hold.
-func TestParseLoadTag(t *testing.T) {
-	for raw, ok := range map[string]bool{
-		"connections 12 3": true, "cpu 0.5 9": true,
-		"": false, "connections 12": false, "connections x 1": false,
-		"connections -1 1": false, "connections NaN 1": false, "connections Inf 1": false, "cpu +Inf 2": false,
-	} {
-		if _, _, got := parseLoadTag(raw); got != ok {
-			t.Errorf("parseLoadTag(%q): ok %v; want %v", raw, got, ok)
-		}
 	}
 }

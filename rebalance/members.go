@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // memberLoad is a member with its last load report, judged by the rule of
@@ -74,17 +75,17 @@ func (l nodeLoads) memberLoads(now time.Time) ([]memberLoad, error) {
 	out := make([]memberLoad, 0, len(ms))
 	for _, m := range ms {
 		seen := n.seen[m.Name]
-		r := memberReport{Name: m.Name, Status: m.Status, At: seen.at}
-		r.Metric, r.Load, _ = parseLoadTag(seen.raw)
+		r := shed.Report{Name: m.Name, Status: m.Status, At: seen.at}
+		r.Metric, r.Load, _ = shed.ParseLoadTag(seen.raw)
 		if m.Self {
 			// The value this node gossips, as of its last step.
 			r.Metric, r.Load, r.At = s.metric, n.local, n.lastAt
 		}
-		st := s.params.standing(r, now)
-		if st != counted {
+		st := s.params.Standing(r, now)
+		if st != shed.Counted {
 			r.Load = 0 // not a load to use, and maybe NaN
 		}
-		out = append(out, memberLoad{Member: m, Load: r.Load, Counts: st == counted})
+		out = append(out, memberLoad{Member: m, Load: r.Load, Counts: st == shed.Counted})
 	}
 	return out, nil
 }

@@ -3,11 +3,8 @@ package rebalance
 import (
 	"errors"
 	"fmt"
-	"math"
 	"runtime/debug"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,20 +17,8 @@ import (
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
-
-// LoadTag is the serf member tag in which a node gossips its load, as
-// FormatLoadReport writes it. The sequence grows with every report, so a
-// receiver sees a live node's tag change every interval and judges
-// freshness with its own clock (clock skew between nodes does not
-// matter).
-const LoadTag = "lbx_load"
-
-// FormatLoadReport returns a load report as LoadTag carries it:
-// "<metric> <smoothed load> <sequence>".
-func FormatLoadReport(metric string, load float64, seq uint64) string {
-	return metric + " " + strconv.FormatFloat(load, 'g', 6, 64) + " " + strconv.FormatUint(seq, 10)
-}
 
 // nodes holds the shedding state of this process, keyed by the cluster
 // member it publishes through (cluster.App.Key): a config reload starts
@@ -47,7 +32,7 @@ var nodes = caddy.NewUsagePool()
 type settings struct {
 	owner    *App
 	cluster  *cluster.App
-	params   Params
+	params   shed.Params
 	interval time.Duration
 	history  time.Duration
 	boundary time.Duration // boundary_timeout; 0: never forced
@@ -89,23 +74,23 @@ type node struct {
 
 	mu     sync.Mutex
 	owners []*settings // oldest first; the last one drives
-	window *Window
+	window *shed.Window
 	// recentSheds holds the connections shed at each of the last
 	// `history` steps (WithShedInFlight).
-	recentSheds *Window
+	recentSheds *shed.Window
 	seq         uint64
 	// published is the load in the last load tag published, and
 	// sincePublished the steps since, that step included (0: none yet;
 	// see LoadTagDue).
 	published      float64
 	sincePublished int
-	shedding       bool      // the high rule's hysteresis state
-	lift           LiftState // the lift rule's state
-	phaseAvg       phase     // the shedding phase's average (Decision.PhaseAverage)
+	shedding       bool           // the high rule's hysteresis state
+	lift           shed.LiftState // the lift rule's state
+	phaseAvg       phase          // the shedding phase's average (shed.Decision.PhaseAverage)
 	seen           map[string]seenReport
-	members        []memberReport // as of the last decision
-	average        averageView    // the gossip average as of the last decision
-	last           Decision
+	members        []shed.Report    // as of the last decision
+	average        shed.AverageView // the gossip average as of the last decision
+	last           shed.Decision
 	lastAt         time.Time
 	local          float64
 	current        float64
@@ -121,7 +106,7 @@ type node struct {
 	// refusedLogged is whether the last log line about it said so, and
 	// refusalLoggedAt when it was written (refusalLogEvery).
 	averageRefused  uint64
-	averageClamped  uint64 // decisions that clamped it (averageView.Clamped)
+	averageClamped  uint64 // decisions that clamped it (shed.AverageView.Clamped)
 	refusedLogged   bool
 	refusalLoggedAt time.Time
 
@@ -129,7 +114,7 @@ type node struct {
 	// those that became alive after the node's first step
 	// (Params.JoinSettle).
 	alive map[string]bool
-	joins JoinBurst
+	joins shed.JoinBurst
 
 	// steps is the node's coarse clock: when its last decision step
 	// took in the members' reports, as a monoclock reading. It advances
@@ -153,15 +138,15 @@ func newNode(key, name string, s *settings) *node {
 		name:        name,
 		logger:      s.logger.With(zap.String("node", name)),
 		seen:        make(map[string]seenReport),
-		window:      NewWindow(windowSize(s.history, s.interval)),
-		recentSheds: NewWindow(windowSize(s.history, s.interval)),
+		window:      shed.NewWindow(windowSize(s.history, s.interval)),
+		recentSheds: shed.NewWindow(windowSize(s.history, s.interval)),
 		stop:        make(chan struct{}),
 		owners:      []*settings{s},
 	}
 	n.avg = newAverager(n.logger)
 	n.done.Add(2)
 	go n.loop(func(s *settings) time.Duration { return s.interval }, n.safeStep)
-	go n.loop(func(s *settings) time.Duration { return s.interval / AverageTicks }, n.safeTick)
+	go n.loop(func(s *settings) time.Duration { return s.interval / shed.AverageTicks }, n.safeTick)
 	return n
 }
 
@@ -184,7 +169,7 @@ func (n *node) Destruct() error {
 	last := n.owners
 	n.mu.Unlock()
 	for _, s := range last {
-		_ = s.cluster.Publish(LoadTag, "")
+		_ = s.cluster.Publish(shed.LoadTag, "")
 	}
 	return nil
 }
@@ -211,8 +196,8 @@ func (n *node) follow(prev, s *settings) {
 		n.window.Resize(size)
 		return
 	}
-	n.window = NewWindow(size)
-	n.shedding, n.lift, n.phaseAvg = false, LiftState{}, phase{}
+	n.window = shed.NewWindow(size)
+	n.shedding, n.lift, n.phaseAvg = false, shed.LiftState{}, phase{}
 	n.sincePublished = 0
 }
 
@@ -280,9 +265,9 @@ func (n *node) safeTick(*settings) {
 func (n *node) noMembers(s *settings, err error, now time.Time) {
 	n.mu.Lock()
 	changed := n.last.Reason != err.Error()
-	n.last, n.lastAt = Decision{Reason: err.Error()}, now
+	n.last, n.lastAt = shed.Decision{Reason: err.Error()}, now
 	n.members = nil
-	n.shedding, n.lift, n.phaseAvg = false, LiftState{}, phase{}
+	n.shedding, n.lift, n.phaseAvg = false, shed.LiftState{}, phase{}
 	n.mu.Unlock()
 	lvl := zapcore.WarnLevel
 	if errors.Is(err, cluster.ErrNotRunning) {
@@ -316,17 +301,17 @@ func (n *node) step(s *settings, now time.Time) {
 	load, held := s.source.Sample(s.metric)
 
 	n.mu.Lock()
-	local := n.window.Add(WithShedInFlight(s.metric, load, held, n.recentSheds.Fading()))
+	local := n.window.Add(shed.WithShedInFlight(s.metric, load, held, n.recentSheds.Fading()))
 	var tag string
-	if LoadTagDue(n.sincePublished, n.published, local, s.interval, s.params.Freshness) {
+	if shed.LoadTagDue(n.sincePublished, n.published, local, s.interval, s.params.Freshness) {
 		n.seq++
-		tag = FormatLoadReport(s.metric, local, n.seq)
+		tag = shed.FormatLoadReport(s.metric, local, n.seq)
 	}
 	shedding, lift, phaseAvg := n.shedding, n.lift, n.phaseAvg
 	n.mu.Unlock()
 
 	if tag != "" {
-		if err := s.cluster.Publish(LoadTag, tag); err != nil {
+		if err := s.cluster.Publish(shed.LoadTag, tag); err != nil {
 			n.noMembers(s, err, now)
 			return
 		}
@@ -345,14 +330,14 @@ func (n *node) step(s *settings, now time.Time) {
 	}
 	n.mu.Lock()
 	n.sincePublished++
-	reports := make([]memberReport, 0, len(members))
+	reports := make([]shed.Report, 0, len(members))
 	present := make(map[string]bool, len(members))
 	alive := make(map[string]bool, len(members))
 	var peers []string // alive members averaging in this node's metric
 	for _, m := range members {
 		present[m.Name] = true
-		r := memberReport{Name: m.Name, Status: m.Status}
-		raw := m.Tags[LoadTag]
+		r := shed.Report{Name: m.Name, Status: m.Status}
+		raw := m.Tags[shed.LoadTag]
 		prev, ok := n.seen[m.Name]
 		switch {
 		case !ok:
@@ -367,7 +352,7 @@ func (n *node) step(s *settings, now time.Time) {
 			r.At = now
 		}
 		// An invalid tag gives load NaN: Decide does not count it.
-		r.Metric, r.Load, _ = parseLoadTag(raw)
+		r.Metric, r.Load, _ = shed.ParseLoadTag(raw)
 		reports = append(reports, r)
 		if !m.Self && m.Status == cluster.StatusAlive && r.Metric == s.metric { // "" when the tag holds no valid load
 			peers = append(peers, m.Name)
@@ -389,16 +374,16 @@ func (n *node) step(s *settings, now time.Time) {
 	n.mu.Unlock()
 	slices.Sort(peers)
 
-	in := Input{
+	in := shed.Input{
 		Self: n.name, Local: local, Current: load, Held: held,
 		Members: reports, Shedding: shedding, Lift: lift, PhaseAverage: phaseAvg.avg, PhaseCounted: phaseAvg.counted, Joins: joins, Now: now,
 	}
-	avg := n.avg.step(n.name, peers, local, s.params, tagRangeOf(s.params, in), now)
-	view := summarize(s.params, in)
+	avg := n.avg.step(n.name, peers, local, s.params, shed.TagRangeOf(s.params, in), now)
+	view := shed.Summarize(s.params, in)
 	if avg.Used {
-		view = avg.decisionView(in, view)
+		view = avg.DecisionView(in, view)
 	}
-	d := DecideView(s.params, in, view)
+	d := shed.DecideView(s.params, in, view)
 	var res ShedResult
 	if d.Shed > 0 {
 		res = s.source.Shed(d.Shed)
@@ -448,50 +433,6 @@ type phase struct {
 	counted int
 }
 
-// WithShedInFlight returns load, in metric's unit (connections, bytes per
-// second or CPU percent), with inFlight, the connections this node shed
-// and whose clients have likely not reconnected yet, counted as if still
-// held. Without them the cluster average would be short of the clients in
-// flight, and every node shedding toward it would shed too many. The
-// caller fades each shed out over `history` (Window.Fading): a client
-// reconnects at its next request, some time within that window, and a
-// shed connection still open `history` later counts again anyway
-// (conntrack's overdue). held is the connections the node holds; other
-// metrics than connections are scaled as if the load were spread evenly
-// over them (as the shed is sized).
-func WithShedInFlight(metric string, load float64, held int, inFlight float64) float64 {
-	switch {
-	case inFlight <= 0:
-		return load
-	case metric == metricConnections:
-		return load + inFlight
-	case held > 0:
-		return load * (float64(held) + inFlight) / float64(held)
-	}
-	return load
-}
-
-// tagChange is the relative change of the smoothed load that publishes
-// the load tag before its keep-alive is due.
-const tagChange = 0.05
-
-// LoadTagDue reports whether a node publishes its load tag at this step:
-// since is the number of steps since its last tag, this one included
-// (1: the previous step published; 0: it has published none), published
-// the load that tag carried and local its smoothed load now. A tag is due
-// the first time, when the load moved by more than 5% since the last
-// tag, and at least every freshness/2 (every interval when freshness is
-// under two intervals), so that a live member's tag keeps changing within
-// freshness wherever gossip takes under freshness/2 to arrive. The tags
-// carry each member's load (lb_policy cluster_load, the admin view, and
-// the decision when the gossip average is not usable); the decision's
-// average travels by gossip averaging, so the tags need not follow every
-// step. It is exported for the gossip benchmark.
-func LoadTagDue(since int, published, local float64, interval, freshness time.Duration) bool {
-	keepAlive := max(1, int(freshness/2/interval))
-	return since == 0 || since >= keepAlive || math.Abs(local-published) > tagChange*max(local, published)
-}
-
 // refusalLogEvery is the least time between two log lines about the load
 // tags refusing the gossip average: one line when it starts and one when
 // it ends, unless it flaps faster.
@@ -499,25 +440,25 @@ const refusalLogEvery = 10 * time.Second
 
 // logRefusal logs that the load tags started (a warning: a member may be
 // sending false estimates) or stopped refusing the gossip average.
-func (n *node) logRefusal(s *settings, avg averageView) {
+func (n *node) logRefusal(s *settings, avg shed.AverageView) {
 	if !avg.Refused {
 		n.logger.Info("the gossip average agrees with the load tags again", zap.String("metric", s.metric),
-			zap.String("average_from", avg.source()))
+			zap.String("average_from", avg.Source()))
 		return
 	}
 	n.logger.Warn("the gossip average is not used: it disagrees with the members' load tags, which decide instead (a member may be sending false averaging estimates)",
 		zap.String("metric", s.metric),
 		zap.Float64("gossip_average", avg.Average),
-		zap.Float64("tags_average", avg.Tags.mean),
-		zap.Float64("tags_low", avg.Tags.min),
-		zap.Float64("tags_high", avg.Tags.max),
+		zap.Float64("tags_average", avg.Tags.Mean),
+		zap.Float64("tags_low", avg.Tags.Min),
+		zap.Float64("tags_high", avg.Tags.Max),
 		zap.String("unused_because", avg.Why),
 		zap.Uint64("messages_refused", n.avg.refused.Load()))
 }
 
 // logDecision writes one line per decision that sheds, changes state or
 // forces shed connections closed, and a debug line otherwise.
-func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res ShedResult, sw conntrack.SweepResult, avg averageView) {
+func (n *node) logDecision(s *settings, d shed.Decision, was bool, local float64, res ShedResult, sw conntrack.SweepResult, avg shed.AverageView) {
 	lvl := zapcore.DebugLevel
 	msg := "rebalance decision"
 	switch {
@@ -538,7 +479,7 @@ func (n *node) logDecision(s *settings, d Decision, was bool, local float64, res
 		zap.String("metric", s.metric),
 		zap.String("local", formatLoad(s.metric, local)),
 		zap.String("average", formatLoad(s.metric, d.Average)),
-		zap.String("average_from", avg.source()),
+		zap.String("average_from", avg.Source()),
 		zap.String("balance", fmt.Sprintf("%.2fx", d.Balance)),
 		zap.Int("members_counted", d.Counted),
 		zap.String("lowest", humanize.FormatFloat("#,###.#", d.Lowest)),
@@ -567,19 +508,4 @@ func formatLoad(metric string, v float64) string {
 		return humanize.Bytes(uint64(min(v, 1e18))) + "/s"
 	}
 	return humanize.FormatFloat("#,###.#", v)
-}
-
-// parseLoadTag reads "<metric> <load> <seq>". ok is false, and load NaN
-// (which Params.standing never counts), when the tag does not hold a
-// valid load (validLoad).
-func parseLoadTag(raw string) (metric string, load float64, ok bool) {
-	f := strings.Fields(raw)
-	if len(f) != 3 {
-		return "", math.NaN(), false
-	}
-	v, err := strconv.ParseFloat(f[1], 64)
-	if err != nil || !validLoad(v) {
-		return "", math.NaN(), false
-	}
-	return f[0], v, true
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -257,16 +258,16 @@ func TestCPUMetricIdentity(t *testing.T) {
 	now := time.Now()
 	for _, tc := range []struct {
 		mine, theirs string
-		want         standing
+		want         shed.Standing
 	}{
-		{metricCPU, metricNodeCPU, otherMetric},
-		{metricNodeCPU, metricCPU, otherMetric},
-		{metricNodeCPU, metricNodeCPU, counted},
+		{metricCPU, metricNodeCPU, shed.OtherMetric},
+		{metricNodeCPU, metricCPU, shed.OtherMetric},
+		{metricNodeCPU, metricNodeCPU, shed.Counted},
 	} {
-		p := Params{Metric: tc.mine, Freshness: time.Second}
-		r := memberReport{Status: cluster.StatusAlive, Load: 50, At: now}
-		r.Metric, r.Load, _ = parseLoadTag(FormatLoadReport(tc.theirs, 50, 1))
-		if got := p.standing(r, now); got != tc.want {
+		p := shed.Params{Metric: tc.mine, Freshness: time.Second}
+		r := shed.Report{Status: cluster.StatusAlive, Load: 50, At: now}
+		r.Metric, r.Load, _ = shed.ParseLoadTag(shed.FormatLoadReport(tc.theirs, 50, 1))
+		if got := p.Standing(r, now); got != tc.want {
 			t.Errorf("%s judging %s: %v; want %v", tc.mine, tc.theirs, got, tc.want)
 		}
 	}
@@ -299,7 +300,7 @@ func TestCPUScopesNeverAverage(t *testing.T) {
 		other   int
 	}{{nodeA, metricNodeCPU, 2, 1}, {nodeB, metricNodeCPU, 2, 1}, {proc, metricCPU, 1, 2}} {
 		testutil.WaitFor(t, 15*time.Second, x.a.node.name+" counts its scope only", func() (bool, string) {
-			tag := selfTags(x.a.node)[LoadTag]
+			tag := selfTags(x.a.node)[shed.LoadTag]
 			n := x.a.node
 			n.mu.Lock()
 			d, avg := n.last, n.average
@@ -325,7 +326,7 @@ func TestCPUScopesNeverAverage(t *testing.T) {
 	avg := newAverager(nodeA.logger)
 	t.Cleanup(avg.close)
 	now := time.Now()
-	s := &settings{cluster: nodeA.cluster, metric: metricCPU, interval: time.Second, params: Params{Freshness: 5 * time.Second}}
+	s := &settings{cluster: nodeA.cluster, metric: metricCPU, interval: time.Second, params: shed.Params{Freshness: 5 * time.Second}}
 	var states []any
 	for _, metric := range []string{metricCPU, metricCPU, metricNodeCPU} {
 		s.metric = metric
@@ -365,10 +366,10 @@ func TestCPUScopeReload(t *testing.T) {
 		return &settings{owner: new(App), metric: metric, interval: sec, history: history}
 	}
 	proc, proc2, nodeS := cfg(metricCPU, 4*sec), cfg(metricCPU, 2*sec), cfg(metricNodeCPU, 2*sec)
-	n := &node{window: NewWindow(4), recentSheds: NewWindow(4), owners: []*settings{proc}}
+	n := &node{window: shed.NewWindow(4), recentSheds: shed.NewWindow(4), owners: []*settings{proc}}
 	n.window.Add(150)
 	n.recentSheds.Add(3)
-	n.shedding, n.lift, n.sincePublished = true, LiftState{Lifting: true, Low: 10}, 2
+	n.shedding, n.lift, n.sincePublished = true, shed.LiftState{Lifting: true, Low: 10}, 2
 
 	n.attach(proc2)
 	if n.window.Len() != 1 || n.window.Size() != 2 || !n.shedding || n.sincePublished != 2 {

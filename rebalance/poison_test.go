@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/gossipavg"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -76,7 +77,7 @@ func startLiar(t *testing.T, name, join string, load float64) *liar {
 			case <-tick.C:
 			}
 			if i%5 == 0 {
-				_ = c.Publish(LoadTag, FormatLoadReport(metricConnections, load, uint64(i)))
+				_ = c.Publish(shed.LoadTag, shed.FormatLoadReport(metricConnections, load, uint64(i)))
 			}
 			l.requestAll()
 		}
@@ -204,10 +205,10 @@ func TestPoisonedAveragesShedNothing(t *testing.T) {
 		for i, x := range honest {
 			v, d := averageOf(x.node)
 			if _, shed := srcs[i].get(); shed != before[i] || d.Active() {
-				t.Errorf("lie %g: %s shed %d connections (last decision %+v, average from %s); want none", lie, x.cluster.NodeName, shed-before[i], d, v.source())
+				t.Errorf("lie %g: %s shed %d connections (last decision %+v, average from %s); want none", lie, x.cluster.NodeName, shed-before[i], d, v.Source())
 			}
-			if math.Abs(d.Average-load) > meanSlack(x.node.driver().params, load) {
-				t.Errorf("lie %g: %s decided on an average of %v (from %s); want about %d", lie, x.cluster.NodeName, d.Average, v.source(), load)
+			if math.Abs(d.Average-load) > shed.MeanSlack(x.node.driver().params, load) {
+				t.Errorf("lie %g: %s decided on an average of %v (from %s); want about %d", lie, x.cluster.NodeName, d.Average, v.Source(), load)
 			}
 		}
 		refused := a.node.avg.refused.Load() + b.node.avg.refused.Load() + c.node.avg.refused.Load()
@@ -257,7 +258,7 @@ func TestDuplicateNameShedsNothing(t *testing.T) {
 		st, _ := dup.cluster.Status()
 		return st.Conflict != "" && a.node.steps.Load()-start >= int64(30*a.interval), fmt.Sprintf("conflict %q; %s", st.Conflict, sheds(srcs, honest))
 	})
-	if lowest < load-meanSlack(a.node.driver().params, load) {
+	if lowest < load-shed.MeanSlack(a.node.driver().params, load) {
 		t.Errorf("%s's gossip average fell to %v while the duplicate ran; want about %d", lowestAt, lowest, load)
 	}
 	for i, x := range honest {

@@ -23,6 +23,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/conntrack"
+	"github.com/caddy-lbx/lbx/internal/shed"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -367,8 +368,8 @@ func TestThroughputCaddy(t *testing.T) {
 		// gossiped returns the node's load tag: the throughput and the
 		// report's sequence number.
 		gossiped := func() (float64, int) {
-			raw := selfTags(n)[LoadTag]
-			metric, load, ok := parseLoadTag(raw)
+			raw := selfTags(n)[shed.LoadTag]
+			metric, load, ok := shed.ParseLoadTag(raw)
 			f := strings.Fields(raw)
 			if !ok || metric != metricThroughput {
 				return -1, -1

@@ -17,8 +17,8 @@ import (
 	"time"
 
 	"github.com/caddy-lbx/lbx/integration/fleet"
-	"github.com/caddy-lbx/lbx/internal/fleetsim"
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/integration/fleetsim"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // bench fleetsim: the rebalance decision at fleet scale, simulated
@@ -43,7 +43,7 @@ type fleetsimConfig struct {
 	plot     string
 	// params are the decision's settings, history the smoothing window
 	// (intervals), joinEvery and reconnectDelay fleetsim.Config's.
-	params         rebalance.Params
+	params         shed.Params
 	history        int
 	joinEvery      int
 	reconnectDelay int
@@ -503,7 +503,7 @@ func fleetsimReport(cfg *fleetsimConfig, cmdline string, cases []*fleetsimCase, 
 		"drawn from a lognormal (median and p99 in intervals: %s; measured at 16 and 128 members, extrapolated in log N beyond); exact, the true average. "+
 		"Shed clients reconnect through the outer balancer: random (uniform) or leastconn (fewest connections).\n\n",
 		cmdline, took.Round(time.Second), 100*p.Threshold, 50*p.Threshold, 100*p.ShedRate, p.MinConnections, int(p.Freshness/fleetsim.Interval), cfg.history, settle,
-		joinNote(cfg.joinEvery), cfg.reconnectDelay, rebalance.AverageTicks, lagNote(cfg))
+		joinNote(cfg.joinEvery), cfg.reconnectDelay, shed.AverageTicks, lagNote(cfg))
 	b.WriteString("Medians [min–max] over seeds. Converged: every node within ±threshold of the average and none shedding for 10 intervals (the first of them counted from the scenario's start; — when some seed did not within 3000 intervals). " +
 		"Shed/conn: connections shed over the connections in the fleet. Shed/ideal: connections shed over the median of a perfect rebalancer's behind the same balancer (shedsim.IdealShedsFor), from the fleet right after the event (a scale-out: all its nodes in, empty, however they join; rolling restart: after the last restart, so the restarts' own repair is not in the ideal). " +
 		"Worst node: largest deviation from the average at the end. Oscillating: nodes that shed in two shedding phases separated by a quiet interval. Relanded: share of the shed connections that reconnected to a node shedding in the same interval. From tags: flow's decisions taken from the tags (its average not usable), per node.\n")

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/caddy-lbx/lbx/internal/fleetsim"
+	"github.com/caddy-lbx/lbx/integration/fleetsim"
 )
 
 // TestFleetsimFlags: the defaults, every list flag, and the errors.

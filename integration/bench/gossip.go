@@ -20,7 +20,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/integration/fleet"
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // bench gossip measures how the rebalance app's load reports travel
@@ -38,14 +38,14 @@ import (
 //
 // With -scheme flow the loads travel otherwise: each member averages them
 // with gossipavg over direct messages (gossipflow.go) with the app's
-// settings (rebalance.AverageConfig, rebalance.AverageTicks exchanges per
+// settings (shed.AverageConfig, shed.AverageTicks exchanges per
 // interval), and the tags carry no load. It reports each member's error
 // of the cluster average and size, whether it knows the lowest member,
 // and the same traffic and CPU figures.
 //
 // -scheme app is what the rebalance app does: the flow scheme's
 // averaging, plus load tags published by the app's rule
-// (rebalance.LoadTagDue: on a change of more than 5%, else every
+// (shed.LoadTagDue: on a change of more than 5%, else every
 // freshness/2). It reports the averaging's figures, the tags' reach and
 // staleness, and the traffic of both together.
 //
@@ -170,7 +170,7 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 	}
 	switch cfg.scheme {
 	case "app":
-		fmt.Fprintf(&b, "Scheme app: the gossip average as in scheme flow (an exchange every %v per member), plus load tags on a change of more than 5%%, else every freshness/2, as the rebalance app publishes them.\n\n", cfg.interval/rebalance.AverageTicks)
+		fmt.Fprintf(&b, "Scheme app: the gossip average as in scheme flow (an exchange every %v per member), plus load tags on a change of more than 5%%, else every freshness/2, as the rebalance app publishes them.\n\n", cfg.interval/shed.AverageTicks)
 		b.WriteString("Medians [min–max]. Average error is of the gossip average while the loads drift; settle is after the step. Tag reach and stale are of the load tags, as in scheme tags.\n\n")
 		b.WriteString("| members | average error | settle after the step | size error | lowest known | tag reports | tag reach 99% | tags stale | bytes/s sent | packets/s sent | CPU per member |\n")
 		b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
@@ -181,7 +181,7 @@ func runGossip(ctx context.Context, args []string, cmdline string, out, progress
 				fmtStat(r.bytesPerSec, num), fmtStat(r.pktsPerSec, num), r.cpuPct)
 		}
 	case "flow":
-		fmt.Fprintf(&b, "Scheme flow: gossipavg over direct messages, with the rebalance app's settings (an exchange every %v per member); the tags carry no load.\n\n", cfg.interval/rebalance.AverageTicks)
+		fmt.Fprintf(&b, "Scheme flow: gossipavg over direct messages, with the rebalance app's settings (an exchange every %v per member); the tags carry no load.\n\n", cfg.interval/shed.AverageTicks)
 		b.WriteString("Medians [min–max] over samples × members (errors), samples (lowest known, view age) or members (traffic). Average error is while the loads drift; settle is after the step.\n\n")
 		b.WriteString("| members | average error | settle after the step | size error | lowest known | last exchange age | bytes/s sent | packets/s sent | CPU per member |\n")
 		b.WriteString("| --: | --: | --: | --: | --: | --: | --: | --: | --: |\n")
@@ -369,7 +369,7 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 			defer pubs.Done()
 			t := time.NewTimer(time.Duration(float64(cfg.interval) * float64(i) / float64(n)))
 			defer t.Stop()
-			since, published := 0, 0.0 // the app's tag rule (rebalance.LoadTagDue)
+			since, published := 0, 0.0 // the app's tag rule (shed.LoadTagDue)
 			for {
 				select {
 				case <-pubCtx.Done():
@@ -387,7 +387,7 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 				switch {
 				case cfg.scheme == "flow":
 					continue
-				case cfg.scheme == "app" && !rebalance.LoadTagDue(since, published, load, cfg.interval, cfg.freshness):
+				case cfg.scheme == "app" && !shed.LoadTagDue(since, published, load, cfg.interval, cfg.freshness):
 					since++
 					continue
 				}
@@ -399,7 +399,7 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 				seq := len(run.pubAt[i])
 				run.mu.Unlock()
 				began := time.Now()
-				err := m.serf.SetTags(map[string]string{"role": "edge", rebalance.LoadTag: rebalance.FormatLoadReport("conns", load, uint64(seq))})
+				err := m.serf.SetTags(map[string]string{"role": "edge", shed.LoadTag: shed.FormatLoadReport("conns", load, uint64(seq))})
 				if time.Now().After(run.measureAt) && time.Now().Before(end) {
 					run.mu.Lock()
 					run.setTags = append(run.setTags, float64(time.Since(began))/1e6)
@@ -417,7 +417,7 @@ func measureGossip(ctx context.Context, cfg *gossipConfig, n int, progress io.Wr
 			pubs.Add(1)
 			go func() {
 				defer pubs.Done()
-				m.flow.tickLoop(m.serf, cfg.interval/rebalance.AverageTicks, pubCtx.Done())
+				m.flow.tickLoop(m.serf, cfg.interval/shed.AverageTicks, pubCtx.Done())
 			}()
 		}
 	}
@@ -597,7 +597,7 @@ func (run *gossipRun) saw(i int, m *gossipMember, members []serf.Member, now tim
 		if !ok || j == i {
 			continue
 		}
-		f := strings.Fields(mem.Tags[rebalance.LoadTag])
+		f := strings.Fields(mem.Tags[shed.LoadTag])
 		if len(f) != 3 {
 			continue
 		}

@@ -12,7 +12,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/gossipavg"
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // The flow scheme of bench gossip: the members' loads are averaged by
@@ -39,7 +39,7 @@ type flowMember struct {
 // member is about to be created with.
 func newFlowMember(i int, run *gossipRun, conf *serf.Config, inner *countingTransport, cfg *gossipConfig) (*flowMember, error) {
 	rng := rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64()))
-	node, err := gossipavg.New(rebalance.AverageConfig(conf.NodeName, cfg.interval, cfg.freshness), time.Now(), rng)
+	node, err := gossipavg.New(shed.AverageConfig(conf.NodeName, cfg.interval, cfg.freshness), time.Now(), rng)
 	if err != nil {
 		return nil, err
 	}

@@ -5,14 +5,14 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/caddy-lbx/lbx/internal/shedsim"
+	"github.com/caddy-lbx/lbx/integration/shedsim"
 	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
 )
 
 // Front is the outer load balancer in front of a fleet: the one address
 // the clients connect to, which gives each new connection to one of the
 // nodes it was told of. A shed client reconnects through it, so how it
-// chooses decides what a rebalancer must shed (internal/shedsim).
+// chooses decides what a rebalancer must shed (integration/shedsim).
 type Front interface {
 	// Addr is the address clients connect to.
 	Addr() string

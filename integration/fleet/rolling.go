@@ -6,7 +6,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/shedsim"
+	"github.com/caddy-lbx/lbx/integration/shedsim"
 )
 
 // RollingRestart is issue 15's rolling restart, a Caddy upgrade done one

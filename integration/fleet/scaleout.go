@@ -8,7 +8,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/shedsim"
+	"github.com/caddy-lbx/lbx/integration/shedsim"
 )
 
 // ScaleOut is the rebalance acceptance run (issue 5): a fleet scales out

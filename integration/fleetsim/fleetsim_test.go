@@ -7,7 +7,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // run runs cfg and fails the test on an error.
@@ -212,7 +212,7 @@ func TestStaggeredJoinsSettle(t *testing.T) {
 	p.ShedRate, p.MinConnections = 0.05, 5
 	off := p
 	off.JoinSettle = -1
-	median := func(params rebalance.Params) float64 {
+	median := func(params shed.Params) float64 {
 		var ratios []float64
 		for seed := uint64(1); seed <= 5; seed++ {
 			r := run(t, Config{Nodes: 3, Conns: 1000, Scenario: Double, View: Exact, Balancer: Random, Seed: seed,

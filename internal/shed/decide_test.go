@@ -1,4 +1,4 @@
-package rebalance
+package shed
 
 import (
 	"fmt"
@@ -16,14 +16,14 @@ func defaultParams() Params {
 	return Params{Threshold: 0.2, ShedRate: 0.005, MinConnections: 50, Freshness: 5 * time.Second}
 }
 
-func alive(name string, load float64) memberReport {
-	return memberReport{Name: name, Status: cluster.StatusAlive, Load: load, At: t0}
+func alive(name string, load float64) Report {
+	return Report{Name: name, Status: cluster.StatusAlive, Load: load, At: t0}
 }
 
 func TestDecideTable(t *testing.T) {
 	p := defaultParams()
 	// Two peers at 500 and this node: average with Local x is (1000+x)/3.
-	peers := []memberReport{alive("b", 500), alive("c", 500)}
+	peers := []Report{alive("b", 500), alive("c", 500)}
 	tests := []struct {
 		name     string
 		p        Params
@@ -39,18 +39,18 @@ func TestDecideTable(t *testing.T) {
 		},
 		{
 			name: "self entry in members is replaced by Local",
-			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []memberReport{alive("a", 0)}},
+			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("a", 0)}},
 			reason: "too few fresh members (1 of 2",
 		},
 		{
 			name: "two members suffice",
-			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []memberReport{alive("b", 0)}},
+			p:    p, in: Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("b", 0)}},
 			shed: 5, shedding: true, reason: "shed_rate",
 		},
 		{
 			name:   "min_members 3 with two fresh members",
 			p:      Params{Threshold: 0.2, ShedRate: 0.005, Freshness: time.Second, MinMembers: 3},
-			in:     Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []memberReport{alive("b", 0)}},
+			in:     Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("b", 0)}},
 			reason: "too few fresh members (2 of 3",
 		},
 		{
@@ -70,7 +70,7 @@ func TestDecideTable(t *testing.T) {
 			// Exactly on the start line is not above it: peers 600 and
 			// 660, Local 840: average 700, start line 840.
 			name: "exactly on the start line does not start",
-			p:    p, in: Input{Self: "a", Local: 840, Held: 840, Now: t0, Members: []memberReport{alive("b", 600), alive("c", 660)}},
+			p:    p, in: Input{Self: "a", Local: 840, Held: 840, Now: t0, Members: []Report{alive("b", 600), alive("c", 660)}},
 			reason: "within the threshold",
 		},
 		{
@@ -101,7 +101,7 @@ func TestDecideTable(t *testing.T) {
 		{
 			// Smoothed Local still high, Current already at the stop line.
 			name: "sizing uses the current load, not the lagging smoothed one",
-			p:    p, in: Input{Self: "a", Local: 1000, Current: 500, Held: 500, Now: t0, Members: []memberReport{alive("b", 100), alive("c", 100)}, Shedding: true},
+			p:    p, in: Input{Self: "a", Local: 1000, Current: 500, Held: 500, Now: t0, Members: []Report{alive("b", 100), alive("c", 100)}, Shedding: true},
 			// average 400, stop 440, Held 500 * (1 - 440/500) = 60 -> rate 3
 			shed: 3, shedding: true, reason: "shed_rate",
 		},
@@ -109,29 +109,29 @@ func TestDecideTable(t *testing.T) {
 			// average 733.3, stop line 806.7: Local is above, Current
 			// below; the lowest, 600, is above the low line 586.7.
 			name: "current below the stop line sheds nothing but stays shedding",
-			p:    p, in: Input{Self: "a", Local: 1000, Current: 700, Held: 700, Now: t0, Members: []memberReport{alive("b", 600), alive("c", 600)}, Shedding: true},
+			p:    p, in: Input{Self: "a", Local: 1000, Current: 700, Held: 700, Now: t0, Members: []Report{alive("b", 600), alive("c", 600)}, Shedding: true},
 			shedding: true, reason: "current load already at the stop band",
 		},
 		{
 			name: "never below min_connections",
 			p:    Params{Threshold: 0.2, ShedRate: 0.5, MinConnections: 50, Freshness: time.Second},
-			in:   Input{Self: "a", Local: 60, Held: 60, Now: t0, Members: []memberReport{alive("b", 0), alive("c", 0)}},
+			in:   Input{Self: "a", Local: 60, Held: 60, Now: t0, Members: []Report{alive("b", 0), alive("c", 0)}},
 			shed: 10, shedding: true, reason: "min_connections",
 		},
 		{
 			name: "at min_connections sheds nothing",
-			p:    p, in: Input{Self: "a", Local: 50, Held: 50, Now: t0, Members: []memberReport{alive("b", 0), alive("c", 0)}},
+			p:    p, in: Input{Self: "a", Local: 50, Held: 50, Now: t0, Members: []Report{alive("b", 0), alive("c", 0)}},
 			shedding: true, reason: "at or below min_connections",
 		},
 		{
 			name: "a small rate still sheds one connection",
 			p:    Params{Threshold: 0.2, ShedRate: 0.001, Freshness: time.Second},
-			in:   Input{Self: "a", Local: 100, Held: 100, Now: t0, Members: []memberReport{alive("b", 0)}},
+			in:   Input{Self: "a", Local: 100, Held: 100, Now: t0, Members: []Report{alive("b", 0)}},
 			shed: 1, shedding: true, reason: "shed_rate",
 		},
 		{
 			name: "empty cluster",
-			p:    p, in: Input{Self: "a", Local: 0, Held: 0, Now: t0, Members: []memberReport{alive("b", 0)}},
+			p:    p, in: Input{Self: "a", Local: 0, Held: 0, Now: t0, Members: []Report{alive("b", 0)}},
 			reason: "no load in the cluster",
 		},
 		{
@@ -139,7 +139,7 @@ func TestDecideTable(t *testing.T) {
 			p:    Params{Threshold: 0.2, StopBand: 0.05, ShedRate: 1, Freshness: time.Second},
 			// average 360, stop line 378: needed 122; the lowest, 290, is
 			// above the low line 288.
-			in:   Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []memberReport{alive("b", 290), alive("c", 290)}},
+			in:   Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []Report{alive("b", 290), alive("c", 290)}},
 			shed: 122, shedding: true, reason: "down to the stop band",
 		},
 		{
@@ -147,7 +147,7 @@ func TestDecideTable(t *testing.T) {
 			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second, Metric: "throughput"},
 			// bytes/s: average 3.667e6, stop line 4.033e6; 200 connections
 			// carry 5e6: shed 200 × (1 − 4.033/5) = 38.7 -> 39.
-			in: Input{Self: "a", Local: 5e6, Held: 200, Now: t0, Members: []memberReport{
+			in: Input{Self: "a", Local: 5e6, Held: 200, Now: t0, Members: []Report{
 				{Name: "b", Status: cluster.StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
 				{Name: "c", Status: cluster.StatusAlive, Load: 3e6, At: t0, Metric: "throughput"},
 			}},
@@ -158,7 +158,7 @@ func TestDecideTable(t *testing.T) {
 			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second, Metric: "cpu"},
 			// percent: average 66.7, stop line 73.3; 100 connections at
 			// 90%: shed 100 × (1 − 73.3/90) = 18.5 -> 19.
-			in: Input{Self: "a", Local: 90, Held: 100, Now: t0, Members: []memberReport{
+			in: Input{Self: "a", Local: 90, Held: 100, Now: t0, Members: []Report{
 				{Name: "b", Status: cluster.StatusAlive, Load: 55, At: t0, Metric: "cpu"},
 				{Name: "c", Status: cluster.StatusAlive, Load: 55, At: t0, Metric: "cpu"},
 			}},
@@ -182,7 +182,7 @@ func TestDecideTable(t *testing.T) {
 func TestDecideExcludes(t *testing.T) {
 	p := defaultParams()
 	p.Metric = "connections"
-	members := []memberReport{
+	members := []Report{
 		alive("b", 1000),
 		{Name: "failed", Status: cluster.StatusFailed, Load: 0, At: t0},
 		{Name: "left", Status: cluster.StatusLeft, Load: 0, At: t0},
@@ -265,7 +265,7 @@ func TestDecideLift(t *testing.T) {
 	// Ten nodes at 1000 (this one included) and one new at 0: average
 	// 909.1, so this node is at 1.1×, inside the threshold; the new one is
 	// below the low line 727.3.
-	addOne := []memberReport{alive("new", 0)}
+	addOne := []Report{alive("new", 0)}
 	for i := range 9 {
 		addOne = append(addOne, alive(fmt.Sprintf("old%d", i), 1000))
 	}
@@ -292,24 +292,24 @@ func TestDecideLift(t *testing.T) {
 		},
 		{
 			name: "a node at the average does not lift",
-			p:    p, in: Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []memberReport{alive("b", 1000), alive("c", 0)}},
+			p:    p, in: Input{Self: "a", Local: 500, Held: 500, Now: t0, Members: []Report{alive("b", 1000), alive("c", 0)}},
 			reason: "within the threshold",
 		},
 		{
 			// average 300: low line 240, lift stop line 270.
 			name: "lowest between the two lines does not start lifting",
-			p:    p, in: Input{Self: "a", Local: 310, Held: 310, Now: t0, Members: []memberReport{alive("b", 340), alive("c", 250)}},
+			p:    p, in: Input{Self: "a", Local: 310, Held: 310, Now: t0, Members: []Report{alive("b", 340), alive("c", 250)}},
 			reason: "within the threshold",
 		},
 		{
 			name: "lowest between the two lines keeps lifting",
-			p:    p, in: Input{Self: "a", Local: 310, Held: 310, Now: t0, Members: []memberReport{alive("b", 340), alive("c", 250)},
+			p:    p, in: Input{Self: "a", Local: 310, Held: 310, Now: t0, Members: []Report{alive("b", 340), alive("c", 250)},
 				Lift: LiftState{Lifting: true, Member: "c", Low: 240, Since: t0}},
 			shed: 2, lifting: true, reason: "shed_rate to lift c",
 		},
 		{
 			name: "lowest at the lift stop line stops",
-			p:    p, in: Input{Self: "a", Local: 290, Held: 290, Now: t0, Members: []memberReport{alive("b", 340), alive("c", 270)},
+			p:    p, in: Input{Self: "a", Local: 290, Held: 290, Now: t0, Members: []Report{alive("b", 340), alive("c", 270)},
 				Lift: LiftState{Lifting: true, Member: "c", Low: 240, Since: t0}},
 			reason: "within the threshold",
 		},
@@ -322,12 +322,12 @@ func TestDecideLift(t *testing.T) {
 			name: "high rule and lift together: down to the average",
 			p:    Params{Threshold: 0.2, ShedRate: 1, Freshness: time.Second},
 			// average 400: above the start line 480; lowest 0.
-			in:   Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []memberReport{alive("b", 200), alive("c", 0)}},
+			in:   Input{Self: "a", Local: 1000, Held: 1000, Now: t0, Members: []Report{alive("b", 200), alive("c", 0)}},
 			shed: 600, lifting: true, shedding: true, reason: "down to the average to lift c",
 		},
 		{
 			name: "min_connections holds while lifting",
-			p:    p, in: Input{Self: "a", Local: 50, Held: 50, Now: t0, Members: []memberReport{alive("b", 40), alive("c", 0)}},
+			p:    p, in: Input{Self: "a", Local: 50, Held: 50, Now: t0, Members: []Report{alive("b", 40), alive("c", 0)}},
 			lifting: true, shedding: true, reason: "at or below min_connections",
 		},
 	}
@@ -354,8 +354,8 @@ func TestDecideLiftPatience(t *testing.T) {
 	// Nine peers and this node at 1000: inside the threshold (1.1× the
 	// average of 909 with the stuck member, 1× without), so only the lift
 	// rule sheds.
-	members := func(low float64) []memberReport {
-		ms := []memberReport{alive("stuck", low)}
+	members := func(low float64) []Report {
+		ms := []Report{alive("stuck", low)}
 		for i := range 9 {
 			ms = append(ms, alive(fmt.Sprintf("old%d", i), 1000))
 		}
@@ -410,7 +410,7 @@ func TestDecideLiftPatience(t *testing.T) {
 // join_settle off turns the wait off.
 func TestDecideJoinSettle(t *testing.T) {
 	p := defaultParams() // settle: freshness, 5s
-	peers := []memberReport{alive("b", 0), alive("c", 0)}
+	peers := []Report{alive("b", 0), alive("c", 0)}
 	joined := func(ago ...time.Duration) JoinBurst {
 		var b JoinBurst
 		for _, a := range ago {
@@ -454,7 +454,7 @@ func TestDecideJoinSettle(t *testing.T) {
 
 	// Lifting: the hold keeps the lift on and restarts its patience, since
 	// the lowest member cannot rise while nobody sheds.
-	addOne := []memberReport{alive("new", 0)}
+	addOne := []Report{alive("new", 0)}
 	for i := range 9 {
 		addOne = append(addOne, alive(fmt.Sprintf("old%d", i), 1000))
 	}
@@ -478,7 +478,7 @@ func TestDecidePhaseAverage(t *testing.T) {
 	// which began shedding at an average of 200, is at 240: the current
 	// average is 195 and its stop line 214.5. (Both peers are above the
 	// lift line, 80% of 200, so only the high rule sheds.)
-	peers := []memberReport{alive("b", 170), alive("c", 175)}
+	peers := []Report{alive("b", 170), alive("c", 175)}
 	in := Input{Self: "a", Local: 240, Held: 240, Now: t0, Members: peers, Shedding: true, PhaseAverage: 200, PhaseCounted: 3}
 	d := Decide(p, in)
 	// From the phase's average: stop line 220, so 240 × (1 − 220/240) = 20.
@@ -512,7 +512,7 @@ func TestDecidePhaseAverage(t *testing.T) {
 	}
 	// When the current average rose above the phase's, it decides: 290
 	// is below the current stop line 293.3 (average 266.7).
-	in = Input{Self: "a", Local: 290, Held: 290, Now: t0, Members: []memberReport{alive("b", 250), alive("c", 260)}, Shedding: true, PhaseAverage: 200, PhaseCounted: 3}
+	in = Input{Self: "a", Local: 290, Held: 290, Now: t0, Members: []Report{alive("b", 250), alive("c", 260)}, Shedding: true, PhaseAverage: 200, PhaseCounted: 3}
 	if d := Decide(p, in); d.Shedding || d.Shed != 0 {
 		t.Errorf("current average above the phase's: shedding %v, shed %d; want false, 0 (%s)", d.Shedding, d.Shed, d.Reason)
 	}

@@ -1,4 +1,4 @@
-package rebalance
+package shed
 
 import (
 	"fmt"
@@ -8,8 +8,8 @@ import (
 	"github.com/caddy-lbx/lbx/cluster"
 )
 
-// memberReport is one member's last load report as this node sees it.
-type memberReport struct {
+// Report is one member's last load report as this node sees it.
+type Report struct {
 	// Name is the member's serf node name.
 	Name string
 	// Status is the member's serf status.
@@ -68,8 +68,8 @@ type Params struct {
 	JoinSettle time.Duration
 }
 
-// joinSettle returns the effective join settle time (0: off).
-func (p Params) joinSettle() time.Duration {
+// EffectiveJoinSettle returns the effective join settle time (0: off).
+func (p Params) EffectiveJoinSettle() time.Duration {
 	switch {
 	case p.JoinSettle < 0:
 		return 0
@@ -92,7 +92,7 @@ type JoinBurst struct {
 // Joined returns the burst with a member joining at now: p's join settle
 // or more after the last one starts a new burst.
 func (b JoinBurst) Joined(now time.Time, p Params) JoinBurst {
-	if b.Last.IsZero() || now.Sub(b.Last) >= p.joinSettle() {
+	if b.Last.IsZero() || now.Sub(b.Last) >= p.EffectiveJoinSettle() {
 		b.First = now
 	}
 	b.Last = now
@@ -104,16 +104,16 @@ func (b JoinBurst) holds(now time.Time, settle time.Duration) bool {
 	return settle > 0 && !b.Last.IsZero() && now.Sub(b.Last) < settle && now.Sub(b.First) < maxJoinHolds*settle
 }
 
-// stopBand returns the effective stop band.
-func (p Params) stopBand() float64 {
+// EffectiveStopBand returns the effective stop band.
+func (p Params) EffectiveStopBand() float64 {
 	if p.StopBand > 0 {
 		return p.StopBand
 	}
 	return p.Threshold / 2
 }
 
-// liftPatience returns the effective lift patience.
-func (p Params) liftPatience() time.Duration {
+// EffectiveLiftPatience returns the effective lift patience.
+func (p Params) EffectiveLiftPatience() time.Duration {
 	if p.LiftPatience > 0 {
 		return p.LiftPatience
 	}
@@ -126,51 +126,55 @@ func (p Params) liftPatience() time.Duration {
 // liftIgnoreFactor+1.
 const liftIgnoreFactor = 10
 
-// maxLoad is the largest load a report may carry and count: far above any
+// MaxLoad is the largest load a report may carry and count: far above any
 // real node's connections, bytes per second or CPU percent, and small
 // enough that the sum of any number of counted loads stays finite, so
 // the average cannot overflow.
-const maxLoad = 1e15
+const MaxLoad = 1e15
 
-// validLoad reports whether v can be a load: a number from 0 to maxLoad
+// ValidLoad reports whether v can be a load: a number from 0 to MaxLoad
 // (NaN, infinities and negative numbers are not).
-func validLoad(v float64) bool { return v >= 0 && v <= maxLoad }
+func ValidLoad(v float64) bool { return v >= 0 && v <= MaxLoad }
 
-// standing is whether a member's report counts toward the cluster
+// Standing is whether a member's report counts toward the cluster
 // average, or why not.
-type standing int
+type Standing int
 
 const (
-	counted standing = iota
-	notAlive
-	otherMetric
-	stale
-	// invalid: the load is not a number from 0 to maxLoad (a tag that does
+	// Counted: the report counts.
+	Counted Standing = iota
+	// NotAlive: serf does not list the member alive.
+	NotAlive
+	// OtherMetric: the report is in another metric.
+	OtherMetric
+	// Stale: the report did not change within the freshness.
+	Stale
+	// Invalid: the load is not a number from 0 to MaxLoad (a tag that does
 	// not parse, NaN, an infinity, a negative or absurd number).
-	invalid
-	// ignored: the lift rule left it out (Decide's own; see LiftState).
-	ignored
+	Invalid
+	// Ignored: the lift rule left it out (Decide's own; see LiftState).
+	Ignored
 )
 
-// standing judges one member's report at now: it counts when the member
+// Standing judges one member's report at now: it counts when the member
 // is alive, was seen to change within p.Freshness, carries a valid load
-// (validLoad: a peer that gossips NaN, an infinity, a negative or absurd
+// (ValidLoad: a peer that gossips NaN, an infinity, a negative or absurd
 // number, or no number, is never taken for an idle node), and reports p's
 // metric (or p accepts every metric, or the report names none). It is the
 // one rule for the cluster average (Decide), the admin view and the
 // cluster_load selection policy.
-func (p Params) standing(r memberReport, now time.Time) standing {
+func (p Params) Standing(r Report, now time.Time) Standing {
 	switch {
 	case r.Status != cluster.StatusAlive:
-		return notAlive
+		return NotAlive
 	case r.At.IsZero() || now.Sub(r.At) > p.Freshness:
-		return stale
-	case !validLoad(r.Load):
-		return invalid
+		return Stale
+	case !ValidLoad(r.Load):
+		return Invalid
 	case p.Metric != "" && r.Metric != "" && r.Metric != p.Metric:
-		return otherMetric
+		return OtherMetric
 	}
-	return counted
+	return Counted
 }
 
 // Input is what one decision looks at.
@@ -191,7 +195,7 @@ type Input struct {
 	Held int
 	// Members are the reports of the cluster's members, as serf lists
 	// them (any status, any age).
-	Members []memberReport
+	Members []Report
 	// Shedding is the previous decision's Shedding (the high rule's
 	// hysteresis state).
 	Shedding bool
@@ -274,7 +278,7 @@ type Decision struct {
 
 // View is what a decision needs of the cluster: the average load and
 // the lowest member, and which members were counted or excluded, and why.
-// Decide makes it from the member reports (summarize); a node that learns
+// Decide makes it from the member reports (Summarize); a node that learns
 // the average some other way (by gossip averaging, say) makes its own and
 // calls DecideView, leaving out the member the lift rule ignores
 // (Input.Lift.Ignored) if it can.
@@ -298,16 +302,16 @@ type View struct {
 // DecideView of the summary of in.Members. It is a pure function: all
 // state is in Input (Shedding, Lift) and Decision.
 func Decide(p Params, in Input) Decision {
-	return DecideView(p, in, summarize(p, in))
+	return DecideView(p, in, Summarize(p, in))
 }
 
-// summarize makes the View of in.Members. The cluster average counts only
-// the members whose report counts (Params.standing: alive, younger than
+// Summarize makes the View of in.Members. The cluster average counts only
+// the members whose report counts (Params.Standing: alive, younger than
 // Freshness, a valid load in the same metric), and not the member the
 // lift rule leaves out (Input.Lift.Ignored, until IgnoredUntil); this node
 // always counts, with Local, and is the lowest member unless another
 // counted member's load is lower.
-func summarize(p Params, in Input) View {
+func Summarize(p Params, in Input) View {
 	v := View{}
 	ignoring := in.Lift.ignoring(in.Now)
 	var sum float64
@@ -316,20 +320,20 @@ func summarize(p Params, in Input) View {
 		if m.Name == in.Self {
 			continue
 		}
-		st := p.standing(m, in.Now)
-		if st == counted && ignoring && m.Name == in.Lift.Ignored {
-			st = ignored
+		st := p.Standing(m, in.Now)
+		if st == Counted && ignoring && m.Name == in.Lift.Ignored {
+			st = Ignored
 		}
 		switch st {
-		case notAlive:
+		case NotAlive:
 			v.NotAlive++
-		case otherMetric:
+		case OtherMetric:
 			v.OtherMetric++
-		case stale:
+		case Stale:
 			v.Stale++
-		case invalid:
+		case Invalid:
 			v.Invalid++
-		case ignored:
+		case Ignored:
 			v.Ignored++
 		default:
 			sum += m.Load
@@ -409,7 +413,7 @@ func DecideView(p Params, in Input, v View) Decision {
 		avg = in.PhaseAverage
 	}
 	startLine := avg * (1 + p.Threshold)
-	stopLine := avg * (1 + p.stopBand())
+	stopLine := avg * (1 + p.EffectiveStopBand())
 	d.Shedding = in.Shedding && in.Local > stopLine || !in.Shedding && in.Local > startLine
 	d.Lift = nextLift(p, in, d.Lift, avg, lowest, lowestName)
 	if d.Active() {
@@ -434,7 +438,7 @@ func DecideView(p Params, in Input, v View) Decision {
 		return d
 	}
 
-	if settle := p.joinSettle(); in.Joins.holds(in.Now, settle) {
+	if settle := p.EffectiveJoinSettle(); in.Joins.holds(in.Now, settle) {
 		if d.Lift.Lifting {
 			d.Lift.Since = in.Now // the lowest member cannot rise while nobody sheds
 		}
@@ -492,7 +496,7 @@ func nextLift(p Params, in Input, kept LiftState, avg, lowest float64, lowestNam
 	prev := in.Lift
 	line := avg * (1 - p.Threshold)
 	if prev.Lifting {
-		line = avg * (1 - p.stopBand())
+		line = avg * (1 - p.EffectiveStopBand())
 	}
 	if lowest >= line || in.Local <= avg {
 		return kept
@@ -504,8 +508,8 @@ func nextLift(p Params, in Input, kept LiftState, avg, lowest float64, lowestNam
 		// Started, or the lowest member gained (or another is lowest
 		// now): patience starts over.
 		return next
-	case in.Now.Sub(prev.Since) > p.liftPatience():
-		return LiftState{Ignored: lowestName, IgnoredUntil: in.Now.Add(liftIgnoreFactor * p.liftPatience())}
+	case in.Now.Sub(prev.Since) > p.EffectiveLiftPatience():
+		return LiftState{Ignored: lowestName, IgnoredUntil: in.Now.Add(liftIgnoreFactor * p.EffectiveLiftPatience())}
 	}
 	next.Low, next.Since = prev.Low, prev.Since
 	return next

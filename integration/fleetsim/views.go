@@ -4,7 +4,7 @@ import (
 	"math"
 	"time"
 
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // gossip runs one gossipavg tick at now: every live node, in a random
@@ -106,7 +106,7 @@ func (s *sim) publish() {
 // rule of rebalance (Params.standing) counts every one, and the View is
 // their mean and the lowest of them (the first in name order on a tie,
 // this node first).
-func (s *sim) tagView(o int) rebalance.View {
+func (s *sim) tagView(o int) shed.View {
 	size := s.size()
 	rows := len(s.pub) / size
 	var base [maxLag + 1]int
@@ -114,7 +114,7 @@ func (s *sim) tagView(o int) rebalance.View {
 		base[k] = s.row(s.t-k) * size
 	}
 	self := s.nodes[o]
-	v := rebalance.View{Counted: 1, Lowest: self.local, LowestName: self.name}
+	v := shed.View{Counted: 1, Lowest: self.local, LowestName: self.name}
 	sum := self.local
 	lags := s.lag[o*size : (o+1)*size]
 	lowest := -1

@@ -1,9 +1,9 @@
 // Package fleetsim simulates the rebalance app's decision on a fleet of
 // hundreds to thousands of nodes, one decision interval at a time: every
-// node samples its connections into a rebalance.Window, learns the
+// node samples its connections into a shed.Window, learns the
 // cluster average and lowest member through one of three views (its own
 // gossipavg node, serf tags that arrive late, or the exact truth), decides
-// with rebalance.DecideView and sheds; every shed client reconnects through
+// with shed.DecideView and sheds; every shed client reconnects through
 // an outer balancer (random or least-connections). It is deterministic for
 // a seed, runs no goroutines, and measures how many intervals the fleet
 // takes to converge after a scale-out, a scale-in or a rolling restart,
@@ -16,8 +16,8 @@ import (
 	"math"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/shedsim"
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/integration/shedsim"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // Interval is the simulated decision interval (the app's default).
@@ -31,7 +31,7 @@ const (
 	// indicator] with the rebalance app's settings (AverageConfig,
 	// AverageTicks exchanges per interval) and decides as the app does:
 	// from its own estimate when the app's rule finds it usable
-	// (rebalance.AveragedView), else from the tags, as Tags sees them.
+	// (shed.AveragedView), else from the tags, as Tags sees them.
 	Flow ViewKind = iota
 	// Tags: every node sees every other node's last published smoothed
 	// load, late by a lag drawn per (observer, member) pair (Config.LagMedian
@@ -121,7 +121,7 @@ type Config struct {
 	// Seed makes the run reproducible.
 	Seed uint64
 	// Params are the decision's settings. Default: DefaultParams.
-	Params rebalance.Params
+	Params shed.Params
 	// History is the smoothing window, in intervals. Default: 10 (the
 	// app's 10s history at a 1s interval).
 	History int
@@ -162,8 +162,8 @@ type Config struct {
 // DefaultParams returns the rebalance app's default settings at its
 // default 1s interval (rebalance/app.go): threshold 20%, stop band half
 // of it, shed rate 0.5%, min_connections 50, freshness 5 intervals.
-func DefaultParams() rebalance.Params {
-	return rebalance.Params{Threshold: 0.2, ShedRate: 0.005, MinConnections: 50, Freshness: 5 * Interval}
+func DefaultParams() shed.Params {
+	return shed.Params{Threshold: 0.2, ShedRate: 0.005, MinConnections: 50, Freshness: 5 * Interval}
 }
 
 // TagLag returns the median and 99th percentile of the serf tag lag, in
@@ -184,7 +184,7 @@ func (cfg Config) resolved() (Config, error) {
 	if cfg.Conns < 1 || cfg.Conns > 1_000_000 {
 		return cfg, fmt.Errorf("fleetsim: Conns %d, want 1 to 1000000", cfg.Conns)
 	}
-	if cfg.Params == (rebalance.Params{}) {
+	if cfg.Params == (shed.Params{}) {
 		cfg.Params = DefaultParams()
 	}
 	if cfg.History <= 0 {

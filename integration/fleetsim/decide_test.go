@@ -1,4 +1,4 @@
-package rebalance
+package fleetsim
 
 import (
 	"fmt"
@@ -8,16 +8,17 @@ import (
 	"time"
 
 	"github.com/caddy-lbx/lbx/cluster"
-	"github.com/caddy-lbx/lbx/internal/shedsim"
+	"github.com/caddy-lbx/lbx/integration/shedsim"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // simNode is one node of the simulated fleet.
 type simNode struct {
 	name     string
 	conns    int
-	window   *Window
+	window   *shed.Window
 	shedding bool
-	lift     LiftState
+	lift     shed.LiftState
 	// report is what the others see: the smoothed load gossiped at the
 	// end of the previous step, and when.
 	report   float64
@@ -51,13 +52,13 @@ type simResult struct {
 // kill, when non-nil, is called before each step and may mark nodes dead
 // (their connections reconnect at once; their last report stays behind,
 // the ghost). history is the window size in steps.
-func simulate(p Params, conns []int, history, maxSteps int, seed uint64, kill func(step int, nodes []*simNode) bool) simResult {
+func simulate(p shed.Params, conns []int, history, maxSteps int, seed uint64, kill func(step int, nodes []*simNode) bool) simResult {
 	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 	interval := time.Second
 	nodes := make([]*simNode, len(conns))
 	total := 0
 	for i, c := range conns {
-		nodes[i] = &simNode{name: fmt.Sprintf("n%d", i), conns: c, window: NewWindow(history)}
+		nodes[i] = &simNode{name: fmt.Sprintf("n%d", i), conns: c, window: shed.NewWindow(history)}
 		total += c
 	}
 	res := simResult{lastShed: -1}
@@ -83,9 +84,9 @@ func simulate(p Params, conns []int, history, maxSteps int, seed uint64, kill fu
 				}
 			}
 		}
-		reports := make([]memberReport, len(nodes))
+		reports := make([]shed.Report, len(nodes))
 		for i, x := range nodes {
-			reports[i] = memberReport{Name: x.name, Status: x.status, Load: x.report, At: x.reportAt}
+			reports[i] = shed.Report{Name: x.name, Status: x.status, Load: x.report, At: x.reportAt}
 		}
 		shedNow := 0
 		for _, x := range nodes {
@@ -93,7 +94,7 @@ func simulate(p Params, conns []int, history, maxSteps int, seed uint64, kill fu
 				continue
 			}
 			local := x.window.Add(float64(x.conns))
-			d := Decide(p, Input{Self: x.name, Local: local, Current: float64(x.conns), Held: x.conns, Members: reports, Shedding: x.shedding, Lift: x.lift, Now: now})
+			d := shed.Decide(p, shed.Input{Self: x.name, Local: local, Current: float64(x.conns), Held: x.conns, Members: reports, Shedding: x.shedding, Lift: x.lift, Now: now})
 			x.shedding, x.lift = d.Shedding, d.Lift
 			x.conns -= d.Shed
 			shedNow += d.Shed
@@ -139,7 +140,7 @@ func simulate(p Params, conns []int, history, maxSteps int, seed uint64, kill fu
 // twice the connections that must move. Stopping at the trigger line
 // instead is TestSimulateTriggerLine.
 func TestSimulateScaleOut(t *testing.T) {
-	p := defaultParams()
+	p := DefaultParams()
 	const maxSteps = 3000
 	start := []int{1000, 1000, 1000, 0, 0, 0}
 	ideal := shedsim.IdealSheds(start, p.Threshold, 201, 1)
@@ -155,8 +156,8 @@ func TestSimulateScaleOut(t *testing.T) {
 			}
 			oldSum, newSum := res.final[0]+res.final[1]+res.final[2], res.final[3]+res.final[4]+res.final[5]
 			oldMean, newMean := float64(oldSum)/3/res.avg, float64(newSum)/3/res.avg
-			if oldMean > 1+p.stopBand()+0.02 || newMean < 1-p.stopBand()-0.02 {
-				t.Errorf("%s: old nodes at %.3f×, new at %.3f× the average; want within ±%v%% (the stop band) + 2%%", name, oldMean, newMean, p.stopBand()*100)
+			if oldMean > 1+p.EffectiveStopBand()+0.02 || newMean < 1-p.EffectiveStopBand()-0.02 {
+				t.Errorf("%s: old nodes at %.3f×, new at %.3f× the average; want within ±%v%% (the stop band) + 2%%", name, oldMean, newMean, p.EffectiveStopBand()*100)
 			}
 			checkWithin(t, name, res, p.Threshold)
 			ratio := float64(res.shed) / ideal
@@ -190,7 +191,7 @@ func checkWithin(t *testing.T, name string, res simResult, threshold float64) {
 // rule brings every node within ±threshold, within 1.3× the ideal shed
 // count.
 func TestSimulateShapes(t *testing.T) {
-	p := defaultParams()
+	p := DefaultParams()
 	shapes := map[string][]int{
 		"6 to 8":   {500, 500, 500, 500, 500, 500, 0, 0},
 		"10 to 11": {1000, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 0},
@@ -226,7 +227,7 @@ func TestSimulateShapes(t *testing.T) {
 // 10 × LiftPatience: over 1100 steps the cluster sheds a small fraction
 // of what endless lifting sheds.
 func TestSimulateUnreachableMember(t *testing.T) {
-	p := defaultParams()
+	p := DefaultParams()
 	stuck := func(step int, nodes []*simNode) bool {
 		if step == 0 {
 			nodes[5].unreachable = true
@@ -255,7 +256,7 @@ func TestSimulateTriggerLine(t *testing.T) {
 	newMean := func(r simResult) float64 {
 		return float64(r.final[3]+r.final[4]+r.final[5]) / 3 / r.avg
 	}
-	p := defaultParams()
+	p := DefaultParams()
 	hyst := simulate(p, []int{1000, 1000, 1000, 0, 0, 0}, 1, 3000, 7, nil)
 	p.StopBand = p.Threshold
 	trig := simulate(p, []int{1000, 1000, 1000, 0, 0, 0}, 1, 3000, 7, nil)
@@ -283,7 +284,7 @@ func TestSimulateTriggerLine(t *testing.T) {
 // while it still looks alive, shedding stops once its report is older
 // than Freshness.
 func TestSimulateGhost(t *testing.T) {
-	p := defaultParams()
+	p := DefaultParams()
 	start := []int{1000, 1000, 1000, 0}
 	dieAtStart := func(status cluster.MemberStatus) func(int, []*simNode) bool {
 		return func(step int, nodes []*simNode) bool {
@@ -329,7 +330,7 @@ func TestSimulateGhost(t *testing.T) {
 // stop shedding (no endless churn), every live node within ±threshold of
 // the new average.
 func TestSimulateKillMidway(t *testing.T) {
-	p := defaultParams()
+	p := DefaultParams()
 	kill := func(step int, nodes []*simNode) bool {
 		switch step {
 		case 100:

@@ -6,9 +6,9 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/caddy-lbx/lbx/integration/shedsim"
 	"github.com/caddy-lbx/lbx/internal/gossipavg"
-	"github.com/caddy-lbx/lbx/internal/shedsim"
-	"github.com/caddy-lbx/lbx/rebalance"
+	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // Result is what one run measured.
@@ -35,14 +35,14 @@ type Result struct {
 	Worst float64
 	// Oscillating is the number of nodes that shed in two separate
 	// shedding phases: a node shed, then spent an interval neither
-	// shedding nor in a shedding phase (rebalance.Decision.Active), then
+	// shedding nor in a shedding phase (shed.Decision.Active), then
 	// shed again.
 	Oscillating int
 	// Relanded is the number of shed connections that reconnected to a
 	// node that shed in the same interval (itself included).
 	Relanded int
 	// TagDecisions counts the decisions a Flow node took from the tags
-	// because its gossip average was not usable (rebalance.AveragedView).
+	// because its gossip average was not usable (shed.AveragedView).
 	TagDecisions int
 	// Nodes is the fleet's size at the end, and Total the connections it
 	// holds (all along: a shed client, or one whose node left, reconnects).
@@ -54,15 +54,15 @@ type node struct {
 	name   string
 	live   bool
 	conns  int
-	window *rebalance.Window
+	window *shed.Window
 	// recentSheds holds what the node shed in each of the last History
 	// intervals: the app counts them toward its load until its clients
-	// are back (rebalance.WithShedInFlight).
-	recentSheds *rebalance.Window
+	// are back (shed.WithShedInFlight).
+	recentSheds *shed.Window
 	local       float64
 	shedding    bool
-	lift        rebalance.LiftState
-	// phaseAvg and phaseCounted are rebalance.Decision's PhaseAverage
+	lift        shed.LiftState
+	// phaseAvg and phaseCounted are shed.Decision's PhaseAverage
 	// and PhaseCounted.
 	phaseAvg     float64
 	phaseCounted int
@@ -78,7 +78,7 @@ type node struct {
 // sim is one run's state.
 type sim struct {
 	cfg    Config
-	p      rebalance.Params
+	p      shed.Params
 	rng    *rand.Rand
 	nodes  []*node // every node ever made, by slot; names in slot order
 	live   []int   // the live slots, in order
@@ -101,7 +101,7 @@ type sim struct {
 	// lastShed is what the fleet shed in the last interval.
 	lastShed int
 	// joins are the nodes joining lately, as every node sees them.
-	joins rebalance.JoinBurst
+	joins shed.JoinBurst
 	// landing[t mod len] is the shed clients that reconnect before the
 	// sample of interval t; pending is their sum.
 	landing []int
@@ -132,7 +132,7 @@ func Run(cfg Config) (Result, error) {
 		byName: make(map[string]int),
 	}
 	s.landing = make([]int, cfg.ReconnectDelay+1)
-	s.gcfg = rebalance.AverageConfig("", Interval, s.p.Freshness)
+	s.gcfg = shed.AverageConfig("", Interval, s.p.Freshness)
 	size := cfg.maxSize()
 	if cfg.View != Exact { // Flow falls back to the tags
 		s.drawLags(size)
@@ -182,9 +182,9 @@ func Run(cfg Config) (Result, error) {
 }
 
 // now returns the time of gossip tick j of the current interval; tick
-// rebalance.AverageTicks is the decision.
+// shed.AverageTicks is the decision.
 func (s *sim) now(j int) time.Time {
-	return t0.Add(time.Duration(s.t)*Interval + time.Duration(j)*Interval/rebalance.AverageTicks)
+	return t0.Add(time.Duration(s.t)*Interval + time.Duration(j)*Interval/shed.AverageTicks)
 }
 
 // join adds a new node holding conns connections.
@@ -199,10 +199,10 @@ func (s *sim) join(conns int) error {
 // state, a new gossipavg incarnation.
 func (s *sim) start(i, conns int) error {
 	n := s.nodes[i]
-	n.live, n.conns, n.window = true, conns, rebalance.NewWindow(s.cfg.History)
-	n.recentSheds = rebalance.NewWindow(s.cfg.History)
+	n.live, n.conns, n.window = true, conns, shed.NewWindow(s.cfg.History)
+	n.recentSheds = shed.NewWindow(s.cfg.History)
 	s.joins = s.joins.Joined(s.now(0), s.p)
-	n.local, n.shedding, n.lift, n.phaseAvg, n.phaseCounted = 0, false, rebalance.LiftState{}, 0, 0
+	n.local, n.shedding, n.lift, n.phaseAvg, n.phaseCounted = 0, false, shed.LiftState{}, 0, 0
 	if s.cfg.View == Flow {
 		c := s.gcfg
 		c.Name = n.name
@@ -307,7 +307,7 @@ func (s *sim) step(decide bool) error {
 	}
 	for _, i := range s.live {
 		n := s.nodes[i]
-		n.local = n.window.Add(rebalance.WithShedInFlight("connections", float64(n.conns), n.conns, n.recentSheds.Fading()))
+		n.local = n.window.Add(shed.WithShedInFlight("connections", float64(n.conns), n.conns, n.recentSheds.Fading()))
 		if n.gossip != nil {
 			ind := 0.0
 			if n.name == anchor {
@@ -319,7 +319,7 @@ func (s *sim) step(decide bool) error {
 		}
 	}
 	if s.cfg.View == Flow {
-		for j := range rebalance.AverageTicks {
+		for j := range shed.AverageTicks {
 			if err := s.gossip(s.now(j)); err != nil {
 				return err
 			}
@@ -331,21 +331,21 @@ func (s *sim) step(decide bool) error {
 	if !decide {
 		return nil
 	}
-	now := s.now(rebalance.AverageTicks)
+	now := s.now(shed.AverageTicks)
 	exact := s.exactView()
 	total := 0
 	for _, i := range s.live {
 		n := s.nodes[i]
-		in := rebalance.Input{
+		in := shed.Input{
 			Self: n.name, Local: n.local, Current: float64(n.conns), Held: n.conns,
 			Shedding: n.shedding, Lift: n.lift, PhaseAverage: n.phaseAvg, PhaseCounted: n.phaseCounted, Joins: s.joins, Now: now,
 		}
-		var v rebalance.View
+		var v shed.View
 		switch s.cfg.View {
 		case Flow:
 			var ok bool
 			s.lows = n.gossip.Lows(now, s.lows[:0])
-			if v, ok = rebalance.AveragedView(s.p, in, n.gossip.Estimate(now), s.lows, len(s.live), rebalance.View{}); !ok {
+			if v, ok = shed.AveragedView(s.p, in, n.gossip.Estimate(now), s.lows, len(s.live), shed.View{}); !ok {
 				v = s.tagView(i)
 				s.res.TagDecisions++
 			}
@@ -354,7 +354,7 @@ func (s *sim) step(decide bool) error {
 		default:
 			v = exact
 		}
-		d := rebalance.DecideView(s.p, in, v)
+		d := shed.DecideView(s.p, in, v)
 		n.shedding, n.lift, n.phaseAvg, n.phaseCounted, n.shed = d.Shedding, d.Lift, d.PhaseAverage, d.PhaseCounted, d.Shed
 		n.conns -= d.Shed
 		n.recentSheds.Add(float64(d.Shed))
@@ -398,8 +398,8 @@ func (s *sim) landingAt(t int) *int {
 }
 
 // exactView returns the true average and lowest member of this interval.
-func (s *sim) exactView() rebalance.View {
-	v := rebalance.View{Counted: len(s.live), Lowest: math.Inf(1)}
+func (s *sim) exactView() shed.View {
+	v := shed.View{Counted: len(s.live), Lowest: math.Inf(1)}
 	var sum float64
 	for _, i := range s.live {
 		n := s.nodes[i]
