@@ -27,6 +27,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/serfnet"
 )
 
 func init() {
@@ -252,9 +253,8 @@ func (a *App) UnmarshalJSON(b []byte) error {
 	return jsonfield.Decode(b, (*appJSON)(a))
 }
 
-// maxNodeName is the longest node_name, in bytes (serf's own limit when
-// it validates names).
-const maxNodeName = 128
+// maxNodeName is the longest node_name, in bytes.
+const maxNodeName = serfnet.MaxNodeName
 
 // options are the app's options, in the order checkOption checks them.
 var options = []string{"node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip"}

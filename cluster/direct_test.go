@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
-	"net/netip"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/serfnet"
 	"github.com/caddy-lbx/lbx/internal/testutil"
 )
 
@@ -136,14 +136,14 @@ func sendUntilReceived(t *testing.T, from, to *App, kind byte, payload string, b
 
 // received is the count of received direct messages of a's member with
 // result r.
-func received(a *App, r directResult) uint64 { return a.member.direct.received[r].Load() }
+func received(a *App, r serfnet.Result) uint64 { return a.member.direct.Received(r) }
 
 // dropped is the count of a's received direct messages that were
 // dropped, for any reason.
 func dropped(a *App) uint64 {
 	var n uint64
-	for r := range directResults {
-		if r != directOK && r != directHandlerPanic {
+	for r := range serfnet.NumResults {
+		if r != serfnet.OK && r != serfnet.HandlerPanic {
 			n += received(a, r)
 		}
 	}
@@ -195,12 +195,12 @@ func TestDirectExchange(t *testing.T) {
 			// The largest payload that fits, and one byte more.
 			overhead := 2 + 1 + len(apps[0].NodeName) + 1
 			if tc.key != "" {
-				overhead += directSealOverhead
+				overhead += serfnet.SealOverhead
 			}
-			largest := strings.Repeat("x", MaxDirectPacket-overhead)
+			largest := strings.Repeat("x", serfnet.MaxPacket-overhead)
 			sendUntilReceived(t, apps[0], apps[1], 1, largest, boxes[1])
 			if err := apps[0].SendDirect(apps[1].NodeName, 1, []byte(largest+"x")); err == nil {
-				t.Errorf("a payload of %d bytes was sent; want an error above MaxDirectPacket", len(largest)+1)
+				t.Errorf("a payload of %d bytes was sent; want an error above serfnet.MaxPacket", len(largest)+1)
 			}
 			// Tags still propagate through the wrapper.
 			if err := apps[len(apps)-1].Publish("lbx_direct", "on"); err != nil {
@@ -247,12 +247,23 @@ func TestDirectWrongKey(t *testing.T) {
 	if err := stranger.SendDirect(b.NodeName, 1, []byte("hi")); err == nil {
 		t.Error("the stranger sent to a member it cannot know")
 	}
-	undecryptable := received(b, directUndecryptable)
-	if err := stranger.member.direct.write(b.gossipAddr(), 1, []byte("from the stranger")); err != nil {
+	undecryptable := received(b, serfnet.Undecryptable)
+	// (Sealed with the stranger's key and sent from a socket of the test's
+	// own: b cannot open it, which it finds before it looks at the source.)
+	pkt, err := serfnet.Encode(stranger.NodeName, 1, []byte("from the stranger"), mustDecodeKey(t, otherGossipKey))
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := net.Dial("udp", b.gossipAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.Write(pkt); err != nil {
 		t.Fatal(err)
 	}
 	testutil.WaitFor(t, 10*time.Second, "b drops the stranger's message", func() (bool, string) {
-		got := received(b, directUndecryptable)
+		got := received(b, serfnet.Undecryptable)
 		return got == undecryptable+1, fmt.Sprintf("%d undecryptable", got)
 	})
 	if boxB.len() != 0 {
@@ -292,14 +303,14 @@ func TestDirectHostileDatagrams(t *testing.T) {
 			defer conn.Close()
 
 			seal := func(body []byte) []byte {
-				pkt, err := sealDirect(body, k)
+				pkt, err := serfnet.Seal(body, k)
 				if err != nil {
 					t.Fatal(err)
 				}
 				return pkt
 			}
 			encode := func(from string, kind byte, payload string, key []byte) []byte {
-				pkt, err := encodeDirect(from, kind, []byte(payload), key)
+				pkt, err := serfnet.Encode(from, kind, []byte(payload), key)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -309,33 +320,33 @@ func TestDirectHostileDatagrams(t *testing.T) {
 			cases := []struct {
 				name string
 				pkt  []byte
-				want directResult
+				want serfnet.Result
 			}{
-				{"magic byte only", []byte{directMagic}, directTruncated},
-				{"header only", []byte{directMagic, directVersion}, directTruncated},
-				{"another version", append([]byte{directMagic, directVersion + 1}, valid[2:]...), directBadVersion},
-				{"too large", append([]byte{directMagic, directVersion}, make([]byte, MaxDirectPacket)...), directTooLarge},
-				{"huge name length", seal([]byte{255, 'x', 1, 'p'}), directBadName},
-				{"empty name", seal([]byte{0, 1, 'p'}), directBadName},
-				{"name longer than the packet", seal([]byte{50, 'x', 'y'}), directTruncated},
-				{"no kind", seal([]byte{1, 'x'}), directTruncated},
-				{"unknown kind", encode(a.NodeName, 99, "x", k), directUnknownKind},
-				{"unknown sender", encode("ghost", 1, "boo", k), directUnknownSender},
-				{"this node as sender", encode(b.NodeName, 1, "me?", k), directUnknownSender},
+				{"magic byte only", []byte{serfnet.Magic}, serfnet.Truncated},
+				{"header only", []byte{serfnet.Magic, serfnet.Version}, serfnet.Truncated},
+				{"another version", append([]byte{serfnet.Magic, serfnet.Version + 1}, valid[2:]...), serfnet.BadVersion},
+				{"too large", append([]byte{serfnet.Magic, serfnet.Version}, make([]byte, serfnet.MaxPacket)...), serfnet.TooLarge},
+				{"huge name length", seal([]byte{255, 'x', 1, 'p'}), serfnet.BadName},
+				{"empty name", seal([]byte{0, 1, 'p'}), serfnet.BadName},
+				{"name longer than the packet", seal([]byte{50, 'x', 'y'}), serfnet.Truncated},
+				{"no kind", seal([]byte{1, 'x'}), serfnet.Truncated},
+				{"unknown kind", encode(a.NodeName, 99, "x", k), serfnet.UnknownKind},
+				{"unknown sender", encode("ghost", 1, "boo", k), serfnet.UnknownSender},
+				{"this node as sender", encode(b.NodeName, 1, "me?", k), serfnet.UnknownSender},
 				// a's name, from a socket that is not a's gossip socket.
-				{"a member's name from another address", encode(a.NodeName, 1, "i am a", k), directWrongSource},
+				{"a member's name from another address", encode(a.NodeName, 1, "i am a", k), serfnet.WrongSource},
 			}
 			if k != nil {
 				cases = append(cases, []struct {
 					name string
 					pkt  []byte
-					want directResult
+					want serfnet.Result
 				}{
-					{"plain text on an encrypted cluster", encode(a.NodeName, 1, "clear text, as long as a sealed body", nil), directUndecryptable},
-					{"another key", encode(a.NodeName, 1, "other", mustDecodeKey(t, otherGossipKey)), directUndecryptable},
-					{"shorter than nonce and tag", valid[:2+directSealOverhead-1], directTruncated},
-					{"last byte cut", valid[:len(valid)-1], directUndecryptable},
-					{"a bit flipped", flipBit(valid, 20), directUndecryptable},
+					{"plain text on an encrypted cluster", encode(a.NodeName, 1, "clear text, as long as a sealed body", nil), serfnet.Undecryptable},
+					{"another key", encode(a.NodeName, 1, "other", mustDecodeKey(t, otherGossipKey)), serfnet.Undecryptable},
+					{"shorter than nonce and tag", valid[:2+serfnet.SealOverhead-1], serfnet.Truncated},
+					{"last byte cut", valid[:len(valid)-1], serfnet.Undecryptable},
+					{"a bit flipped", flipBit(valid, 20), serfnet.Undecryptable},
 				}...)
 			}
 			for _, c := range cases {
@@ -356,13 +367,13 @@ func TestDirectHostileDatagrams(t *testing.T) {
 				before := dropped(b)
 				const random = 50
 				for j := range random {
-					pkt := make([]byte, 1+rng.IntN(MaxDirectPacket))
+					pkt := make([]byte, 1+rng.IntN(serfnet.MaxPacket))
 					for n := range pkt {
 						pkt[n] = byte(rng.Uint32())
 					}
-					pkt[0] = directMagic
+					pkt[0] = serfnet.Magic
 					if j%2 == 0 && len(pkt) > 1 {
-						pkt[1] = directVersion
+						pkt[1] = serfnet.Version
 					}
 					if _, err := conn.Write(pkt); err != nil {
 						t.Fatal(err)
@@ -376,7 +387,7 @@ func TestDirectHostileDatagrams(t *testing.T) {
 			if box.len() != 0 {
 				t.Fatalf("a hostile packet reached the handler: %v", box.got)
 			}
-			if n := received(b, directOK) + received(b, directHandlerPanic); n != 0 {
+			if n := received(b, serfnet.OK) + received(b, serfnet.HandlerPanic); n != 0 {
 				t.Errorf("%d hostile packets counted as delivered", n)
 			}
 
@@ -429,14 +440,14 @@ func TestDirectQueueFull(t *testing.T) {
 	}
 	defer cancel()
 
-	const sent = directQueueLen + 500
+	const sent = serfnet.QueueLen + 500
 	for j := range sent {
 		if err := a.SendDirect(b.NodeName, 1, fmt.Appendf(nil, "m%d", j)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	testutil.WaitFor(t, 10*time.Second, "b drops messages on a full queue", func() (bool, string) {
-		n := received(b, directQueueFull)
+		n := received(b, serfnet.QueueFull)
 		return n > 0, fmt.Sprintf("%d dropped", n)
 	})
 	// Serf is not held up by the blocked handler.
@@ -451,9 +462,9 @@ func TestDirectQueueFull(t *testing.T) {
 
 	unblock()
 	sendUntilReceived(t, a, b, 1, "after the jam", box)
-	t.Logf("%d sent while blocked: %d delivered, %d dropped on a full queue", sent, box.len()-1, received(b, directQueueFull))
-	if full := received(b, directQueueFull); full > sent-directQueueLen {
-		t.Errorf("%d dropped on a full queue; want at most %d", full, sent-directQueueLen)
+	t.Logf("%d sent while blocked: %d delivered, %d dropped on a full queue", sent, box.len()-1, received(b, serfnet.QueueFull))
+	if full := received(b, serfnet.QueueFull); full > sent-serfnet.QueueLen {
+		t.Errorf("%d dropped on a full queue; want at most %d", full, sent-serfnet.QueueLen)
 	}
 }
 
@@ -496,12 +507,12 @@ func TestDirectHandlers(t *testing.T) {
 		t.Error("a cancelled handler was called")
 	}
 	cancelOlder()
-	unknown := received(b, directUnknownKind)
+	unknown := received(b, serfnet.UnknownKind)
 	testutil.WaitFor(t, 10*time.Second, "a kind without handlers dropped", func() (bool, string) {
 		if err := a.SendDirect(b.NodeName, 7, []byte("nobody")); err != nil {
 			return false, err.Error()
 		}
-		got := received(b, directUnknownKind)
+		got := received(b, serfnet.UnknownKind)
 		return got > unknown, fmt.Sprintf("%d unknown kind", got)
 	})
 
@@ -522,25 +533,25 @@ func TestDirectHandlers(t *testing.T) {
 		if err := a.SendDirect(b.NodeName, 3, []byte("boom")); err != nil {
 			return false, err.Error()
 		}
-		n := received(b, directHandlerPanic)
+		n := received(b, serfnet.HandlerPanic)
 		return n > 0, fmt.Sprintf("%d panics", n)
 	})
 	sendUntilReceived(t, a, b, 3, "after the panic", box)
 
-	sendErrors := a.member.direct.sent[directSendError].Load()
+	sendErrors := a.member.direct.Sent(serfnet.SendError)
 	for _, c := range []struct {
 		to      string
 		payload []byte
 	}{
 		{a.NodeName, nil},
 		{"nobody", nil},
-		{b.NodeName, make([]byte, MaxDirectPacket)},
+		{b.NodeName, make([]byte, serfnet.MaxPacket)},
 	} {
 		if err := a.SendDirect(c.to, 1, c.payload); err == nil {
 			t.Errorf("SendDirect to %q with %d bytes: no error", c.to, len(c.payload))
 		}
 	}
-	if got := a.member.direct.sent[directSendError].Load() - sendErrors; got != 3 {
+	if got := a.member.direct.Sent(serfnet.SendError) - sendErrors; got != 3 {
 		t.Errorf("%d send errors counted; want 3", got)
 	}
 }
@@ -563,7 +574,7 @@ func TestDirectShutdown(t *testing.T) {
 		}
 	}
 	testutil.WaitFor(t, 10*time.Second, "the transports' goroutines end", func() (bool, string) {
-		left := testutil.Goroutines("cluster.(*DirectTransport)", "memberlist.(*NetTransport)")
+		left := testutil.Goroutines("serfnet.(*Transport)", "memberlist.(*NetTransport)")
 		return len(left) == 0, strings.Join(left, "\n\n")
 	})
 }
@@ -584,88 +595,7 @@ func TestDirectTransportReleasedWhenSerfFails(t *testing.T) {
 	}
 	udp.Close()
 	testutil.WaitFor(t, 10*time.Second, "the transport's goroutines end", func() (bool, string) {
-		left := testutil.Goroutines("cluster.(*DirectTransport)", "memberlist.(*NetTransport)")
+		left := testutil.Goroutines("serfnet.(*Transport)", "memberlist.(*NetTransport)")
 		return len(left) == 0, strings.Join(left, "\n\n")
 	})
-}
-
-// FuzzDirectDecode: decodeDirect never panics, reports a known result,
-// and what it accepts encodes back to a message that decodes the same
-// (the same bytes, in clear text).
-func FuzzDirectDecode(f *testing.F) {
-	key := []byte("0123456789abcdef0123456789abcdef")
-	other := []byte("fedcba9876543210")
-	for _, k := range [][]byte{nil, key} {
-		for _, m := range []struct {
-			from    string
-			kind    byte
-			payload string
-		}{
-			{"a", 0, ""},
-			{"edge-1", 7, "hello"},
-			{strings.Repeat("n", maxNodeName), 255, strings.Repeat("p", 1000)},
-		} {
-			pkt, err := encodeDirect(m.from, m.kind, []byte(m.payload), k)
-			if err != nil {
-				f.Fatal(err)
-			}
-			f.Add(pkt, k != nil)
-		}
-	}
-	f.Add([]byte{directMagic}, false)
-	f.Add([]byte{directMagic, directVersion, 200, 'x'}, false)
-	f.Add([]byte{directMagic, directVersion + 1, 1, 'x', 1}, true)
-	f.Fuzz(func(t *testing.T, pkt []byte, encrypted bool) {
-		var keys, sealWith = [][]byte(nil), []byte(nil)
-		if encrypted {
-			keys, sealWith = [][]byte{other, key}, key
-		}
-		from, kind, payload, res := decodeDirect(pkt, keys)
-		if res >= directResults || res == directSendError || res == directHandlerPanic {
-			t.Fatalf("result %d", res)
-		}
-		if res != directOK {
-			return
-		}
-		again, err := encodeDirect(from, kind, payload, sealWith)
-		if err != nil {
-			t.Fatalf("decoded %q %d %q, which does not encode: %v", from, kind, payload, err)
-		}
-		if !encrypted && !bytes.Equal(again, pkt) {
-			t.Fatalf("decoded %x, encoded again %x", pkt, again)
-		}
-		from2, kind2, payload2, res2 := decodeDirect(again, keys)
-		if res2 != directOK || from2 != from || kind2 != kind || !bytes.Equal(payload2, payload) {
-			t.Fatalf("decoded %q %d %q, encoded and decoded again %q %d %q (%v)", from, kind, payload, from2, kind2, payload2, res2)
-		}
-	})
-}
-
-// TestDirectSameSource: a message counts as from a member only when its
-// UDP source is the member's advertised IP and port; the IP compares
-// across the IPv4-mapped form, and a TCP source (memberlist's stream
-// transport) never matches.
-func TestDirectSameSource(t *testing.T) {
-	member := netip.MustParseAddrPort("192.0.2.7:7946")
-	v6 := netip.MustParseAddrPort("[2001:db8::7]:7946")
-	for _, c := range []struct {
-		name string
-		from net.Addr
-		addr netip.AddrPort
-		want bool
-	}{
-		{"same IP and port", &net.UDPAddr{IP: net.ParseIP("192.0.2.7"), Port: 7946}, member, true},
-		{"IPv4 in 16 bytes", &net.UDPAddr{IP: net.IPv4(192, 0, 2, 7).To16(), Port: 7946}, member, true},
-		{"IPv6", &net.UDPAddr{IP: net.ParseIP("2001:db8::7"), Port: 7946}, v6, true},
-		{"another port", &net.UDPAddr{IP: net.ParseIP("192.0.2.7"), Port: 7947}, member, false},
-		{"another IP", &net.UDPAddr{IP: net.ParseIP("192.0.2.8"), Port: 7946}, member, false},
-		{"another IPv6", &net.UDPAddr{IP: net.ParseIP("2001:db8::8"), Port: 7946}, v6, false},
-		{"TCP", &net.TCPAddr{IP: net.ParseIP("192.0.2.7"), Port: 7946}, member, false},
-		{"nil UDP", (*net.UDPAddr)(nil), member, false},
-		{"nil", nil, member, false},
-	} {
-		if got := sameSource(c.from, c.addr); got != c.want {
-			t.Errorf("%s: sameSource(%v, %v) = %v; want %v", c.name, c.from, c.addr, got, c.want)
-		}
-	}
 }

@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/serfnet"
 )
 
 // members holds the serf members of this process, keyed by bind address:
@@ -48,7 +49,7 @@ type member struct {
 	key    string
 	name   string
 	serf   *serf.Serf
-	direct *DirectTransport // serf's transport, and the direct messages
+	direct *serfnet.Transport // serf's transport, and the direct messages
 	logger *zap.Logger
 	// addr is the gossip address memberlist advertises, read once when
 	// serf starts: memberlist's LocalNode returns its own node struct,
@@ -99,27 +100,6 @@ type member struct {
 	done  sync.WaitGroup
 }
 
-// broadcastTimeout bounds how long serf waits for a tag update's (and the
-// leave message's) broadcast when no peer acknowledges.
-const broadcastTimeout = 2 * time.Second
-
-// SerfConfig returns the serf and memberlist settings a member of the
-// cluster app runs with, named name and bound to bindHost:bindPort
-// (memberlist's LAN defaults, name conflict resolution, and
-// broadcastTimeout), without logging, tags, advertise address or keys. The
-// gossip benchmark builds its members from it, so that it measures what
-// the app runs.
-func SerfConfig(name, bindHost string, bindPort int) *serf.Config {
-	conf := serf.DefaultConfig()
-	conf.Init()
-	conf.NodeName = name
-	conf.EnableNameConflictResolution = true
-	conf.BroadcastTimeout = broadcastTimeout
-	conf.MemberlistConfig.BindAddr = bindHost
-	conf.MemberlistConfig.BindPort = bindPort
-	return conf
-}
-
 // newMember creates the serf member for s and starts its loops. It binds
 // the gossip port.
 func newMember(key string, s *settings, bindHost string, bindPort int) (*member, error) {
@@ -133,7 +113,7 @@ func newMember(key string, s *settings, bindHost string, bindPort int) (*member,
 		kick:       make(chan struct{}, 1),
 		stop:       make(chan struct{}),
 	}
-	conf := SerfConfig(m.name, bindHost, bindPort)
+	conf := serfnet.Config(m.name, bindHost, bindPort)
 	conf.Tags = m.tagsFor(s)
 	// serf delivers the key lease queries (and member events) here;
 	// eventLoop drains it until serf shuts down.
@@ -162,8 +142,8 @@ func newMember(key string, s *settings, bindHost string, bindPort int) (*member,
 		m.keyring = kr
 	}
 	// The member's own transport, which carries direct messages besides
-	// serf's gossip (direct.go).
-	dt, err := listenDirect(conf, m.logger)
+	// serf's gossip (internal/serfnet).
+	dt, err := serfnet.Listen(conf, m.logger)
 	if err != nil {
 		return nil, fmt.Errorf("starting serf on %s: %v", key, err)
 	}

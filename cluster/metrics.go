@@ -5,6 +5,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/caddy-lbx/lbx/internal/metricsreg"
+	"github.com/caddy-lbx/lbx/internal/serfnet"
 )
 
 // collector exposes the membership as Prometheus metrics, read at scrape
@@ -71,12 +72,12 @@ func (collector) Collect(ch chan<- prometheus.Metric) {
 		if d := m.direct; d != nil {
 			// A message is sent or not (ok, send_error); a received one is
 			// handled (ok, handler_panic) or dropped.
-			for r := range directResults {
-				if r == directOK || r == directSendError {
-					ch <- prometheus.MustNewConstMetric(descDirectMessages, prometheus.CounterValue, float64(d.sent[r].Load()), st.Name, "sent", r.String())
+			for r := range serfnet.NumResults {
+				if r == serfnet.OK || r == serfnet.SendError {
+					ch <- prometheus.MustNewConstMetric(descDirectMessages, prometheus.CounterValue, float64(d.Sent(r)), st.Name, "sent", r.String())
 				}
-				if r != directSendError {
-					ch <- prometheus.MustNewConstMetric(descDirectMessages, prometheus.CounterValue, float64(d.received[r].Load()), st.Name, "received", r.String())
+				if r != serfnet.SendError {
+					ch <- prometheus.MustNewConstMetric(descDirectMessages, prometheus.CounterValue, float64(d.Received(r)), st.Name, "received", r.String())
 				}
 			}
 		}

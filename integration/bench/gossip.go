@@ -18,15 +18,15 @@ import (
 	"github.com/hashicorp/memberlist"
 	"github.com/hashicorp/serf/serf"
 
-	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/integration/fleet"
+	"github.com/caddy-lbx/lbx/internal/serfnet"
 	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // bench gossip measures how the rebalance app's load reports travel
 // through serf as the cluster grows: many real serf members in this
 // process on 127.0.0.1, with the cluster app's serf and memberlist
-// settings (cluster.SerfConfig), each publishing a changing load in the
+// settings (serfnet.Config), each publishing a changing load in the
 // app's tag format every interval, as the app does (SetTags from one
 // loop per member, which waits for the broadcast). It reports, per size:
 // how long a new report takes to reach half, 99% and all of the other
@@ -549,7 +549,7 @@ func (run *gossipRun) start(i int, stop <-chan struct{}, events *sync.WaitGroup)
 		return nil, err
 	}
 	ct := newCountingTransport(nt)
-	conf := cluster.SerfConfig(run.nameOf(i), "127.0.0.1", ct.port)
+	conf := serfnet.Config(run.nameOf(i), "127.0.0.1", ct.port)
 	conf.LogOutput = io.Discard
 	conf.MemberlistConfig.LogOutput = io.Discard
 	conf.MemberlistConfig.Transport = ct

@@ -10,14 +10,14 @@ import (
 	"github.com/hashicorp/serf/serf"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/gossipavg"
+	"github.com/caddy-lbx/lbx/internal/serfnet"
 	"github.com/caddy-lbx/lbx/internal/shed"
 )
 
 // The flow scheme of bench gossip: the members' loads are averaged by
 // gossipavg (flow updating) over direct messages on the gossip socket
-// (cluster.DirectTransport, as the app's members run it), instead of
+// (serfnet.Transport, as the app's members run it), instead of
 // being flooded in serf tags. Each member sets its input every interval,
 // as the tags scheme publishes, and exchanges with one peer every tick.
 
@@ -26,7 +26,7 @@ const flowKind byte = 1
 
 // flowMember is one member's averaging state.
 type flowMember struct {
-	direct *cluster.DirectTransport
+	direct *serfnet.Transport
 	peers  []string // every other member: the harness's membership does not change
 
 	mu   sync.Mutex
@@ -43,7 +43,7 @@ func newFlowMember(i int, run *gossipRun, conf *serf.Config, inner *countingTran
 	if err != nil {
 		return nil, err
 	}
-	f := &flowMember{direct: cluster.NewDirectTransport(inner, conf, zap.NewNop()), node: node, rng: rng}
+	f := &flowMember{direct: serfnet.NewTransport(inner, conf, zap.NewNop()), node: node, rng: rng}
 	for name, j := range run.names {
 		if j != i {
 			f.peers = append(f.peers, name)

@@ -40,7 +40,7 @@ func RunCheckingLeaks(m *testing.M, patterns ...string) {
 
 // Goroutines returns the stacks of the goroutines, other than the
 // caller's, that contain one of patterns (package paths, or function names
-// such as "cluster.(*DirectTransport)"): a test counts its own kind of
+// such as "serfnet.(*Transport)"): a test counts its own kind of
 // goroutine, which unrelated ones starting or ending do not change.
 func Goroutines(patterns ...string) []string {
 	buf := make([]byte, 1<<20)
