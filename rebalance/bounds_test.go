@@ -359,7 +359,7 @@ func FuzzAppJSON(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if w := windowSize(a.history, a.interval); w > maxWindowSamples || a.interval < minInterval {
+		if w := windowSize(time.Duration(a.History), a.interval); w > maxWindowSamples || a.interval < minInterval {
 			t.Fatalf("%s: accepted with a window of %d samples at interval %v", raw, w, a.interval)
 		}
 	})
