@@ -256,64 +256,84 @@ func (a *App) UnmarshalJSON(b []byte) error {
 // maxNodeName is the longest node_name, in bytes.
 const maxNodeName = serfnet.MaxNodeName
 
-// options are the app's options, in the order checkOption checks them.
-var options = []string{"node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip"}
-
-// Validate checks every option. Provision runs it before anything sized
-// by the options exists; the Caddyfile checks each option as it is read.
+// Validate checks every option, each with the check the Caddyfile runs
+// as it reads the option, then the options against each other. Provision
+// runs it before anything sized by the options exists.
 func (a *App) Validate() error {
-	for _, opt := range options {
-		if err := a.checkOption(opt); err != nil {
+	if err := checkNodeName(a.NodeName); err != nil {
+		return err
+	}
+	if a.Bind != "" {
+		if err := checkAddr("bind", a.Bind); err != nil {
 			return err
+		}
+	}
+	if a.Advertise != "" {
+		if err := checkAddr("advertise", a.Advertise); err != nil {
+			return err
+		}
+	}
+	if err := checkJoin(a.Join); err != nil {
+		return err
+	}
+	if err := a.checkKeys(); err != nil {
+		return err
+	}
+	if err := a.checkTags(); err != nil {
+		return err
+	}
+	return a.checkPlaintext()
+}
+
+// The rules for each option, shared by Validate and the Caddyfile: the
+// error names the option, the value and why.
+
+func checkNodeName(name string) error {
+	if len(name) > maxNodeName {
+		return fmt.Errorf("node_name %.32q… is %d bytes; at most %d", name, len(name), maxNodeName)
+	}
+	return nil
+}
+
+// checkAddr checks the host:port of option opt (bind or advertise).
+func checkAddr(opt, addr string) error {
+	_, _, err := splitHostPort(addr, opt)
+	return err
+}
+
+func checkJoin(join []string) error {
+	for _, j := range join {
+		_, port, err := splitHostPort(j, "join")
+		if err != nil {
+			return err
+		}
+		if port == 0 {
+			return fmt.Errorf("join %q: port 0 cannot be joined; want 1 to 65535", j)
 		}
 	}
 	return nil
 }
 
-// checkOption checks one option as configured (empty: the default); the
-// error names the option, the value and why.
-func (a *App) checkOption(opt string) error {
-	switch opt {
-	case "node_name":
-		if len(a.NodeName) > maxNodeName {
-			return fmt.Errorf("node_name %.32q… is %d bytes; at most %d", a.NodeName, len(a.NodeName), maxNodeName)
+// checkKeys checks encrypt_key and encrypt_keys as far as can be without
+// the server's environment: keys with placeholders are checked when
+// Provision decodes them.
+func (a *App) checkKeys() error {
+	_, err := a.decodeKeys(false)
+	return err
+}
+
+// checkTags checks the tags' keys and values, and that they fit serf's
+// limit.
+func (a *App) checkTags() error {
+	for k, v := range a.Tags {
+		if strings.HasPrefix(k, reservedTagPrefix) {
+			return fmt.Errorf("tag %q: keys starting with %s are reserved", k, reservedTagPrefix)
 		}
-	case "bind", "advertise":
-		addr := a.Bind
-		if opt == "advertise" {
-			addr = a.Advertise
+		if k == "" || v == "" {
+			return fmt.Errorf("tag %q=%q: key and value must not be empty", k, v)
 		}
-		if addr != "" {
-			_, _, err := splitHostPort(addr, opt)
-			return err
-		}
-	case "join":
-		for _, j := range a.Join {
-			_, port, err := splitHostPort(j, "join")
-			if err != nil {
-				return err
-			}
-			if port == 0 {
-				return fmt.Errorf("join %q: port 0 cannot be joined; want 1 to 65535", j)
-			}
-		}
-	case "encrypt_key", "encrypt_keys":
-		_, err := a.decodeKeys(false)
-		return err
-	case "tags":
-		for k, v := range a.Tags {
-			if strings.HasPrefix(k, reservedTagPrefix) {
-				return fmt.Errorf("tag %q: keys starting with %s are reserved", k, reservedTagPrefix)
-			}
-			if k == "" || v == "" {
-				return fmt.Errorf("tag %q=%q: key and value must not be empty", k, v)
-			}
-		}
-		return a.CheckTagsFit(nil)
-	case "insecure_plaintext_gossip":
-		return a.checkPlaintext()
 	}
-	return nil
+	return a.CheckTagsFit(nil)
 }
 
 // checkPlaintext refuses gossip without a key on a bind address beyond

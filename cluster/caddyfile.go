@@ -34,30 +34,26 @@ func init() {
 // their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "cluster"
-	d.Next() // the option's name
-	if err := caddyopt.BlockOnly(d, what); err != nil {
-		return err
-	}
-	once := caddyopt.NewOnce(what)
-	for d.NextBlock(0) {
-		opt := d.Val()
-		if err := once.Check(d); err != nil {
-			return err
-		}
+	return caddyopt.Block(d, what, func(opt string) error {
 		switch opt {
-		case "node_name", "bind", "advertise":
+		case "node_name":
 			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
 				return err
 			}
-			switch opt {
-			case "node_name":
-				a.NodeName = val
-			case "bind":
+			a.NodeName = val
+			return caddyopt.Checked(d, what, checkNodeName(val))
+		case "bind", "advertise":
+			val, err := caddyopt.OneArg(d, what)
+			if err != nil {
+				return err
+			}
+			if opt == "bind" {
 				a.Bind = val
-			case "advertise":
+			} else {
 				a.Advertise = val
 			}
+			return caddyopt.Checked(d, what, checkAddr(opt, val))
 		case "encrypt_key":
 			keys, err := caddyopt.Args(d, what)
 			if err != nil {
@@ -69,41 +65,47 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			} else {
 				a.EncryptKeys = keys
 			}
+			return caddyopt.Checked(d, what, a.checkKeys())
 		case "insecure_plaintext_gossip":
-			if err := caddyopt.NoArgs(d, what); err != nil {
-				return err
-			}
+			// What it allows is checked against bind in Provision, where
+			// the default bind is known.
 			a.InsecurePlaintextGossip = true
+			return caddyopt.NoArgs(d, what)
 		case "join":
 			join, err := caddyopt.Args(d, what)
 			if err != nil {
 				return err
 			}
 			a.Join = join
+			return caddyopt.Checked(d, what, checkJoin(join))
 		case "tags":
-			const inTags = what + ": tags"
-			if err := caddyopt.BlockOnly(d, inTags); err != nil {
+			if err := a.parseTags(d, what+": tags"); err != nil {
 				return err
 			}
-			a.Tags = make(map[string]string)
-			keys := caddyopt.NewOnce(inTags)
-			for nesting := d.Nesting(); d.NextBlock(nesting); {
-				key := d.Val()
-				if err := keys.Check(d); err != nil {
-					return err
-				}
-				val, err := caddyopt.OneArg(d, inTags)
-				if err != nil {
-					return err
-				}
-				a.Tags[key] = val
-			}
-		default:
-			return caddyopt.Unknown(d, what, "node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip")
+			return caddyopt.Checked(d, what, a.checkTags())
 		}
-		if err := a.checkOption(opt); err != nil {
-			return caddyopt.Errf(d, what, "%v", err)
+		return caddyopt.Unknown(d, what, "node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip")
+	})
+}
+
+// parseTags reads the tags block: one `<key> <value>` a line, each key
+// once.
+func (a *App) parseTags(d *caddyfile.Dispenser, what string) error {
+	if err := caddyopt.BlockOnly(d, what); err != nil {
+		return err
+	}
+	a.Tags = make(map[string]string)
+	keys := caddyopt.NewOnce(what)
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		key := d.Val()
+		if err := keys.Check(d); err != nil {
+			return err
 		}
+		val, err := caddyopt.OneArg(d, what)
+		if err != nil {
+			return err
+		}
+		a.Tags[key] = val
 	}
 	return nil
 }

@@ -322,10 +322,9 @@ func (n *node) view(now time.Time, cs connStats) nodeView {
 		v.Decision.LocalHuman = formatLoad(s.metric, n.local)
 		v.Decision.CurrentHuman = formatLoad(s.metric, n.current)
 		v.Decision.AverageHuman = formatLoad(s.metric, n.last.Average)
-		v.Threshold = s.params.Threshold * 100
-		v.StopBand = s.params.EffectiveStopBand() * 100
-		v.ShedRate = s.params.ShedRate * 100
-		v.MinConns = s.params.MinConnections
+		// The config's options as given, defaults in (Provision).
+		o := s.owner
+		v.Threshold, v.StopBand, v.ShedRate, v.MinConns = o.Threshold, o.StopBand, o.ShedRate, *o.MinConnections
 		v.BoundaryTimeout = s.boundary.Milliseconds()
 		v.JoinSettle = s.params.EffectiveJoinSettle().Milliseconds()
 		v.IdleCloseAfter = s.idleClose.Milliseconds()

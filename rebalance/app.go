@@ -182,11 +182,9 @@ type App struct {
 	// shorter than Caddy's own idle_timeout (5m). Default: 2m.
 	IdleCloseAfter caddy.Duration `json:"idle_close_after,omitempty"`
 
-	params   shed.Params
-	interval time.Duration
-	history  time.Duration
-	boundary time.Duration
-	// idleClose is idle_close_after in effect.
+	// interval and idleClose are interval and idle_close_after as
+	// durations, set by Provision once the defaults are in.
+	interval  time.Duration
 	idleClose time.Duration
 	cluster   *cluster.App
 	source    loadSource
@@ -194,9 +192,6 @@ type App struct {
 	events    emitter
 	node      *node // set by Start, cleared by Stop (Caddy calls them in turn)
 
-	// metric is the metric the node reports: Metric, or metricNodeCPU
-	// for the node's CPU.
-	metric string
 	// cpuScope is what metric cpu measures (cpuNode or cpuProcess); empty
 	// with the other metrics.
 	cpuScope string
@@ -237,14 +232,12 @@ func (a *App) Provision(ctx caddy.Context) error {
 	if err := registerMetrics(ctx, a.conns); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
-	if a.Metric == "" {
-		a.Metric = metricConnections
-	}
-	a.resolve()
 	// Before anything sized or timed by the options exists.
 	if err := a.validate(); err != nil {
 		return err
 	}
+	a.setDefaults()
+	a.interval, a.idleClose = time.Duration(a.Interval), time.Duration(a.IdleCloseAfter)
 	if err := a.resolveCPU(); err != nil {
 		return err
 	}
@@ -257,7 +250,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 		a.cluster = clusterApp
 	}
 	a.cluster.Provide(requireRebalance)
-	if err := a.cluster.CheckTagsFit(map[string]string{shed.LoadTag: longestLoadTag(a.metric)}); err != nil {
+	if err := a.cluster.CheckTagsFit(map[string]string{shed.LoadTag: longestLoadTag(a.reportedMetric())}); err != nil {
 		return fmt.Errorf("rebalance: cluster %v", err)
 	}
 
@@ -275,56 +268,72 @@ func (a *App) Provision(ctx caddy.Context) error {
 // app: a rebalance app publishing loads through it (see cluster.App.Require).
 const requireRebalance = "the rebalance app (the `rebalance` global option, or the \"rebalance\" app in JSON), which publishes the loads"
 
-// resolve sets the effective settings from the options and their
-// defaults. It allocates nothing and reads nothing: what metric cpu
-// measures by default depends on the machine the config runs on, which
-// resolveCPU reads.
-func (a *App) resolve() {
-	a.metric = a.Metric
-	a.interval = time.Duration(a.Interval)
-	if a.interval == 0 {
-		a.interval = DefaultInterval
+// setDefaults writes the default of every option left unset into its
+// field, as Caddy's own modules do in Provision, so that the rest of the
+// app, its log and its admin view read the options in one place. What
+// metric cpu measures by default depends on the machine the config runs
+// on, which resolveCPU reads.
+func (a *App) setDefaults() {
+	if a.Metric == "" {
+		a.Metric = metricConnections
 	}
-	a.history = time.Duration(a.History)
-	if a.history == 0 {
-		a.history = defaultHistory
+	if a.Interval == 0 {
+		a.Interval = caddy.Duration(DefaultInterval)
 	}
-	a.boundary = time.Duration(a.BoundaryTimeout)
-	a.idleClose = time.Duration(a.IdleCloseAfter)
-	if a.idleClose == 0 {
-		a.idleClose = conntrack.DefaultIdleCloseAfter
+	if a.History == 0 {
+		a.History = caddy.Duration(defaultHistory)
 	}
-	freshness := time.Duration(a.Freshness)
-	if freshness == 0 {
-		freshness = max(5*a.interval, 3*time.Second)
+	if a.Freshness == 0 {
+		a.Freshness = caddy.Duration(max(5*time.Duration(a.Interval), 3*time.Second))
 	}
-	threshold := a.Threshold
-	if threshold == 0 {
-		threshold = defaultThreshold
+	if a.Threshold == 0 {
+		a.Threshold = defaultThreshold
 	}
-	shedRate := a.ShedRate
-	if shedRate == 0 {
-		shedRate = defaultShedRate
+	if a.StopBand == 0 {
+		a.StopBand = a.Threshold / 2
 	}
-	minConns := defaultMinConnections
-	if a.MinConnections != nil {
-		minConns = *a.MinConnections
+	if a.ShedRate == 0 {
+		a.ShedRate = defaultShedRate
 	}
-	a.params = shed.Params{
-		Threshold:      threshold / 100,
+	if a.MinConnections == nil {
+		n := defaultMinConnections
+		a.MinConnections = &n
+	}
+	if a.JoinSettle == 0 {
+		a.JoinSettle = a.Freshness
+	}
+	if a.IdleCloseAfter == 0 {
+		a.IdleCloseAfter = caddy.Duration(conntrack.DefaultIdleCloseAfter)
+	}
+}
+
+// params returns the decision's parameters, once the defaults are in:
+// the one place percentages become ratios.
+func (a *App) params() shed.Params {
+	return shed.Params{
+		Threshold:      a.Threshold / 100,
 		StopBand:       a.StopBand / 100,
-		ShedRate:       shedRate / 100,
-		MinConnections: minConns,
-		Freshness:      freshness,
-		Metric:         a.metric,
+		ShedRate:       a.ShedRate / 100,
+		MinConnections: *a.MinConnections,
+		Freshness:      time.Duration(a.Freshness),
+		Metric:         a.reportedMetric(),
 		JoinSettle:     time.Duration(a.JoinSettle),
 	}
+}
+
+// reportedMetric is the metric the node reports: metric, or
+// metricNodeCPU when metric cpu measures the node's CPU.
+func (a *App) reportedMetric() string {
+	if a.cpuScope == cpuNode {
+		return metricNodeCPU
+	}
+	return a.Metric
 }
 
 // resolveCPU settles what metric cpu measures, once the options are valid
 // (Provision): cpu as configured, by default node where the node's CPU
 // can be read from /proc/stat, else process; with node, the node reports
-// metricNodeCPU. It reads /proc/stat once, which is the node sampler's
+// metricNodeCPU (reportedMetric). It reads /proc/stat once, which is the node sampler's
 // first reading, and fails when cpu node was asked for and /proc/stat
 // cannot be read.
 func (a *App) resolveCPU() error {
@@ -350,10 +359,6 @@ func (a *App) resolveCPU() error {
 		}
 	}
 	a.cpuScope = scope
-	if scope == cpuNode {
-		a.metric = metricNodeCPU
-		a.params.Metric = a.metric
-	}
 	return nil
 }
 
@@ -436,8 +441,8 @@ func (a *App) Validate() error {
 	return a.checkThroughputWrapper()
 }
 
-// Bounds of the app's options. Each rule is stated once, in checkOption
-// and checkRelations, for JSON and the Caddyfile alike.
+// Bounds of the app's options. Each rule is stated once, in its check
+// function below, for JSON and the Caddyfile alike.
 const (
 	// minInterval: below it, sampling, gossip and decisions cost a core.
 	minInterval = 100 * time.Millisecond
@@ -459,106 +464,141 @@ const (
 	maxIdleCloseAfter = 24 * time.Hour
 )
 
-// appOptions are the app's options, in the order checkOption checks them.
+// appOptions are the app's options, as the Caddyfile names them.
 var appOptions = []string{
 	"metric", "cpu", "interval", "history", "freshness",
 	"threshold", "stop_band", "shed_rate", "min_connections", "boundary_timeout",
 	"join_settle", "idle_close_after",
 }
 
-// validate checks every option, then the options against each other, once
-// resolve has run. It is the app's one validation: Provision runs it
-// before anything sized by the options exists, Validate runs it again,
-// and the Caddyfile checks each option as it is read.
+// validate checks every option that is set (0 or empty: the default),
+// each with the check the Caddyfile runs as it reads the option, then the
+// options against each other. It is the app's one validation: Provision
+// runs it before anything sized by the options exists, and Validate runs
+// it again.
 func (a *App) validate() error {
-	for _, opt := range appOptions {
-		if err := a.checkOption(opt); err != nil {
+	var minConns error
+	if a.MinConnections != nil {
+		minConns = checkMinConnections(*a.MinConnections)
+	}
+	for _, err := range []error{
+		unlessZero(a.Metric, checkMetric),
+		unlessZero(a.CPU, checkCPU),
+		unlessZero(a.Interval, checkInterval),
+		unlessZero(a.History, checkHistory),
+		unlessZero(a.Freshness, checkFreshness),
+		unlessZero(a.Threshold, checkThreshold),
+		unlessZero(a.StopBand, checkStopBand),
+		unlessZero(a.ShedRate, checkShedRate),
+		minConns,
+		unlessZero(a.BoundaryTimeout, checkBoundaryTimeout),
+		unlessZero(a.JoinSettle, checkJoinSettle),
+		unlessZero(a.IdleCloseAfter, checkIdleCloseAfter),
+	} {
+		if err != nil {
 			return err
 		}
 	}
 	return a.checkRelations()
 }
 
-// checkOption checks one option as configured (0 or empty: the default)
-// against its bounds; the error names the option, the value and why.
-func (a *App) checkOption(opt string) error {
-	switch opt {
-	case "metric":
-		switch a.Metric {
-		case "", metricConnections, metricThroughput, metricCPU:
-		default:
-			return fmt.Errorf("metric %q: want %s, %s or %s", a.Metric, metricConnections, metricThroughput, metricCPU)
-		}
-	case "cpu":
-		switch a.CPU {
-		case "", cpuNode, cpuProcess:
-		default:
-			return fmt.Errorf("cpu %q: want %s or %s", a.CPU, cpuNode, cpuProcess)
-		}
-	case "interval":
-		return checkDuration(opt, a.Interval, minInterval, maxInterval)
-	case "history":
-		return checkDuration(opt, a.History, minInterval, maxHistory)
-	case "freshness":
-		return checkDuration(opt, a.Freshness, minInterval, maxFreshness)
-	case "boundary_timeout":
-		return checkDuration(opt, a.BoundaryTimeout, 0, maxBoundaryTimeout)
-	case "idle_close_after":
-		return checkDuration(opt, a.IdleCloseAfter, minIdleCloseAfter, maxIdleCloseAfter)
-	case "join_settle":
-		if a.JoinSettle < 0 {
-			return nil // off
-		}
-		return checkDuration(opt, a.JoinSettle, 0, maxJoinSettle)
-	case "threshold":
-		return checkPercent(opt, a.Threshold, maxThreshold)
-	case "stop_band":
-		return checkPercent(opt, a.StopBand, maxThreshold)
-	case "shed_rate":
-		return checkPercent(opt, a.ShedRate, 100)
-	case "min_connections":
-		if m := a.MinConnections; m != nil && (*m < 0 || *m > maxMinConnections) {
-			return fmt.Errorf("min_connections %d: want a whole number from 0 to %d", *m, maxMinConnections)
-		}
+// unlessZero checks v with check unless v is its option's zero value,
+// which stands for the default.
+func unlessZero[T comparable](v T, check func(T) error) error {
+	var zero T
+	if v == zero {
+		return nil
+	}
+	return check(v)
+}
+
+// The rules for each option, shared by validate and the Caddyfile: the
+// error names the option, the value and why.
+
+func checkMetric(m string) error {
+	switch m {
+	case metricConnections, metricThroughput, metricCPU:
+		return nil
+	}
+	return fmt.Errorf("metric %q: want %s, %s or %s", m, metricConnections, metricThroughput, metricCPU)
+}
+
+func checkCPU(scope string) error {
+	switch scope {
+	case cpuNode, cpuProcess:
+		return nil
+	}
+	return fmt.Errorf("cpu %q: want %s or %s", scope, cpuNode, cpuProcess)
+}
+
+func checkInterval(d caddy.Duration) error {
+	return bounds.Duration("interval", time.Duration(d), minInterval, maxInterval)
+}
+
+func checkHistory(d caddy.Duration) error {
+	return bounds.Duration("history", time.Duration(d), minInterval, maxHistory)
+}
+
+func checkFreshness(d caddy.Duration) error {
+	return bounds.Duration("freshness", time.Duration(d), minInterval, maxFreshness)
+}
+
+func checkBoundaryTimeout(d caddy.Duration) error {
+	return bounds.Duration("boundary_timeout", time.Duration(d), 0, maxBoundaryTimeout)
+}
+
+// checkJoinSettle allows a negative join_settle: off.
+func checkJoinSettle(d caddy.Duration) error {
+	if d < 0 {
+		return nil
+	}
+	return bounds.Duration("join_settle", time.Duration(d), 0, maxJoinSettle)
+}
+
+func checkIdleCloseAfter(d caddy.Duration) error {
+	return bounds.Duration("idle_close_after", time.Duration(d), minIdleCloseAfter, maxIdleCloseAfter)
+}
+
+func checkThreshold(p float64) error { return checkPercent("threshold", p, maxThreshold) }
+func checkStopBand(p float64) error  { return checkPercent("stop_band", p, maxThreshold) }
+func checkShedRate(p float64) error  { return checkPercent("shed_rate", p, 100) }
+
+func checkMinConnections(n int) error {
+	if n < 0 || n > maxMinConnections {
+		return fmt.Errorf("min_connections %d: want a whole number from 0 to %d", n, maxMinConnections)
 	}
 	return nil
 }
 
-// checkRelations checks the effective settings (resolve) against each
-// other.
-func (a *App) checkRelations() error {
-	switch {
-	case a.CPU != "" && a.Metric != metricCPU:
-		return fmt.Errorf("cpu %q: cpu is only used with metric %s, and metric is %s", a.CPU, metricCPU, cmp.Or(a.Metric, metricConnections))
-	case a.history < a.interval:
-		return fmt.Errorf("history (%v) must be at least interval (%v)", a.history, a.interval)
-	case windowSize(a.history, a.interval) > maxWindowSamples:
-		return fmt.Errorf("history %v over interval %v is %d samples, above the maximum %d; lengthen interval or shorten history",
-			a.history, a.interval, windowSize(a.history, a.interval), maxWindowSamples)
-	case a.params.Freshness < a.interval:
-		return fmt.Errorf("freshness %v is below interval %v: a report changes once per interval, so none would count", a.params.Freshness, a.interval)
-	case a.params.StopBand > a.params.Threshold:
-		return fmt.Errorf("stop_band %v%% is above threshold %v%%; the stop band must lie inside it", a.StopBand, a.params.Threshold*100)
-	}
-	return nil
-}
-
-// checkDuration checks that duration option opt is 0 (its default, or
-// "never") or from lo to hi.
-func checkDuration(opt string, v caddy.Duration, lo, hi time.Duration) error {
-	if v == 0 {
-		return nil // the default
-	}
-	return bounds.Duration(opt, time.Duration(v), lo, hi)
-}
-
-// checkPercent checks that percentage option opt is 0 (its default) or
-// above 0 and at most hi.
+// checkPercent checks that percentage option opt is above 0 and at most
+// hi.
 func checkPercent(opt string, v, hi float64) error {
-	if v == 0 || v > 0 && v <= hi {
+	if v > 0 && v <= hi {
 		return nil
 	}
 	return fmt.Errorf("%s %v%%: want a percentage above 0%% and at most %v%%", opt, v, hi)
+}
+
+// checkRelations checks the options against each other, with the
+// defaults of those left unset.
+func (a *App) checkRelations() error {
+	c := *a
+	c.setDefaults()
+	interval, history, freshness := time.Duration(c.Interval), time.Duration(c.History), time.Duration(c.Freshness)
+	switch {
+	case c.CPU != "" && c.Metric != metricCPU:
+		return fmt.Errorf("cpu %q: cpu is only used with metric %s, and metric is %s", c.CPU, metricCPU, c.Metric)
+	case history < interval:
+		return fmt.Errorf("history (%v) must be at least interval (%v)", history, interval)
+	case windowSize(history, interval) > maxWindowSamples:
+		return fmt.Errorf("history %v over interval %v is %d samples, above the maximum %d; lengthen interval or shorten history",
+			history, interval, windowSize(history, interval), maxWindowSamples)
+	case freshness < interval:
+		return fmt.Errorf("freshness %v is below interval %v: a report changes once per interval, so none would count", freshness, interval)
+	case c.StopBand > c.Threshold:
+		return fmt.Errorf("stop_band %v%% is above threshold %v%%; the stop band must lie inside it", c.StopBand, c.Threshold)
+	}
+	return nil
 }
 
 // longestLoadTag is the longest value the load tag takes for metric: the
@@ -573,11 +613,11 @@ func (a *App) settings() *settings {
 	return &settings{
 		owner:     a,
 		cluster:   a.cluster,
-		params:    a.params,
+		params:    a.params(),
 		interval:  a.interval,
-		history:   a.history,
-		boundary:  a.boundary,
-		metric:    a.metric,
+		history:   time.Duration(a.History),
+		boundary:  time.Duration(a.BoundaryTimeout),
+		metric:    a.reportedMetric(),
 		idleClose: a.idleClose,
 		source:    a.source,
 		logger:    a.logger,
@@ -611,11 +651,11 @@ func (a *App) Start() error {
 	}
 	a.logger.Info("rebalance started",
 		zap.String("node_name", n.name), zap.Bool("reused_state", loaded),
-		zap.String("metric", a.Metric), cpu, zap.Float64("threshold_percent", a.params.Threshold*100),
-		zap.Float64("stop_band_percent", a.params.EffectiveStopBand()*100), zap.Float64("shed_rate_percent", a.params.ShedRate*100),
-		zap.Int("min_connections", a.params.MinConnections), zap.Stringer("interval", a.interval), zap.Stringer("history", a.history),
-		zap.Stringer("boundary_timeout", a.boundary), zap.Stringer("join_settle", a.params.EffectiveJoinSettle()),
-		zap.Stringer("idle_close_after", a.idleClose))
+		zap.String("metric", a.Metric), cpu, zap.Float64("threshold_percent", a.Threshold),
+		zap.Float64("stop_band_percent", a.StopBand), zap.Float64("shed_rate_percent", a.ShedRate),
+		zap.Int("min_connections", *a.MinConnections), zap.Stringer("interval", s.interval), zap.Stringer("history", s.history),
+		zap.Stringer("boundary_timeout", s.boundary), zap.Stringer("join_settle", s.params.EffectiveJoinSettle()),
+		zap.Stringer("idle_close_after", s.idleClose))
 	return nil
 }
 

@@ -113,6 +113,43 @@ func TestAppBoundsJSON(t *testing.T) {
 	}
 }
 
+// TestProvisionWritesDefaults: Provision writes each option's default
+// into its field, as Caddy's modules do, and the decision's parameters
+// are those fields as ratios; a config given as the defaults it wrote
+// runs the same.
+func TestProvisionWritesDefaults(t *testing.T) {
+	a := &App{source: &fakeSource{}, cluster: &cluster.App{NodeName: "defaults"}}
+	if err := provisionApp(t, a); err != nil {
+		t.Fatal(err)
+	}
+	minConns := defaultMinConnections
+	want := App{
+		Metric: metricConnections, Interval: caddy.Duration(time.Second), History: caddy.Duration(10 * time.Second),
+		Freshness: caddy.Duration(5 * time.Second), Threshold: 20, StopBand: 10, ShedRate: 0.5,
+		MinConnections: &minConns, JoinSettle: caddy.Duration(5 * time.Second), IdleCloseAfter: caddy.Duration(2 * time.Minute),
+	}
+	got, wantJSON := caddyconfig.JSON(a, nil), caddyconfig.JSON(want, nil)
+	if string(got) != string(wantJSON) {
+		t.Errorf("options after Provision %s; want %s", got, wantJSON)
+	}
+	p := a.params()
+	if p.Threshold != 0.2 || p.StopBand != 0.1 || p.ShedRate != 0.005 || p.MinConnections != minConns ||
+		p.Freshness != 5*time.Second || p.EffectiveJoinSettle() != 5*time.Second || p.Metric != metricConnections {
+		t.Errorf("params %+v", p)
+	}
+	again := new(App)
+	if err := caddy.StrictUnmarshalJSON(got, again); err != nil {
+		t.Fatal(err)
+	}
+	again.source, again.cluster = &fakeSource{}, &cluster.App{NodeName: "defaults"}
+	if err := provisionApp(t, again); err != nil {
+		t.Fatalf("the defaults, given: %v", err)
+	}
+	if again.params() != p {
+		t.Errorf("the defaults, given, run with %+v; want %+v", again.params(), p)
+	}
+}
+
 // TestLoadTagMustFit: cluster tags that fit serf's 512 bytes alone but
 // not with the load tag are refused by the rebalance app, which
 // publishes it.
@@ -360,7 +397,7 @@ func FuzzAppJSON(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if w := windowSize(a.history, a.interval); w > maxWindowSamples || a.interval < minInterval {
+		if w := windowSize(time.Duration(a.History), a.interval); w > maxWindowSamples || a.interval < minInterval {
 			t.Fatalf("%s: accepted with a window of %d samples at interval %v", raw, w, a.interval)
 		}
 	})

@@ -42,108 +42,111 @@ func init() {
 // read, so errors name their line.
 func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "rebalance"
-	d.Next() // the option's name
-	if err := caddyopt.BlockOnly(d, what); err != nil {
+	if err := caddyopt.Block(d, what, func(opt string) error { return a.parseOption(d, what, opt) }); err != nil {
 		return err
-	}
-	once := caddyopt.NewOnce(what)
-	for d.NextBlock(0) {
-		opt := d.Val()
-		if err := once.Check(d); err != nil {
-			return err
-		}
-		switch opt {
-		case "metric":
-			val, err := caddyopt.OneArg(d, what)
-			if err != nil {
-				return err
-			}
-			a.Metric = val
-		case "cpu":
-			// Its values are checkOption's, and that it goes with metric
-			// cpu checkRelations'.
-			val, err := caddyopt.OneArg(d, what)
-			if err != nil {
-				return err
-			}
-			a.CPU = val
-		case "interval", "history", "freshness", "idle_close_after":
-			dur, err := caddyopt.PositiveDuration(d, what)
-			if err != nil {
-				return err
-			}
-			switch opt {
-			case "interval":
-				a.Interval = caddy.Duration(dur)
-			case "history":
-				a.History = caddy.Duration(dur)
-			case "freshness":
-				a.Freshness = caddy.Duration(dur)
-			case "idle_close_after":
-				a.IdleCloseAfter = caddy.Duration(dur)
-			}
-		case "threshold", "stop_band", "shed_rate":
-			val, err := caddyopt.OneArg(d, what)
-			if err != nil {
-				return err
-			}
-			// 0 would mean the default; the bounds are checkOption's.
-			pct, err := strconv.ParseFloat(strings.TrimSuffix(val, "%"), 64)
-			if err != nil || pct == 0 {
-				return caddyopt.Invalid(d, what, opt, val, "a percentage above 0%")
-			}
-			switch opt {
-			case "threshold":
-				a.Threshold = pct
-			case "stop_band":
-				a.StopBand = pct
-			case "shed_rate":
-				a.ShedRate = pct
-			}
-		case "boundary_timeout":
-			// 0 is allowed (never force); the bounds are checkOption's.
-			dur, err := caddyopt.Duration(d, what)
-			if err != nil {
-				return err
-			}
-			a.BoundaryTimeout = caddy.Duration(dur)
-		case "join_settle":
-			val, err := caddyopt.OneArg(d, what)
-			if err != nil {
-				return err
-			}
-			if val == "off" {
-				a.JoinSettle = -1
-				break
-			}
-			dur, err := caddy.ParseDuration(val)
-			if err != nil || dur <= 0 {
-				return caddyopt.Invalid(d, what, opt, val, "a positive duration such as 5s, or off")
-			}
-			a.JoinSettle = caddy.Duration(dur)
-		case "min_connections":
-			n, err := caddyopt.Int(d, what)
-			if err != nil {
-				return err
-			}
-			a.MinConnections = &n
-		default:
-			if clusterOption(opt) {
-				return caddyopt.Errf(d, what, "%s is an option of the cluster global option now: cluster { %s … }", opt, opt)
-			}
-			return caddyopt.Unknown(d, what, appOptions...)
-		}
-		if err := a.checkOption(opt); err != nil {
-			return caddyopt.Errf(d, what, "%v", err)
-		}
 	}
 	// The options against each other (the error points at the block's
 	// end).
-	a.resolve()
-	if err := a.checkRelations(); err != nil {
-		return caddyopt.Errf(d, what, "%v", err)
+	return caddyopt.Checked(d, what, a.checkRelations())
+}
+
+// parseOption reads option opt, the dispenser on its name, and checks it
+// with the check validate runs on the JSON.
+func (a *App) parseOption(d *caddyfile.Dispenser, what, opt string) error {
+	switch opt {
+	case "metric":
+		return word(d, what, &a.Metric, checkMetric)
+	case "cpu":
+		// That it goes with metric cpu is checkRelations'.
+		return word(d, what, &a.CPU, checkCPU)
+	case "interval":
+		return positiveDuration(d, what, &a.Interval, checkInterval)
+	case "history":
+		return positiveDuration(d, what, &a.History, checkHistory)
+	case "freshness":
+		return positiveDuration(d, what, &a.Freshness, checkFreshness)
+	case "idle_close_after":
+		return positiveDuration(d, what, &a.IdleCloseAfter, checkIdleCloseAfter)
+	case "threshold":
+		return percent(d, what, &a.Threshold, checkThreshold)
+	case "stop_band":
+		return percent(d, what, &a.StopBand, checkStopBand)
+	case "shed_rate":
+		return percent(d, what, &a.ShedRate, checkShedRate)
+	case "boundary_timeout":
+		// 0 is allowed: never force.
+		dur, err := caddyopt.Duration(d, what)
+		if err != nil {
+			return err
+		}
+		a.BoundaryTimeout = caddy.Duration(dur)
+		return caddyopt.Checked(d, what, checkBoundaryTimeout(a.BoundaryTimeout))
+	case "join_settle":
+		val, err := caddyopt.OneArg(d, what)
+		if err != nil {
+			return err
+		}
+		if val == "off" {
+			a.JoinSettle = -1
+			return nil
+		}
+		dur, err := caddy.ParseDuration(val)
+		if err != nil || dur <= 0 {
+			return caddyopt.Invalid(d, what, opt, val, "a positive duration such as 5s, or off")
+		}
+		a.JoinSettle = caddy.Duration(dur)
+		return caddyopt.Checked(d, what, checkJoinSettle(a.JoinSettle))
+	case "min_connections":
+		n, err := caddyopt.Int(d, what)
+		if err != nil {
+			return err
+		}
+		a.MinConnections = &n
+		return caddyopt.Checked(d, what, checkMinConnections(n))
 	}
-	return nil
+	if clusterOption(opt) {
+		return caddyopt.Errf(d, what, "%s is an option of the cluster global option now: cluster { %s … }", opt, opt)
+	}
+	return caddyopt.Unknown(d, what, appOptions...)
+}
+
+// word reads the one argument of the option the dispenser is on into
+// field, and checks it.
+func word(d *caddyfile.Dispenser, what string, field *string, check func(string) error) error {
+	val, err := caddyopt.OneArg(d, what)
+	if err != nil {
+		return err
+	}
+	*field = val
+	return caddyopt.Checked(d, what, check(val))
+}
+
+// positiveDuration reads the option the dispenser is on as a positive
+// duration (0 would mean the default in JSON) into field, and checks it.
+func positiveDuration(d *caddyfile.Dispenser, what string, field *caddy.Duration, check func(caddy.Duration) error) error {
+	dur, err := caddyopt.PositiveDuration(d, what)
+	if err != nil {
+		return err
+	}
+	*field = caddy.Duration(dur)
+	return caddyopt.Checked(d, what, check(*field))
+}
+
+// percent reads the option the dispenser is on as a percentage, with or
+// without the % sign, into field, and checks it. 0 is refused: in JSON it
+// would mean the default.
+func percent(d *caddyfile.Dispenser, what string, field *float64, check func(float64) error) error {
+	opt := d.Val()
+	val, err := caddyopt.OneArg(d, what)
+	if err != nil {
+		return err
+	}
+	pct, err := strconv.ParseFloat(strings.TrimSuffix(val, "%"), 64)
+	if err != nil || pct == 0 {
+		return caddyopt.Invalid(d, what, opt, val, "a percentage above 0%")
+	}
+	*field = pct
+	return caddyopt.Checked(d, what, check(pct))
 }
 
 // clusterOption reports whether opt belongs to the cluster global option,
@@ -193,23 +196,12 @@ func noOptions(d *caddyfile.Dispenser, what string) error {
 // port_tag, upstreams are matched to members by IP alone.
 func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "lb_policy cluster_load"
-	d.Next() // the policy's name
-	if err := caddyopt.BlockOnly(d, what); err != nil {
-		return err
-	}
-	once := caddyopt.NewOnce(what)
-	for d.NextBlock(0) {
-		opt := d.Val()
-		if err := once.Check(d); err != nil {
-			return err
-		}
+	return caddyopt.Block(d, what, func(opt string) error {
 		switch opt {
 		case "port_tag":
 			val, err := caddyopt.OneArg(d, what)
-			if err != nil {
-				return err
-			}
 			p.PortTag = val
+			return err
 		case "port":
 			val, err := caddyopt.OneArg(d, what)
 			if err != nil {
@@ -219,6 +211,7 @@ func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error 
 				return caddyopt.Errf(d, what, "%v", err)
 			}
 			p.Port = val
+			return nil
 		case "refresh":
 			dur, err := caddyopt.PositiveDuration(d, what)
 			if err != nil {
@@ -228,11 +221,10 @@ func (p *ClusterLoadSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error 
 			if err := p.Validate(); err != nil {
 				return d.Err(err.Error())
 			}
-		default:
-			return caddyopt.Unknown(d, what, "port_tag", "port", "refresh")
+			return nil
 		}
-	}
-	return nil
+		return caddyopt.Unknown(d, what, "port_tag", "port", "refresh")
+	})
 }
 
 // Interface guards

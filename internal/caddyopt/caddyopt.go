@@ -131,6 +131,38 @@ func BlockOnly(d *caddyfile.Dispenser, what string) error {
 	return nil
 }
 
+// Block reads a block of options: it consumes the name of the
+// directive, global option or module (the token the dispenser is on),
+// refuses arguments on its line, and calls option for each option of the
+// block with the dispenser on the option's name, after refusing one given
+// twice. option reads the option's values and checks them.
+func Block(d *caddyfile.Dispenser, what string, option func(opt string) error) error {
+	d.Next() // the name
+	if err := BlockOnly(d, what); err != nil {
+		return err
+	}
+	once := NewOnce(what)
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		if err := once.Check(d); err != nil {
+			return err
+		}
+		if err := option(d.Val()); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Checked returns the error of a check of an option's value (a bounds
+// check shared with the module's JSON validation), if any, at the
+// dispenser's line and starting with what.
+func Checked(d *caddyfile.Dispenser, what string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return Errf(d, what, "%v", err)
+}
+
 // Missing is the error for the option the dispenser is on when it needs
 // a value and has none.
 func Missing(d *caddyfile.Dispenser, what string) error {

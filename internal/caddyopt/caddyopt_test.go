@@ -2,6 +2,7 @@ package caddyopt
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -153,6 +154,45 @@ func TestNoOptions(t *testing.T) {
 		err := NoOptions(d, "m")
 		if want == "" && err != nil || want != "" && (err == nil || err.Error() != want) {
 			t.Errorf("%q: error %v; want %q", in, err, want)
+		}
+	}
+}
+
+// TestBlock covers the block of options: the name line, each option
+// once, and the option's own error, each at its line; Checked reports a
+// check's error at the dispenser's line.
+func TestBlock(t *testing.T) {
+	for in, want := range map[string]string{
+		"b":                     "",
+		"b {\n a 1\n c 2\n}":    "",
+		"b 1":                   `b: unexpected argument "1"; options go in a block, at Testfile:1`,
+		"b {\n a 1\n a 2\n}":    "b: a specified more than once, at Testfile:3",
+		"b {\n a 1\n z 1\n}":    `b: unknown option "z" (want a or c), at Testfile:3`,
+		"b {\n c -1\n}":         "b: c -1 is below the minimum 0, at Testfile:2",
+		"b {\n a {\n  x\n }\n}": `b: a: missing value, at Testfile:2`,
+	} {
+		var seen []string
+		d := caddyfile.NewTestDispenser(in)
+		err := Block(d, "b", func(opt string) error {
+			seen = append(seen, opt)
+			switch opt {
+			case "a":
+				_, err := OneArg(d, "b")
+				return err
+			case "c":
+				val, err := Int(d, "b")
+				if err != nil {
+					return err
+				}
+				if val < 0 {
+					return Checked(d, "b", fmt.Errorf("c %d is below the minimum 0", val))
+				}
+				return Checked(d, "b", nil)
+			}
+			return Unknown(d, "b", "a", "c")
+		})
+		if want == "" && err != nil || want != "" && (err == nil || err.Error() != want) {
+			t.Errorf("%q: error %v; want %q (options read: %v)", in, err, want, seen)
 		}
 	}
 }
