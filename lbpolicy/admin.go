@@ -306,7 +306,7 @@ func policyTables() tables {
 	var out tables
 	for src := range statusSources {
 		switch p := src.(type) {
-		case *EWMASelection:
+		case *LeastTimeSelection:
 			if p.table != nil {
 				out = append(out, p.table)
 			}
