@@ -45,7 +45,7 @@ type adminAPI struct{}
 // CaddyModule returns the Caddy module information.
 func (adminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "admin.api.lbx",
+		ID:  "admin.api.lbx_upstreams",
 		New: func() caddy.Module { return new(adminAPI) },
 	}
 }
