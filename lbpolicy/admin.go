@@ -45,7 +45,7 @@ type adminAPI struct{}
 // CaddyModule returns the Caddy module information.
 func (adminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "admin.api.lbx",
+		ID:  "admin.api.lbx_upstreams",
 		New: func() caddy.Module { return new(adminAPI) },
 	}
 }
@@ -306,7 +306,7 @@ func policyTables() tables {
 	var out tables
 	for src := range statusSources {
 		switch p := src.(type) {
-		case *EWMASelection:
+		case *LeastTimeSelection:
 			if p.table != nil {
 				out = append(out, p.table)
 			}

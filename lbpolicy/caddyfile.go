@@ -14,9 +14,10 @@ import (
 	"github.com/caddy-lbx/lbx/internal/caddyopt"
 )
 
-// UnmarshalCaddyfile sets up the ewma policy from Caddyfile tokens. Syntax:
+// UnmarshalCaddyfile sets up the least_time policy (or ewma, its earlier
+// name) from Caddyfile tokens. Syntax:
 //
-//	lb_policy ewma {
+//	lb_policy least_time {
 //		choices         <n>|all|auto
 //		decay           <duration>
 //		weights         <w1> <w2> ...
@@ -45,9 +46,10 @@ import (
 //			health_check_restore            on|off
 //		}
 //	}
-func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	const what = "lb_policy ewma"
+func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the policy's name
+	// errors name the policy as written: least_time, or ewma
+	what := "lb_policy " + d.Val()
 	if err := caddyopt.BlockOnly(d, what); err != nil {
 		return err
 	}
@@ -125,7 +127,7 @@ func (s *EWMASelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //
 //	lb_policy panic {
 //		threshold <percent>|off
-//		outlier { <as in ewma> }
+//		outlier { <as in least_time> }
 //		policy    <name> [<args...>] [{
 //			<policy options>
 //		}]
@@ -176,15 +178,15 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		default:
 			return caddyopt.Unknown(d, what, "threshold", "outlier", "policy")
 		}
-		if _, ewma := p.inner.(*EWMASelection); ewma && p.Outlier != nil {
-			return d.Err(errOutlierAroundEWMA.Error())
+		if lt, ok := p.inner.(leastTimer); ok && p.Outlier != nil {
+			return d.Err(errOutlierAround(lt).Error())
 		}
 	}
 	return nil
 }
 
 // unmarshalCaddyfile reads an outlier block, the dispenser on its name;
-// errors start with what (the block's path, "lb_policy ewma: outlier"):
+// errors start with what (the block's path, "lb_policy least_time: outlier"):
 //
 //	outlier {
 //		consecutive_failures            <n>
@@ -294,7 +296,7 @@ func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error 
 }
 
 // unmarshalCaddyfile reads a slow_start option, the dispenser on its name;
-// errors start with what (the policy's block, "lb_policy ewma"):
+// errors start with what (the policy's block, "lb_policy least_time"):
 //
 //	slow_start <window> [{
 //		min_weight <percent>
@@ -344,7 +346,7 @@ func (s *SlowStart) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) erro
 }
 
 // unmarshalCaddyfile reads a retry_budget option, the dispenser on its
-// name; errors start with what (the policy's block, "lb_policy ewma"):
+// name; errors start with what (the policy's block, "lb_policy least_time"):
 //
 //	retry_budget [<percent>] [{
 //		min_concurrent <n>
@@ -441,6 +443,6 @@ func parseFloat(d *caddyfile.Dispenser, what string) (float64, error) {
 
 // Interface guards
 var (
-	_ caddyfile.Unmarshaler = (*EWMASelection)(nil)
+	_ caddyfile.Unmarshaler = (*LeastTimeSelection)(nil)
 	_ caddyfile.Unmarshaler = (*PanicSelection)(nil)
 )

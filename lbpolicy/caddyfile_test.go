@@ -35,7 +35,10 @@ func (*notASelector) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // percent returns a pointer to v, for the optional percentage fields.
 func percent(v float64) *float64 { return &v }
 
-func TestEWMAUnmarshalCaddyfile(t *testing.T) {
+// TestLeastTimeUnmarshalCaddyfile parses the least_time policy's block,
+// mostly under its earlier name, ewma, which must read as it always did;
+// errors name the policy as written.
+func TestLeastTimeUnmarshalCaddyfile(t *testing.T) {
 	for _, tt := range []struct {
 		name  string
 		input string
@@ -49,7 +52,10 @@ func TestEWMAUnmarshalCaddyfile(t *testing.T) {
 		err string
 	}{
 		{name: "bare", input: `ewma`},
+		{name: "bare least_time", input: `least_time`},
 		{name: "empty block", input: "ewma {\n}"},
+		{name: "least_time options", input: "least_time {\n\tchoices 3\n\tdecay 2s\n\tweights 1 2\n\tpanic_threshold 10%\n}", choices: 3, decay: 2 * time.Second, weights: []int{1, 2}, panic: percent(10)},
+		{name: "least_time error", input: "least_time {\n\tchoices 1\n}", err: `lb_policy least_time: choices "1": must be a number of 2 or more, "all" or "auto", at Testfile:2`},
 		{name: "choices 2", input: "ewma {\n\tchoices 2\n}", choices: 2},
 		{name: "choices 3", input: "ewma {\n\tchoices 3\n}", choices: 3},
 		{name: "choices all", input: "ewma {\n\tchoices all\n}", choices: choicesAll},
@@ -107,7 +113,7 @@ func TestEWMAUnmarshalCaddyfile(t *testing.T) {
 		{name: "panic_threshold extra argument", input: "ewma {\n\tpanic_threshold 50% 60%\n}", err: `lb_policy ewma: panic_threshold: one value expected, got another: "60%", at Testfile:2`},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			s := new(EWMASelection)
+			s := new(LeastTimeSelection)
 			err := s.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tt.input))
 			if !wantErr(t, err, tt.err) {
 				return
@@ -225,7 +231,7 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 // enclosing directive.
 func TestCaddyfileOptionsDoNotLeakPastTheirBlock(t *testing.T) {
 	d := caddyfile.NewTestDispenser("ewma {\n\tchoices 2\n}\nnext_directive arg")
-	s := new(EWMASelection)
+	s := new(LeastTimeSelection)
 	if err := s.UnmarshalCaddyfile(d); err != nil {
 		t.Fatal(err)
 	}
@@ -344,14 +350,14 @@ func TestChoicesJSONRoundTrip(t *testing.T) {
 		{choicesAll, `{"choices":"all"}`},
 		{2, `{"choices":2}`},
 	} {
-		b, err := json.Marshal(&EWMASelection{Choices: tt.c})
+		b, err := json.Marshal(&LeastTimeSelection{Choices: tt.c})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if string(b) != tt.want {
-			t.Errorf("EWMASelection{Choices: %v} = %s, want %s", tt.c, b, tt.want)
+			t.Errorf("LeastTimeSelection{Choices: %v} = %s, want %s", tt.c, b, tt.want)
 		}
-		var s EWMASelection
+		var s LeastTimeSelection
 		if err := json.Unmarshal(b, &s); err != nil || s.Choices != tt.c {
 			t.Errorf("%s decodes to Choices %v (%v), want %v", b, s.Choices, err, tt.c)
 		}

@@ -7,7 +7,7 @@ import (
 	"strconv"
 )
 
-// Choices is how many upstreams the ewma policy compares per request. In
+// Choices is how many upstreams the least_time policy compares per request. In
 // JSON it is a number of random candidates (2 or more; 2 is "power of two
 // choices") or the string "all" for a full scan ("least response time").
 // Zero or absent means automatic: a full scan for pools of up to 32

@@ -1,6 +1,7 @@
-// Package lbpolicy provides reverse_proxy selection policies: `ewma`, which
-// picks the upstream with the lowest expected latency — (in-flight + 1) ×
-// expected latency / weight, see EWMASelection — and `panic`, which gives
+// Package lbpolicy provides reverse_proxy selection policies: `least_time`
+// (earlier named `ewma`, still accepted), which picks the upstream with the
+// lowest expected latency — (in-flight + 1) × expected latency / weight,
+// see LeastTimeSelection — and `panic`, which gives
 // any selection policy Envoy-style panic mode: when too few upstreams are
 // healthy, the health checks are the likelier culprits, so all upstreams
 // are used.

@@ -7,12 +7,14 @@ import (
 )
 
 // FuzzSelectionPolicyJSON loads a reverse_proxy handler whose selection
-// policy is the fuzzed JSON, so that ewma and panic are provisioned where
-// they install their transport and start their sweep loops: no input may
-// panic, allocate without bound, or hang.
+// policy is the fuzzed JSON, so that least_time (under either name) and
+// panic are provisioned where they install their transport and start their
+// sweep loops: no input may panic, allocate without bound, or hang.
 func FuzzSelectionPolicyJSON(f *testing.F) {
 	for _, seed := range []string{
 		`{"policy":"ewma"}`,
+		`{"policy":"least_time"}`,
+		`{"policy":"least_time","choices":"all","decay":"10s","weights":[1,2],"panic_threshold":40,"outlier":{"interval":"-1s"}}`,
 		`{"policy":"ewma","choices":"all","decay":"10s","weights":[1,2],"panic_threshold":40}`,
 		`{"policy":"ewma","outlier":{"interval":"-1s"}}`,
 		`{"policy":"ewma","outlier":{"interval":1,"base_ejection_time":1e18,"max_ejection_time":-5}}`,
@@ -22,6 +24,7 @@ func FuzzSelectionPolicyJSON(f *testing.F) {
 		`{"policy":"panic","threshold":30,"outlier":{"consecutive_failures":1},"selection_policy":{"policy":"least_conn"}}`,
 		`{"policy":"panic","selection_policy":{"policy":"panic"}}`,
 		`{"policy":"panic","selection_policy":{"policy":"ewma","outlier":{"interval":"1ns"}}}`,
+		`{"policy":"panic","outlier":{},"selection_policy":{"policy":"least_time"}}`,
 		`{"policy":"panic","outlier":{"interval":"-1s"}}`,
 	} {
 		f.Add([]byte(seed))

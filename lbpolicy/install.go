@@ -16,8 +16,8 @@ var errNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handl
 
 // install puts an observingTransport around the transport of the
 // reverse_proxy handler that is provisioning the calling module, so that
-// every attempt that handler makes feeds table. It is how `lb_policy ewma`
-// works with no other configuration.
+// every attempt that handler makes feeds table. It is how
+// `lb_policy least_time` works with no other configuration.
 //
 // It must be called from the Provision of a module loaded by
 // reverseproxy.Handler.Provision (a selection policy): Caddy loads the
@@ -41,7 +41,7 @@ func install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reve
 	}
 	if ot, ok := h.Transport.(*observingTransport); ok {
 		// Two of our modules in one handler (the panic wrapper around
-		// ewma): they must share one table, the first one installed.
+		// least_time): they must share one table, the first one installed.
 		if ot.table != table {
 			return h, fmt.Errorf("reverse_proxy transport is already observed by another lbx module")
 		}

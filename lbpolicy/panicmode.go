@@ -16,7 +16,7 @@ const defaultPanicThreshold = 50.0
 
 // panicMode decides, per request, whether a pool has so few available
 // upstreams that health should be ignored, and logs and counts the
-// transitions. It is shared by the ewma policy and the panic wrapper; the
+// transitions. It is shared by the least_time policy and the panic wrapper; the
 // state it decides on is each pool's (panicState, in the pool's view).
 type panicMode struct {
 	threshold float64 // fraction of the pool, 0 disables

@@ -11,7 +11,7 @@ import (
 
 // poolStatus describes one handler's pool as its selection policy sees it.
 type poolStatus struct {
-	// Policy is the selection policy's name, e.g. "ewma" or "panic(least_conn)".
+	// Policy is the selection policy's name, e.g. "least_time" (or "ewma" where configured so) or "panic(least_conn)".
 	Policy string `json:"policy"`
 	// Name names the pool by its members: their dial addresses, comma
 	// separated, for a pool of up to poolNameMembers; for a larger one the
@@ -259,10 +259,10 @@ func (v *poolView) countStates(now int64, ramping func(i int) bool) poolStates {
 }
 
 // reportViews implements pagedSource.
-func (s *EWMASelection) reportViews() []*poolView { return s.views.all() }
+func (s *LeastTimeSelection) reportViews() []*poolView { return s.views.all() }
 
 // describe implements pagedSource.
-func (s *EWMASelection) describe(v, sub *poolView) poolStatus {
+func (s *LeastTimeSelection) describe(v, sub *poolView) poolStatus {
 	st := s.statusOf(sub, v == s.views.last.Load())
 	now := monoclock.Now()
 	st.Available = v.availableNow()

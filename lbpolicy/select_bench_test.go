@@ -77,7 +77,8 @@ func BenchmarkSelect(b *testing.B) {
 		for _, p := range policies {
 			b.Run(fmt.Sprintf("%s/pool=%d", p.name, n), func(b *testing.B) {
 				sel, pool := proxyWithLB(b, p.json, p.lb, n)
-				if s, ok := sel.(*EWMASelection); ok {
+				if lt, ok := sel.(leastTimer); ok {
+					s := lt.leastTime()
 					for i, u := range pool {
 						observe(s, u, time.Duration(1+i%5)*time.Millisecond, hoststate.Success)
 					}

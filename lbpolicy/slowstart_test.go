@@ -18,7 +18,7 @@ import (
 // probability factor, then one of four equals, so about factor/4.
 func TestSlowStartShareFollowsRamp(t *testing.T) {
 	const window = 10 * time.Second
-	s := provisionEWMA(t, &EWMASelection{SlowStart: &SlowStart{Window: caddy.Duration(window)}})
+	s := provisionLeastTime(t, &LeastTimeSelection{SlowStart: &SlowStart{Window: caddy.Duration(window)}})
 	pool := newPool(t, 4)
 	for _, u := range pool {
 		observe(s, u, 2*time.Millisecond, hoststate.Success)
@@ -45,7 +45,7 @@ func TestSlowStartShareFollowsRamp(t *testing.T) {
 // floor, a draw that admits none of them must still choose one.
 func TestSlowStartNeverRefuses(t *testing.T) {
 	for _, choices := range []Choices{choicesAll, 2} {
-		s := provisionEWMA(t, &EWMASelection{Choices: choices, SlowStart: &SlowStart{Window: caddy.Duration(time.Minute)}})
+		s := provisionLeastTime(t, &LeastTimeSelection{Choices: choices, SlowStart: &SlowStart{Window: caddy.Duration(time.Minute)}})
 		pool := newPool(t, 3)
 		now := monoclock.Now()
 		for _, u := range pool {
@@ -63,7 +63,7 @@ func TestSlowStartNeverRefuses(t *testing.T) {
 // TestSlowStartNewMember: an upstream that joins a pool whose members have
 // served ramps; in a pool where nobody has served yet, nobody does.
 func TestSlowStartNewMember(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{SlowStart: &SlowStart{Window: caddy.Duration(time.Minute)}})
+	s := provisionLeastTime(t, &LeastTimeSelection{SlowStart: &SlowStart{Window: caddy.Duration(time.Minute)}})
 	fresh := newPool(t, 3)
 	s.Select(fresh, nil, nil)
 	for _, u := range fresh {

@@ -99,7 +99,7 @@ func TestEWMARetryAvoidsTried(t *testing.T) {
 				name += "/dynamic"
 			}
 			t.Run(name, func(t *testing.T) {
-				s := provisionEWMA(t, &EWMASelection{Choices: choices})
+				s := provisionLeastTime(t, &LeastTimeSelection{Choices: choices})
 				pool := newPool(t, 4)
 				observe(s, pool[0], time.Millisecond, hoststate.Success)
 				for _, u := range pool[1:] {
@@ -115,7 +115,7 @@ func TestEWMARetryAvoidsTried(t *testing.T) {
 // changes nothing for it, only for its retries: a full scan still sends
 // every first attempt to the fastest upstream.
 func TestEWMARetryFirstAttemptUnchanged(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{Choices: choicesAll})
+	s := provisionLeastTime(t, &LeastTimeSelection{Choices: choicesAll})
 	pool := newPool(t, 3)
 	observe(s, pool[0], time.Millisecond, hoststate.Success)
 	for _, u := range pool[1:] {
@@ -131,8 +131,8 @@ func TestEWMARetryFirstAttemptUnchanged(t *testing.T) {
 // TestRetrySingleUpstream: with one upstream, every retry still gets it.
 func TestRetrySingleUpstream(t *testing.T) {
 	for name, sel := range map[string]reverseproxy.Selector{
-		"ewma":              provisionEWMA(t, &EWMASelection{}),
-		"ewma choices 2":    provisionEWMA(t, &EWMASelection{Choices: 2}),
+		"ewma":              provisionLeastTime(t, &LeastTimeSelection{}),
+		"ewma choices 2":    provisionLeastTime(t, &LeastTimeSelection{Choices: 2}),
 		"panic(least_conn)": provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy":"least_conn"}`)}),
 		"panic(first)":      provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy":"first"}`)}),
 	} {
@@ -149,7 +149,7 @@ func TestRetrySingleUpstream(t *testing.T) {
 // upstreams are unusable, a retry goes back to one that was tried rather
 // than fail.
 func TestEWMARetryAmongTriedWhenOnlyTheyAreUsable(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{Choices: choicesAll, PanicThreshold: percent(0)})
+	s := provisionLeastTime(t, &LeastTimeSelection{Choices: choicesAll, PanicThreshold: percent(0)})
 	pool := newPool(t, 3)
 	if _, _, ok := s.table.Stats(pool[2].Dial).Eject(monoclock.Now(), time.Hour,
 		func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
@@ -246,7 +246,7 @@ func TestTracksTriedOnlyWithRetries(t *testing.T) {
 			t.Fatal(err)
 		}
 		h := mod.(*reverseproxy.Handler)
-		if got := h.LoadBalancing.SelectionPolicy.(*EWMASelection).trackTried; got != want {
+		if got := h.LoadBalancing.SelectionPolicy.(leastTimer).leastTime().trackTried; got != want {
 			t.Errorf("load_balancing {...%s}: tracks tried %v, want %v", lb, got, want)
 		}
 		_ = h.Cleanup()
@@ -260,7 +260,7 @@ func TestTracksTriedOnlyWithRetries(t *testing.T) {
 func TestRetryLeavesVarsAlone(t *testing.T) {
 	pool := newPool(t, 4)
 	for name, sel := range map[string]reverseproxy.Selector{
-		"ewma":         provisionEWMA(t, &EWMASelection{}),
+		"ewma":         provisionLeastTime(t, &LeastTimeSelection{}),
 		"panic(first)": provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy":"first"}`)}),
 	} {
 		vars := map[string]any{}
@@ -330,7 +330,7 @@ func TestTriedWithoutReplacer(t *testing.T) {
 // still chooses (the fastest), as a retry does once all were tried.
 // With Avoid, which keeps one dial, the second fastest would be chosen.
 func TestAvoidAllSteersFirstAttempt(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{Choices: choicesAll})
+	s := provisionLeastTime(t, &LeastTimeSelection{Choices: choicesAll})
 	pool := newPool(t, 4)
 	for i, u := range pool {
 		observe(s, u, time.Duration(i+1)*time.Millisecond, hoststate.Success)

@@ -16,10 +16,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(AdminAPI{})
+	caddy.RegisterModule(adminAPI{})
 }
 
-// AdminAPI serves the cluster as this node sees it on Caddy's admin
+// adminAPI serves the cluster as this node sees it on Caddy's admin
 // endpoint:
 //
 //	GET /lbx/rebalance
@@ -32,18 +32,18 @@ func init() {
 // forced closes (boundary_timeout) and how shed WebSockets closed. Fields
 // ending in _human repeat numbers for people (loads in their metric's
 // unit: "12 MB/s" for throughput).
-type AdminAPI struct{}
+type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
-func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID:  "admin.api.lbx_rebalance",
-		New: func() caddy.Module { return new(AdminAPI) },
+		New: func() caddy.Module { return new(adminAPI) },
 	}
 }
 
 // Routes returns the admin routes.
-func (AdminAPI) Routes() []caddy.AdminRoute {
+func (adminAPI) Routes() []caddy.AdminRoute {
 	return []caddy.AdminRoute{{
 		Pattern: "/lbx/rebalance",
 		Handler: handleRebalance,
@@ -407,4 +407,4 @@ func finite(v float64) float64 {
 var handleRebalance = adminjson.Handler(buildRebalanceView)
 
 // Interface guards
-var _ caddy.AdminRouter = (*AdminAPI)(nil)
+var _ caddy.AdminRouter = (*adminAPI)(nil)

@@ -10,10 +10,10 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(AdminAPI{})
+	caddy.RegisterModule(adminAPI{})
 }
 
-// AdminAPI serves the status page on Caddy's admin endpoint:
+// adminAPI serves the status page on Caddy's admin endpoint:
 //
 //	GET /lbx/status
 //	GET /lbx/            (with an Accept header that prefers text/html)
@@ -30,18 +30,18 @@ func init() {
 // requests pass: they carry its URL as Referer. To open the page in a
 // browser, serve it with the lbx_status handler (Handler) on a site of
 // its own.
-type AdminAPI struct{}
+type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
-func (AdminAPI) CaddyModule() caddy.ModuleInfo {
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID:  selfID,
-		New: func() caddy.Module { return new(AdminAPI) },
+		New: func() caddy.Module { return new(adminAPI) },
 	}
 }
 
 // Routes returns the admin routes.
-func (AdminAPI) Routes() []caddy.AdminRoute {
+func (adminAPI) Routes() []caddy.AdminRoute {
 	listing := adminjson.Handler(newIndex)
 	return []caddy.AdminRoute{
 		{Pattern: prefix + "status", Handler: caddy.AdminHandlerFunc(adminPage)},
@@ -69,4 +69,4 @@ func adminPage(w http.ResponseWriter, r *http.Request) error {
 }
 
 // Interface guards
-var _ caddy.AdminRouter = AdminAPI{}
+var _ caddy.AdminRouter = adminAPI{}

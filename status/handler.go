@@ -23,7 +23,7 @@ func init() {
 
 // Handler serves the status page and the lbx admin views it reads on an
 // HTTP site, for browsers, which Caddy's admin endpoint turns away (see
-// AdminAPI). A request whose path ends in the name of a view
+// adminAPI). A request whose path ends in the name of a view
 // (/lbx/upstreams, /lbx/cluster, /lbx/rebalance, /lbx/partitions,
 // /lbx/selective: "upstreams", …) gets that view's JSON, as the admin
 // endpoint would answer it; any other request gets the page. Mount it on

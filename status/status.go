@@ -5,7 +5,7 @@
 // totals, selective groups.
 //
 // The page is served on Caddy's admin endpoint and, because Caddy's admin
-// endpoint refuses a browser's navigation to it (see AdminAPI), by an HTTP
+// endpoint refuses a browser's navigation to it (see adminAPI), by an HTTP
 // handler that also serves the JSON views it reads. This package knows the
 // views only by their admin routes: it imports none of lbx's module
 // packages, and a view added to /lbx/ is served with no change here.

@@ -29,7 +29,11 @@ const browserAccept = "text/html,application/xhtml+xml,application/xml;q=0.9,ima
 // endpoint does: a ServeMux, with an error answered with its status.
 func adminMux() *http.ServeMux {
 	mux := http.NewServeMux()
-	for _, r := range (status.AdminAPI{}).Routes() {
+	info, err := caddy.GetModule("admin.api.lbx_status")
+	if err != nil {
+		panic(err)
+	}
+	for _, r := range info.New().(caddy.AdminRouter).Routes() {
 		mux.Handle(r.Pattern, http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 			if err := r.Handler.ServeHTTP(w, req); err != nil {
 				code := http.StatusInternalServerError

@@ -87,6 +87,18 @@ func TestValidateJSON(t *testing.T) {
 			wantErr:   "ewma: 2 weights given for 1 upstreams",
 		},
 		{
+			name:      "least_time too few weights",
+			upstreams: 3,
+			policy:    `{"policy": "least_time", "weights": [1, 2]}`,
+			wantErr:   "least_time: 2 weights given for 3 upstreams",
+		},
+		{
+			name:      "panic with outlier around least_time",
+			upstreams: 3,
+			policy:    `{"policy": "panic", "outlier": {}, "selection_policy": {"policy": "least_time"}}`,
+			wantErr:   "panic: configure outlier ejection inside the least_time policy, not around it",
+		},
+		{
 			name:      "ewma weight 0",
 			upstreams: 2,
 			policy:    `{"policy": "ewma", "weights": [1, 0]}`,

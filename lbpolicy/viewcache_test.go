@@ -78,7 +78,7 @@ func upstreamsView(mark string) (dials []string, pools int) {
 // reading, passed in: nothing sleeps.
 func TestChurnedUpstreamsReleased(t *testing.T) {
 	mark := t.Name() + "-"
-	s := provisionEWMA(t, &EWMASelection{})
+	s := provisionLeastTime(t, &LeastTimeSelection{})
 	linger := int64(s.linger())
 	if linger != int64(minLinger) {
 		t.Fatalf("linger with the defaults is %v, want %v", time.Duration(linger), minLinger)
@@ -188,7 +188,7 @@ func upstreamsDials(mark string) []string { d, _ := upstreamsView(mark); return 
 // TestStaticViewsKept: the views and state of a handler's static upstreams
 // are never released, however long they go unused.
 func TestStaticViewsKept(t *testing.T) {
-	s := &EWMASelection{table: hoststate.NewTable(hoststate.Config{})}
+	s := &LeastTimeSelection{table: hoststate.NewTable(hoststate.Config{})}
 	t.Cleanup(s.table.Release)
 	pool := newPool(t, 3)
 	h := &reverseproxy.Handler{Upstreams: pool}
@@ -243,7 +243,7 @@ func TestReleaserStops(t *testing.T) {
 		return set
 	}
 	before := ids()
-	s := &EWMASelection{}
+	s := &LeastTimeSelection{}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	if err := s.Provision(ctx); err != nil {
 		t.Fatal(err)
@@ -322,7 +322,7 @@ func walkPages(t *testing.T, limit int, mark string) (pages int, dials []string,
 // addresses of the test.
 func TestUpstreamsPaged(t *testing.T) {
 	mark := t.Name() + "-"
-	s := provisionEWMA(t, &EWMASelection{})
+	s := provisionLeastTime(t, &LeastTimeSelection{})
 	// A pool of 250 in descending order, so pool order is not dial order,
 	// and 30 addresses that only the registry holds.
 	const n, extra = 250, 30
@@ -417,7 +417,7 @@ func TestUpstreamsQueryRefused(t *testing.T) {
 // page is asked for; the ejected one keeps its answer median.
 func TestUpstreamsSummary(t *testing.T) {
 	mark := t.Name() + "-"
-	table := provisionEWMA(t, &EWMASelection{}).table
+	table := provisionLeastTime(t, &LeastTimeSelection{}).table
 	now := monoclock.Now()
 	ejected, failing, slow, fast := table.Stats(mark+"ejected:80"), table.Stats(mark+"failing:80"), table.Stats(mark+"slow:80"), table.Stats(mark+"fast:80")
 	table.ObserveAt(slow, now-int64(900*time.Millisecond), now, hoststate.Success)
@@ -458,7 +458,7 @@ func TestUpstreamsSummary(t *testing.T) {
 // does; a few have samples. It returns after Cleanup is registered.
 func setup200k(b *testing.B) {
 	b.Helper()
-	s := provisionEWMA(b, &EWMASelection{})
+	s := provisionLeastTime(b, &LeastTimeSelection{})
 	const n = 200_000
 	pool := make(reverseproxy.UpstreamPool, n)
 	for i := range pool {

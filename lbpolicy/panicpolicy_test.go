@@ -95,7 +95,7 @@ func TestPanicOutlierAroundEWMAIsAnError(t *testing.T) {
 // healthy one never, instead of one shared mode flipping on every request.
 func TestPanicModeIsPerPool(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
-	s := &EWMASelection{Outlier: &Outlier{MaxEjectionPercent: percent(100)}}
+	s := &LeastTimeSelection{Outlier: &Outlier{MaxEjectionPercent: percent(100)}}
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)
 	if err := s.Provision(ctx); err != nil {

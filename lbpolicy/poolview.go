@@ -25,7 +25,7 @@ type poolView struct {
 	first **reverseproxy.Upstream
 	ups   []*reverseproxy.Upstream
 
-	members  []member                 // ewma: per-member state, in pool order
+	members  []member                 // least_time: per-member state, in pool order
 	shadows  []*reverseproxy.Upstream // panic: health-blind twins
 	shadowOf map[*reverseproxy.Upstream]int
 
@@ -55,7 +55,7 @@ type poolView struct {
 	keepUnejected bool
 }
 
-// member is what the ewma policy keeps per pool member, together so that
+// member is what the least_time policy keeps per pool member, together so that
 // costing a candidate touches one slot.
 type member struct {
 	stats     *hoststate.Stats

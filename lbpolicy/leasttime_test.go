@@ -24,7 +24,7 @@ func newPool(t testing.TB, n int) reverseproxy.UpstreamPool {
 	return pool
 }
 
-func provisionEWMA(t testing.TB, s *EWMASelection) *EWMASelection {
+func provisionLeastTime(t testing.TB, s *LeastTimeSelection) *LeastTimeSelection {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)
 	if err := s.Provision(ctx); err != nil {
@@ -38,13 +38,13 @@ func provisionEWMA(t testing.TB, s *EWMASelection) *EWMASelection {
 }
 
 // observe feeds one round trip of the given latency into the policy's state.
-func observe(s *EWMASelection, u *reverseproxy.Upstream, latency time.Duration, outcome hoststate.Outcome) {
+func observe(s *LeastTimeSelection, u *reverseproxy.Upstream, latency time.Duration, outcome hoststate.Outcome) {
 	st := s.table.Stats(u.Dial)
 	start := st.Begin()
 	s.table.Observe(st, start-int64(latency), outcome)
 }
 
-func shares(s *EWMASelection, pool reverseproxy.UpstreamPool, picks int) map[*reverseproxy.Upstream]int {
+func shares(s *LeastTimeSelection, pool reverseproxy.UpstreamPool, picks int) map[*reverseproxy.Upstream]int {
 	counts := map[*reverseproxy.Upstream]int{}
 	for range picks {
 		counts[s.Select(pool, nil, nil)]++
@@ -52,10 +52,10 @@ func shares(s *EWMASelection, pool reverseproxy.UpstreamPool, picks int) map[*re
 	return counts
 }
 
-func TestEWMAAvoidsSlowUpstream(t *testing.T) {
+func TestLeastTimeAvoidsSlowUpstream(t *testing.T) {
 	for _, choices := range []Choices{choicesAuto, choicesAll, 2} {
 		t.Run(choices.String(), func(t *testing.T) {
-			s := provisionEWMA(t, &EWMASelection{Choices: choices})
+			s := provisionLeastTime(t, &LeastTimeSelection{Choices: choices})
 			pool := newPool(t, 4)
 			for _, u := range pool {
 				observe(s, u, 2*time.Millisecond, hoststate.Success)
@@ -69,8 +69,8 @@ func TestEWMAAvoidsSlowUpstream(t *testing.T) {
 	}
 }
 
-func TestEWMAFastFailingUpstreamIsNotCheap(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{})
+func TestLeastTimeFastFailingUpstreamIsNotCheap(t *testing.T) {
+	s := provisionLeastTime(t, &LeastTimeSelection{})
 	pool := newPool(t, 3)
 	for _, u := range pool {
 		observe(s, u, 5*time.Millisecond, hoststate.Success)
@@ -92,8 +92,8 @@ func TestEWMAFastFailingUpstreamIsNotCheap(t *testing.T) {
 // failure streak) is charged for it: idle and equally fast, the healthy
 // one wins every time. Without the failure price in Cost the two tie and
 // each gets about half.
-func TestEWMAPartlyFailingUpstreamIsPriced(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{})
+func TestLeastTimePartlyFailingUpstreamIsPriced(t *testing.T) {
+	s := provisionLeastTime(t, &LeastTimeSelection{})
 	pool := newPool(t, 2)
 	for i := range 40 {
 		observe(s, pool[1], 2*time.Millisecond, hoststate.Success)
@@ -117,8 +117,8 @@ func TestEWMAPartlyFailingUpstreamIsPriced(t *testing.T) {
 	}
 }
 
-func TestEWMANewUpstreamGetsPrior(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{})
+func TestLeastTimeNewUpstreamGetsPrior(t *testing.T) {
+	s := provisionLeastTime(t, &LeastTimeSelection{})
 	pool := newPool(t, 4)
 	for i, u := range pool[:3] {
 		for range 10 {
@@ -139,8 +139,8 @@ func TestEWMANewUpstreamGetsPrior(t *testing.T) {
 	}
 }
 
-func TestEWMAWeights(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{Weights: []int{1, 4}})
+func TestLeastTimeWeights(t *testing.T) {
+	s := provisionLeastTime(t, &LeastTimeSelection{Weights: []int{1, 4}})
 	pool := newPool(t, 2)
 	for _, u := range pool {
 		observe(s, u, 2*time.Millisecond, hoststate.Success)
@@ -156,15 +156,15 @@ func TestEWMAWeights(t *testing.T) {
 	}
 }
 
-func TestEWMAPanicIgnoresHealthButNotFull(t *testing.T) {
+func TestLeastTimePanicIgnoresHealthButNotFull(t *testing.T) {
 	// Availability is Caddy's own: here an upstream with max_requests 0
 	// is never full, so the no-upstream case is the empty pool.
-	s := provisionEWMA(t, &EWMASelection{})
+	s := provisionLeastTime(t, &LeastTimeSelection{})
 	if s.Select(nil, nil, nil) != nil {
 		t.Fatal("empty pool must yield nil")
 	}
 	for _, choices := range []Choices{choicesAuto, choicesAll, 2, 3} {
-		s := provisionEWMA(t, &EWMASelection{Choices: choices})
+		s := provisionLeastTime(t, &LeastTimeSelection{Choices: choices})
 		for n := 1; n <= 3; n++ {
 			pool := newPool(t, n)
 			for range 50 {
@@ -176,8 +176,8 @@ func TestEWMAPanicIgnoresHealthButNotFull(t *testing.T) {
 	}
 }
 
-func TestEWMAViewFollowsPoolChanges(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{})
+func TestLeastTimeViewFollowsPoolChanges(t *testing.T) {
+	s := provisionLeastTime(t, &LeastTimeSelection{})
 	a, b := newPool(t, 3), newPool(t, 2)
 	for range 50 {
 		if u := s.Select(a, nil, nil); u == nil || !contains(a, u) {
@@ -200,8 +200,8 @@ func contains(pool reverseproxy.UpstreamPool, u *reverseproxy.Upstream) bool {
 
 // TestEWMAConcurrent exercises selection, observation and view rebuilds
 // from many goroutines; run with -race.
-func TestEWMAConcurrent(t *testing.T) {
-	s := provisionEWMA(t, &EWMASelection{Choices: 2})
+func TestLeastTimeConcurrent(t *testing.T) {
+	s := provisionLeastTime(t, &LeastTimeSelection{Choices: 2})
 	pools := []reverseproxy.UpstreamPool{newPool(t, 20), newPool(t, 5)}
 	var wg sync.WaitGroup
 	for g := range 8 {

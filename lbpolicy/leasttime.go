@@ -22,11 +22,12 @@ import (
 )
 
 func init() {
-	caddy.RegisterModule(new(EWMASelection))
+	caddy.RegisterModule(new(LeastTimeSelection))
 }
 
-// EWMASelection is a latency-aware selection policy. Each request goes to
-// the upstream with the lowest expected cost,
+// LeastTimeSelection is the least_time selection policy: latency-aware,
+// like least_conn with the time an answer is expected to take weighed in.
+// Each request goes to the upstream with the lowest expected cost,
 //
 //	cost = (requests in flight + 1) × expected latency / weight
 //
@@ -53,10 +54,14 @@ func init() {
 // kept per dial address, shared by all handlers and kept across config
 // reloads.
 //
-// When fewer than PanicThreshold percent of the upstreams are available
+// When fewer than panic_threshold percent of the upstreams are available
 // (per Caddy's health checks, passive failures and max_requests), the policy
 // chooses among all upstreams that are not full, ignoring health.
-type EWMASelection struct {
+//
+// The expected latency is a median, not an exponentially weighted moving
+// average: the policy's earlier name, ewma, is still accepted (see
+// EWMASelection) and behaves the same.
+type LeastTimeSelection struct {
 	// How many upstreams to compare per request: a number of random
 	// candidates (2 or more), "all" for a full scan, or "auto" (the
 	// default): all for pools of up to 32 upstreams, 2 above.
@@ -97,6 +102,10 @@ type EWMASelection struct {
 	// absent.
 	RetryBudget *RetryBudget `json:"retry_budget,omitempty"`
 
+	// name is the policy's name as configured, "least_time" or "ewma": it
+	// names the policy in logs, events, errors, metrics and admin views,
+	// so that a config written with ewma reads as it always did.
+	name     string
 	table    *hoststate.Table
 	observer *observingTransport
 	views    views
@@ -109,33 +118,57 @@ type EWMASelection struct {
 
 // UnmarshalJSON decodes the configuration strictly, naming the option
 // whose value does not decode.
-func (x *EWMASelection) UnmarshalJSON(b []byte) error {
-	type plain EWMASelection
+func (x *LeastTimeSelection) UnmarshalJSON(b []byte) error {
+	type plain LeastTimeSelection
 	return jsonfield.Decode(b, (*plain)(x))
 }
 
 // DefaultComboPolicy returns the selection policy, as module JSON, that
 // lbx's combo handlers give a reverse_proxy of theirs that names none
-// (partition's proxy, a selective group's): ewma, which judges replicas
-// by what they answered and reads the replicas a call already tried.
-// Caddy's own default, random, does neither. A new copy each call: it is
-// stored into configs.
+// (partition's proxy, a selective group's): least_time, which judges
+// replicas by what they answered and reads the replicas a call already
+// tried. Caddy's own default, random, does neither. It is written under
+// the earlier name, ewma, which behaves the same, so that configs adapted
+// before the rename and their admin views and metrics read as they did.
+// A new copy each call: it is stored into configs.
 func DefaultComboPolicy() json.RawMessage { return json.RawMessage(`{"policy":"ewma"}`) }
 
 // CaddyModule returns the Caddy module information.
-func (*EWMASelection) CaddyModule() caddy.ModuleInfo {
+func (*LeastTimeSelection) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
-		ID:  "http.reverse_proxy.selection_policies.ewma",
-		New: func() caddy.Module { return new(EWMASelection) },
+		ID:  "http.reverse_proxy.selection_policies." + leastTimeName,
+		New: func() caddy.Module { return new(LeastTimeSelection) },
 	}
 }
 
+// leastTimeName is the policy's name; ewmaName is its earlier one.
+const (
+	leastTimeName = "least_time"
+	ewmaName      = "ewma"
+)
+
+// policyName is the name the policy was configured under.
+func (s *LeastTimeSelection) policyName() string {
+	if s.name == "" {
+		return leastTimeName
+	}
+	return s.name
+}
+
+// leastTime returns the policy itself, under either of its names: the
+// ewma module embeds it, and code that needs the policy's state asks for
+// a leastTimer rather than one of the two types.
+func (s *LeastTimeSelection) leastTime() *LeastTimeSelection { return s }
+
+// leastTimer is the least_time policy under either of its names.
+type leastTimer interface{ leastTime() *LeastTimeSelection }
+
 // Provision sets up the policy and instruments the parent reverse_proxy's
 // transport so latency is observed.
-func (s *EWMASelection) Provision(ctx caddy.Context) error {
+func (s *LeastTimeSelection) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
 	emitter := events.New(ctx)
-	s.panic = newPanicMode(s.PanicThreshold, "ewma", s.logger, emitter)
+	s.panic = newPanicMode(s.PanicThreshold, s.policyName(), s.logger, emitter)
 	s.table = hoststate.NewTable(hoststate.Config{Horizon: time.Duration(s.Decay)})
 	s.trackTried = TracksTried(ctx)
 
@@ -157,7 +190,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 	h, err := install(ctx, s.table, s.Outlier)
 	switch {
 	case errors.Is(err, errNoProxyHandler):
-		s.logger.Warn("ewma policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
+		s.logger.Warn(s.policyName() + " policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
 	case err != nil:
 		return err
 	default:
@@ -167,7 +200,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 			s.observer.budget = s.RetryBudget
 		}
 		if len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
-			return fmt.Errorf("ewma: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
+			return fmt.Errorf("%s: %d weights given for %d upstreams; give one weight per upstream, in order", s.policyName(), len(s.Weights), len(h.Upstreams))
 		}
 	}
 	if s.views.rel == nil {
@@ -184,7 +217,7 @@ func (s *EWMASelection) Provision(ctx caddy.Context) error {
 // linger is how long the policy keeps the view and the state of an
 // address its pools no longer offer (see lingerFor): twice its longest
 // window of per-upstream state, at least a minute.
-func (s *EWMASelection) linger() time.Duration {
+func (s *LeastTimeSelection) linger() time.Duration {
 	w := []time.Duration{time.Duration(s.Decay)}
 	if s.SlowStart != nil {
 		w = append(w, time.Duration(s.SlowStart.Window))
@@ -196,23 +229,23 @@ func (s *EWMASelection) linger() time.Duration {
 }
 
 // Validate checks the configuration.
-func (s *EWMASelection) Validate() error {
+func (s *LeastTimeSelection) Validate() error {
 	if err := s.Choices.validate(); err != nil {
-		return fmt.Errorf("ewma: %v", err)
+		return fmt.Errorf("%s: %v", s.policyName(), err)
 	}
 	if s.Decay != 0 {
 		if err := checkDecay(time.Duration(s.Decay)); err != nil {
-			return fmt.Errorf("ewma: %v", err)
+			return fmt.Errorf("%s: %v", s.policyName(), err)
 		}
 	}
 	for i, w := range s.Weights {
 		if err := checkWeight(w); err != nil {
-			return fmt.Errorf("ewma: weights[%d]: %v", i, err)
+			return fmt.Errorf("%s: weights[%d]: %v", s.policyName(), i, err)
 		}
 	}
 	if s.PanicThreshold != nil {
 		if err := bounds.Percent("panic_threshold", *s.PanicThreshold); err != nil {
-			return fmt.Errorf("ewma: %v", err)
+			return fmt.Errorf("%s: %v", s.policyName(), err)
 		}
 	}
 	if s.Outlier != nil {
@@ -231,7 +264,7 @@ func (s *EWMASelection) Validate() error {
 	return nil
 }
 
-// Bounds of the ewma options. A decay below a millisecond forgets every
+// Bounds of the least_time options. A decay below a millisecond forgets every
 // answer before the next one arrives; one of days never tries a slow
 // host again. A weight is a ratio between upstreams: beyond a million it can
 // only be a typo.
@@ -248,7 +281,7 @@ func checkDecay(d time.Duration) error { return bounds.Duration("decay", d, minD
 func checkWeight(w int) error { return bounds.Int("weight", w, 1, maxWeight) }
 
 // Cleanup releases the policy's references to shared upstream state.
-func (s *EWMASelection) Cleanup() error {
+func (s *LeastTimeSelection) Cleanup() error {
 	unregisterPool(s)
 	if s.table != nil {
 		s.table.Release()
@@ -261,7 +294,7 @@ func (s *EWMASelection) Cleanup() error {
 
 // Select returns the upstream with the lowest expected cost among the
 // candidates, or nil if none can be used.
-func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	if len(pool) == 0 {
 		return nil
 	}
@@ -280,7 +313,7 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 	if s.observer == nil && rand.Uint32()%clockRefresh == 0 {
 		now = monoclock.Now()
 	}
-	c := ewmaCandidates{
+	c := leastTimeCandidates{
 		pool:  pool,
 		view:  v,
 		table: s.table,
@@ -335,10 +368,10 @@ func (s *EWMASelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, 
 // detection ejected (unless the pool is in panic mode), so a handler that
 // builds the pool (partition) must hand it every upstream, ejected ones
 // included, for the panic threshold to count them.
-func (*EWMASelection) SkipsEjected() bool { return true }
+func (*LeastTimeSelection) SkipsEjected() bool { return true }
 
 // choose runs the configured algorithm: a scan, or the best of k draws.
-func (c ewmaCandidates) choose(k int) int {
+func (c leastTimeCandidates) choose(k int) int {
 	switch {
 	case k == 0, k >= len(c.pool):
 		return choose.Cheapest(c)
@@ -361,12 +394,12 @@ func (c ewmaCandidates) choose(k int) int {
 	}
 }
 
-func (s *EWMASelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
+func (s *LeastTimeSelection) viewFor(pool reverseproxy.UpstreamPool) *poolView {
 	return s.views.get(pool, s.buildView)
 }
 
 // buildView builds the view of a pool the policy has not served yet.
-func (s *EWMASelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
+func (s *LeastTimeSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 	v := newView(pool)
 	v.members = make([]member, len(pool))
 	for i, u := range pool {
@@ -386,7 +419,7 @@ func (s *EWMASelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 // rampNewMembers starts the slow start of members that have never served
 // a request, provided some other member has: joining a pool that serves.
 // When the whole pool is new nobody ramps.
-func (s *EWMASelection) rampNewMembers(v *poolView) {
+func (s *LeastTimeSelection) rampNewMembers(v *poolView) {
 	serving := false
 	for i := range v.members {
 		if v.members[i].stats.Served() {
@@ -407,12 +440,12 @@ func (s *EWMASelection) rampNewMembers(v *poolView) {
 
 // startRamp starts the slow start of member i of v, back from being
 // unhealthy in Caddy's eyes.
-func (s *EWMASelection) startRamp(v *poolView, i int, now int64) {
+func (s *LeastTimeSelection) startRamp(v *poolView, i int, now int64) {
 	v.members[i].stats.StartRamp(now)
 	s.logRamp(v.ups[i].Dial, "healthy_again")
 }
 
-func (s *EWMASelection) logRamp(dial, why string) {
+func (s *LeastTimeSelection) logRamp(dial, why string) {
 	if ce := s.logger.Check(zap.InfoLevel, "upstream slow start"); ce != nil {
 		ce.Write(zap.String("upstream", dial), zap.String("reason", why),
 			zap.Stringer("window", time.Duration(s.SlowStart.Window)),
@@ -425,8 +458,8 @@ func (s *EWMASelection) logRamp(dial, why string) {
 // keeps moving even where no round trip is observed.
 const clockRefresh = 32
 
-// ewmaCandidates presents a pool to the choosing algorithms.
-type ewmaCandidates struct {
+// leastTimeCandidates presents a pool to the choosing algorithms.
+type leastTimeCandidates struct {
 	pool  reverseproxy.UpstreamPool
 	view  *poolView
 	table *hoststate.Table
@@ -444,12 +477,12 @@ type ewmaCandidates struct {
 	tried *Tried
 }
 
-func (c ewmaCandidates) Len() int { return len(c.pool) }
+func (c leastTimeCandidates) Len() int { return len(c.pool) }
 
 // Usable is Caddy's availability and not ejected, or in panic mode just
 // "not full": panic ignores health, not max_requests. On a retry, an
 // upstream the request already tried is not usable either.
-func (c ewmaCandidates) Usable(i int) bool {
+func (c leastTimeCandidates) Usable(i int) bool {
 	if c.panic {
 		if c.pool[i].Full() {
 			return false
@@ -467,7 +500,7 @@ func (c ewmaCandidates) Usable(i int) bool {
 	return !c.ramp.ramping(start, c.now) || c.admit < c.ramp.factor(start, c.now)
 }
 
-func (c ewmaCandidates) Cost(i int) choose.Cost {
+func (c leastTimeCandidates) Cost(i int) choose.Cost {
 	m := &c.view.members[i]
 	latency, busy := c.table.Judge(m.stats, c.now, c.base)
 	if c.ramp != nil {
@@ -490,7 +523,7 @@ func (c ewmaCandidates) Cost(i int) choose.Cost {
 }
 
 // shareReference is the view's share reference, for QueueCharge.
-func (c ewmaCandidates) shareReference() float64 { return c.view.shareReference(c.now) }
+func (c leastTimeCandidates) shareReference() float64 { return c.view.shareReference(c.now) }
 
 // bestOfTwo is the common case of two random choices, written out so the
 // hot path makes direct, inlinable calls: both draws come from one random
@@ -498,7 +531,7 @@ func (c ewmaCandidates) shareReference() float64 { return c.view.shareReference(
 // to the first draw, which is random). It reports
 // false when a draw hit an unusable upstream, for choose.BestOfK to retry. It also
 // returns the cost of its choice.
-func (c ewmaCandidates) bestOfTwo() (int, choose.Cost, bool) {
+func (c leastTimeCandidates) bestOfTwo() (int, choose.Cost, bool) {
 	i, j := randpick.TwoDistinct(rand.Uint64(), len(c.pool))
 	if !c.Usable(i) || !c.Usable(j) {
 		return -1, choose.Cost{}, false
@@ -511,7 +544,7 @@ func (c ewmaCandidates) bestOfTwo() (int, choose.Cost, bool) {
 }
 
 // poolStatuses implements poolStatusSource.
-func (s *EWMASelection) poolStatuses() []poolStatus {
+func (s *LeastTimeSelection) poolStatuses() []poolStatus {
 	var pools []poolStatus
 	last := s.views.last.Load()
 	for _, v := range s.views.all() {
@@ -522,11 +555,11 @@ func (s *EWMASelection) poolStatuses() []poolStatus {
 
 // statusOf describes the pool of v; withBudget adds the retry budget, which
 // is the policy's, to one of its pools' statuses.
-func (s *EWMASelection) statusOf(v *poolView, withBudget bool) poolStatus {
+func (s *LeastTimeSelection) statusOf(v *poolView, withBudget bool) poolStatus {
 	now := monoclock.Now()
 	base := s.table.Baseline()
 	status := poolStatus{
-		Policy:         "ewma",
+		Policy:         s.policyName(),
 		Available:      v.availableNow(),
 		PanicThreshold: s.panic.percent(),
 		Panic:          v.panic.on.Load(),
@@ -563,9 +596,10 @@ func (s *EWMASelection) statusOf(v *poolView, withBudget bool) poolStatus {
 
 // Interface guards
 var (
-	_ reverseproxy.Selector = (*EWMASelection)(nil)
-	_ caddy.Provisioner     = (*EWMASelection)(nil)
-	_ caddy.Validator       = (*EWMASelection)(nil)
-	_ caddy.CleanerUpper    = (*EWMASelection)(nil)
-	_ poolStatusSource      = (*EWMASelection)(nil)
+	_ reverseproxy.Selector = (*LeastTimeSelection)(nil)
+	_ caddy.Provisioner     = (*LeastTimeSelection)(nil)
+	_ caddy.Validator       = (*LeastTimeSelection)(nil)
+	_ caddy.CleanerUpper    = (*LeastTimeSelection)(nil)
+	_ poolStatusSource      = (*LeastTimeSelection)(nil)
+	_ leastTimer            = (*LeastTimeSelection)(nil)
 )

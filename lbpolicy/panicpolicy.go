@@ -39,8 +39,8 @@ type PanicSelection struct {
 	// Ejection of outliers, judged on live traffic, for the wrapped
 	// policy; off when absent. Ejected upstreams are hidden from the wrapped policy (unless
 	// the pool is in panic mode) and count as unavailable for the
-	// threshold. Not allowed around ewma, which takes its own outlier
-	// block.
+	// threshold. Not allowed around least_time (or ewma), which takes its
+	// own outlier block.
 	Outlier *Outlier `json:"outlier,omitempty"`
 
 	inner     reverseproxy.Selector
@@ -85,8 +85,9 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		p.inner = sel
 		p.innerName = string(mod.(caddy.Module).CaddyModule().ID.Name())
 	}
-	if _, ewma := p.inner.(*EWMASelection); !ewma {
-		// ewma records and avoids what a request tried itself, over
+	lt, leastTime := p.inner.(leastTimer)
+	if !leastTime {
+		// least_time records and avoids what a request tried itself, over
 		// the pool it is handed: filtered copies would give it a view
 		// per subset
 		p.trackTried = TracksTried(ctx)
@@ -94,11 +95,11 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 	emitter := events.New(ctx)
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), emitter)
 	if p.Outlier != nil {
-		if _, ok := p.inner.(*EWMASelection); ok {
-			return errOutlierAroundEWMA
+		if leastTime {
+			return errOutlierAround(lt)
 		}
 		p.Outlier.provision(ctx.Logger(), emitter)
-		// Validated before install starts the sweep loop (see ewma).
+		// Validated before install starts the sweep loop (see least_time).
 		if err := p.Validate(); err != nil {
 			return err
 		}
@@ -134,9 +135,12 @@ func (p *PanicSelection) linger() time.Duration {
 	return lingerFor()
 }
 
-// errOutlierAroundEWMA refuses two outlier detectors for one pool: ewma
-// has its own, which also resets its estimates on ejection.
-var errOutlierAroundEWMA = errors.New("panic: configure outlier ejection inside the ewma policy, not around it")
+// errOutlierAround refuses two outlier detectors for one pool: least_time
+// (or ewma, as the error names it if so configured) has its own, which
+// also resets its estimates on ejection.
+func errOutlierAround(lt leastTimer) error {
+	return fmt.Errorf("panic: configure outlier ejection inside the %s policy, not around it", lt.leastTime().policyName())
+}
 
 // Validate checks the threshold and the outlier ejection.
 func (p *PanicSelection) Validate() error {
