@@ -217,8 +217,8 @@ http://%s {
 // refreshes by itself: connections piled on a are shed and the total
 // grows, c leaves and shows as left, with no reload. Then it opens the
 // page the admin endpoint serves: a browser's navigation is refused, as
-// status.AdminAPI says, and the page loaded as if by a same-origin link
-// reads the views through the admin endpoint's origin checks. Last, a is
+// the status admin module (admin.api.lbx_status) says, and the page
+// loaded as if by a same-origin link reads the views through the admin endpoint's origin checks. Last, a is
 // killed, and the page shows its error banner over the last data.
 func TestStatusPage(t *testing.T) {
 	chrome := findChromium(t)
@@ -463,7 +463,7 @@ func TestStatusPage(t *testing.T) {
 		t.Fatalf("opening %s: %v", adminURL, err)
 	}
 	if res.Status != http.StatusForbidden {
-		t.Errorf("a browser opening %s got status %d, not 403: Caddy's admin endpoint now lets it in; update docs/status.md and status.AdminAPI's comment", adminURL, res.Status)
+		t.Errorf("a browser opening %s got status %d, not 403: Caddy's admin endpoint now lets it in; update docs/status.md and the status admin module's comment", adminURL, res.Status)
 	}
 	// Loaded as from a link on the admin origin, the page's requests,
 	// which carry its URL as Referer, pass the origin check.
