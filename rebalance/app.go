@@ -182,15 +182,11 @@ type App struct {
 	// shorter than Caddy's own idle_timeout (5m). Default: 2m.
 	IdleCloseAfter caddy.Duration `json:"idle_close_after,omitempty"`
 
-	// interval and idleClose are interval and idle_close_after as
-	// durations, set by Provision once the defaults are in.
-	interval  time.Duration
-	idleClose time.Duration
-	cluster   *cluster.App
-	source    loadSource
-	logger    *zap.Logger
-	events    emitter
-	node      *node // set by Start, cleared by Stop (Caddy calls them in turn)
+	cluster *cluster.App
+	source  loadSource
+	logger  *zap.Logger
+	events  emitter
+	node    *node // set by Start, cleared by Stop (Caddy calls them in turn)
 
 	// cpuScope is what metric cpu measures (cpuNode or cpuProcess); empty
 	// with the other metrics.
@@ -237,7 +233,6 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.setDefaults()
-	a.interval, a.idleClose = time.Duration(a.Interval), time.Duration(a.IdleCloseAfter)
 	if err := a.resolveCPU(); err != nil {
 		return err
 	}
@@ -255,7 +250,7 @@ func (a *App) Provision(ctx caddy.Context) error {
 	}
 
 	if a.source == nil {
-		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters, nodeCPU: a.nodeCPU, idleCloseAfter: a.idleClose}
+		src := &processSource{tracker: a.conns.tracker, counters: a.conns.counters, nodeCPU: a.nodeCPU, idleCloseAfter: time.Duration(a.IdleCloseAfter)}
 		src.bytes.prime(src.counters.Totals().Total(), time.Now())
 		a.source = src
 		a.registerServers(ctx)
@@ -614,11 +609,11 @@ func (a *App) settings() *settings {
 		owner:     a,
 		cluster:   a.cluster,
 		params:    a.params(),
-		interval:  a.interval,
+		interval:  time.Duration(a.Interval),
 		history:   time.Duration(a.History),
 		boundary:  time.Duration(a.BoundaryTimeout),
 		metric:    a.reportedMetric(),
-		idleClose: a.idleClose,
+		idleClose: time.Duration(a.IdleCloseAfter),
 		source:    a.source,
 		logger:    a.logger,
 		events:    a.events,

@@ -397,8 +397,8 @@ func FuzzAppJSON(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if w := windowSize(time.Duration(a.History), a.interval); w > maxWindowSamples || a.interval < minInterval {
-			t.Fatalf("%s: accepted with a window of %d samples at interval %v", raw, w, a.interval)
+		if w := windowSize(time.Duration(a.History), time.Duration(a.Interval)); w > maxWindowSamples || time.Duration(a.Interval) < minInterval {
+			t.Fatalf("%s: accepted with a window of %d samples at interval %v", raw, w, time.Duration(a.Interval))
 		}
 	})
 }

@@ -106,7 +106,7 @@ func TestBadPeerLoadsShedNothing(t *testing.T) {
 	// Ten more intervals: not one decision sheds.
 	start := a.node.steps.Load()
 	testutil.WaitFor(t, 10*time.Second, "ten more intervals", func() (bool, string) {
-		return a.node.steps.Load()-start >= int64(10*a.interval), "not yet"
+		return a.node.steps.Load()-start >= int64(10*time.Duration(a.Interval)), "not yet"
 	})
 	for _, x := range []struct {
 		app *App
@@ -239,7 +239,7 @@ func TestNameConflictIsLoud(t *testing.T) {
 	// The loser decides no more.
 	steps := n.steps.Load()
 	testutil.WaitFor(t, 5*time.Second, "the first dup takes five more steps", func() (bool, string) {
-		return first.node.steps.Load()-steps >= int64(5*first.interval), "not yet"
+		return first.node.steps.Load()-steps >= int64(5*time.Duration(first.Interval)), "not yet"
 	})
 	if got := n.steps.Load(); got != steps {
 		t.Errorf("the second dup still takes steps after its member shut down")

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"slices"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -114,7 +115,7 @@ func (a *App) warnNoCloseHandler() {
 	}
 	slices.Sort(without)
 	a.logger.Warn("these HTTP servers have no rebalance_close handler in their routes: a shed HTTP/1.1 connection there closes only once it has stayed idle for idle_close_after, so shedding there waits for it",
-		zap.Strings("servers", without), zap.Stringer("idle_close_after", a.idleClose))
+		zap.Strings("servers", without), zap.Stringer("idle_close_after", time.Duration(a.IdleCloseAfter)))
 }
 
 // hasCloseHandler reports whether a route of srv (its routes, their

@@ -39,7 +39,7 @@ func TestWarnNoCloseHandler(t *testing.T) {
 		autoHTTPSRedirectServer: {Routes: handlers(static)},
 	}
 	core, logs := observer.New(zapcore.WarnLevel)
-	a := &App{logger: zap.New(core), httpApp: &caddyhttp.App{Servers: servers}, idleClose: 2 * time.Minute}
+	a := &App{logger: zap.New(core), httpApp: &caddyhttp.App{Servers: servers}, IdleCloseAfter: caddy.Duration(2 * time.Minute)}
 	a.warnNoCloseHandler()
 	entries := logs.TakeAll()
 	if len(entries) != 1 {

@@ -200,7 +200,7 @@ func TestPoisonedAveragesShedNothing(t *testing.T) {
 		// 30 intervals: before, 0.001 had the nodes shedding within 10.
 		start := a.node.steps.Load()
 		testutil.WaitFor(t, 15*time.Second, fmt.Sprintf("30 intervals of the lie %g", lie), func() (bool, string) {
-			return a.node.steps.Load()-start >= int64(30*a.interval), sheds(srcs, honest)
+			return a.node.steps.Load()-start >= int64(30*time.Duration(a.Interval)), sheds(srcs, honest)
 		})
 		for i, x := range honest {
 			v, d := averageOf(x.node)
@@ -256,7 +256,7 @@ func TestDuplicateNameShedsNothing(t *testing.T) {
 			}
 		}
 		st, _ := dup.cluster.Status()
-		return st.Conflict != "" && a.node.steps.Load()-start >= int64(30*a.interval), fmt.Sprintf("conflict %q; %s", st.Conflict, sheds(srcs, honest))
+		return st.Conflict != "" && a.node.steps.Load()-start >= int64(30*time.Duration(a.Interval)), fmt.Sprintf("conflict %q; %s", st.Conflict, sheds(srcs, honest))
 	})
 	if lowest < load-shed.MeanSlack(a.node.driver().params, load) {
 		t.Errorf("%s's gossip average fell to %v while the duplicate ran; want about %d", lowestAt, lowest, load)
