@@ -206,8 +206,11 @@ type server struct {
 	mu       sync.Mutex
 	failures []failure
 	requests atomic.Int64
-	stop     chan struct{}
-	stopped  chan struct{}
+	// skipped counts the ticks that sent nothing because 16 requests were
+	// waiting for their answers.
+	skipped atomic.Int64
+	stop    chan struct{}
+	stopped chan struct{}
 }
 
 // failure is a request that failed, sent at start and failed at end.
@@ -336,8 +339,9 @@ func (s *server) fill(tmpl string) string {
 	return tmpl
 }
 
-// startTraffic sends requests to the traffic paths, one every 4 ms, until
-// stopTraffic; each answer other than 200 is a failure.
+// startTraffic sends requests to the traffic paths, one every 4 ms while
+// fewer than 16 wait for their answers, until stopTraffic; each answer
+// other than 200, and each request unanswered within 10 s, is a failure.
 func (s *server) startTraffic() {
 	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 8}}
 	go func() {
@@ -356,7 +360,11 @@ func (s *server) startTraffic() {
 			select {
 			case sem <- struct{}{}:
 			default:
-				s.fail(time.Now(), fmt.Errorf("16 requests in flight: the server is not answering"))
+				// 16 requests are waiting: skip this tick rather than pile
+				// on. A slow answer (a saturated CPU) is not a lost one; a
+				// server that does not answer at all fails each waiting
+				// request at the client's timeout.
+				s.skipped.Add(1)
 				continue
 			}
 			wg.Add(1)
@@ -549,8 +557,8 @@ func (s *server) run(cases []badCase) (rejected, accepted int) {
 		}
 		t.Errorf("failed request while the baseline served: %s", f.msg)
 	}
-	t.Logf("%d cases: %d rejected, %d accepted (and undone); %d requests, %d failed outside accepted windows",
-		len(cases), rejected, accepted, s.requests.Load(), len(fails))
+	t.Logf("%d cases: %d rejected, %d accepted (and undone); %d requests (%d ticks skipped with 16 waiting), %d failed outside accepted windows",
+		len(cases), rejected, accepted, s.requests.Load(), s.skipped.Load(), len(fails))
 	if rss, ok := s.peakRSS(); ok {
 		t.Logf("caddy peak RSS %d MiB", rss>>20)
 		if rss > 1<<30 {
