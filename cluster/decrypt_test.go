@@ -11,7 +11,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestDecryptAddr: the remote address of memberlist's lines about a
@@ -106,7 +106,7 @@ func TestDecryptFailuresReported(t *testing.T) {
 		t.Fatalf("a local operation reached the other node: %v", got)
 	}
 	from := apps[0].gossipAddr()
-	testutil.WaitFor(t, 15*time.Second, "decrypt-1 counts failures from decrypt-0", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "decrypt-1 counts failures from decrypt-0", func() (bool, string) {
 		v := apps[1].member.view()
 		if v.DecryptFailures == nil {
 			return false, "none"

@@ -13,7 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/internal/caddyopt"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestDialPolicySynthetic: synthetic members (data only: nothing is
@@ -122,7 +122,7 @@ func TestDialPolicySynthetic(t *testing.T) {
 func TestOwnListenerDetection(t *testing.T) {
 	lo := netip.MustParseAddr("127.0.0.1")
 	for _, listen := range []string{"127.0.0.1", "localhost", ""} {
-		port := testutil.FreePort(t)
+		port := lbxtest.FreePort(t)
 		na, err := caddy.ParseNetworkAddress(listen + ":" + strconv.Itoa(port))
 		if err != nil {
 			t.Fatal(err)
@@ -147,7 +147,7 @@ func TestOwnListenerDetection(t *testing.T) {
 	}
 	// Every member but this node itself: this node's own site is a
 	// member address like any other when it is Self.
-	port := testutil.FreePort(t)
+	port := lbxtest.FreePort(t)
 	na, _ := caddy.ParseNetworkAddress("127.0.0.1:" + strconv.Itoa(port))
 	ln, err := na.Listen(context.Background(), 0, net.ListenConfig{})
 	if err != nil {

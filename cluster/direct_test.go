@@ -16,7 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/serfnet"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // Gossip keys of the tests: base64 of 32 bytes.
@@ -48,7 +48,7 @@ func directCluster(t *testing.T, prefix string, n int, key string) []*App {
 // waitAlive waits until a sees n alive members, itself included.
 func waitAlive(t *testing.T, a *App, n int) {
 	t.Helper()
-	testutil.WaitFor(t, 15*time.Second, a.NodeName+" sees every member alive", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, a.NodeName+" sees every member alive", func() (bool, string) {
 		ms, err := a.Members()
 		alive := 0
 		for _, m := range ms {
@@ -63,7 +63,7 @@ func waitAlive(t *testing.T, a *App, n int) {
 // waitTag waits until a sees member's tag key with value.
 func waitTag(t *testing.T, a *App, member, key, value string) {
 	t.Helper()
-	testutil.WaitFor(t, 15*time.Second, a.NodeName+" sees the tag of "+member, func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, a.NodeName+" sees the tag of "+member, func() (bool, string) {
 		ms, _ := a.Members()
 		for _, m := range ms {
 			if m.Name == member && m.Tags[key] == value {
@@ -123,7 +123,7 @@ func listenDirectKind(t *testing.T, a *App, kind byte) *directBox {
 // datagrams may be lost, even on loopback.
 func sendUntilReceived(t *testing.T, from, to *App, kind byte, payload string, box *directBox) {
 	t.Helper()
-	testutil.WaitFor(t, 10*time.Second, fmt.Sprintf("%s receives %.40q from %s", to.NodeName, payload, from.NodeName), func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, fmt.Sprintf("%s receives %.40q from %s", to.NodeName, payload, from.NodeName), func() (bool, string) {
 		if box.has(from.NodeName, payload) {
 			return true, ""
 		}
@@ -262,7 +262,7 @@ func TestDirectWrongKey(t *testing.T) {
 	if _, err := conn.Write(pkt); err != nil {
 		t.Fatal(err)
 	}
-	testutil.WaitFor(t, 10*time.Second, "b drops the stranger's message", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "b drops the stranger's message", func() (bool, string) {
 		got := received(b, serfnet.Undecryptable)
 		return got == undecryptable+1, fmt.Sprintf("%d undecryptable", got)
 	})
@@ -354,7 +354,7 @@ func TestDirectHostileDatagrams(t *testing.T) {
 				if _, err := conn.Write(c.pkt); err != nil {
 					t.Fatal(err)
 				}
-				testutil.WaitFor(t, 10*time.Second, c.name+" dropped as "+c.want.String(), func() (bool, string) {
+				lbxtest.WaitFor(t, 10*time.Second, c.name+" dropped as "+c.want.String(), func() (bool, string) {
 					got := received(b, c.want)
 					return got == before+1, fmt.Sprintf("%d, was %d", got, before)
 				})
@@ -379,7 +379,7 @@ func TestDirectHostileDatagrams(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				testutil.WaitFor(t, 10*time.Second, fmt.Sprintf("every random packet of batch %d dropped", batch), func() (bool, string) {
+				lbxtest.WaitFor(t, 10*time.Second, fmt.Sprintf("every random packet of batch %d dropped", batch), func() (bool, string) {
 					got := dropped(b) - before
 					return got == random, fmt.Sprintf("%d dropped of %d", got, random)
 				})
@@ -446,7 +446,7 @@ func TestDirectQueueFull(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	testutil.WaitFor(t, 10*time.Second, "b drops messages on a full queue", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "b drops messages on a full queue", func() (bool, string) {
 		n := received(b, serfnet.QueueFull)
 		return n > 0, fmt.Sprintf("%d dropped", n)
 	})
@@ -508,7 +508,7 @@ func TestDirectHandlers(t *testing.T) {
 	}
 	cancelOlder()
 	unknown := received(b, serfnet.UnknownKind)
-	testutil.WaitFor(t, 10*time.Second, "a kind without handlers dropped", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "a kind without handlers dropped", func() (bool, string) {
 		if err := a.SendDirect(b.NodeName, 7, []byte("nobody")); err != nil {
 			return false, err.Error()
 		}
@@ -529,7 +529,7 @@ func TestDirectHandlers(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cancelPanic()
-	testutil.WaitFor(t, 10*time.Second, "a handler panic recovered and counted", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "a handler panic recovered and counted", func() (bool, string) {
 		if err := a.SendDirect(b.NodeName, 3, []byte("boom")); err != nil {
 			return false, err.Error()
 		}
@@ -573,8 +573,8 @@ func TestDirectShutdown(t *testing.T) {
 			t.Errorf("SendDirect after Stop: %v; want ErrNotRunning", err)
 		}
 	}
-	testutil.WaitFor(t, 10*time.Second, "the transports' goroutines end", func() (bool, string) {
-		left := testutil.Goroutines("serfnet.(*Transport)", "memberlist.(*NetTransport)")
+	lbxtest.WaitFor(t, 10*time.Second, "the transports' goroutines end", func() (bool, string) {
+		left := lbxtest.Goroutines("serfnet.(*Transport)", "memberlist.(*NetTransport)")
 		return len(left) == 0, strings.Join(left, "\n\n")
 	})
 }
@@ -594,8 +594,8 @@ func TestDirectTransportReleasedWhenSerfFails(t *testing.T) {
 		t.Fatalf("the gossip port is still bound: %v", err)
 	}
 	udp.Close()
-	testutil.WaitFor(t, 10*time.Second, "the transport's goroutines end", func() (bool, string) {
-		left := testutil.Goroutines("serfnet.(*Transport)", "memberlist.(*NetTransport)")
+	lbxtest.WaitFor(t, 10*time.Second, "the transport's goroutines end", func() (bool, string) {
+		left := lbxtest.Goroutines("serfnet.(*Transport)", "memberlist.(*NetTransport)")
 		return len(left) == 0, strings.Join(left, "\n\n")
 	})
 }

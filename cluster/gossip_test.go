@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestNameConflictIsLoud: a node that joins with a node_name the cluster
@@ -25,7 +25,7 @@ import (
 func TestNameConflictIsLoud(t *testing.T) {
 	first := testCluster(t, "dup", nil)
 	testCluster(t, "dup-witness", func(a *App) { a.Join = []string{first.gossipAddr()} })
-	testutil.WaitFor(t, 15*time.Second, "the first dup sees the witness", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "the first dup sees the witness", func() (bool, string) {
 		ms, _ := first.Members()
 		return len(ms) == 2, fmt.Sprintf("%d members", len(ms))
 	})
@@ -36,7 +36,7 @@ func TestNameConflictIsLoud(t *testing.T) {
 		a.Join = []string{first.gossipAddr()}
 	})
 	msg := ""
-	testutil.WaitFor(t, 20*time.Second, "the second dup reports the conflict", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "the second dup reports the conflict", func() (bool, string) {
 		st, _ := second.Status()
 		msg = st.Conflict
 		return msg != "", "no conflict yet"
@@ -181,7 +181,7 @@ func TestGossipGarbagePackets(t *testing.T) {
 		// 255 is no memberlist message type.
 		conn.Write([]byte{255, byte(i), byte(i >> 8), 'x'})
 	}
-	testutil.WaitFor(t, 10*time.Second, "memberlist reports most of the packets", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "memberlist reports most of the packets", func() (bool, string) {
 		d := gossipLogs.lines.Load() - lines0
 		return d >= packets/2, fmt.Sprintf("%d lines", d)
 	})

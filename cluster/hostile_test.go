@@ -17,7 +17,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	_ "github.com/caddy-lbx/lbx" // every lbx module
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // adminConfigRequests counts the requests Caddy's admin endpoint served
@@ -97,16 +97,16 @@ func hostileMembers(t *testing.T, keyed, mayRetry bool) bool {
 		rand.Read(key)
 		keyLine = "encrypt_key " + base64.StdEncoding.EncodeToString(key)
 	}
-	adminPort, gossipPort := testutil.FreePort(t), testutil.FreePort(t)
-	s1, s2, s3 := testutil.FreePort(t), testutil.FreePort(t), testutil.FreePort(t)
-	good, other := testutil.NamedBackend(t, "good"), testutil.NamedBackend(t, "other")
-	outside := strconv.Itoa(testutil.FreePort(t)) // nothing listens there
+	adminPort, gossipPort := lbxtest.FreePort(t), lbxtest.FreePort(t)
+	s1, s2, s3 := lbxtest.FreePort(t), lbxtest.FreePort(t), lbxtest.FreePort(t)
+	good, other := lbxtest.NamedBackend(t, "good"), lbxtest.NamedBackend(t, "other")
+	outside := strconv.Itoa(lbxtest.FreePort(t)) // nothing listens there
 
-	seed, err := testutil.StartSerfMember(t, "good", map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, "")
+	seed, err := lbxtest.StartSerfMember(t, "good", map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, "")
 	if err != nil {
 		t.Fatal(err)
 	}
-	join := testutil.SerfAddr(seed)
+	join := lbxtest.SerfAddr(seed)
 	evil := map[string]string{
 		"evil-admin":   strconv.Itoa(adminPort),
 		"evil-site":    strconv.Itoa(s1),
@@ -114,22 +114,22 @@ func hostileMembers(t *testing.T, keyed, mayRetry bool) bool {
 		"other":        other, // honest, but outside the allowlist of s2
 	}
 	for name, port := range evil {
-		if _, err := testutil.StartSerfMember(t, name, map[string]string{"role": "api", "http_port": port, "partition": "0/1"}, key, join); err != nil {
+		if _, err := lbxtest.StartSerfMember(t, name, map[string]string{"role": "api", "http_port": port, "partition": "0/1"}, key, join); err != nil {
 			t.Fatal(err)
 		}
 	}
 	longName := strings.Repeat("n", 20000)
-	if _, err := testutil.StartSerfMember(t, longName, map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, join); err != nil {
+	if _, err := lbxtest.StartSerfMember(t, longName, map[string]string{"role": "api", "http_port": good, "partition": "0/1"}, key, join); err != nil {
 		t.Fatalf("the 20 KB name: %v", err)
 	}
 	many := make(map[string]string, 1000)
 	for i := range 1000 {
 		many["t"+strconv.Itoa(i)] = "v"
 	}
-	if _, err := testutil.StartSerfMember(t, "many-tags", many, key, join); err == nil || !strings.Contains(err.Error(), "512") {
+	if _, err := lbxtest.StartSerfMember(t, "many-tags", many, key, join); err == nil || !strings.Contains(err.Error(), "512") {
 		t.Fatalf("a member with 1,000 tags started (err %v); want serf to refuse tags over 512 bytes", err)
 	}
-	churn, err := testutil.StartSerfMember(t, "churn", map[string]string{"role": "api", "http_port": outside, "partition": "0/1"}, key, join)
+	churn, err := lbxtest.StartSerfMember(t, "churn", map[string]string{"role": "api", "http_port": outside, "partition": "0/1"}, key, join)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,7 +218,7 @@ func hostileMembers(t *testing.T, keyed, mayRetry bool) bool {
 	}
 
 	// Every member is seen before the traffic starts.
-	testutil.WaitFor(t, 10*time.Second, "front sees every member", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "front sees every member", func() (bool, string) {
 		code, body := get(s2, adminHost)
 		n := seenMembers(t, client, adminPort)
 		return code == http.StatusOK && body == "good" && n == 8, fmt.Sprintf("%d %q, %d members", code, body, n)

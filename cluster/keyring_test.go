@@ -22,7 +22,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/hashicorp/memberlist"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // thirdGossipKey is a third 32-byte test key.
@@ -370,7 +370,7 @@ func TestKeyringRotationAdmin(t *testing.T) {
 		a.EncryptKey = testGossipKey
 		a.Join = []string{apps[0].gossipAddr()}
 	})
-	testutil.WaitFor(t, 15*time.Second, "the stale node reports its join error", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "the stale node reports its join error", func() (bool, string) {
 		st, _ := stale.Status()
 		return st.JoinError != "", "no join error yet"
 	})
@@ -843,7 +843,7 @@ func TestJoinedByLaterPeer(t *testing.T) {
 		a.EncryptKey = testGossipKey
 		a.Join = []string{nobody}
 	})
-	testutil.WaitFor(t, 15*time.Second, "the early node reports its failed join", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "the early node reports its failed join", func() (bool, string) {
 		st, _ := first.Status()
 		return st.JoinError != "" && !st.Joined, fmt.Sprintf("%+v", st)
 	})
@@ -851,7 +851,7 @@ func TestJoinedByLaterPeer(t *testing.T) {
 		a.EncryptKey = testGossipKey
 		a.Join = []string{first.gossipAddr()}
 	})
-	testutil.WaitFor(t, 15*time.Second, "the early node reads as joined", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "the early node reads as joined", func() (bool, string) {
 		st, _ := first.Status()
 		return st.Joined && st.JoinError == "", fmt.Sprintf("%+v", st)
 	})

@@ -16,7 +16,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // newTestSource returns a SerfUpstreams over app, set up as Provision
@@ -66,7 +66,7 @@ func (a *App) gossipAddr() string {
 
 // freePort returns a TCP port that was free on 127.0.0.1 (serf binds
 // TCP and UDP).
-var freePort = testutil.FreePort
+var freePort = lbxtest.FreePort
 
 // getDials calls GetUpstreams and returns the dial addresses.
 func getDials(t *testing.T, su *SerfUpstreams) []string {
@@ -89,15 +89,15 @@ func getDials(t *testing.T, su *SerfUpstreams) []string {
 // goroutines read it.
 func TestSerfUpstreamsFollowMembers(t *testing.T) {
 	front := testCluster(t, "front", func(a *App) { a.Tags = map[string]string{"role": "edge"} })
-	api1 := testutil.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": "9001"}, front.gossipAddr())
-	api2 := testutil.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": "9002"}, front.gossipAddr())
-	testutil.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": "9003"}, front.gossipAddr())
-	testutil.SerfMember(t, "api-noport", map[string]string{"role": "api"}, front.gossipAddr())
+	api1 := lbxtest.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": "9001"}, front.gossipAddr())
+	api2 := lbxtest.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": "9002"}, front.gossipAddr())
+	lbxtest.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": "9003"}, front.gossipAddr())
+	lbxtest.SerfMember(t, "api-noport", map[string]string{"role": "api"}, front.gossipAddr())
 	_ = api1
 
 	su := newTestSource(front, SerfUpstreams{Selector: Selector{Tags: map[string]string{"role": "api"}, PortTag: "http_port"}, Refresh: caddy.Duration(20 * time.Millisecond)})
 	want := []string{"127.0.0.1:9001", "127.0.0.1:9002"}
-	testutil.WaitFor(t, 10*time.Second, "both api members listed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "both api members listed", func() (bool, string) {
 		got := getDials(t, su)
 		return strings.Join(got, ",") == strings.Join(want, ","), fmt.Sprint(got)
 	})
@@ -134,7 +134,7 @@ func TestSerfUpstreamsFollowMembers(t *testing.T) {
 	if err := api2.Leave(); err != nil {
 		t.Fatal(err)
 	}
-	testutil.WaitFor(t, 10*time.Second, "api-2 gone after it left", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "api-2 gone after it left", func() (bool, string) {
 		got := getDials(t, su)
 		return len(got) == 1 && got[0] == want[0], fmt.Sprint(got)
 	})
@@ -146,7 +146,7 @@ func TestSerfUpstreamsFollowMembers(t *testing.T) {
 	if err := api1.SetTags(map[string]string{"role": "batch", "http_port": "9001"}); err != nil {
 		t.Fatal(err)
 	}
-	testutil.WaitFor(t, 10*time.Second, "api-1 gone after its tag changed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "api-1 gone after its tag changed", func() (bool, string) {
 		got := getDials(t, su)
 		return len(got) == 0, fmt.Sprint(got)
 	})
@@ -160,10 +160,10 @@ func TestSerfUpstreamsFollowMembers(t *testing.T) {
 // fallback and exclude_self on the local member.
 func TestSerfUpstreamsPortAndSelf(t *testing.T) {
 	front := testCluster(t, "self", func(a *App) { a.Tags = map[string]string{"role": "api", "http_port": "7000"} })
-	testutil.SerfMember(t, "other", map[string]string{"role": "api"}, front.gossipAddr())
+	lbxtest.SerfMember(t, "other", map[string]string{"role": "api"}, front.gossipAddr())
 
 	su := newTestSource(front, SerfUpstreams{Selector: Selector{Tags: map[string]string{"role": "api"}, Port: "8080", PortTag: "http_port"}})
-	testutil.WaitFor(t, 10*time.Second, "both listed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "both listed", func() (bool, string) {
 		su.stale.Store(true)
 		got := getDials(t, su)
 		return strings.Join(got, ",") == "127.0.0.1:7000,127.0.0.1:8080", fmt.Sprint(got)
@@ -186,10 +186,10 @@ func TestSerfUpstreamsPortAndSelf(t *testing.T) {
 // never the role=web one, and the api member that leaves stops getting
 // requests.
 func TestSerfUpstreamsCaddy(t *testing.T) {
-	p1, p2, p3 := testutil.NamedBackend(t, "api-1"), testutil.NamedBackend(t, "api-2"), testutil.NamedBackend(t, "web-1")
-	api1 := testutil.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": p1}, "")
-	api2 := testutil.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": p2}, testutil.SerfAddr(api1))
-	testutil.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": p3}, testutil.SerfAddr(api1))
+	p1, p2, p3 := lbxtest.NamedBackend(t, "api-1"), lbxtest.NamedBackend(t, "api-2"), lbxtest.NamedBackend(t, "web-1")
+	api1 := lbxtest.SerfMember(t, "api-1", map[string]string{"role": "api", "http_port": p1}, "")
+	api2 := lbxtest.SerfMember(t, "api-2", map[string]string{"role": "api", "http_port": p2}, lbxtest.SerfAddr(api1))
+	lbxtest.SerfMember(t, "web-1", map[string]string{"role": "web", "http_port": p3}, lbxtest.SerfAddr(api1))
 
 	httpPort, gossipPort := freePort(t), freePort(t)
 	cfg := fmt.Sprintf(`{
@@ -205,7 +205,7 @@ func TestSerfUpstreamsCaddy(t *testing.T) {
 			}}},
 			"cluster": {"node_name": "front", "bind": "127.0.0.1:%d", "join": [%q]}
 		}
-	}`, httpPort, gossipPort, testutil.SerfAddr(api1))
+	}`, httpPort, gossipPort, lbxtest.SerfAddr(api1))
 	if err := caddy.Load([]byte(cfg), true); err != nil {
 		t.Fatal(err)
 	}
@@ -224,7 +224,7 @@ func TestSerfUpstreamsCaddy(t *testing.T) {
 		return string(b), res.StatusCode
 	}
 	hits := map[string]int{}
-	testutil.WaitFor(t, 10*time.Second, "requests reach api-1 and api-2", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "requests reach api-1 and api-2", func() (bool, string) {
 		body, code := get()
 		if code == http.StatusOK {
 			hits[body]++
@@ -249,7 +249,7 @@ func TestSerfUpstreamsCaddy(t *testing.T) {
 	}
 	api2.Shutdown()
 	run := 0
-	testutil.WaitFor(t, 10*time.Second, "only api-1 answers after api-2 left", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "only api-1 answers after api-2 left", func() (bool, string) {
 		body, code := get()
 		if code == http.StatusOK && body == "api-1" {
 			run++

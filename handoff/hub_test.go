@@ -14,9 +14,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
+
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // reusePortListen opens a socket on addr with SO_REUSEPORT, as Caddy does
@@ -191,7 +192,7 @@ func TestReloadsLoseNoRequest(t *testing.T) {
 		})
 	}
 	for gen := 1; gen <= 20; gen++ {
-		testutil.WaitFor(t, 10*time.Second, "requests between reloads", func() (bool, string) {
+		lbxtest.WaitFor(t, 10*time.Second, "requests between reloads", func() (bool, string) {
 			n := requests.Load()
 			return n >= int64(gen)*50, fmt.Sprintf("%d requests", n)
 		})

@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // genServer is one config generation's HTTP server, set up as Caddy's is
@@ -250,7 +250,7 @@ func testReloadsKeptAlivePOST(t *testing.T, wrap func(net.Listener) net.Listener
 		})
 	}
 	for gen := 1; gen <= reloads; gen++ {
-		testutil.WaitFor(t, 20*time.Second, "requests between reloads", func() (bool, string) {
+		lbxtest.WaitFor(t, 20*time.Second, "requests between reloads", func() (bool, string) {
 			n := answered.Load()
 			return n >= int64(gen)*clients*4 || failed.Load() > 0, fmt.Sprintf("%d answered", n)
 		})
@@ -450,7 +450,7 @@ func TestResponseInProgressThenMovesOn(t *testing.T) {
 			shut := make(chan struct{})
 			go func() { defer close(shut); oldSrv.shutdown(t) }()
 			// Shutdown has begun once the old listener has left the hub.
-			testutil.WaitFor(t, 10*time.Second, "the old listener to close", func() (bool, string) {
+			lbxtest.WaitFor(t, 10*time.Second, "the old listener to close", func() (bool, string) {
 				newest, _ := old.hub.newest()
 				old.hub.mu.Lock()
 				n := len(old.hub.gens)
@@ -547,7 +547,7 @@ func TestH2CStaysAndEnds(t *testing.T) {
 // A kept-alive TLS connection (lbx_handoff before tls) cannot move: its
 // TLS state is the old config's. The old server closes it as before.
 func TestKeptAliveTLSStays(t *testing.T) {
-	_, _, cert := testutil.Cert(t)
+	_, _, cert := lbxtest.Cert(t)
 	cfg := &tls.Config{Certificates: []tls.Certificate{cert}}
 	old := attach(reusePortListen(t, "127.0.0.1:0"))
 	addr := old.Addr().String()

@@ -583,7 +583,7 @@ func drainLbxGoroutines() []string {
 			if !strings.HasPrefix(fn, drainLbxModule+"/") && !strings.HasPrefix(fn, drainLbxModule+".") {
 				continue // file:line lines start with a tab; headers with "goroutine"
 			}
-			if strings.HasPrefix(fn, drainLbxModule+"/integration") || strings.HasPrefix(fn, drainLbxModule+"/internal/testutil") {
+			if strings.HasPrefix(fn, drainLbxModule+"/integration") || strings.HasPrefix(fn, drainLbxModule+"/lbxtest") {
 				continue // the test itself, waiting
 			}
 			out = append(out, g)

@@ -22,13 +22,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
-
 	"github.com/caddyserver/caddy/v2/caddytest"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 	"github.com/pires/go-proxyproto"
 
 	_ "github.com/caddy-lbx/lbx"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // adminAddr is caddytest's default admin address.
@@ -45,7 +44,7 @@ var (
 	httpPort, httpsPort int
 )
 
-var freePort = testutil.FreePort
+var freePort = lbxtest.FreePort
 
 // env is one test's harness: the caddytest tester, an HTTP client for the
 // proxy, and the backends the test started. Its cleanup unloads the test's
@@ -228,7 +227,7 @@ func (f *failRecorder) Errorf(format string, args ...any) {
 // postConfig loads a Caddyfile through the admin API directly (used in
 // cleanup, where the tester's own bookkeeping is not wanted).
 func postConfig(caddyfile string) error {
-	status, body, err := testutil.PostLoad(adminClient, "http://"+adminAddr, "text/caddyfile", []byte(caddyfile))
+	status, body, err := lbxtest.PostLoad(adminClient, "http://"+adminAddr, "text/caddyfile", []byte(caddyfile))
 	if err != nil {
 		return err
 	}
@@ -351,8 +350,8 @@ func (e *env) drivePacedPaths(n, conc int, interval time.Duration, path func(i i
 	return res
 }
 
-// waitFor waits on a condition with a deadline (see testutil.WaitFor).
-var waitFor = testutil.WaitFor
+// waitFor waits on a condition with a deadline (see lbxtest.WaitFor).
+var waitFor = lbxtest.WaitFor
 
 // ---- backends ----
 

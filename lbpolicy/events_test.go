@@ -10,11 +10,11 @@ import (
 	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 func TestEjectionEmitsEvent(t *testing.T) {
-	ctx, rec := testutil.SubscribeEvents(t, eventUpstreamEjected)
+	ctx, rec := lbxtest.SubscribeEvents(t, eventUpstreamEjected)
 	o := Outlier{Consecutive: 2}
 	o.provision(zap.NewNop(), events.New(ctx))
 	table := hoststate.NewTable(hoststate.Config{})
@@ -36,7 +36,7 @@ func TestEjectionEmitsEvent(t *testing.T) {
 }
 
 func TestRestorationEmitsEventOnce(t *testing.T) {
-	ctx, rec := testutil.SubscribeEvents(t, eventUpstreamRestored)
+	ctx, rec := lbxtest.SubscribeEvents(t, eventUpstreamRestored)
 	o := Outlier{Consecutive: 1, BaseEjectionTime: caddy.Duration(time.Millisecond)}
 	o.provision(zap.NewNop(), events.New(ctx))
 	table := hoststate.NewTable(hoststate.Config{})

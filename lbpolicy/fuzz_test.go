@@ -3,7 +3,7 @@ package lbpolicy
 import (
 	"testing"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // FuzzSelectionPolicyJSON loads a reverse_proxy handler whose selection
@@ -31,6 +31,6 @@ func FuzzSelectionPolicyJSON(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, policy []byte) {
 		proxy := append([]byte(`{"handler":"reverse_proxy","upstreams":[{"dial":"127.0.0.1:1"},{"dial":"127.0.0.1:2"}],"load_balancing":{"selection_policy":`), policy...)
-		testutil.ValidateHostile(t, testutil.HandlerConfig(append(proxy, "}}"...)))
+		lbxtest.ValidateHostile(t, lbxtest.HandlerConfig(append(proxy, "}}"...)))
 	})
 }

@@ -7,7 +7,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/caddy-lbx/lbx/internal/events"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 func TestPanicDecisionAroundThreshold(t *testing.T) {
@@ -63,7 +63,7 @@ func TestPanicDisabledAndHundredPercent(t *testing.T) {
 }
 
 func TestPanicTransitionsEmitEvents(t *testing.T) {
-	ctx, rec := testutil.SubscribeEvents(t, eventPanicEntered, eventPanicLeft)
+	ctx, rec := lbxtest.SubscribeEvents(t, eventPanicEntered, eventPanicLeft)
 	m := newPanicMode(nil, "ewma", zap.NewNop(), events.New(ctx))
 	var st panicState
 	m.decide(&st, 1, 4)

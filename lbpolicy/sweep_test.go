@@ -18,7 +18,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/events"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // hostTraffic is one upstream's traffic in an interval: judged attempts, of
@@ -413,7 +413,7 @@ func TestAdminReportShowsEjectionReason(t *testing.T) {
 }
 
 func TestSweepEjectionEmitsEventWithReason(t *testing.T) {
-	ctx, rec := testutil.SubscribeEvents(t, eventUpstreamEjected)
+	ctx, rec := lbxtest.SubscribeEvents(t, eventUpstreamEjected)
 	o := Outlier{MaxEjectionPercent: percent(100)}
 	o.provision(zap.NewNop(), events.New(ctx))
 	sw, hosts := sweepPool(t, &o, []hostTraffic{full(100), full(100), full(100), full(100), {100, 50}})

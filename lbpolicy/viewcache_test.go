@@ -21,7 +21,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // lbxSeries gathers lbx's metrics from a registry of their own and counts
@@ -236,7 +236,7 @@ func TestReleaserStops(t *testing.T) {
 	// ("goroutine N [...]"), not by a count.
 	ids := func() map[string]bool {
 		set := map[string]bool{}
-		for _, g := range testutil.Goroutines(loop) {
+		for _, g := range lbxtest.Goroutines(loop) {
 			head, _, _ := strings.Cut(g, " [")
 			set[head] = true
 		}
@@ -259,7 +259,7 @@ func TestReleaserStops(t *testing.T) {
 	}
 	cancel()
 	_ = s.Cleanup()
-	testutil.WaitFor(t, 5*time.Second, "the release loop to end", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the release loop to end", func() (bool, string) {
 		return !ids()[mine[0]], mine[0] + " still runs"
 	})
 }

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestTimeoutCoversRequestBody: timeout bounds the whole call, reading the
@@ -21,7 +21,7 @@ func TestTimeoutCoversRequestBody(t *testing.T) {
 	addr := fmt.Sprintf("127.0.0.1:%d", httpPort)
 
 	// 20 KB over 4 s: the body is far from complete at the deadline.
-	res, err := testutil.SlowBody(addr, "/search", 20000, 4*time.Second)
+	res, err := lbxtest.SlowBody(addr, "/search", 20000, 4*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,7 +45,7 @@ func TestTimeoutCoversRequestBody(t *testing.T) {
 	}
 
 	// A body sent over 100 ms, within the timeout, works.
-	res, err = testutil.SlowBody(addr, "/search", 20000, 100*time.Millisecond)
+	res, err = lbxtest.SlowBody(addr, "/search", 20000, 100*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,7 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // provisionJSON validates a config with one partition handler whose
@@ -83,13 +83,13 @@ func TestBoundsBeforeSideEffects(t *testing.T) {
 	// which an earlier test's winding down or the runtime can add (CI
 	// once saw 3 after, 2 before, under -race).
 	sideEffects := []string{"lbx/partition.", "lbx/lbpolicy.", "reverseproxy."}
-	base := len(testutil.Goroutines(sideEffects...))
+	base := len(lbxtest.Goroutines(sideEffects...))
 	err := provisionJSON(t, `,"poll_interval":"1ns","naming_file":"/nonexistent",`+
 		`"proxy":{"load_balancing":{"selection_policy":{"policy":"ewma","outlier":{"interval":"-1s"}}}}`)
 	if err == nil || !strings.Contains(err.Error(), "poll_interval 1ns is below the minimum 100ms") {
 		t.Fatalf("error %v; want the poll_interval bound", err)
 	}
-	if after := testutil.Goroutines(sideEffects...); len(after) > base {
+	if after := lbxtest.Goroutines(sideEffects...); len(after) > base {
 		t.Errorf("%d goroutines of partition, lbpolicy or reverse_proxy after a failed Provision; %d before:\n%s", len(after), base, strings.Join(after, "\n\n"))
 	}
 }

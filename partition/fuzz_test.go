@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 func FuzzParseTag(f *testing.F) {
@@ -116,6 +116,6 @@ func FuzzHandlerJSON(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		testutil.ValidateHostile(t, testutil.HandlerConfig(h))
+		lbxtest.ValidateHostile(t, lbxtest.HandlerConfig(h))
 	})
 }

@@ -18,10 +18,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
-
 	"github.com/caddyserver/caddy/v2/caddytest"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
+
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 var (
@@ -30,7 +30,7 @@ var (
 	adminClient                    = &http.Client{Transport: &http.Transport{}, Timeout: 10 * time.Second}
 )
 
-var freePort = testutil.FreePort
+var freePort = lbxtest.FreePort
 
 // env is one test's harness. Its cleanup unloads the test's config, closes
 // the backends and checks that no goroutine of this package is left.
@@ -157,7 +157,7 @@ func postConfig(caddyfile string) error { return post("text/caddyfile", caddyfil
 func postJSON(cfg string) error { return post("application/json", cfg) }
 
 func post(contentType, cfg string) error {
-	status, body, err := testutil.PostLoad(adminClient, fmt.Sprintf("http://localhost:%d", adminPort), contentType, []byte(cfg))
+	status, body, err := lbxtest.PostLoad(adminClient, fmt.Sprintf("http://localhost:%d", adminPort), contentType, []byte(cfg))
 	if err != nil {
 		return err
 	}
@@ -201,8 +201,8 @@ func (e *env) get(path string) response {
 	return res
 }
 
-// waitFor waits on a condition with a deadline (see testutil.WaitFor).
-var waitFor = testutil.WaitFor
+// waitFor waits on a condition with a deadline (see lbxtest.WaitFor).
+var waitFor = lbxtest.WaitFor
 
 // ---- backends ----
 

@@ -9,10 +9,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/cluster"
-	"github.com/caddy-lbx/lbx/internal/testutil"
-
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+
+	"github.com/caddy-lbx/lbx/cluster"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestSerfEntries: members to tagged upstreams.
@@ -87,13 +87,13 @@ func portOf(b *backend) string {
 func TestSerfNamingFollowsMembers(t *testing.T) {
 	e := newEnv(t)
 	b0, b1, b2, bad, web := e.backend("b0"), e.backend("b1"), e.backend("b2"), e.backend("bad"), e.backend("web")
-	m0 := testutil.SerfMember(t, "m0", map[string]string{"partition": "0/2", "http_port": portOf(b0), "role": "search"}, "")
-	testutil.SerfMember(t, "m1", map[string]string{"partition": "1/2", "http_port": portOf(b1), "role": "search"}, testutil.SerfAddr(m0))
-	testutil.SerfMember(t, "mbad", map[string]string{"partition": "0/2,2/2", "http_port": portOf(bad), "role": "search"}, testutil.SerfAddr(m0))
-	testutil.SerfMember(t, "mweb", map[string]string{"partition": "0/2", "http_port": portOf(web), "role": "web"}, testutil.SerfAddr(m0))
+	m0 := lbxtest.SerfMember(t, "m0", map[string]string{"partition": "0/2", "http_port": portOf(b0), "role": "search"}, "")
+	lbxtest.SerfMember(t, "m1", map[string]string{"partition": "1/2", "http_port": portOf(b1), "role": "search"}, lbxtest.SerfAddr(m0))
+	lbxtest.SerfMember(t, "mbad", map[string]string{"partition": "0/2,2/2", "http_port": portOf(bad), "role": "search"}, lbxtest.SerfAddr(m0))
+	lbxtest.SerfMember(t, "mweb", map[string]string{"partition": "0/2", "http_port": portOf(web), "role": "web"}, lbxtest.SerfAddr(m0))
 
 	e.global = fmt.Sprintf("cluster {\n\t\tnode_name front\n\t\tbind 127.0.0.1:%d\n\t\tjoin %s\n\t}",
-		freeUDPTCPPort(t), testutil.SerfAddr(m0))
+		freeUDPTCPPort(t), lbxtest.SerfAddr(m0))
 	e.load(`	partition {
 		serf_tag partition {
 			port_tag http_port
@@ -112,7 +112,7 @@ func TestSerfNamingFollowsMembers(t *testing.T) {
 	load.waitRequests(t, 100)
 
 	// A 3-partition member (all three partitions on one backend) joins.
-	testutil.SerfMember(t, "m2", map[string]string{"partition": "0/3,1/3,2/3", "http_port": portOf(b2), "role": "search"}, testutil.SerfAddr(m0))
+	lbxtest.SerfMember(t, "m2", map[string]string{"partition": "0/3,1/3,2/3", "http_port": portOf(b2), "role": "search"}, lbxtest.SerfAddr(m0))
 	start := time.Now()
 	waitFor(t, 30*time.Second, "the 3-partition member takes requests", func() (bool, string) {
 		return b2.hits.Load() > 0, fmt.Sprintf("b2 hits %d", b2.hits.Load())

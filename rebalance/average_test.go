@@ -9,7 +9,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestAverageConfigValid: every interval and freshness the app accepts
@@ -50,7 +50,7 @@ func averageOf(n *node) (shed.AverageView, shed.Decision) {
 func waitAverage(t *testing.T, what string, want float64, size int, apps ...*App) {
 	t.Helper()
 	for _, x := range apps {
-		testutil.WaitFor(t, 20*time.Second, fmt.Sprintf("%s: %s decides on the gossip average %.0f of %d", what, x.cluster.NodeName, want, size), func() (bool, string) {
+		lbxtest.WaitFor(t, 20*time.Second, fmt.Sprintf("%s: %s decides on the gossip average %.0f of %d", what, x.cluster.NodeName, want, size), func() (bool, string) {
 			v, d := averageOf(x.node)
 			ok := v.Used && math.Abs(d.Average-want) <= want/100 && d.Counted == size
 			return ok, fmt.Sprintf("average %.2f from %s, counted %d, size %.2f of %d members", d.Average, v.Source(), d.Counted, v.Size, v.Members)
@@ -94,10 +94,10 @@ func TestGossipAverageInCluster(t *testing.T) {
 	// falls short of the four members serf lists, so the nodes decide on
 	// the tags, and say why; when it leaves, they are back on the gossip
 	// average.
-	old := testutil.SerfMember(t, "avg-old", nil, a.gossipAddr())
+	old := lbxtest.SerfMember(t, "avg-old", nil, a.gossipAddr())
 	stopReports := reportLoad(t, old, nil, metricConnections, 800)
 	for _, x := range []*App{a, b, c} {
-		testutil.WaitFor(t, 20*time.Second, x.cluster.NodeName+" falls back to the tags", func() (bool, string) {
+		lbxtest.WaitFor(t, 20*time.Second, x.cluster.NodeName+" falls back to the tags", func() (bool, string) {
 			v, d := averageOf(x.node)
 			ok := !v.Used && strings.Contains(v.Why, "of the 4 members") && d.Counted == 4 && math.Abs(d.Average-500) < 1
 			return ok, fmt.Sprintf("%s; average %.1f counted %d", v.Source(), d.Average, d.Counted)

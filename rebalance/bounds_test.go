@@ -19,7 +19,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // bigTags are tags that, with the load tag, do not fit in serf's 512
@@ -319,9 +319,9 @@ func TestReloadTagsTooLarge(t *testing.T) {
 		_, _, ok := shed.ParseLoadTag(tags[shed.LoadTag])
 		return ok && tags["zone"] == "a", fmt.Sprintf("tags %v", tags)
 	}
-	testutil.WaitFor(t, 5*time.Second, "the node gossips its load", gossips)
+	lbxtest.WaitFor(t, 5*time.Second, "the node gossips its load", gossips)
 
-	status, body, err := testutil.PostLoad(http.DefaultClient, fmt.Sprintf("http://127.0.0.1:%d", adminPort), "application/json", config(bigTags))
+	status, body, err := lbxtest.PostLoad(http.DefaultClient, fmt.Sprintf("http://127.0.0.1:%d", adminPort), "application/json", config(bigTags))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -339,7 +339,7 @@ func TestReloadTagsTooLarge(t *testing.T) {
 	}
 	got.Body.Close()
 	seq := selfTags(n)[shed.LoadTag]
-	testutil.WaitFor(t, 5*time.Second, "the node still publishes new load reports", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the node still publishes new load reports", func() (bool, string) {
 		ok, why := gossips()
 		return ok && selfTags(n)[shed.LoadTag] != seq, why
 	})

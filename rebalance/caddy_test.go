@@ -11,7 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // runningConns returns the process's connections, which the running
@@ -72,7 +72,7 @@ func TestCaddyWiring(t *testing.T) {
 			t.Fatal("no response")
 		}
 	}
-	testutil.WaitFor(t, 5*time.Second, "3 idle connections tracked", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "3 idle connections tracked", func() (bool, string) {
 		c := tracker.Counts()
 		return c.Idle-base >= 3, fmt.Sprintf("%+v (before: %d)", c, base)
 	})
@@ -87,7 +87,7 @@ func TestCaddyWiring(t *testing.T) {
 	if n == nil {
 		t.Fatal("no node in the pool")
 	}
-	testutil.WaitFor(t, 5*time.Second, "the node gossips 3 connections", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the node gossips 3 connections", func() (bool, string) {
 		tag := selfTags(n)[shed.LoadTag]
 		_, load, _ := shed.ParseLoadTag(tag)
 		return load >= 3, fmt.Sprintf("tag %q", tag)

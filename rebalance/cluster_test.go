@@ -20,7 +20,7 @@ import (
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // fakeSource is a load source with a settable load that records sheds.
@@ -199,13 +199,13 @@ func TestClusterGossipAndShed(t *testing.T) {
 	c := testApp(t, "node-c", srcC, join)
 
 	for _, x := range []*App{a, b, c} {
-		testutil.WaitFor(t, 15*time.Second, x.cluster.NodeName+" counts three fresh members", func() (bool, string) { return seesLoads(x.node, 3) })
+		lbxtest.WaitFor(t, 15*time.Second, x.cluster.NodeName+" counts three fresh members", func() (bool, string) { return seesLoads(x.node, 3) })
 	}
 	// a: 400 against an average of 200 sheds, and its clients land on a
 	// random member (a third of them back on a): a ends between the
 	// average (lifting b and c goes no further) and the stop line, 110% of
 	// it, and the others never shed.
-	testutil.WaitFor(t, 20*time.Second, "node-a reaches the stop band", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "node-a reaches the stop band", func() (bool, string) {
 		load, shed := srcA.get()
 		a.node.mu.Lock()
 		d := a.node.last
@@ -244,7 +244,7 @@ func TestClusterGossipAndShed(t *testing.T) {
 	// on the gossip average before node-b has seen every tag change, so
 	// the view is read until it counts all three.
 	var nv nodeView
-	testutil.WaitFor(t, 10*time.Second, "node-b's admin view counts three alive members in metric connections", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "node-b's admin view counts three alive members in metric connections", func() (bool, string) {
 		rec := httptest.NewRecorder()
 		if err := handleRebalance(rec, httptest.NewRequest("GET", "/lbx/rebalance", nil)); err != nil {
 			t.Fatal(err)
@@ -279,7 +279,7 @@ func TestClusterLeaveOnStopAndGhost(t *testing.T) {
 	a := testApp(t, "ghost-a", &fakeSource{load: 100}, nil)
 	b := testApp(t, "ghost-b", &fakeSource{load: 100}, func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} })
 	c := testApp(t, "ghost-c", &fakeSource{load: 0}, func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} })
-	testutil.WaitFor(t, 15*time.Second, "ghost-a counts three", func() (bool, string) { return seesLoads(a.node, 3) })
+	lbxtest.WaitFor(t, 15*time.Second, "ghost-a counts three", func() (bool, string) { return seesLoads(a.node, 3) })
 
 	if err := c.stopAll(); err != nil {
 		t.Fatal(err)
@@ -287,7 +287,7 @@ func TestClusterLeaveOnStopAndGhost(t *testing.T) {
 	if _, running := c.cluster.Status(); running {
 		t.Fatal("after the last Stop, the cluster member still runs")
 	}
-	testutil.WaitFor(t, 15*time.Second, "ghost-a sees ghost-c left and counts two", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "ghost-a sees ghost-c left and counts two", func() (bool, string) {
 		ok, why := seesLoads(a.node, 2)
 		if m, found := memberOf(a, "ghost-c"); found {
 			return ok && m.Status == cluster.StatusLeft, fmt.Sprintf("ghost-c %v; %s", m.Status, why)
@@ -312,7 +312,7 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 		c.Join = []string{peer.gossipAddr()}
 		c.Tags = map[string]string{"zone": "a"}
 	})
-	testutil.WaitFor(t, 15*time.Second, "peer counts reload-x", func() (bool, string) { return seesLoads(peer.node, 2) })
+	lbxtest.WaitFor(t, 15*time.Second, "peer counts reload-x", func() (bool, string) { return seesLoads(peer.node, 2) })
 
 	src2 := &fakeSource{load: 20}
 	neu := testApp(t, "reload-x", src2, func(c *cluster.App, x *App) {
@@ -332,7 +332,7 @@ func TestClusterReloadKeepsMember(t *testing.T) {
 		t.Fatal("after stopping the old config, the cluster member no longer runs")
 	}
 	// The new settings drive: the peer sees the new tag and the new load.
-	testutil.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "peer sees zone b and load 20", func() (bool, string) {
 		if m, found := memberOf(peer, "reload-x"); found {
 			_, load, _ := shed.ParseLoadTag(m.Tags[shed.LoadTag])
 			return m.Status == cluster.StatusAlive && m.Tags["zone"] == "b" && load == 20, fmt.Sprintf("%v %v", m.Status, m.Tags)
@@ -361,11 +361,11 @@ func TestClusterWrongKeyCannotJoin(t *testing.T) {
 	a := testApp(t, "key-a", &fakeSource{}, func(c *cluster.App, x *App) { c.EncryptKey = key1 })
 	good := testApp(t, "key-good", &fakeSource{}, func(c *cluster.App, x *App) { c.EncryptKey = key1; c.Join = []string{a.gossipAddr()} })
 	bad := testApp(t, "key-bad", &fakeSource{}, func(c *cluster.App, x *App) { c.EncryptKey = key2; c.Join = []string{a.gossipAddr()} })
-	testutil.WaitFor(t, 15*time.Second, "key-good joins", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "key-good joins", func() (bool, string) {
 		return aliveOthers(good) == 1, fmt.Sprintf("%d others", aliveOthers(good))
 	})
 	joinErr := ""
-	testutil.WaitFor(t, 15*time.Second, "key-bad reports a join error", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "key-bad reports a join error", func() (bool, string) {
 		st, _ := bad.cluster.Status()
 		joinErr = st.JoinError
 		return joinErr != "", "no join error yet"
@@ -382,7 +382,7 @@ func TestClusterWrongKeyCannotJoin(t *testing.T) {
 	}
 }
 
-var freePort = testutil.FreePort
+var freePort = lbxtest.FreePort
 
 // TestAdminMethod: only GET.
 func TestAdminMethod(t *testing.T) {

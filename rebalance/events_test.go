@@ -10,7 +10,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // startAppCtx is testApp with the caller's context; mut, when not nil,
@@ -46,13 +46,13 @@ func startAppCtx(t *testing.T, ctx caddy.Context, name string, src loadSource, m
 // emits rebalance_shed with what it shed, and the metrics agree with the
 // load source and the events.
 func TestShedEventAndMetrics(t *testing.T) {
-	ctx, rec := testutil.SubscribeEvents(t, EventShed)
+	ctx, rec := lbxtest.SubscribeEvents(t, EventShed)
 	fleet := newFakeFleet(400, 100)
 	srcA, srcB := fleet[0], fleet[1]
 	a := startAppCtx(t, ctx, "ev-a", srcA, nil)
 	testApp(t, "ev-b", srcB, func(c *cluster.App, x *App) { c.Join = []string{a.gossipAddr()} })
 
-	testutil.WaitFor(t, 20*time.Second, "ev-a sheds, then reaches the stop band", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "ev-a sheds, then reaches the stop band", func() (bool, string) {
 		load, shed := srcA.get()
 		a.node.mu.Lock()
 		d := a.node.last
@@ -118,7 +118,7 @@ func TestShedEventAndMetrics(t *testing.T) {
 	if loadA+loadB != 500 {
 		t.Errorf("the fleet holds %.0f connections; want 500", loadA+loadB)
 	}
-	testutil.WaitFor(t, 2*time.Second, "ev-b's load and average settle", func() (bool, string) {
+	lbxtest.WaitFor(t, 2*time.Second, "ev-b's load and average settle", func() (bool, string) {
 		local, _ := metricValue(t, reg, "caddy_lbx_rebalance_local_load", nodeB)
 		avg, _ := metricValue(t, reg, "caddy_lbx_rebalance_cluster_average", nodeB)
 		return local == loadB && avg == (loadA+loadB)/2, fmt.Sprintf("local %v (want %v), average %v (want %v)", local, loadB, avg, (loadA+loadB)/2)

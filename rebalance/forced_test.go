@@ -14,7 +14,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestNodeForcedCloses runs a node whose load source is a real tracker,
@@ -30,7 +30,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	defer client.Close()
 	tr.ConnState(server, http.StateNew)
 	tr.ConnState(server, http.StateActive)
-	ctx, rec := testutil.SubscribeEvents(t, EventShed)
+	ctx, rec := lbxtest.SubscribeEvents(t, EventShed)
 	src := &processSource{tracker: tr}
 	a := startAppCtx(t, ctx, "forcing", src, func(_ *cluster.App, a *App) {
 		a.ShedRate = 0
@@ -41,7 +41,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	if r := src.Shed(1); r != (ShedResult{Active: 1}) {
 		t.Fatalf("Shed(1) = %+v", r)
 	}
-	testutil.WaitFor(t, 10*time.Second, "the node forces the connection closed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "the node forces the connection closed", func() (bool, string) {
 		a.node.mu.Lock()
 		defer a.node.mu.Unlock()
 		return a.node.forced == 1, fmt.Sprintf("forced %d", a.node.forced)
@@ -52,7 +52,7 @@ func TestNodeForcedCloses(t *testing.T) {
 	}
 
 	// The event is emitted after the node's lock is released: wait for it.
-	testutil.WaitFor(t, 10*time.Second, "one forced close in the events", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "one forced close in the events", func() (bool, string) {
 		var forced int
 		for _, e := range rec.Events() {
 			if e.Data["node"] != "forcing" {

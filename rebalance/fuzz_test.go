@@ -3,7 +3,7 @@ package rebalance
 import (
 	"testing"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // FuzzRebalanceHTTPJSON (the app alone is FuzzAppJSON) validates a config with the rebalance app and a
@@ -23,6 +23,6 @@ func FuzzRebalanceHTTPJSON(f *testing.F) {
 			`,"load_balancing":{"selection_policy":` + string(policy) + `}}`
 		config := `{"admin":{"disabled":true},"apps":{"rebalance":{"bind":"127.0.0.1:0"},` +
 			`"http":{"servers":{"fuzz":{"listen":["127.0.0.1:0"],"routes":[{"handle":[` + proxy + `]}]}}}}}`
-		testutil.ValidateHostile(t, []byte(config))
+		lbxtest.ValidateHostile(t, []byte(config))
 	})
 }

@@ -14,7 +14,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // badPeer starts a plain serf member, joined to join, whose load tag is
@@ -24,7 +24,7 @@ import (
 // quicker), at the end of the test.
 func badPeer(t *testing.T, name, join string, tag func(seq int) string) {
 	t.Helper()
-	s := testutil.SerfMember(t, name, map[string]string{shed.LoadTag: tag(0)}, join)
+	s := lbxtest.SerfMember(t, name, map[string]string{shed.LoadTag: tag(0)}, join)
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -98,14 +98,14 @@ func TestBadPeerLoadsShedNothing(t *testing.T) {
 
 	// Every node has seen the six bad members change and judged them.
 	for _, x := range []*App{a, b} {
-		testutil.WaitFor(t, 20*time.Second, x.cluster.NodeName+" judges the six bad members invalid", func() (bool, string) {
+		lbxtest.WaitFor(t, 20*time.Second, x.cluster.NodeName+" judges the six bad members invalid", func() (bool, string) {
 			d, _ := lastDecision(x.node)
 			return d.Invalid == len(bad) && d.Counted == 2, fmt.Sprintf("last decision %+v", d)
 		})
 	}
 	// Ten more intervals: not one decision sheds.
 	start := a.node.steps.Load()
-	testutil.WaitFor(t, 10*time.Second, "ten more intervals", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "ten more intervals", func() (bool, string) {
 		return a.node.steps.Load()-start >= int64(10*time.Duration(a.Interval)), "not yet"
 	})
 	for _, x := range []struct {
@@ -177,7 +177,7 @@ func (*infSource) Sample(string) (float64, int) { return math.Inf(1), 100 }
 // its average, balance) still gets an admin view that encodes.
 func TestAdminViewEncodesNonFinite(t *testing.T) {
 	a := testApp(t, "inf-node", &infSource{}, nil)
-	testutil.WaitFor(t, 5*time.Second, "a decision on an infinite load", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "a decision on an infinite load", func() (bool, string) {
 		a.node.mu.Lock()
 		defer a.node.mu.Unlock()
 		return math.IsInf(a.node.local, 1), fmt.Sprintf("local %v", a.node.local)
@@ -199,7 +199,7 @@ func TestAdminViewEncodesNonFinite(t *testing.T) {
 func TestNameConflictIsLoud(t *testing.T) {
 	first := testApp(t, "dup", &fakeSource{load: 10}, nil)
 	witness := testApp(t, "dup-witness", &fakeSource{load: 10}, func(c *cluster.App, x *App) { c.Join = []string{first.gossipAddr()} })
-	testutil.WaitFor(t, 15*time.Second, "the first dup counts the witness", func() (bool, string) { return seesLoads(first.node, 2) })
+	lbxtest.WaitFor(t, 15*time.Second, "the first dup counts the witness", func() (bool, string) { return seesLoads(first.node, 2) })
 
 	// Another bind address, so that the pool does not hand back the
 	// first one's member.
@@ -213,12 +213,12 @@ func TestNameConflictIsLoud(t *testing.T) {
 	t.Cleanup(func() { stopTogether(first, witness, second) })
 	n := second.node
 	msg := ""
-	testutil.WaitFor(t, 20*time.Second, "the second dup reports the conflict", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "the second dup reports the conflict", func() (bool, string) {
 		st, _ := second.cluster.Status()
 		msg = st.Conflict
 		return msg != "", "no conflict yet"
 	})
-	testutil.WaitFor(t, 5*time.Second, "the second dup's decision gives the conflict", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the second dup's decision gives the conflict", func() (bool, string) {
 		n.mu.Lock()
 		defer n.mu.Unlock()
 		return n.last.Reason == msg, fmt.Sprintf("last reason %q", n.last.Reason)
@@ -238,7 +238,7 @@ func TestNameConflictIsLoud(t *testing.T) {
 	}
 	// The loser decides no more.
 	steps := n.steps.Load()
-	testutil.WaitFor(t, 5*time.Second, "the first dup takes five more steps", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the first dup takes five more steps", func() (bool, string) {
 		return first.node.steps.Load()-steps >= int64(5*time.Duration(first.Interval)), "not yet"
 	})
 	if got := n.steps.Load(); got != steps {
@@ -251,7 +251,7 @@ func TestNameConflictIsLoud(t *testing.T) {
 // with the longest load tag this node can publish, and refuses
 // one byte more, which serf refuses too.
 func TestTagSizeMatchesSerf(t *testing.T) {
-	s := testutil.SerfMember(t, "tag-size", nil, "")
+	s := lbxtest.SerfMember(t, "tag-size", nil, "")
 	tagsOf := func(n int) map[string]string {
 		return map[string]string{"zone": "z", "blob": strings.Repeat("x", n)}
 	}

@@ -26,8 +26,8 @@ import (
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
 	"github.com/caddy-lbx/lbx/internal/conntrack"
-	"github.com/caddy-lbx/lbx/internal/testutil"
-	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
+	"github.com/caddy-lbx/lbx/lbxtest"
+	"github.com/caddy-lbx/lbx/lbxtest/tcplb"
 )
 
 // grpcShedsEnv sets how many connections TestGRPCShedThroughCaddy sheds
@@ -211,7 +211,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 		target = n
 	}
 	backend := grpcBackend(t)
-	certPEM, keyPEM, _ := testutil.Cert(t)
+	certPEM, keyPEM, _ := lbxtest.Cert(t)
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(certPEM)
 	jsonString := func(b []byte) string { s, _ := json.Marshal(string(b)); return string(s) }
@@ -256,7 +256,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 	}
 	t.Cleanup(func() { caddy.Stop() })
 	tracker := runningConns(t).tracker
-	testutil.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
 		tracker.Sweep(0, 0)
 		c := tracker.Counts()
 		return c == (conntrack.Counts{}), fmt.Sprintf("%+v", c)
@@ -303,7 +303,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 	// and each kind of connection has reconnected for a fair share.
 	goAways0 := tracker.GoAwayTotal()
 	dials0 := make([]int64, len(kinds))
-	testutil.WaitFor(t, 20*time.Second, "every client connected", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "every client connected", func() (bool, string) {
 		for k, s := range stats {
 			if s.rpcs.Load() < int64(len(loads)) {
 				return false, fmt.Sprintf("%s: %d calls", kinds[k].name, s.rpcs.Load())
@@ -338,7 +338,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 		time.Sleep(40 * time.Millisecond) // the pace of the sheds, not a wait for a condition
 	}
 	// The clients go on calling until every connection shed is closed.
-	testutil.WaitFor(t, 10*time.Second, "every shed connection closed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "every shed connection closed", func() (bool, string) {
 		c := tracker.Counts()
 		return c.Closing+c.Overdue == 0, fmt.Sprintf("%+v", c)
 	})
@@ -363,7 +363,7 @@ func TestGRPCShedThroughCaddy(t *testing.T) {
 	if goAways == 0 {
 		t.Error("the tracker wrote no GOAWAY: the quiet channels' idle sheds were not exercised")
 	}
-	testutil.WaitFor(t, 10*time.Second, "every connection closed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "every connection closed", func() (bool, string) {
 		c := tracker.Counts()
 		return c == (conntrack.Counts{}), fmt.Sprintf("%+v", c)
 	})

@@ -16,7 +16,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestWarnNoCloseHandler: the start-up warning names the servers whose
@@ -125,7 +125,7 @@ func TestCaddyIdleCloseAfter(t *testing.T) {
 		return cn
 	}
 	with, without := dial(withPort), dial(withoutPort)
-	testutil.WaitFor(t, 5*time.Second, "2 idle connections", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "2 idle connections", func() (bool, string) {
 		c := tracker.Counts()
 		return c.Idle == 2, fmt.Sprintf("%+v", c)
 	})

@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // testWrapper returns a provisioned-looking wrapper with its own process
@@ -30,12 +30,12 @@ func testWrapper() (*ListenerWrapper, *processConns, *observer.ObservedLogs) {
 // *tls.Conn passes through unwrapped and uncounted, and one error names
 // the fix however many connections arrive).
 func TestListenerWrapperPlacement(t *testing.T) {
-	_, _, cert := testutil.Cert(t)
+	_, _, cert := lbxtest.Cert(t)
 	serverConf := &tls.Config{Certificates: []tls.Certificate{cert}}
 
 	t.Run("before tls", func(t *testing.T) {
 		w, conns, logs := testWrapper()
-		srv, cl := testutil.TCPPair(t, func(l net.Listener) net.Listener { return tls.NewListener(w.WrapListener(l), serverConf) })
+		srv, cl := lbxtest.TCPPair(t, func(l net.Listener) net.Listener { return tls.NewListener(w.WrapListener(l), serverConf) })
 		go cl.Write(make([]byte, 100)) // a client hello it never finishes
 		if _, err := io.ReadFull(srv.(*tls.Conn).NetConn(), make([]byte, 100)); err != nil {
 			t.Fatal(err)
@@ -48,7 +48,7 @@ func TestListenerWrapperPlacement(t *testing.T) {
 	t.Run("after tls", func(t *testing.T) {
 		w, conns, logs := testWrapper()
 		for i := range 3 {
-			srv, _ := testutil.TCPPair(t, func(l net.Listener) net.Listener { return w.WrapListener(tls.NewListener(l, serverConf)) })
+			srv, _ := lbxtest.TCPPair(t, func(l net.Listener) net.Listener { return w.WrapListener(tls.NewListener(l, serverConf)) })
 			if _, ok := srv.(*tls.Conn); !ok {
 				t.Fatalf("accepted %T; want the *tls.Conn", srv)
 			}

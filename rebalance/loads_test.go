@@ -10,7 +10,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // reportLoad makes the serf member s gossip load in metric as the
@@ -59,13 +59,13 @@ func TestMemberLoads(t *testing.T) {
 		a.MinConnections = &many
 	})
 	join := front.gossipAddr()
-	fresh := testutil.SerfMember(t, "ml-fresh", nil, join)
+	fresh := lbxtest.SerfMember(t, "ml-fresh", nil, join)
 	reportLoad(t, fresh, map[string]string{"http_port": "8001"}, metricConnections, 120)
-	cpu := testutil.SerfMember(t, "ml-cpu", nil, join)
+	cpu := lbxtest.SerfMember(t, "ml-cpu", nil, join)
 	reportLoad(t, cpu, nil, metricCPU, 50)
-	testutil.SerfMember(t, "ml-stale", map[string]string{shed.LoadTag: "connections 5 1"}, join)
-	testutil.SerfMember(t, "ml-silent", map[string]string{"http_port": "8004"}, join)
-	gone := testutil.SerfMember(t, "ml-gone", nil, join)
+	lbxtest.SerfMember(t, "ml-stale", map[string]string{shed.LoadTag: "connections 5 1"}, join)
+	lbxtest.SerfMember(t, "ml-silent", map[string]string{"http_port": "8004"}, join)
+	gone := lbxtest.SerfMember(t, "ml-gone", nil, join)
 	stopGone := reportLoad(t, gone, nil, metricConnections, 1)
 
 	counting := func() (map[string]float64, error) {
@@ -81,7 +81,7 @@ func TestMemberLoads(t *testing.T) {
 		}
 		return out, nil
 	}
-	testutil.WaitFor(t, 15*time.Second, "ml-fresh and ml-gone count", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "ml-fresh and ml-gone count", func() (bool, string) {
 		got, err := counting()
 		_, a := got["ml-fresh"]
 		_, b := got["ml-gone"]
@@ -92,7 +92,7 @@ func TestMemberLoads(t *testing.T) {
 		t.Fatal(err)
 	}
 	gone.Shutdown()
-	testutil.WaitFor(t, 15*time.Second, "only ml-fresh and this node count, as in the decision", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "only ml-fresh and this node count, as in the decision", func() (bool, string) {
 		got, err := counting()
 		ok, why := seesLoads(front.node, 2)
 		return err == nil && ok && len(got) == 2 && got["ml-fresh"] == 120 && got["ml-front"] == 7,

@@ -12,7 +12,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/caddy-lbx/lbx/internal/conntrack"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // metricValue gathers reg and returns the value of the series name with
@@ -67,7 +67,7 @@ func (f fixedStats) Collect(ch chan<- prometheus.Metric) {
 // registering twice in a config is harmless.
 func TestMetricsPedantic(t *testing.T) {
 	a := testApp(t, "metrics-node", &fakeSource{load: 10}, nil)
-	testutil.WaitFor(t, 5*time.Second, "a first decision", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "a first decision", func() (bool, string) {
 		a.node.mu.Lock()
 		defer a.node.mu.Unlock()
 		return !a.node.lastAt.IsZero(), "no decision yet"

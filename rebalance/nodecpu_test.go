@@ -13,7 +13,7 @@ import (
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // procStat10 is the start of a /proc/stat of a recent kernel: the
@@ -299,7 +299,7 @@ func TestCPUScopesNeverAverage(t *testing.T) {
 		counted int
 		other   int
 	}{{nodeA, metricNodeCPU, 2, 1}, {nodeB, metricNodeCPU, 2, 1}, {proc, metricCPU, 1, 2}} {
-		testutil.WaitFor(t, 15*time.Second, x.a.node.name+" counts its scope only", func() (bool, string) {
+		lbxtest.WaitFor(t, 15*time.Second, x.a.node.name+" counts its scope only", func() (bool, string) {
 			tag := selfTags(x.a.node)[shed.LoadTag]
 			n := x.a.node
 			n.mu.Lock()
@@ -312,7 +312,7 @@ func TestCPUScopesNeverAverage(t *testing.T) {
 			t.Errorf("%s averages with kind %d; want %d", x.a.node.name, x.a.node.avg.kind, want)
 		}
 	}
-	testutil.WaitFor(t, 15*time.Second, "cluster_load's loads on cpu-node-a leave cpu-process out", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "cluster_load's loads on cpu-node-a leave cpu-process out", func() (bool, string) {
 		ms, err := nodeLoads{nodeA.cluster}.memberLoads(time.Now())
 		got := map[string]bool{}
 		for _, m := range ms {

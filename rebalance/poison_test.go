@@ -15,7 +15,7 @@ import (
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/gossipavg"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // poisonKey is the gossip key of the poisoning tests: the liar has it.
@@ -185,7 +185,7 @@ func TestPoisonedAveragesShedNothing(t *testing.T) {
 	l := startLiar(t, "poison-liar", a.gossipAddr(), load)
 	l.tell(load, 4) // the truth, at first: it joins the averaging
 	for _, x := range honest {
-		testutil.WaitFor(t, 20*time.Second, x.cluster.NodeName+" counts the liar's tag", func() (bool, string) {
+		lbxtest.WaitFor(t, 20*time.Second, x.cluster.NodeName+" counts the liar's tag", func() (bool, string) {
 			return seesLoads(x.node, 4)
 		})
 	}
@@ -199,7 +199,7 @@ func TestPoisonedAveragesShedNothing(t *testing.T) {
 		refusedBefore := a.node.avg.refused.Load() + b.node.avg.refused.Load() + c.node.avg.refused.Load()
 		// 30 intervals: before, 0.001 had the nodes shedding within 10.
 		start := a.node.steps.Load()
-		testutil.WaitFor(t, 15*time.Second, fmt.Sprintf("30 intervals of the lie %g", lie), func() (bool, string) {
+		lbxtest.WaitFor(t, 15*time.Second, fmt.Sprintf("30 intervals of the lie %g", lie), func() (bool, string) {
 			return a.node.steps.Load()-start >= int64(30*time.Duration(a.Interval)), sheds(srcs, honest)
 		})
 		for i, x := range honest {
@@ -249,7 +249,7 @@ func TestDuplicateNameShedsNothing(t *testing.T) {
 	// and only the size estimate, which they threw off too, kept that
 	// average out of the decisions in this test).
 	start, lowest, lowestAt := a.node.steps.Load(), math.Inf(1), ""
-	testutil.WaitFor(t, 20*time.Second, "the duplicate loses the name vote, and 30 intervals pass", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "the duplicate loses the name vote, and 30 intervals pass", func() (bool, string) {
 		for _, x := range honest {
 			if v, _ := averageOf(x.node); !v.LastExchange.IsZero() && v.Average < lowest {
 				lowest, lowestAt = v.Average, x.cluster.NodeName

@@ -25,7 +25,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/cluster"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // fakeCandidates is a pool for the choosing rule alone.
@@ -685,11 +685,11 @@ func TestClusterLoadCaddy(t *testing.T) {
 		name string
 		load float64
 	}{{"cl-a", 100}, {"cl-b", 900}, {"cl-c", 500}} {
-		ports[m.name] = testutil.NamedBackend(t, m.name)
+		ports[m.name] = lbxtest.NamedBackend(t, m.name)
 		tags := map[string]string{"role": "api", "http_port": ports[m.name]}
-		members[m.name] = testutil.SerfMember(t, m.name, tags, join)
+		members[m.name] = lbxtest.SerfMember(t, m.name, tags, join)
 		if join == "" {
-			join = testutil.SerfAddr(members[m.name])
+			join = lbxtest.SerfAddr(members[m.name])
 		}
 		stops[m.name] = reportLoad(t, members[m.name], tags, metricConnections, m.load)
 	}
@@ -750,7 +750,7 @@ func TestClusterLoadCaddy(t *testing.T) {
 	}
 
 	var front *node
-	testutil.WaitFor(t, 20*time.Second, "the front sees the three members, and answers", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "the front sees the three members, and answers", func() (bool, string) {
 		nodes.Range(func(_, v any) bool {
 			if n := v.(*node); n.name == "cl-front" {
 				front = n
@@ -789,7 +789,7 @@ func TestClusterLoadCaddy(t *testing.T) {
 	allFresh := map[string]float64{"cl-a": 100, "cl-b": 900, "cl-c": 500}
 	// All three fresh and in the policy's reading: a batch of 40 with none
 	// to cl-b (the most loaded) and some to cl-c.
-	testutil.WaitFor(t, 20*time.Second, "all three loads count, and rule: none to cl-b, some to cl-c", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "all three loads count, and rule: none to cl-b, some to cl-c", func() (bool, string) {
 		c := counted()
 		if !maps.Equal(c, allFresh) {
 			return false, fmt.Sprint("counted: ", c)
@@ -818,7 +818,7 @@ func TestClusterLoadCaddy(t *testing.T) {
 	// cl-b's report stops changing: stale after freshness, and neutral.
 	stops["cl-b"]()
 	start = time.Now()
-	testutil.WaitFor(t, 20*time.Second, "cl-b neutral (300): none to cl-c, some to cl-b", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "cl-b neutral (300): none to cl-c, some to cl-b", func() (bool, string) {
 		h := batch(40)
 		return h["cl-c"] == 0 && h["cl-b"] > 0, fmt.Sprint(h)
 	})

@@ -24,7 +24,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/conntrack"
 	"github.com/caddy-lbx/lbx/internal/shed"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // Sizes of the upgraded stream in TestThroughputCaddy: what the client
@@ -162,7 +162,7 @@ func TestThroughputCaddy(t *testing.T) {
 		}
 	}
 	backend := throughputBackend(t)
-	certPEM, keyPEM, _ := testutil.Cert(t)
+	certPEM, keyPEM, _ := lbxtest.Cert(t)
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(certPEM)
 	tlsConf := &tls.Config{RootCAs: pool, ServerName: "localhost"}
@@ -215,7 +215,7 @@ func TestThroughputCaddy(t *testing.T) {
 	// the server writes nothing more for it.
 	settle := func(t *testing.T) {
 		t.Helper()
-		testutil.WaitFor(t, 10*time.Second, "the phase's connections closed", func() (bool, string) {
+		lbxtest.WaitFor(t, 10*time.Second, "the phase's connections closed", func() (bool, string) {
 			tracker.Sweep(0, 0)
 			c := tracker.Counts()
 			return c.Held() <= baseConns, fmt.Sprintf("%+v (before: %d)", c, baseConns)
@@ -276,7 +276,7 @@ func TestThroughputCaddy(t *testing.T) {
 		settle(t)
 		// The server read exactly what the client wrote and wrote
 		// exactly what the client read.
-		testutil.WaitFor(t, 10*time.Second, "server totals equal the client's", func() (bool, string) {
+		lbxtest.WaitFor(t, 10*time.Second, "server totals equal the client's", func() (bool, string) {
 			d, c := delta(before, traffic.Totals()), client.totals()
 			return d.In == c.Out && d.Out == c.In, fmt.Sprintf("server %+v, client %+v", d, c)
 		})
@@ -309,7 +309,7 @@ func TestThroughputCaddy(t *testing.T) {
 		settle(t)
 		// The server read what the client wrote; it may have written a
 		// closing alert or GOAWAY the client never read.
-		testutil.WaitFor(t, 10*time.Second, "server totals match the client's", func() (bool, string) {
+		lbxtest.WaitFor(t, 10*time.Second, "server totals match the client's", func() (bool, string) {
 			d, c := delta(before, traffic.Totals()), client.totals()
 			return d.In == c.Out && d.Out >= c.In && d.Out <= c.In+256, fmt.Sprintf("server %+v, client %+v", d, c)
 		})
@@ -349,7 +349,7 @@ func TestThroughputCaddy(t *testing.T) {
 		}
 		// reverse_proxy writes the 101 before it hijacks the connection,
 		// so the client can read it before the tracker counts the hijack.
-		testutil.WaitFor(t, 5*time.Second, "the stream is tracked as hijacked", func() (bool, string) {
+		lbxtest.WaitFor(t, 5*time.Second, "the stream is tracked as hijacked", func() (bool, string) {
 			h := tracker.Counts().Hijacked
 			return h >= 1, fmt.Sprintf("%d hijacked connections tracked", h)
 		})
@@ -380,7 +380,7 @@ func TestThroughputCaddy(t *testing.T) {
 		// The earlier phases' bytes are out of the node's window first:
 		// a report of 0 made after them.
 		_, seq0 := gossiped()
-		testutil.WaitFor(t, 5*time.Second, "the node gossips a throughput of 0", func() (bool, string) {
+		lbxtest.WaitFor(t, 5*time.Second, "the node gossips a throughput of 0", func() (bool, string) {
 			load, seq := gossiped()
 			return load == 0 && seq > seq0+1, fmt.Sprintf("gossips %v (report %d, %d at the start)", load, seq, seq0)
 		})
@@ -412,7 +412,7 @@ func TestThroughputCaddy(t *testing.T) {
 		}
 		c.Close()
 		settle(t)
-		testutil.WaitFor(t, 10*time.Second, "server totals equal the client's", func() (bool, string) {
+		lbxtest.WaitFor(t, 10*time.Second, "server totals equal the client's", func() (bool, string) {
 			d, c := delta(before, traffic.Totals()), client.totals()
 			return d.In == c.Out && d.Out == c.In, fmt.Sprintf("server %+v, client %+v", d, c)
 		})
@@ -437,7 +437,7 @@ func TestThroughputCaddy(t *testing.T) {
 	})
 
 	t.Run("admin view and metrics", func(t *testing.T) {
-		testutil.WaitFor(t, 5*time.Second, "the admin view shows the totals and a throughput decision", func() (bool, string) {
+		lbxtest.WaitFor(t, 5*time.Second, "the admin view shows the totals and a throughput decision", func() (bool, string) {
 			want := traffic.Totals()
 			for _, nv := range buildRebalanceView().Nodes {
 				if nv.Name != "bytes-node" {

@@ -17,7 +17,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/cluster"
 	"github.com/caddy-lbx/lbx/internal/conntrack"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestRateMeter covers the sampling math: the first sample, deltas, zero
@@ -79,7 +79,7 @@ func TestProcessSourceThroughput(t *testing.T) {
 	t0 := time.Now()
 	src.bytes.prime(bc.Totals().Total(), t0)
 	// 3 MB in and 9 MB out through a counted connection.
-	server, client := testutil.TCPPair(t, func(l net.Listener) net.Listener { return bc.Listener(l, nil) })
+	server, client := lbxtest.TCPPair(t, func(l net.Listener) net.Listener { return bc.Listener(l, nil) })
 	go func() {
 		client.Write(make([]byte, 3_000_000))
 		io.Copy(io.Discard, client)
@@ -293,12 +293,12 @@ func TestThroughputClusterSheds(t *testing.T) {
 	throughput := func(c *cluster.App, x *App) { x.Metric = metricThroughput }
 	a := testApp(t, "bytes-a", simA, throughput)
 	b := testApp(t, "bytes-b", simB, func(c *cluster.App, x *App) { throughput(c, x); c.Join = []string{a.gossipAddr()} })
-	testutil.WaitFor(t, 15*time.Second, "both nodes count two fresh members", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "both nodes count two fresh members", func() (bool, string) {
 		okA, whyA := seesLoads(a.node, 2)
 		okB, whyB := seesLoads(b.node, 2)
 		return okA && okB, whyA + "; " + whyB
 	})
-	testutil.WaitFor(t, 20*time.Second, "bytes-a sheds down to the stop band", func() (bool, string) {
+	lbxtest.WaitFor(t, 20*time.Second, "bytes-a sheds down to the stop band", func() (bool, string) {
 		a.node.mu.Lock()
 		d, shed := a.node.last, a.node.shed
 		a.node.mu.Unlock()
@@ -308,7 +308,7 @@ func TestThroughputClusterSheds(t *testing.T) {
 	// The clients a shed moves reconnect right after it: between the
 	// two the nodes hold fewer than 400.
 	var heldA, heldB int
-	testutil.WaitFor(t, 5*time.Second, "the two nodes hold 400 connections", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the two nodes hold 400 connections", func() (bool, string) {
 		heldA, heldB = simA.tracker.Counts().Held(), simB.tracker.Counts().Held()
 		return heldA+heldB == 400, fmt.Sprintf("%d + %d", heldA, heldB)
 	})

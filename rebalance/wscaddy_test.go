@@ -18,7 +18,7 @@ import (
 	"github.com/gorilla/websocket"
 
 	"github.com/caddy-lbx/lbx/internal/conntrack"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // streamSizes are the sizes of the messages the test backend streams, in
@@ -154,7 +154,7 @@ func TestWebSocketShedThroughCaddy(t *testing.T) {
 	}
 	t.Cleanup(func() { caddy.Stop() })
 	tracker := runningConns(t).tracker
-	testutil.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "no connections left from earlier tests", func() (bool, string) {
 		tracker.Sweep(0, 0)
 		c := tracker.Counts()
 		return c == (conntrack.Counts{}), fmt.Sprintf("%+v", c)
@@ -173,7 +173,7 @@ func TestWebSocketShedThroughCaddy(t *testing.T) {
 			}
 			clients[i] = dialStream(t, fmt.Sprintf("ws://127.0.0.1:%d/", port))
 		}
-		testutil.WaitFor(t, 20*time.Second, "every client streaming", func() (bool, string) {
+		lbxtest.WaitFor(t, 20*time.Second, "every client streaming", func() (bool, string) {
 			for i, c := range clients {
 				if c.messages.Load() < int64(len(streamSizes)) {
 					return false, fmt.Sprintf("client %d: %d messages", i, c.messages.Load())
@@ -208,7 +208,7 @@ func TestWebSocketShedThroughCaddy(t *testing.T) {
 	}
 
 	var got conntrack.WebSocketCloses
-	testutil.WaitFor(t, 10*time.Second, "every shed stream counted", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "every shed stream counted", func() (bool, string) {
 		now := tracker.WebSocketCloses()
 		got = conntrack.WebSocketCloses{CloseFrame: now.CloseFrame - before.CloseFrame, AfterFrameEnd: now.AfterFrameEnd - before.AfterFrameEnd,
 			WithoutFrame: now.WithoutFrame - before.WithoutFrame}
@@ -222,7 +222,7 @@ func TestWebSocketShedThroughCaddy(t *testing.T) {
 	if got.AfterFrameEnd == 0 {
 		t.Errorf("no shed landed inside a frame: the test did not exercise the mid-frame path")
 	}
-	testutil.WaitFor(t, 10*time.Second, "the shed streams forgotten", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "the shed streams forgotten", func() (bool, string) {
 		c := tracker.Counts()
 		return c.Hijacked == 0, fmt.Sprintf("%+v", c)
 	})

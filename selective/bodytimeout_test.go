@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestTimeoutCoversRequestBody: timeout bounds the whole call, reading the
@@ -22,7 +22,7 @@ func TestTimeoutCoversRequestBody(t *testing.T) {
 
 	// 1000 bytes (kept for replay) over 4 s: far from complete at the
 	// deadline.
-	res, err := testutil.SlowBody(addr, "/", 1000, 4*time.Second)
+	res, err := lbxtest.SlowBody(addr, "/", 1000, 4*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,7 +44,7 @@ func TestTimeoutCoversRequestBody(t *testing.T) {
 	}
 
 	// A body sent over 100 ms, within the timeout, works.
-	res, err = testutil.SlowBody(addr, "/", 1000, 100*time.Millisecond)
+	res, err = lbxtest.SlowBody(addr, "/", 1000, 100*time.Millisecond)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,7 +58,7 @@ func TestTimeoutCoversRequestBody(t *testing.T) {
 	// 20 KB, over max_replay_body, streams to one group: the deadline
 	// still ends it at about the timeout, and the group's request is
 	// cancelled.
-	res, err = testutil.SlowBody(addr, "/", 20000, 4*time.Second)
+	res, err = lbxtest.SlowBody(addr, "/", 20000, 4*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,7 +6,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // FuzzHandlerJSON pushes hostile handler objects through what POST /load
@@ -32,7 +32,7 @@ func FuzzHandlerJSON(f *testing.F) {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, handler string) {
-		testutil.ValidateHostile(t, testutil.HandlerConfig([]byte(handler)))
+		lbxtest.ValidateHostile(t, lbxtest.HandlerConfig([]byte(handler)))
 	})
 }
 

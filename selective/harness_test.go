@@ -18,13 +18,13 @@ import (
 	"github.com/caddyserver/caddy/v2/caddytest"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
 	_ "github.com/caddy-lbx/lbx/lbpolicy"
+	"github.com/caddy-lbx/lbx/lbxtest"
 	_ "github.com/caddy-lbx/lbx/partition"
 )
 
 func TestMain(m *testing.M) {
-	testutil.RunCheckingLeaks(m, "selective.(*attempt).run", "selective.(*call).run")
+	lbxtest.RunCheckingLeaks(m, "selective.(*attempt).run", "selective.(*call).run")
 }
 
 var (
@@ -32,7 +32,7 @@ var (
 	adminPort, httpPort int
 )
 
-var freePort = testutil.FreePort
+var freePort = lbxtest.FreePort
 
 // env is one test's Caddy and backends.
 type env struct {
@@ -101,7 +101,7 @@ func (e *env) loadErr(site string) error {
 }
 
 func (e *env) post(caddyfile string) error {
-	status, b, err := testutil.PostLoad(http.DefaultClient, fmt.Sprintf("http://localhost:%d", adminPort), "text/caddyfile", []byte(caddyfile))
+	status, b, err := lbxtest.PostLoad(http.DefaultClient, fmt.Sprintf("http://localhost:%d", adminPort), "text/caddyfile", []byte(caddyfile))
 	if err != nil {
 		return err
 	}
@@ -216,4 +216,4 @@ func (b *backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // waitFor waits on a condition with a deadline.
-var waitFor = testutil.WaitFor
+var waitFor = lbxtest.WaitFor

@@ -27,7 +27,7 @@ import (
 
 	_ "github.com/caddy-lbx/lbx"
 	"github.com/caddy-lbx/lbx/integration/fleet"
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // baseline is a config that uses every lbx module with every option it
@@ -253,7 +253,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func freePort(t *testing.T) string { return strconv.Itoa(testutil.FreePort(t)) }
+func freePort(t *testing.T) string { return strconv.Itoa(lbxtest.FreePort(t)) }
 
 // backend answers every request with a small JSON object naming itself.
 func backend(t *testing.T, name string) string {
@@ -417,11 +417,11 @@ next:
 }
 
 // load posts a config to /load and returns the status and the body
-// (testutil.PostLoad, which sends a load again when the admin endpoint
+// (lbxtest.PostLoad, which sends a load again when the admin endpoint
 // Caddy is replacing drops it). Whether the process survived and what it
 // serves are checked after every load.
 func (s *server) load(contentType string, body []byte) (int, string, error) {
-	status, answer, err := testutil.PostLoad(&http.Client{Timeout: 60 * time.Second}, s.admin, contentType, body)
+	status, answer, err := lbxtest.PostLoad(&http.Client{Timeout: 60 * time.Second}, s.admin, contentType, body)
 	return status, string(answer), err
 }
 

@@ -6,7 +6,7 @@ import (
 	"strings"
 
 	"github.com/caddy-lbx/lbx/integration/shedsim"
-	"github.com/caddy-lbx/lbx/internal/testutil/tcplb"
+	"github.com/caddy-lbx/lbx/lbxtest/tcplb"
 )
 
 // Front is the outer load balancer in front of a fleet: the one address
@@ -28,7 +28,7 @@ type Front interface {
 
 // The fronts StartFront knows.
 const (
-	// FrontRandom is internal/testutil/tcplb, a Go TCP balancer that gives
+	// FrontRandom is lbxtest/tcplb, a Go TCP balancer that gives
 	// each new connection to a random node (HAProxy's balance random).
 	FrontRandom = "random"
 	// FrontRoundRobin is HAProxy with balance roundrobin.

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // Settings are the rebalance settings every node of a fleet runs with.
@@ -296,7 +296,7 @@ func (n *Node) Reload(spec NodeSpec) error {
 // returns once Caddy has answered: the new config runs and the old one
 // has stopped.
 func (n *Node) Load(caddyfile string) error {
-	status, body, err := testutil.PostLoad(adminClient, "http://"+n.Admin, "text/caddyfile", []byte(caddyfile))
+	status, body, err := lbxtest.PostLoad(adminClient, "http://"+n.Admin, "text/caddyfile", []byte(caddyfile))
 	if err != nil {
 		return err
 	}
@@ -331,7 +331,7 @@ func (n *Node) AdminDo(method, path, ctype string, body io.Reader, out any) erro
 	}
 	// A POST is never retried by net/http, so it never goes out on a
 	// kept-alive connection that a reload's new admin server may be
-	// closing (see testutil.PostLoad).
+	// closing (see lbxtest.PostLoad).
 	req.Close = method != http.MethodGet
 	res, err := adminClient.Do(req)
 	if err != nil {

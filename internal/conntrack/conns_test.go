@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // trackedServer is a real http.Server on 127.0.0.1 with a Tracker, and
@@ -134,7 +134,7 @@ func (c *client) closedByServer() bool {
 
 func (ts *trackedServer) waitCounts(what string, ok func(Counts) bool) {
 	ts.t.Helper()
-	testutil.WaitFor(ts.t, 5*time.Second, what, func() (bool, string) {
+	lbxtest.WaitFor(ts.t, 5*time.Second, what, func() (bool, string) {
 		c := ts.tracker.Counts()
 		return ok(c), spew(c)
 	})
@@ -179,7 +179,7 @@ func TestTrackerCounts(t *testing.T) {
 	// The client closes the upgraded stream: net/http says nothing, the
 	// sweep notices the closed socket.
 	u.conn.Close()
-	testutil.WaitFor(t, 5*time.Second, "sweep forgets the closed hijacked connection", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "sweep forgets the closed hijacked connection", func() (bool, string) {
 		ts.tracker.Sweep(0, 0)
 		c := ts.tracker.Counts()
 		return c.Hijacked == 0, spew(c)

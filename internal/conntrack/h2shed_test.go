@@ -15,7 +15,7 @@ import (
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // h2Server is a real HTTP/2 server on 127.0.0.1, h2c or TLS, behind a
@@ -42,7 +42,7 @@ func newH2Server(t *testing.T, secure, wrap bool) *h2Server {
 	}
 	ln = new(ByteCounters).Listener(ln, nil)
 	if secure {
-		certPEM, _, cert := testutil.Cert(t)
+		certPEM, _, cert := lbxtest.Cert(t)
 		pool := x509.NewCertPool()
 		pool.AppendCertsFromPEM(certPEM)
 		hs.tls = &tls.Config{RootCAs: pool, ServerName: "localhost", NextProtos: []string{"h2"}}
@@ -239,7 +239,7 @@ func TestShedIdleHTTP2GoAway(t *testing.T) {
 			if n := hs.tracker.GoAwayTotal(); n != 1 {
 				t.Errorf("GoAwayTotal = %d; want 1", n)
 			}
-			testutil.WaitFor(t, 5*time.Second, "the connection forgotten", func() (bool, string) {
+			lbxtest.WaitFor(t, 5*time.Second, "the connection forgotten", func() (bool, string) {
 				c := hs.tracker.Counts()
 				return c.total() == 0 && c.Closing == 0, fmt.Sprintf("%+v", c)
 			})
@@ -282,7 +282,7 @@ func TestShedIdleHTTP2Request(t *testing.T) {
 // waitIdle waits until tr's only connection is idle.
 func waitIdle(t *testing.T, tr *Tracker) {
 	t.Helper()
-	testutil.WaitFor(t, 5*time.Second, "the connection idle", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the connection idle", func() (bool, string) {
 		c := tr.Counts()
 		return c.Idle == 1 && c.total() == 1, fmt.Sprintf("%+v", c)
 	})

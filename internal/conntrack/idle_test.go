@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // echoBody answers the request body.
@@ -206,7 +206,7 @@ func TestShedIdleNeverRacesRequest(t *testing.T) {
 func waitIdleFor(t *testing.T, tracker *Tracker, d time.Duration) *trackedConn {
 	t.Helper()
 	var tc *trackedConn
-	testutil.WaitFor(t, 5*time.Second, fmt.Sprint("the connection idle for ", d), func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, fmt.Sprint("the connection idle for ", d), func() (bool, string) {
 		tracker.conns.Range(func(_, v any) bool { tc = v.(*trackedConn); return false })
 		if tc == nil || tc.state.Load() != connIdle {
 			return false, spew(tracker.Counts())
@@ -298,7 +298,7 @@ func TestShedIdleRequestArriving(t *testing.T) {
 	if _, err := io.WriteString(c.conn, "GET /fast HTTP/1.1\r\nHost: te"); err != nil {
 		t.Fatal(err)
 	}
-	testutil.WaitFor(t, 10*time.Second, "two checks finding the request arriving", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "two checks finding the request arriving", func() (bool, string) {
 		if n := ts.tracker.IdleCloseTotal(); n != 0 {
 			t.Fatalf("closed with a request arriving (%d closes)", n)
 		}
@@ -350,7 +350,7 @@ func TestShedIdleBytesWaiting(t *testing.T) {
 	if _, err := io.WriteString(client, "GET / HTTP/1.1\r\n"); err != nil {
 		t.Fatal(err)
 	}
-	testutil.WaitFor(t, 5*time.Second, "the bytes waiting on the socket", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the bytes waiting on the socket", func() (bool, string) {
 		in := readInput(server)
 		return in.waiting == 16, fmt.Sprintf("%+v", in)
 	})
@@ -367,7 +367,7 @@ func TestShedIdleBytesWaiting(t *testing.T) {
 	if r := tr.Shed(1); r != (ShedResult{Idle: 1}) {
 		t.Fatalf("Shed(1) = %+v; want one idle", r)
 	}
-	testutil.WaitFor(t, 10*time.Second, "three checks finding bytes waiting", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "three checks finding bytes waiting", func() (bool, string) {
 		if tr.load(server).closed.Load() {
 			t.Fatal("closed with bytes waiting")
 		}
@@ -384,7 +384,7 @@ func TestShedIdleBytesWaiting(t *testing.T) {
 	// They arrived during this idle period, so the next one decides.
 	tr.ConnState(server, http.StateActive)
 	tr.ConnState(server, http.StateIdle)
-	testutil.WaitFor(t, 10*time.Second, "the quiet connection closed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "the quiet connection closed", func() (bool, string) {
 		return tr.IdleCloseTotal() == 1, spew(tr.Counts())
 	})
 	client.SetReadDeadline(time.Now().Add(5 * time.Second))
@@ -466,7 +466,7 @@ func waitActiveFor(t *testing.T, tracker *Tracker, d time.Duration) *trackedConn
 	t.Helper()
 	var tc *trackedConn
 	tracker.conns.Range(func(_, v any) bool { tc = v.(*trackedConn); return false })
-	testutil.WaitFor(t, 10*time.Second, fmt.Sprint(d, " since the shed"), func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, fmt.Sprint(d, " since the shed"), func() (bool, string) {
 		if s := tc.state.Load(); s != connActive {
 			t.Fatalf("state %d; want active", s)
 		}
@@ -548,7 +548,7 @@ func TestReadInputUnwraps(t *testing.T) {
 		"embedded value":          embeddingValue{&embedding{Conn: server}},
 		"counting, then embedded": &countingConn{Conn: embeddingValue{server}, counters: new(ByteCounters)},
 	} {
-		testutil.WaitFor(t, 5*time.Second, name+": 3 bytes waiting", func() (bool, string) {
+		lbxtest.WaitFor(t, 5*time.Second, name+": 3 bytes waiting", func() (bool, string) {
 			in := readInput(c)
 			return in.waitingKnown && in.waiting == 3 && in.sinceDataKnown, fmt.Sprintf("%+v", in)
 		})

@@ -14,10 +14,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
-// counted returns a wrap for testutil.TCPPair: bc's counting listener.
+// counted returns a wrap for lbxtest.TCPPair: bc's counting listener.
 func counted(bc *ByteCounters) func(net.Listener) net.Listener {
 	return func(l net.Listener) net.Listener { return bc.Listener(l, nil) }
 }
@@ -27,7 +27,7 @@ func counted(bc *ByteCounters) func(net.Listener) net.Listener {
 // connection that closed.
 func TestCountingConnReadWrite(t *testing.T) {
 	bc := new(ByteCounters)
-	srv, cl := testutil.TCPPair(t, counted(bc))
+	srv, cl := lbxtest.TCPPair(t, counted(bc))
 	if _, ok := srv.(*countingConn); !ok {
 		t.Fatalf("accepted %T; want a *countingConn", srv)
 	}
@@ -55,7 +55,7 @@ func TestCountingConnReadWrite(t *testing.T) {
 // source is copied through Write, counted too.
 func TestCountingConnReadFrom(t *testing.T) {
 	bc := new(ByteCounters)
-	srv, cl := testutil.TCPPair(t, counted(bc))
+	srv, cl := lbxtest.TCPPair(t, counted(bc))
 	const size = 3*zeroCopyChunk + 123
 	data := make([]byte, size)
 	for i := range data {
@@ -169,7 +169,7 @@ func TestCountingConnNoReaderFrom(t *testing.T) {
 // the socket (the tracker's closed-socket check works through it), half
 // closes, and keeps deadlines.
 func TestCountingConnKeepsConnBehaviour(t *testing.T) {
-	srv, cl := testutil.TCPPair(t, counted(new(ByteCounters)))
+	srv, cl := lbxtest.TCPPair(t, counted(new(ByteCounters)))
 	if _, ok := srv.(*countingConn).NetConn().(*net.TCPConn); !ok {
 		t.Fatalf("NetConn() is %T; want the *net.TCPConn", srv.(*countingConn).NetConn())
 	}
@@ -211,7 +211,7 @@ func TestCountingConnKeepsConnBehaviour(t *testing.T) {
 // *tls.Conn itself, so that the handshake, ALPN and the data work),
 // uncounted and reported to onTLS, one call per connection.
 func TestListenerPlacement(t *testing.T) {
-	certPEM, _, cert := testutil.Cert(t)
+	certPEM, _, cert := lbxtest.Cert(t)
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(certPEM)
 	serverConf := &tls.Config{Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2", "http/1.1"}}
@@ -251,7 +251,7 @@ func TestListenerPlacement(t *testing.T) {
 	t.Run("before tls", func(t *testing.T) {
 		bc := new(ByteCounters)
 		var reported atomic.Int32
-		srv, cl := testutil.TCPPair(t, func(l net.Listener) net.Listener {
+		srv, cl := lbxtest.TCPPair(t, func(l net.Listener) net.Listener {
 			return tls.NewListener(bc.Listener(l, func() { reported.Add(1) }), serverConf)
 		})
 		exchange(t, srv, cl)
@@ -274,7 +274,7 @@ func TestListenerPlacement(t *testing.T) {
 		bc := new(ByteCounters)
 		var reported atomic.Int32
 		for i := range 3 {
-			srv, cl := testutil.TCPPair(t, func(l net.Listener) net.Listener {
+			srv, cl := lbxtest.TCPPair(t, func(l net.Listener) net.Listener {
 				return bc.Listener(tls.NewListener(l, serverConf), func() { reported.Add(1) })
 			})
 			exchange(t, srv, cl)

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // serveEndlessEvents is a server-sent events response that never ends:
@@ -245,7 +245,7 @@ func TestShedStreamNotForced(t *testing.T) {
 
 	const history = 200 * time.Millisecond
 	var swept SweepResult
-	testutil.WaitFor(t, 10*time.Second, "the stream counted again", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "the stream counted again", func() (bool, string) {
 		r := ts.tracker.Sweep(history, 0)
 		swept.Overdue += r.Overdue
 		swept.Forced += r.Forced
@@ -329,7 +329,7 @@ func TestShedStreamForced(t *testing.T) {
 		defer mu.Unlock()
 		return swept, sweeps
 	}
-	testutil.WaitFor(t, 5*time.Second, "sweeps running", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "sweeps running", func() (bool, string) {
 		_, n := sweptSoFar()
 		return n >= 3, fmt.Sprint(n, " sweeps")
 	})
@@ -364,7 +364,7 @@ func TestShedStreamForced(t *testing.T) {
 	}
 	ts.waitCounts("both forgotten", func(c Counts) bool { return c.total() == 0 && c.Closing == 0 })
 	_, n := sweptSoFar()
-	testutil.WaitFor(t, 5*time.Second, "more sweeps", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "more sweeps", func() (bool, string) {
 		_, m := sweptSoFar()
 		return m >= n+3, fmt.Sprint(m-n, " more sweeps")
 	})
@@ -404,7 +404,7 @@ func TestShedStreamForcedHTTP2(t *testing.T) {
 		t.Fatalf("Shed(1) = %+v; want the HTTP/2 connection", r)
 	}
 	forced := 0
-	testutil.WaitFor(t, 10*time.Second, "the connection forced closed", func() (bool, string) {
+	lbxtest.WaitFor(t, 10*time.Second, "the connection forced closed", func() (bool, string) {
 		forced += cs.tracker.Sweep(time.Hour, 200*time.Millisecond).Forced
 		return forced > 0, fmt.Sprintf("%+v", cs.tracker.Counts())
 	})

@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // wsFrame returns a server-to-client frame: header and a payload of
@@ -230,7 +230,7 @@ func FuzzFrameTracker(f *testing.F) {
 // a wsConn whose both waits are linger, and the client end.
 func wsPair(t *testing.T, linger time.Duration) (*wsConn, net.Conn) {
 	t.Helper()
-	server, client := testutil.TCPPair(t, nil)
+	server, client := lbxtest.TCPPair(t, nil)
 	ws := newWSConn(server)
 	ws.frameLinger, ws.linger = linger, linger
 	t.Cleanup(func() { ws.Close() })
@@ -330,13 +330,13 @@ func TestWSConnCloseAtBoundary(t *testing.T) {
 	}
 	client.Close()
 	<-reads
-	testutil.WaitFor(t, 5*time.Second, "the server end closed", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the server end closed", func() (bool, string) {
 		return ws.phase.Load() == wsClosed, fmt.Sprint("phase ", ws.phase.Load())
 	})
 	if n, err := ws.Write([]byte("x")); n != 0 || !errors.Is(err, net.ErrClosed) {
 		t.Errorf("write after the close: %d, %v; want net.ErrClosed", n, err)
 	}
-	testutil.WaitFor(t, 5*time.Second, "counted", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "counted", func() (bool, string) {
 		f, a, nf := counts.frame.Load(), counts.afterFrameEnd.Load(), counts.noFrame.Load()
 		return f == 1 && a == 0 && nf == 0, fmt.Sprintf("%d close frames (%d after a frame end), %d without; want 1, 0, 0", f, a, nf)
 	})
@@ -432,7 +432,7 @@ func TestWSConnStalledClient(t *testing.T) {
 	if err := <-wrote; err == nil {
 		t.Fatal("the stalled write succeeded; want it ended by the close")
 	}
-	testutil.WaitFor(t, 5*time.Second, "counted without a frame", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "counted without a frame", func() (bool, string) {
 		return counts.noFrame.Load() == 1 && counts.frame.Load() == 0, fmt.Sprint(counts.noFrame.Load(), " without, ", counts.frame.Load(), " with")
 	})
 	// The goroutine waiting for the lock ends too (TestMain checks).
@@ -553,7 +553,7 @@ func TestWrapResponseWriterHijack(t *testing.T) {
 			if tc.wantWS && !<-midFrame {
 				t.Fatal("bytes written through the buffered writer bypassed the frame count")
 			}
-			testutil.WaitFor(t, 5*time.Second, "hijacked", func() (bool, string) {
+			lbxtest.WaitFor(t, 5*time.Second, "hijacked", func() (bool, string) {
 				cnt := tr.Counts()
 				return cnt.Hijacked == 1, fmt.Sprintf("%+v", cnt)
 			})
@@ -579,7 +579,7 @@ func TestWrapResponseWriterHijack(t *testing.T) {
 			}
 		})
 	}
-	testutil.WaitFor(t, 5*time.Second, "the tracker counts one close frame", func() (bool, string) {
+	lbxtest.WaitFor(t, 5*time.Second, "the tracker counts one close frame", func() (bool, string) {
 		c := tr.WebSocketCloses()
 		return c.CloseFrame == 1 && c.WithoutFrame == 0, fmt.Sprintf("%+v", c)
 	})

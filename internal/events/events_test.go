@@ -6,14 +6,14 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 
-	"github.com/caddy-lbx/lbx/internal/testutil"
+	"github.com/caddy-lbx/lbx/lbxtest"
 )
 
 // TestEmitReachesSubscribers: with an events app, an event reaches its
 // subscribers with its name and data, and one nobody subscribed to is
 // not sent.
 func TestEmitReachesSubscribers(t *testing.T) {
-	ctx, rec := testutil.SubscribeEvents(t, "lbx_test")
+	ctx, rec := lbxtest.SubscribeEvents(t, "lbx_test")
 	e := New(ctx)
 	e.Emit("lbx_test_other", map[string]any{"host": "b:80"})
 	e.Emit("lbx_test", map[string]any{"host": "a:80"})

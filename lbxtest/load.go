@@ -1,4 +1,4 @@
-package testutil
+package lbxtest
 
 import (
 	"encoding/json"

@@ -1,5 +1,7 @@
-// Package testutil holds helpers shared by lbx's end-to-end tests.
-package testutil
+// Package lbxtest holds helpers shared by lbx's tests: those of more than
+// one package, and the integration module's (as caddytest does for
+// Caddy's). It is test code: no Caddy module of lbx imports it.
+package lbxtest
 
 import (
 	"testing"
