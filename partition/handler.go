@@ -18,7 +18,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
@@ -37,6 +36,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/subreq"
 	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
@@ -759,19 +759,10 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 	n := sc.count
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	if !end.IsZero() {
-		var stop context.CancelFunc
-		ctx, stop = context.WithDeadlineCause(ctx, end, errTimeout)
-		defer stop()
-	}
+	ctx, stop := calldeadline.Bound(ctx, end, errTimeout)
+	defer stop()
 
-	parent := subParent{req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
-	parent.server, _ = r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
-	parent.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	parent.vars, _ = r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	if parent.vars != nil {
-		parent.vars = maps.Clone(parent.vars) // a snapshot: the sub-requests only read it
-	}
+	parent := subParent{Parent: subreq.Capture(r), req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
 
 	outcomes := make([]*outcome, n)
 	calls := make([]*subCall, 0, n)
