@@ -72,239 +72,338 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // reverse_proxy subdirectives configure the internal reverse_proxy the
 // sub-requests go through.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	const what = "partition"
 	d.Next() // consume the directive name
-	seg := d.NextSegment()
-	sd := caddyfile.NewDispenser(seg)
+	p := &blockParse{h: h, seg: d.NextSegment()}
+	sd := caddyfile.NewDispenser(p.seg)
 	sd.Next()
-	if err := caddyopt.BlockOnly(sd, what); err != nil {
+	if err := caddyopt.BlockOnly(sd, directive); err != nil {
 		return err
 	}
-
-	var passthrough []caddyfile.Token
-	var sizeAt *caddyfile.Dispenser // the last size option, for errors about both
-	once := caddyopt.NewOnce(what)
+	once := caddyopt.NewOnce(directive)
 	for sd.NextBlock(0) {
-		sub := sd.NextSegment()
-		name := sub[0].Text
-		od := caddyfile.NewDispenser(sub)
-		od.Next()
-		switch name { // to, skip and reject repeat; reverse_proxy checks its own options
-		case "naming_file", "naming_max_removed_percent", "serf_tag", "poll_interval", "timeout", "fail_limit",
-			"max_request_body", "max_response_body", "max_merged_body", "max_merge_memory", "merge", "lb_retries":
-			if err := once.Check(od); err != nil {
-				return err
-			}
-		}
-		switch name {
-		case "to":
-			args, err := caddyopt.Args(od, what)
-			if err != nil {
-				return err
-			}
-			if len(args)%2 != 0 {
-				return caddyopt.Errf(od, what, "to: want pairs of <address> <N/M>, got %d argument(s)", len(args))
-			}
-			for i := 0; i < len(args); i += 2 {
-				if _, err := checkDial(args[i]); err != nil {
-					return caddyopt.Errf(od, what, "to: %v", err)
-				}
-				if _, err := ParseTag(args[i+1]); err != nil {
-					return caddyopt.Errf(od, what, "to %s: %v", args[i], err)
-				}
-				h.Upstreams = append(h.Upstreams, UpstreamConfig{Dial: args[i], Tag: args[i+1]})
-			}
-
-		case "naming_file":
-			v, err := caddyopt.OneArg(od, what)
-			if err != nil {
-				return err
-			}
-			h.NamingFile = v
-
-		case "naming_max_removed_percent":
-			v, err := caddyopt.OneArg(od, what)
-			if err != nil {
-				return err
-			}
-			pct, err := strconv.ParseFloat(strings.TrimSuffix(v, "%"), 64)
-			if err != nil {
-				return caddyopt.Invalid(od, what, name, v, "a percentage such as 50%")
-			}
-			if err := checkMaxRemovedPercent(pct); err != nil {
-				return caddyopt.Errf(od, what, "%v", err)
-			}
-			h.NamingMaxRemovedPercent = pct
-
-		case "serf_tag":
-			sn, err := parseSerfTag(od, what+": serf_tag")
-			if err != nil {
-				return err
-			}
-			h.Serf = sn
-
-		case "poll_interval", "timeout":
-			dur, err := caddyopt.Duration(od, what)
-			if err != nil {
-				return err
-			}
-			if name == "timeout" {
-				err = bounds.Duration(name, dur, minTimeout, maxTimeout)
-				h.Timeout = caddy.Duration(dur)
-			} else {
-				err = bounds.Duration(name, dur, minPollInterval, maxPollInterval)
-				h.PollInterval = caddy.Duration(dur)
-			}
-			if err != nil {
-				return caddyopt.Errf(od, what, "%v", err)
-			}
-
-		case "fail_limit":
-			n, err := caddyopt.Int(od, what)
-			if err != nil {
-				return err
-			}
-			if err := bounds.Int(name, n, 1, MaxPartitions); err != nil {
-				return caddyopt.Errf(od, what, "%v", err)
-			}
-			h.FailLimit = n
-
-		case "max_request_body", "max_response_body", "max_merged_body", "max_merge_memory":
-			v, err := caddyopt.OneArg(od, what)
-			if err != nil {
-				return err
-			}
-			size, err := humanize.ParseBytes(v)
-			if err != nil {
-				return caddyopt.Invalid(od, what, name, v, "a size such as 1MiB or 65536")
-			}
-			n := int64(min(size, math.MaxInt64))
-			sizeAt = od
-			if name == "max_merge_memory" {
-				h.MaxMergeMemory = n
-				break
-			}
-			if err := checkSize(name, n); err != nil {
-				return caddyopt.Errf(od, what, "%v", err)
-			}
-			switch name {
-			case "max_request_body":
-				h.MaxRequestBody = n
-			case "max_response_body":
-				h.MaxResponseBody = n
-			default:
-				h.MaxMergedBody = n
-			}
-
-		case "merge":
-			// The merger's own unmarshaler reads the rest of the line.
-			if !od.NextArg() {
-				return caddyopt.Missing(od, what)
-			}
-			mname := od.Val()
-			unm, err := caddyfile.UnmarshalModule(od, "http.partition.mergers."+mname)
-			if err != nil {
-				return err
-			}
-			h.MergeRaw = caddyconfig.JSONModuleObject(unm, "merger", mname, nil)
-
-		case "skip":
-			args, err := caddyopt.Args(od, what)
-			if err != nil {
-				return err
-			}
-			if len(args) != 1 {
-				return caddyopt.Errf(od, what, "skip: want one CEL expression (in backticks), e.g. skip `{partition.index} == 2`; got %d argument(s)", len(args))
-			}
-			m, err := expressionMatcher(od, what+": skip", args[0])
-			if err != nil {
-				return err
-			}
-			h.SkipRaw = append(h.SkipRaw, m)
-
-		case "reject":
-			args, err := caddyopt.Args(od, what)
-			if err != nil {
-				return err
-			}
-			if len(args) > 2 {
-				return caddyopt.Errf(od, what, "reject: want a CEL expression (in backticks) and an optional message, e.g. reject `{query.limit} > 100` \"limit too large\"; got %d argument(s)", len(args))
-			}
-			m, err := expressionMatcher(od, what+": reject", args[0])
-			if err != nil {
-				return err
-			}
-			rule := &RejectRule{MatchRaw: m}
-			if len(args) == 2 {
-				rule.Message = args[1]
-			}
-			h.Reject = append(h.Reject, rule)
-
-		case "lb_retries":
-			n, err := caddyopt.Int(od, what)
-			if err != nil {
-				return err
-			}
-			if err := bounds.Int(name, n, 0, maxRetries); err != nil {
-				return caddyopt.Errf(od, what, "%v", err)
-			}
-			h.Retries = &n
-
-		case "dynamic":
-			return caddyopt.Errf(od, what, "dynamic upstreams are not supported; use naming_file or serf_tag")
-		case "handle_response", "replace_status":
-			return caddyopt.Errf(od, what, "%s is not supported", name)
-		case "response_buffers", "buffer_responses":
-			return caddyopt.Errf(od, what, "%s is not supported: each sub-response is held whole already (see max_response_body)", name)
-		default:
-			if strings.HasPrefix(name, "@") {
-				return caddyopt.Errf(od, what, "response matchers are not supported")
-			}
-			passthrough = append(passthrough, sub...)
+		if err := p.option(sd.NextSegment(), once); err != nil {
+			return err
 		}
 	}
+	if err := p.check(d); err != nil {
+		return err
+	}
+	return p.proxy()
+}
 
+// directive is the Caddyfile directive, the start of its errors.
+const directive = "partition"
+
+// blockParse is the reading of one partition block.
+type blockParse struct {
+	h   *Handler
+	seg caddyfile.Segment // the whole directive
+	// passthrough holds the tokens of reverse_proxy's options.
+	passthrough []caddyfile.Token
+	// sizeAt is the last size option, for errors about two of them.
+	sizeAt *caddyfile.Dispenser
+}
+
+// optionParser reads option name, at d's first token, into p.
+type optionParser func(p *blockParse, d *caddyfile.Dispenser, name string) error
+
+// options are partition's own options, each with its parser; any other
+// is reverse_proxy's (see passOn).
+var options = map[string]optionParser{
+	"to":                         (*blockParse).to,
+	"naming_file":                (*blockParse).namingFile,
+	"naming_max_removed_percent": (*blockParse).maxRemovedPercent,
+	"serf_tag":                   (*blockParse).serfTag,
+	"poll_interval":              (*blockParse).duration,
+	"timeout":                    (*blockParse).duration,
+	"fail_limit":                 (*blockParse).failLimit,
+	"max_request_body":           (*blockParse).size,
+	"max_response_body":          (*blockParse).size,
+	"max_merged_body":            (*blockParse).size,
+	"max_merge_memory":           (*blockParse).size,
+	"merge":                      (*blockParse).merge,
+	"skip":                       (*blockParse).skip,
+	"reject":                     (*blockParse).reject,
+	"lb_retries":                 (*blockParse).lbRetries,
+}
+
+// repeatable are the options that may be given more than once;
+// reverse_proxy checks its own.
+var repeatable = map[string]bool{"to": true, "skip": true, "reject": true}
+
+// option reads the option segment sub.
+func (p *blockParse) option(sub caddyfile.Segment, once *caddyopt.Once) error {
+	name := sub[0].Text
+	od := caddyfile.NewDispenser(sub)
+	od.Next()
+	parse, own := options[name]
+	if !own {
+		return p.passOn(od, name, sub)
+	}
+	if !repeatable[name] {
+		if err := once.Check(od); err != nil {
+			return err
+		}
+	}
+	return parse(p, od, name)
+}
+
+// to reads `to <address> <N/M>...`.
+func (p *blockParse) to(d *caddyfile.Dispenser, _ string) error {
+	args, err := caddyopt.Args(d, directive)
+	if err != nil {
+		return err
+	}
+	if len(args)%2 != 0 {
+		return caddyopt.Errf(d, directive, "to: want pairs of <address> <N/M>, got %d argument(s)", len(args))
+	}
+	for i := 0; i < len(args); i += 2 {
+		if _, err := checkDial(args[i]); err != nil {
+			return caddyopt.Errf(d, directive, "to: %v", err)
+		}
+		if _, err := ParseTag(args[i+1]); err != nil {
+			return caddyopt.Errf(d, directive, "to %s: %v", args[i], err)
+		}
+		p.h.Upstreams = append(p.h.Upstreams, UpstreamConfig{Dial: args[i], Tag: args[i+1]})
+	}
+	return nil
+}
+
+// namingFile reads `naming_file <path>`.
+func (p *blockParse) namingFile(d *caddyfile.Dispenser, _ string) error {
+	v, err := caddyopt.OneArg(d, directive)
+	if err != nil {
+		return err
+	}
+	p.h.NamingFile = v
+	return nil
+}
+
+// maxRemovedPercent reads `naming_max_removed_percent <percent>`.
+func (p *blockParse) maxRemovedPercent(d *caddyfile.Dispenser, name string) error {
+	v, err := caddyopt.OneArg(d, directive)
+	if err != nil {
+		return err
+	}
+	pct, err := strconv.ParseFloat(strings.TrimSuffix(v, "%"), 64)
+	if err != nil {
+		return caddyopt.Invalid(d, directive, name, v, "a percentage such as 50%")
+	}
+	if err := checkMaxRemovedPercent(pct); err != nil {
+		return caddyopt.Errf(d, directive, "%v", err)
+	}
+	p.h.NamingMaxRemovedPercent = pct
+	return nil
+}
+
+// serfTag reads the serf_tag block (see parseSerfTag).
+func (p *blockParse) serfTag(d *caddyfile.Dispenser, _ string) error {
+	sn, err := parseSerfTag(d, directive+": serf_tag")
+	if err != nil {
+		return err
+	}
+	p.h.Serf = sn
+	return nil
+}
+
+// duration reads `timeout <duration>` and `poll_interval <duration>`.
+func (p *blockParse) duration(d *caddyfile.Dispenser, name string) error {
+	dur, err := caddyopt.Duration(d, directive)
+	if err != nil {
+		return err
+	}
+	if name == "timeout" {
+		err = bounds.Duration(name, dur, minTimeout, maxTimeout)
+		p.h.Timeout = caddy.Duration(dur)
+	} else {
+		err = bounds.Duration(name, dur, minPollInterval, maxPollInterval)
+		p.h.PollInterval = caddy.Duration(dur)
+	}
+	if err != nil {
+		return caddyopt.Errf(d, directive, "%v", err)
+	}
+	return nil
+}
+
+// failLimit reads `fail_limit <n>`.
+func (p *blockParse) failLimit(d *caddyfile.Dispenser, name string) error {
+	n, err := caddyopt.Int(d, directive)
+	if err != nil {
+		return err
+	}
+	if err := bounds.Int(name, n, 1, MaxPartitions); err != nil {
+		return caddyopt.Errf(d, directive, "%v", err)
+	}
+	p.h.FailLimit = n
+	return nil
+}
+
+// size reads the size options: max_request_body, max_response_body,
+// max_merged_body and max_merge_memory. How the sizes fit together is
+// checked once the block is read (see check).
+func (p *blockParse) size(d *caddyfile.Dispenser, name string) error {
+	v, err := caddyopt.OneArg(d, directive)
+	if err != nil {
+		return err
+	}
+	size, err := humanize.ParseBytes(v)
+	if err != nil {
+		return caddyopt.Invalid(d, directive, name, v, "a size such as 1MiB or 65536")
+	}
+	n := int64(min(size, math.MaxInt64))
+	p.sizeAt = d
+	if name == "max_merge_memory" {
+		p.h.MaxMergeMemory = n
+		return nil
+	}
+	if err := checkSize(name, n); err != nil {
+		return caddyopt.Errf(d, directive, "%v", err)
+	}
+	switch name {
+	case "max_request_body":
+		p.h.MaxRequestBody = n
+	case "max_response_body":
+		p.h.MaxResponseBody = n
+	default:
+		p.h.MaxMergedBody = n
+	}
+	return nil
+}
+
+// merge reads `merge <merger> ...`; the merger's own unmarshaler reads
+// the rest of the line.
+func (p *blockParse) merge(d *caddyfile.Dispenser, _ string) error {
+	if !d.NextArg() {
+		return caddyopt.Missing(d, directive)
+	}
+	mname := d.Val()
+	unm, err := caddyfile.UnmarshalModule(d, "http.partition.mergers."+mname)
+	if err != nil {
+		return err
+	}
+	p.h.MergeRaw = caddyconfig.JSONModuleObject(unm, "merger", mname, nil)
+	return nil
+}
+
+// skip reads `skip <cel expression>`.
+func (p *blockParse) skip(d *caddyfile.Dispenser, _ string) error {
+	args, err := caddyopt.Args(d, directive)
+	if err != nil {
+		return err
+	}
+	if len(args) != 1 {
+		return caddyopt.Errf(d, directive, "skip: want one CEL expression (in backticks), e.g. skip `{partition.index} == 2`; got %d argument(s)", len(args))
+	}
+	m, err := expressionMatcher(d, directive+": skip", args[0])
+	if err != nil {
+		return err
+	}
+	p.h.SkipRaw = append(p.h.SkipRaw, m)
+	return nil
+}
+
+// reject reads `reject <cel expression> [<message>]`.
+func (p *blockParse) reject(d *caddyfile.Dispenser, _ string) error {
+	args, err := caddyopt.Args(d, directive)
+	if err != nil {
+		return err
+	}
+	if len(args) > 2 {
+		return caddyopt.Errf(d, directive, "reject: want a CEL expression (in backticks) and an optional message, e.g. reject `{query.limit} > 100` \"limit too large\"; got %d argument(s)", len(args))
+	}
+	m, err := expressionMatcher(d, directive+": reject", args[0])
+	if err != nil {
+		return err
+	}
+	rule := &RejectRule{MatchRaw: m}
+	if len(args) == 2 {
+		rule.Message = args[1]
+	}
+	p.h.Reject = append(p.h.Reject, rule)
+	return nil
+}
+
+// lbRetries reads `lb_retries <n>`, the handler's retries.
+func (p *blockParse) lbRetries(d *caddyfile.Dispenser, name string) error {
+	n, err := caddyopt.Int(d, directive)
+	if err != nil {
+		return err
+	}
+	if err := bounds.Int(name, n, 0, maxRetries); err != nil {
+		return caddyopt.Errf(d, directive, "%v", err)
+	}
+	p.h.Retries = &n
+	return nil
+}
+
+// passOn keeps the segment sub of an option that is not partition's for
+// reverse_proxy (see proxy), or refuses one partition does not support.
+func (p *blockParse) passOn(d *caddyfile.Dispenser, name string, sub caddyfile.Segment) error {
+	switch name {
+	case "dynamic":
+		return caddyopt.Errf(d, directive, "dynamic upstreams are not supported; use naming_file or serf_tag")
+	case "handle_response", "replace_status":
+		return caddyopt.Errf(d, directive, "%s is not supported", name)
+	case "response_buffers", "buffer_responses":
+		return caddyopt.Errf(d, directive, "%s is not supported: each sub-response is held whole already (see max_response_body)", name)
+	}
+	if strings.HasPrefix(name, "@") {
+		return caddyopt.Errf(d, directive, "response matchers are not supported")
+	}
+	p.passthrough = append(p.passthrough, sub...)
+	return nil
+}
+
+// check applies the checks that span options, once the block is read; d
+// is the directive's dispenser.
+func (p *blockParse) check(d *caddyfile.Dispenser) error {
+	h := p.h
 	if h.NamingMaxRemovedPercent != 0 && h.NamingFile == "" {
-		return caddyopt.Errf(d, what, "naming_max_removed_percent is set without a naming_file")
+		return caddyopt.Errf(d, directive, "naming_max_removed_percent is set without a naming_file")
 	}
-	if sizeAt != nil {
+	if p.sizeAt != nil {
 		resp, merged := cmp.Or(h.MaxResponseBody, defaultMaxResponseBody), cmp.Or(h.MaxMergedBody, defaultMaxMergedBody)
 		if err := checkMergedBody(resp, merged); err != nil {
-			return caddyopt.Errf(sizeAt, what, "%v", err)
+			return caddyopt.Errf(p.sizeAt, directive, "%v", err)
 		}
 		sized := Handler{MaxMergedBody: merged, MaxMergeMemory: h.MaxMergeMemory}
 		if err := sized.checkMergeMemory(); err != nil {
-			return caddyopt.Errf(sizeAt, what, "%v", err)
+			return caddyopt.Errf(p.sizeAt, directive, "%v", err)
 		}
 	}
 	if len(h.Upstreams) == 0 && h.NamingFile == "" && h.Serf == nil {
-		at := caddyfile.NewDispenser(seg[:1])
+		at := caddyfile.NewDispenser(p.seg[:1])
 		at.Next()
-		return caddyopt.Errf(at, what, "no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
+		return caddyopt.Errf(at, directive, "no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
 	}
-	if len(passthrough) == 0 {
+	return nil
+}
+
+// proxy hands reverse_proxy's options to reverse_proxy's own unmarshaler,
+// as a block of the same directive, for the internal reverse_proxy.
+func (p *blockParse) proxy() error {
+	if len(p.passthrough) == 0 {
 		return nil
 	}
-	// The rest is reverse_proxy's: hand it to reverse_proxy's own
-	// unmarshaler as a block of the same directive.
-	tokens := make([]caddyfile.Token, 0, len(passthrough)+3)
+	seg := p.seg
+	tokens := make([]caddyfile.Token, 0, len(p.passthrough)+3)
 	tokens = append(tokens, seg[0], seg[1])
-	tokens = append(tokens, passthrough...)
+	tokens = append(tokens, p.passthrough...)
 	tokens = append(tokens, seg[len(seg)-1])
 	rp := new(reverseproxy.Handler)
 	if err := rp.UnmarshalCaddyfile(caddyfile.NewDispenser(tokens)); err != nil {
 		return err
 	}
 	if rp.HealthChecks != nil && rp.HealthChecks.Active != nil {
-		at := caddyfile.NewDispenser(passthrough)
+		at := caddyfile.NewDispenser(p.passthrough)
 		for at.Next() {
 			if strings.HasPrefix(at.Val(), "health_") {
 				break
 			}
 		}
-		return caddyopt.Errf(at, what, "active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
+		return caddyopt.Errf(at, directive, "active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
 	}
-	h.Proxy = rp
+	p.h.Proxy = rp
 	return nil
 }
 

@@ -14,610 +14,28 @@ package partition
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"maps"
 	"math/rand/v2"
 	"net/http"
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
-	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/calldeadline"
-	"github.com/caddy-lbx/lbx/internal/hoststate"
-	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
-	"github.com/caddy-lbx/lbx/lbpolicy"
-)
-
-func init() {
-	caddy.RegisterModule(new(Handler))
-}
-
-// Defaults.
-const (
-	defaultTimeout         = 30 * time.Second
-	defaultPollInterval    = time.Second
-	defaultMaxRequestBody  = 1 << 20
-	defaultMaxResponseBody = 8 << 20
-	// Eight partitions' worth of default-sized sub-responses.
-	defaultMaxMergedBody = 8 * defaultMaxResponseBody
-	defaultRetries       = 1
-)
-
-// Bounds of the options (see Handler.validate).
-const (
-	// Polling more often burns a core on stat calls and member list
-	// copies without making updates noticeably faster.
-	minPollInterval = 100 * time.Millisecond
-	maxPollInterval = time.Hour
-	minTimeout      = time.Millisecond
-	maxTimeout      = 24 * time.Hour
-	// Bodies are held in memory whole; beyond this, a fan-out is the
-	// wrong tool.
-	maxBodyLimit = 1 << 30
-	maxRetries   = 100
+	"github.com/caddy-lbx/lbx/internal/subreq"
 )
 
 // StatusHeader is the response header that reports each partition's
 // outcome, e.g. "p0=200;12ms, p1=502;3ms;failed, p2=skipped".
 const StatusHeader = "X-Partition-Status"
-
-// Handler fans a request out to one replica of each partition of a
-// partition scheme and writes one merged response (brpc's
-// PartitionChannel). Upstreams are tagged "N/M": partition N of a scheme
-// of M partitions. When upstreams of several schemes coexist (say 3 and 4
-// partitions, during a migration), each request picks one scheme with
-// probability proportional to its capacity: the least number of usable
-// replicas over its partitions (brpc's DynamicPartitionChannel). A replica
-// is usable when Caddy would send it a request (passive health checks,
-// max_requests) and lbx's outlier detection has not ejected its address.
-// A scheme with a partition that has no usable replica gets no traffic;
-// when no scheme has capacity, the answer is 503.
-//
-// Sub-requests go through an internal reverse_proxy handler configured by
-// Proxy: replicas of a partition are chosen with its load balancing policy
-// (lbx's ewma by default), a failed attempt is retried on another replica
-// of the same partition (Retries, default 1), and its transport, header
-// operations and passive health checks apply. Each sub-request has its
-// own replacer and request variables.
-//
-// Before any sub-request, the request body is read (413 beyond
-// MaxRequestBody) and the Reject rules are checked (400).
-//
-// A partition fails when its sub-request fails (transport error, timeout,
-// non-2xx status), its response is larger than MaxResponseBody, or the
-// merger rejects it (e.g. invalid JSON). When FailLimit partitions have
-// failed, the handler answers 502 at once (504 when the deadline passed)
-// with a text body naming the failed partitions, and cancels the
-// sub-requests still running. When the sub-responses together go over
-// MaxMergedBody, the answer is 502 at once, whatever FailLimit says.
-type Handler struct {
-	// Upstreams with their partition tags.
-	Upstreams []UpstreamConfig `json:"upstreams,omitempty"`
-
-	// A file of upstreams in brpc's naming service format: one
-	// "address N/M" per line; '#' starts a comment; blank lines are
-	// ignored. Lines that cannot be parsed, or are longer than 64 KiB,
-	// are logged (with the file name and line number) and skipped. The
-	// file is polled for changes every PollInterval; a change is read once
-	// the file's modification time and size have stayed the same for one
-	// poll, and a new version replaces the old atomically. The last good
-	// version stays in effect, and the refusal is logged and counted in
-	// caddy_lbx_partition_naming_rejected_total, when the file is deleted
-	// or unreadable, larger than 64 MiB, does not end with a newline (it
-	// may be truncated or half-written), has no valid upstream line, or
-	// would remove more than NamingMaxRemovedPercent of the upstreams. An
-	// empty list is applied only when a line "# lbx:empty" says so.
-	// Replace the file atomically: write a complete file elsewhere on the
-	// same file system, then rename it over this one. Its upstreams are
-	// added to Upstreams. The file must be usable when the config is
-	// loaded.
-	NamingFile string `json:"naming_file,omitempty"`
-
-	// The largest share, in percent, of the naming file's upstreams (its
-	// entries in the version last applied) that one new version may
-	// remove; a version that would remove more is not applied. Make
-	// larger changes in steps, or set 100 to allow any. Default: 50.
-	NamingMaxRemovedPercent float64 `json:"naming_max_removed_percent,omitempty"`
-
-	// How often the naming file is checked for changes (modification time
-	// and size), and the serf member list read. From 100ms to 1h.
-	// Default: 1s.
-	PollInterval caddy.Duration `json:"poll_interval,omitempty"`
-
-	// Upstreams from the member tags of this node's cluster
-	// (which needs the cluster app in the config): each alive member's
-	// tag "partition" (by default) holds its partition tags, e.g. "0/3" or
-	// "0/3,1/4". They are added to Upstreams and the naming file's, and
-	// follow the members: a new list replaces the old atomically.
-	Serf *SerfNaming `json:"serf,omitempty"`
-
-	// How many failed partitions fail the whole request. Default (or 0):
-	// the number of partitions of the chosen scheme, i.e. the request
-	// fails only when every partition has; partitions that did answer are
-	// merged otherwise. Skipped partitions never count. At most
-	// MaxPartitions (1024).
-	FailLimit int `json:"fail_limit,omitempty"`
-
-	// Overall deadline of the call, from the moment the handler starts:
-	// reading the request body and all sub-requests, retries included. A
-	// request body not received by then is answered 408 Request Timeout
-	// (no partition has seen the request). Partitions that have not
-	// answered by then count as failed ("timeout") and are cancelled.
-	// Inside a selective group, the selective's deadline replaces it
-	// (brpc's rule: the outer channel's timeout overrides its
-	// sub-channels'). From 1ms to 24h. Default: 30s.
-	Timeout caddy.Duration `json:"timeout,omitempty"`
-
-	// The largest request body accepted, in bytes; it is read once and
-	// replayed to every partition. A larger body is answered with 413.
-	// At most 1 GiB. Default: 1 MiB.
-	MaxRequestBody int64 `json:"max_request_body,omitempty"`
-
-	// The largest sub-response body read from a partition, in bytes; a
-	// larger one counts as a failed partition. At most 1 GiB.
-	// Default: 8 MiB.
-	MaxResponseBody int64 `json:"max_response_body,omitempty"`
-
-	// The most bytes one request may hold for its merge, in bytes: the
-	// sub-response bodies received for it together, and the merged body.
-	// Going over fails the request at once with 502 (and a warning in the
-	// log), whatever fail_limit says, and cancels the sub-requests still
-	// running. A request's memory is thus bounded by about twice this,
-	// plus a copy of the request body per partition (which reverse_proxy
-	// buffers for retries), whatever the partition count.
-	// At least max_response_body, at most 1 GiB. Default: 64 MiB, eight
-	// partitions' worth of default-sized sub-responses.
-	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
-
-	// The most bytes all partition fan-outs of the process may hold for
-	// merging together, a bound shared by every partition handler: each
-	// fan-out reserves its worst case before its first sub-request —
-	// twice the least of max_merged_body and its partition count times
-	// max_response_body (the sub-responses, then the merged body), plus a
-	// copy of the request body per partition — and releases it when it
-	// has answered. A fan-out that does not fit waits, in order of
-	// arrival, until its deadline, and is then answered 503 naming this
-	// option; the fan-outs in flight never fail for it. The largest value
-	// among the running partition handlers applies, a handler without it
-	// counting as the default. At least 2 × max_merged_body, from 1 MiB to
-	// 1 TiB. Default: 1 GiB (16 fan-outs of 4 partitions at once with the
-	// default sizes).
-	MaxMergeMemory int64 `json:"max_merge_memory,omitempty"`
-
-	// How sub-responses are merged: a module in the namespace
-	// http.partition.mergers (json, concat, ndjson, first).
-	// Default: json.
-	MergeRaw json.RawMessage `json:"merge,omitempty" caddy:"namespace=http.partition.mergers inline_key=merger"`
-
-	// Matcher sets evaluated once per partition against that partition's
-	// sub-request, whose placeholders include {partition.index},
-	// {partition.count}, {partition.scheme} and {partition.tag}; a
-	// partition is skipped when any set matches. When every partition of
-	// the chosen scheme is skipped, the answer is 400.
-	SkipRaw caddyhttp.RawMatcherSets `json:"skip,omitempty" caddy:"namespace=http.matchers"`
-
-	// Rules that reject a request with 400 before any sub-request is
-	// sent. They are checked in order against the client request, after
-	// its body has been read (a body over MaxRequestBody is answered 413
-	// first), with the client request's placeholders; the first rule
-	// whose matchers all match rejects the request, and the answer's body
-	// is "request rejected: " followed by the rule's message.
-	Reject []*RejectRule `json:"reject,omitempty"`
-
-	// How many times a failed sub-request is retried on another replica
-	// of its partition (reverse_proxy's load_balancing.retries, which may
-	// be given there instead, but not in both places). 0 disables
-	// retries, unless the proxy's load_balancing.try_duration is set,
-	// which then alone bounds them, as in reverse_proxy. At most 100.
-	// Default: 1.
-	Retries *int `json:"retries,omitempty"`
-
-	// The reverse_proxy handler the sub-requests go through, without
-	// upstreams (they come from Upstreams and NamingFile): load
-	// balancing, retries, transport, header operations (header_up may use
-	// the partition placeholders), rewrite, passive health checks. Its
-	// selection policy defaults to lbx's ewma (whose outlier ejection
-	// also takes a replica out of its scheme's capacity); its retries are
-	// governed by Retries. Active health checks, handle_response and
-	// response buffering (sub-responses are held whole already) are not
-	// supported.
-	Proxy *reverseproxy.Handler `json:"proxy,omitempty"`
-
-	merger Merger
-	enough Sufficer // merger as a Sufficer, or nil
-	skip   caddyhttp.MatcherSets
-	proxy  *reverseproxy.Handler
-	// skipEjected: the selection policy does not know lbx's outlier
-	// ejection, so the upstream source leaves ejected replicas out.
-	skipEjected bool
-	// hosts holds references on lbx's per-address state (outlier
-	// ejection) of every replica address this handler has used.
-	hosts   *hoststate.Table
-	static  []Entry
-	current atomic.Pointer[layout]
-	swapMu  sync.Mutex // serializes layout swaps
-	watcher *namingWatcher
-	// The naming file's and the serf members' entries (under swapMu).
-	fileEntries []Entry
-	serfEntries []Entry
-	logger      *zap.Logger
-}
-
-// ejectionAware is a selection policy that leaves upstreams ejected by
-// lbx's outlier detection out by itself, as lbx's ewma and panic do: they
-// must be handed every replica, or their panic mode would not count the
-// ejected ones as unavailable. Any other policy is handed the replicas
-// that are not ejected.
-type ejectionAware interface {
-	SkipsEjected() bool
-}
-
-// RejectRule rejects a request that matches it (see Handler.Reject).
-type RejectRule struct {
-	// The matchers, all of which must match the client request for it to
-	// be rejected; in the Caddyfile, one CEL expression.
-	MatchRaw caddy.ModuleMap `json:"match,omitempty" caddy:"namespace=http.matchers"`
-
-	// The reason given in the 400 answer's body; it may contain
-	// placeholders of the client request. Default: the rule's CEL
-	// expression, as written, when it is one, else "reject rule <index>".
-	Message string `json:"message,omitempty"`
-
-	match caddyhttp.MatcherSet
-	// literal: Message is the default, shown as is (an expression's
-	// placeholders are not to be replaced).
-	literal bool
-}
-
-// UpstreamConfig is a static upstream and its partition tag.
-type UpstreamConfig struct {
-	// The network address to dial, as for reverse_proxy (host:port).
-	Dial string `json:"dial,omitempty"`
-	// The partition tag "N/M": partition N (from 0) of M.
-	Tag string `json:"tag,omitempty"`
-}
-
-// CaddyModule returns the Caddy module information.
-func (*Handler) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{
-		ID:  "http.handlers.partition",
-		New: func() caddy.Module { return new(Handler) },
-	}
-}
-
-// UnmarshalJSON decodes the handler strictly, as Caddy decodes modules,
-// naming the option whose value does not decode.
-func (h *Handler) UnmarshalJSON(b []byte) error {
-	type plain Handler
-	return jsonfield.Decode(b, (*plain)(h))
-}
-
-// Provision sets up the handler: defaults, the merger and skip matchers,
-// the internal reverse_proxy, the upstream list and the naming file
-// watcher (a goroutine that stops with the config).
-func (h *Handler) Provision(ctx caddy.Context) error {
-	h.logger = ctx.Logger()
-	if h.Timeout == 0 {
-		h.Timeout = caddy.Duration(defaultTimeout)
-	}
-	if h.PollInterval == 0 {
-		h.PollInterval = caddy.Duration(defaultPollInterval)
-	}
-	if h.MaxRequestBody == 0 {
-		h.MaxRequestBody = defaultMaxRequestBody
-	}
-	if h.MaxResponseBody == 0 {
-		h.MaxResponseBody = defaultMaxResponseBody
-	}
-	if h.MaxMergedBody == 0 {
-		h.MaxMergedBody = defaultMaxMergedBody
-	}
-	// Caddy validates after provisioning, and what follows starts
-	// goroutines (the internal reverse_proxy's policy, the watchers).
-	if err := h.validate(); err != nil {
-		return err
-	}
-
-	seen := make(map[Entry]bool)
-	for i, u := range h.Upstreams {
-		if _, err := checkDial(u.Dial); err != nil {
-			return fmt.Errorf("upstreams[%d]: %v", i, err)
-		}
-		tag, err := ParseTag(u.Tag)
-		if err != nil {
-			return fmt.Errorf("upstreams[%d] (%s): %v", i, u.Dial, err)
-		}
-		e := Entry{Dial: u.Dial, Tag: tag}
-		if !seen[e] {
-			seen[e] = true
-			h.static = append(h.static, e)
-		}
-	}
-	if len(h.static) == 0 && h.NamingFile == "" && h.Serf == nil {
-		return errors.New("no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
-	}
-
-	if h.MergeRaw != nil {
-		mod, err := ctx.LoadModule(h, "MergeRaw")
-		if err != nil {
-			return fmt.Errorf("loading merger: %v", err)
-		}
-		h.merger = mod.(Merger)
-	} else {
-		h.merger = JSONMerger{}
-	}
-	h.enough, _ = h.merger.(Sufficer)
-
-	if h.SkipRaw != nil {
-		sets, err := ctx.LoadModule(h, "SkipRaw")
-		if err != nil {
-			return fmt.Errorf("loading skip matchers: %v", err)
-		}
-		if err := h.skip.FromInterface(sets); err != nil {
-			return fmt.Errorf("skip matchers: %v", err)
-		}
-	}
-	for i, rule := range h.Reject {
-		if err := rule.provision(ctx, i); err != nil {
-			return err
-		}
-	}
-
-	if err := h.provisionProxy(ctx); err != nil {
-		return err
-	}
-	aware, ok := h.proxy.LoadBalancing.SelectionPolicy.(ejectionAware)
-	h.skipEjected = !ok || !aware.SkipsEjected()
-	h.hosts = hoststate.NewTable(hoststate.Config{})
-
-	// The initial upstream list; a naming file must be usable now.
-	if err := h.install(nil); err != nil {
-		return err
-	}
-	if h.NamingFile != "" {
-		if err := registerNamingMetrics(ctx); err != nil {
-			return err
-		}
-		h.watcher = &namingWatcher{
-			path:       h.NamingFile,
-			every:      time.Duration(h.PollInterval),
-			logger:     h.logger,
-			maxRemoved: h.maxRemovedPercent(),
-			apply:      h.install,
-		}
-		if err := h.watcher.load(); err != nil {
-			return err
-		}
-		go h.watcher.run(ctx.Done())
-	}
-	if h.Serf != nil {
-		// The cluster app's member starts after every module is
-		// provisioned: the list fills in once it runs.
-		sw, err := newSerfWatcher(ctx, h.Serf, time.Duration(h.PollInterval), h.logger, h.installSerf)
-		if err != nil {
-			return err
-		}
-		go sw.run(ctx.Done())
-	}
-	live.Add(h)
-	updateMergeMemory()
-	return nil
-}
-
-// provision loads the rule's matchers; i is its index in Handler.Reject.
-func (rule *RejectRule) provision(ctx caddy.Context, i int) error {
-	if rule == nil || len(rule.MatchRaw) == 0 {
-		return fmt.Errorf("reject[%d]: no matchers", i)
-	}
-	mods, err := ctx.LoadModule(rule, "MatchRaw")
-	if err != nil {
-		return fmt.Errorf("reject[%d]: loading matchers: %v", i, err)
-	}
-	var sets caddyhttp.MatcherSets
-	if err := sets.FromInterface([]map[string]any{mods.(map[string]any)}); err != nil {
-		return fmt.Errorf("reject[%d]: %v", i, err)
-	}
-	rule.match = sets[0]
-	if rule.Message == "" {
-		rule.literal = true
-		rule.Message = "reject rule " + strconv.Itoa(i)
-		if len(rule.match) == 1 {
-			if m, ok := rule.match[0].(*caddyhttp.MatchExpression); ok {
-				rule.Message = m.Expr
-			}
-		}
-	}
-	return nil
-}
-
-// validate checks the options' bounds, after the defaults are applied.
-// The Caddyfile applies the same checks (checkDuration, checkCount,
-// checkSize) where the values are written.
-func (h *Handler) validate() error {
-	checks := []error{
-		h.checkNaming(),
-		bounds.Duration("poll_interval", time.Duration(h.PollInterval), minPollInterval, maxPollInterval),
-		bounds.Duration("timeout", time.Duration(h.Timeout), minTimeout, maxTimeout),
-		bounds.Int("fail_limit", h.FailLimit, 0, MaxPartitions),
-		checkSize("max_request_body", h.MaxRequestBody),
-		checkSize("max_response_body", h.MaxResponseBody),
-		checkSize("max_merged_body", h.MaxMergedBody),
-		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
-		h.checkMergeMemory(),
-	}
-	if h.Retries != nil {
-		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))
-	}
-	if h.Proxy != nil {
-		if lb := h.Proxy.LoadBalancing; lb != nil {
-			checks = append(checks, bounds.Int("proxy.load_balancing.retries", lb.Retries, 0, maxRetries))
-		}
-		if h.Proxy.ResponseBuffers != 0 {
-			checks = append(checks, fmt.Errorf("proxy.response_buffers %d: response buffering is not supported inside partition, which holds each sub-response whole already (bounded by max_response_body)", h.Proxy.ResponseBuffers))
-		}
-	}
-	if h.Serf != nil {
-		checks = append(checks, h.Serf.validate())
-	}
-	return errors.Join(checks...)
-}
-
-// checkMergedBody checks that one sub-response of the largest size
-// accepted fits in the merge's budget.
-func checkMergedBody(response, merged int64) error {
-	if response > merged {
-		return fmt.Errorf("max_response_body %d is above max_merged_body %d (default %d): no sub-response that large could be merged; raise max_merged_body or lower max_response_body", response, merged, int64(defaultMaxMergedBody))
-	}
-	return nil
-}
-
-// checkSize checks that option name's byte size n is in [1, maxBodyLimit].
-func checkSize(name string, n int64) error {
-	switch {
-	case n < 1:
-		return fmt.Errorf("%s %d is below the minimum of 1 byte", name, n)
-	case n > maxBodyLimit:
-		return fmt.Errorf("%s %d is above the maximum %d (1 GiB): bodies are held in memory whole", name, n, int64(maxBodyLimit))
-	}
-	return nil
-}
-
-// provisionProxy loads the internal reverse_proxy handler through Caddy,
-// so that its selection policy finds it among the modules being
-// provisioned (lbx's ewma instruments its transport that way) and Caddy
-// cleans it up with the config. Its upstreams come from the partition
-// sub-request being served (see source).
-func (h *Handler) provisionProxy(ctx caddy.Context) error {
-	tmpl := new(reverseproxy.Handler)
-	if h.Proxy != nil {
-		switch {
-		case len(h.Proxy.Upstreams) > 0:
-			return errors.New("proxy: upstreams are not allowed here; tag them (to <address> <N/M>) or use naming_file")
-		case h.Proxy.DynamicUpstreamsRaw != nil:
-			return errors.New("proxy: dynamic upstreams are not supported; use naming_file")
-		case len(h.Proxy.HandleResponse) > 0:
-			return errors.New("proxy: handle_response is not supported inside partition")
-		case h.Proxy.HealthChecks != nil && h.Proxy.HealthChecks.Active != nil:
-			return errors.New("proxy: active health checks are not supported inside partition (use passive health checks or lb_policy ewma's outlier ejection)")
-		}
-		raw, err := json.Marshal(h.Proxy)
-		if err != nil {
-			return fmt.Errorf("proxy: %v", err)
-		}
-		if err := json.Unmarshal(raw, tmpl); err != nil {
-			return fmt.Errorf("proxy: %v", err)
-		}
-	}
-	if tmpl.LoadBalancing == nil {
-		tmpl.LoadBalancing = new(reverseproxy.LoadBalancing)
-	}
-	if tmpl.LoadBalancing.SelectionPolicyRaw == nil {
-		tmpl.LoadBalancing.SelectionPolicyRaw = lbpolicy.DefaultComboPolicy()
-	}
-	retries, err := resolveRetries(h.Retries, tmpl.LoadBalancing)
-	if err != nil {
-		return err
-	}
-	tmpl.LoadBalancing.Retries = retries
-	// The body is replayed from memory; buffering it in reverse_proxy too
-	// makes a retry after a partial send resend the whole body. One byte
-	// over the limit, as a body of exactly the limit would otherwise look
-	// partially buffered.
-	if h.MaxRequestBody > 0 {
-		tmpl.RequestBuffers = h.MaxRequestBody + 1
-	}
-	raw, err := json.Marshal(tmpl)
-	if err != nil {
-		return fmt.Errorf("proxy: %v", err)
-	}
-	mod, err := ctx.LoadModuleByID("http.handlers.reverse_proxy", raw)
-	if err != nil {
-		return fmt.Errorf("proxy: %v", err)
-	}
-	h.proxy = mod.(*reverseproxy.Handler)
-	h.proxy.DynamicUpstreams = source{}
-	return nil
-}
-
-// resolveRetries returns the internal reverse_proxy's retry count: the
-// handler's Retries when set (0 included), else the proxy's own
-// load_balancing.retries when set, else the default — unless the proxy
-// retries for a try_duration, whose meaning with 0 retries (no count
-// limit) is kept.
-func resolveRetries(retries *int, lb *reverseproxy.LoadBalancing) (int, error) {
-	switch {
-	case retries != nil && lb.Retries != 0:
-		return 0, fmt.Errorf("retries given twice: %d, and %d in proxy.load_balancing.retries; give one", *retries, lb.Retries)
-	case retries != nil:
-		return *retries, nil
-	case lb.Retries != 0 || lb.TryDuration != 0:
-		return lb.Retries, nil
-	}
-	return defaultRetries, nil
-}
-
-// install makes fileEntries (with the static upstreams and the serf
-// members') the current upstream list, or leaves the current one if they
-// are not valid.
-func (h *Handler) install(fileEntries []Entry) error {
-	return h.installPart(&h.fileEntries, fileEntries)
-}
-
-// installSerf is install for the serf members' entries.
-func (h *Handler) installSerf(serfEntries []Entry) error {
-	return h.installPart(&h.serfEntries, serfEntries)
-}
-
-// installPart replaces one source's entries (*part) and swaps in the
-// layout of all sources, or restores *part if the result is not valid.
-func (h *Handler) installPart(part *[]Entry, entries []Entry) error {
-	h.swapMu.Lock()
-	defer h.swapMu.Unlock()
-	prev := *part
-	*part = entries
-	old := h.current.Load()
-	l, err := buildLayout(mergeEntries(mergeEntries(h.static, h.fileEntries), h.serfEntries), old, h.hosts)
-	if err != nil {
-		*part = prev
-		return err
-	}
-	h.current.Store(l)
-	dropGone(old, l, h.hosts)
-	if old != nil && old.slots-l.slots >= bigShrink {
-		returnMemorySoon()
-	}
-	return nil
-}
-
-// Validate checks the configuration.
-func (h *Handler) Validate() error {
-	return h.validate()
-}
-
-// Cleanup releases the handler's references on lbx's per-address state
-// and takes it out of the admin view.
-// The internal reverse_proxy is cleaned up by Caddy with the config, and
-// the naming file watcher stops when the config's context is cancelled.
-func (h *Handler) Cleanup() error {
-	live.Remove(h)
-	updateMergeMemory()
-	if h.hosts != nil {
-		h.hosts.Release()
-	}
-	return nil
-}
 
 // Capacity reports how much of the fan-out is usable, for a selective
 // group that holds it: the sum over its partition schemes of the least
@@ -649,27 +67,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		}
 		return nil
 	}
-	if len(h.Reject) > 0 {
-		if r.Body != nil && r.Body != http.NoBody {
-			// The body was consumed; matchers that read it
-			// ({http.request.body}) see the buffered copy.
-			r.Body = io.NopCloser(bytes.NewReader(body))
-		}
-		for i, rule := range h.Reject {
-			match, err := rule.match.MatchWithError(r)
-			if err != nil {
-				h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating reject[%d]: %v", i, err))
-				return nil
-			}
-			if match {
-				msg := rule.Message
-				if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok && !rule.literal {
-					msg = repl.ReplaceKnown(msg, "")
-				}
-				h.answer(w, r, http.StatusBadRequest, "request rejected: "+msg)
-				return nil
-			}
-		}
+	if h.rejected(w, r, body) {
+		return nil
 	}
 	l := h.current.Load()
 	sc := l.choose(rand.IntN, monoclock.Now())
@@ -679,6 +78,36 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 	}
 	h.fanOut(w, r, sc, body, end)
 	return nil
+}
+
+// rejected checks the reject rules against r, whose body was read whole
+// (body), and answers 400 when one matches or fails; it reports whether it
+// answered.
+func (h *Handler) rejected(w http.ResponseWriter, r *http.Request, body []byte) bool {
+	if len(h.Reject) == 0 {
+		return false
+	}
+	if r.Body != nil && r.Body != http.NoBody {
+		// The body was consumed; matchers that read it
+		// ({http.request.body}) see the buffered copy.
+		r.Body = io.NopCloser(bytes.NewReader(body))
+	}
+	for i, rule := range h.Reject {
+		match, err := rule.match.MatchWithError(r)
+		if err != nil {
+			h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating reject[%d]: %v", i, err))
+			return true
+		}
+		if match {
+			msg := rule.Message
+			if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok && !rule.literal {
+				msg = repl.ReplaceKnown(msg, "")
+			}
+			h.answer(w, r, http.StatusBadRequest, "request rejected: "+msg)
+			return true
+		}
+	}
+	return false
 }
 
 // deadlineName says which deadline a 408 answer is about: this
@@ -756,55 +185,21 @@ type outcome struct {
 // fanOut runs one sub-request per partition of sc and answers, by end,
 // the call's deadline (zero: none).
 func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, body []byte, end time.Time) {
-	n := sc.count
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
-	if !end.IsZero() {
-		var stop context.CancelFunc
-		ctx, stop = context.WithDeadlineCause(ctx, end, errTimeout)
-		defer stop()
-	}
+	ctx, stop := calldeadline.Bound(ctx, end, errTimeout)
+	defer stop()
 
-	parent := subParent{req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
-	parent.server, _ = r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
-	parent.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	parent.vars, _ = r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
-	if parent.vars != nil {
-		parent.vars = maps.Clone(parent.vars) // a snapshot: the sub-requests only read it
-	}
-
-	outcomes := make([]*outcome, n)
-	calls := make([]*subCall, 0, n)
-	for i := range n {
-		c := h.newSubCall(ctx, parent, sc, i)
-		if len(h.skip) > 0 {
-			skip, err := h.skip.AnyMatchWithError(c.req)
-			if err != nil {
-				h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating skip for partition %d: %v", i, err))
-				return
-			}
-			if skip {
-				outcomes[i] = &outcome{index: i, skipped: true}
-				continue
-			}
-		}
-		calls = append(calls, c)
-	}
-	if len(calls) == 0 {
-		h.report(w, r, sc, outcomes)
-		h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("all %d partitions skipped", n))
+	parent := subParent{Parent: subreq.Capture(r), req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
+	outcomes := make([]*outcome, sc.count)
+	calls, ok := h.subCalls(ctx, w, r, sc, parent, outcomes)
+	if !ok {
 		return
 	}
-
 	// The fan-out's worst case, reserved before any sub-request and
 	// released after the answer is written (a panic included).
 	need := h.reservation(len(calls), len(body))
-	if err := mergeMemory.acquire(ctx, need); err != nil {
-		if r.Context().Err() != nil {
-			w.WriteHeader(499)
-			return
-		}
-		h.noMergeMemory(w, r, need, err)
+	if !h.reserve(ctx, w, r, need) {
 		return
 	}
 	defer mergeMemory.release(need)
@@ -813,51 +208,8 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 	if limit <= 0 || limit > len(calls) {
 		limit = len(calls)
 	}
-
-	results := make(chan *outcome, len(calls))
-	var wg sync.WaitGroup
-	for _, c := range calls {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() {
-				if v := recover(); v != nil {
-					h.logger.Error("partition sub-request panicked", zap.Int("partition", c.index), zap.Any("panic", v), zap.Stack("stack"))
-					results <- &outcome{index: c.index, status: http.StatusBadGateway, err: fmt.Errorf("panic: %v", v)}
-				}
-			}()
-			results <- h.runSubCall(ctx, c)
-		}()
-	}
-
-	var failed, succeeded int
-	var deadline, overBudget bool
-wait:
-	for range calls {
-		select {
-		case o := <-results:
-			o.done = true
-			outcomes[o.index] = o
-			if o.err != nil {
-				failed++
-				if o.overBudget {
-					overBudget = true
-					break wait
-				}
-				if failed >= limit {
-					break wait
-				}
-			} else {
-				succeeded++
-				if h.enough != nil && h.enough.Enough(succeeded) {
-					break wait
-				}
-			}
-		case <-ctx.Done():
-			deadline = errors.Is(context.Cause(ctx), errTimeout) || errors.Is(ctx.Err(), context.DeadlineExceeded)
-			break wait
-		}
-	}
+	results, wg := h.start(ctx, calls)
+	t := h.collect(ctx, results, outcomes, len(calls), limit)
 	cancel(errDecided)
 	wg.Wait()
 
@@ -868,46 +220,167 @@ wait:
 		w.WriteHeader(499)
 		return
 	}
+	t.settle(calls, outcomes)
+	switch {
+	case t.overBudget:
+		h.report(w, r, sc, outcomes)
+		h.tooLarge(w, r, "the sub-responses together are")
+	case t.failed >= limit:
+		h.failed(w, r, sc, outcomes, t, limit)
+	default:
+		h.merge(w, r, sc, outcomes, t.succeeded)
+	}
+}
 
-	// Partitions still running when the outcome was decided: the
-	// deadline makes them failures; otherwise they were cancelled
-	// because they no longer mattered.
+// subCalls makes the sub-requests of sc's partitions, but for those the
+// skip matchers skip, whose outcomes it sets; ok is false when it has
+// answered the request itself: a skip matcher failed, or every partition
+// was skipped.
+func (h *Handler) subCalls(ctx context.Context, w http.ResponseWriter, r *http.Request, sc *scheme, parent subParent, outcomes []*outcome) (calls []*subCall, ok bool) {
+	calls = make([]*subCall, 0, sc.count)
+	for i := range sc.count {
+		c := h.newSubCall(ctx, parent, sc, i)
+		if len(h.skip) > 0 {
+			skip, err := h.skip.AnyMatchWithError(c.req)
+			if err != nil {
+				h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating skip for partition %d: %v", i, err))
+				return nil, false
+			}
+			if skip {
+				outcomes[i] = &outcome{index: i, skipped: true}
+				continue
+			}
+		}
+		calls = append(calls, c)
+	}
+	if len(calls) == 0 {
+		h.report(w, r, sc, outcomes)
+		h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("all %d partitions skipped", sc.count))
+		return nil, false
+	}
+	return calls, true
+}
+
+// reserve takes need bytes of max_merge_memory for the fan-out, waiting
+// for room until ctx ends; ok is false when it has answered the request
+// itself.
+func (h *Handler) reserve(ctx context.Context, w http.ResponseWriter, r *http.Request, need int64) (ok bool) {
+	err := mergeMemory.acquire(ctx, need)
+	if err == nil {
+		return true
+	}
+	if r.Context().Err() != nil {
+		w.WriteHeader(499)
+		return false
+	}
+	h.noMergeMemory(w, r, need, err)
+	return false
+}
+
+// start runs each sub-request in a goroutine of its own, which sends its
+// outcome, a panic's included, on results (room for all); wg is done when
+// every one has.
+func (h *Handler) start(ctx context.Context, calls []*subCall) (results <-chan *outcome, wg *sync.WaitGroup) {
+	ch := make(chan *outcome, len(calls))
+	wg = new(sync.WaitGroup)
+	for _, c := range calls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() {
+				if v := recover(); v != nil {
+					h.logger.Error("partition sub-request panicked", zap.Int("partition", c.index), zap.Any("panic", v), zap.Stack("stack"))
+					ch <- &outcome{index: c.index, status: http.StatusBadGateway, err: fmt.Errorf("panic: %v", v)}
+				}
+			}()
+			ch <- h.runSubCall(ctx, c)
+		}()
+	}
+	return ch, wg
+}
+
+// tally is what a fan-out's outcomes add up to once it is decided.
+type tally struct {
+	failed, succeeded int
+	// deadline: the call's deadline passed before the outcome was
+	// decided.
+	deadline bool
+	// overBudget: the sub-responses went over max_merged_body together.
+	overBudget bool
+}
+
+// collect takes n outcomes from results into outcomes as they come, and
+// stops as soon as the fan-out is decided: limit partitions failed, the
+// sub-responses went over max_merged_body, the merger has enough (a
+// Sufficer), or ctx ended (the deadline, or the client went away).
+func (h *Handler) collect(ctx context.Context, results <-chan *outcome, outcomes []*outcome, n, limit int) (t tally) {
+	for range n {
+		select {
+		case o := <-results:
+			o.done = true
+			outcomes[o.index] = o
+			if o.err == nil {
+				t.succeeded++
+				if h.enough != nil && h.enough.Enough(t.succeeded) {
+					return t
+				}
+				continue
+			}
+			t.failed++
+			if o.overBudget {
+				t.overBudget = true
+				return t
+			}
+			if t.failed >= limit {
+				return t
+			}
+		case <-ctx.Done():
+			t.deadline = errors.Is(context.Cause(ctx), errTimeout) || errors.Is(ctx.Err(), context.DeadlineExceeded)
+			return t
+		}
+	}
+	return t
+}
+
+// settle gives the partitions still running when the outcome was decided
+// theirs: the deadline makes them failures; otherwise they were cancelled
+// because they no longer mattered.
+func (t *tally) settle(calls []*subCall, outcomes []*outcome) {
 	for _, c := range calls {
 		if outcomes[c.index] != nil {
 			continue
 		}
 		o := &outcome{index: c.index, latency: time.Since(c.start)}
-		if deadline {
+		if t.deadline {
 			o.status, o.err = http.StatusGatewayTimeout, errors.New("timeout")
-			failed++
+			t.failed++
 		} else {
 			o.err, o.canceled = errors.New("canceled"), true
 		}
 		outcomes[c.index] = o
 	}
+}
 
-	if overBudget {
-		h.report(w, r, sc, outcomes)
-		h.tooLarge(w, r, "the sub-responses together are")
-		return
+// failed answers a fan-out in which limit partitions failed: 502, or 504
+// when the deadline passed, naming the failed partitions.
+func (h *Handler) failed(w http.ResponseWriter, r *http.Request, sc *scheme, outcomes []*outcome, t tally, limit int) {
+	status := http.StatusBadGateway
+	if t.deadline {
+		status = http.StatusGatewayTimeout
 	}
-	if failed >= limit {
-		status := http.StatusBadGateway
-		if deadline {
-			status = http.StatusGatewayTimeout
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d/%d partitions failed, fail_limit=%d", t.failed, sc.count, limit)
+	for _, o := range outcomes {
+		if o != nil && o.err != nil && (o.done || t.deadline) {
+			fmt.Fprintf(&b, " [p%d]%s", o.index, o.err)
 		}
-		var b strings.Builder
-		fmt.Fprintf(&b, "%d/%d partitions failed, fail_limit=%d", failed, n, limit)
-		for _, o := range outcomes {
-			if o != nil && o.err != nil && (o.done || deadline) {
-				fmt.Fprintf(&b, " [p%d]%s", o.index, o.err)
-			}
-		}
-		h.report(w, r, sc, outcomes)
-		h.answer(w, r, status, b.String())
-		return
 	}
+	h.report(w, r, sc, outcomes)
+	h.answer(w, r, status, b.String())
+}
 
+// merge answers with the merged responses of the succeeded partitions.
+func (h *Handler) merge(w http.ResponseWriter, r *http.Request, sc *scheme, outcomes []*outcome, succeeded int) {
 	parts := make([]*Part, 0, succeeded)
 	for _, o := range outcomes {
 		if o != nil && o.done && o.err == nil {
@@ -1010,9 +483,4 @@ func (h *Handler) report(w http.ResponseWriter, r *http.Request, sc *scheme, out
 }
 
 // Interface guards
-var (
-	_ caddy.Provisioner           = (*Handler)(nil)
-	_ caddy.Validator             = (*Handler)(nil)
-	_ caddy.CleanerUpper          = (*Handler)(nil)
-	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
-)
+var _ caddyhttp.MiddlewareHandler = (*Handler)(nil)

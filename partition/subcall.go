@@ -25,12 +25,10 @@ import (
 // subParent is what every sub-request of one fan-out is made from. The
 // sub-requests only read it.
 type subParent struct {
+	subreq.Parent
 	req    *http.Request
 	body   []byte
-	server *caddyhttp.Server
-	repl   *caddy.Replacer // the client request's, read as a fallback
-	vars   map[string]any  // a snapshot of the client request's vars
-	budget *budget         // the bytes the sub-responses may hold together
+	budget *budget // the bytes the sub-responses may hold together
 }
 
 // budget is what one fan-out's sub-responses may hold together
@@ -78,9 +76,9 @@ type givenUpstream struct {
 
 // newSubCall makes partition i's sub-request: a clone of the client
 // request with the buffered body, its own replacer and vars map
-// (subreq.Isolate; placeholders it does not know, e.g. set by `map` or
-// `vars` before this handler, come from the client request's), and the
-// partition placeholders.
+// (subreq.Parent.Isolate; placeholders it does not know, e.g. set by
+// `map` or `vars` before this handler, come from the client request's),
+// and the partition placeholders.
 func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int) *subCall {
 	c := &subCall{
 		index: i,
@@ -107,7 +105,7 @@ func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int
 		req.Header.Del("Content-Length")
 	}
 
-	req, repl := subreq.Isolate(req, c.rec, p.server, p.vars, p.repl)
+	req, repl := p.Isolate(req, c.rec)
 	repl.Set("partition.index", i)
 	repl.Set("partition.count", sc.count)
 	repl.Set("partition.scheme", sc.count)

@@ -125,8 +125,8 @@ func (c *call) launch(ctx context.Context, g int, kind attemptKind, avoid []stri
 
 // newRequest makes an attempt's request: a copy of the client's, with the
 // body replayed from memory, and placeholders and variables of its own
-// (subreq.Isolate); placeholders it does not know come from the client
-// request's.
+// (subreq.Parent.Isolate); placeholders it does not know come from the
+// client request's.
 func (c *call) newRequest(ctx context.Context, w http.ResponseWriter) (*http.Request, *caddy.Replacer) {
 	req := c.r.Clone(ctx)
 	if c.replay {
@@ -134,7 +134,7 @@ func (c *call) newRequest(ctx context.Context, w http.ResponseWriter) (*http.Req
 	} else {
 		req.Body = c.r.Body // too large to keep: one attempt only
 	}
-	return subreq.Isolate(req, w, c.server, c.vars, c.repl)
+	return c.parent.Isolate(req, w)
 }
 
 // run sends the attempt through the group's routes, then judges it and

@@ -19,18 +19,20 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/calldeadline"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/subreq"
 )
 
 // call is one client request's way through the handler: its attempts,
 // which of them won the client's response, and what the client gets when
 // none did.
 type call struct {
-	h      *Handler
-	w      http.ResponseWriter // the client's
-	r      *http.Request       // the client's
-	repl   *caddy.Replacer     // the client's; nil outside Caddy's server
-	vars   map[string]any      // a snapshot of the client's variables
-	server *caddyhttp.Server
+	h *Handler
+	w http.ResponseWriter // the client's
+	r *http.Request       // the client's
+	// parent is what attempts are made from: the client request's
+	// server, placeholders (nil outside Caddy's server) and a snapshot
+	// of its variables.
+	parent subreq.Parent
 
 	// body is the request body kept in memory; replay says attempts may
 	// be repeated (the body is kept, or there is none).
@@ -81,27 +83,18 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		done:   make(chan *attempt, h.maxAttempts()),
 		backup: backupNone,
 	}
-	c.repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	c.server, _ = r.Context().Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
-	if vars, ok := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any); ok {
-		c.vars = maps.Clone(vars)
-	}
+	c.parent = subreq.Capture(r)
 	// The call's deadline starts here: reading the request body counts
 	// against it as much as the attempts do.
-	deadline, bounded := calldeadline.Start(r.Context(), time.Duration(h.Timeout))
+	deadline, _ := calldeadline.Start(r.Context(), time.Duration(h.Timeout))
 	if err := c.readBody(deadline); err != nil {
 		return err
 	}
 	c.hedge = h.hedges() && c.replay && h.hedgeable(r)
 
-	ctx := r.Context()
-	if bounded {
-		c.deadline = deadline
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithDeadline(ctx, deadline)
-		defer cancel()
-		ctx = calldeadline.With(ctx, deadline)
-	}
+	c.deadline = deadline
+	ctx, cancel := calldeadline.Bound(r.Context(), deadline, nil)
+	defer cancel()
 	return c.run(ctx)
 }
 
@@ -509,8 +502,8 @@ func (c *call) methodRetryable(f failure) bool {
 func (c *call) hashKey() string {
 	if !c.keyed {
 		c.keyed = true
-		if c.repl != nil {
-			c.key = c.repl.ReplaceAll(c.h.Policy.Key, "")
+		if c.parent.Repl != nil {
+			c.key = c.parent.Repl.ReplaceAll(c.h.Policy.Key, "")
 		} else {
 			c.key = c.h.Policy.Key
 		}
@@ -584,12 +577,12 @@ func (c *call) writeHead(a *attempt, header http.Header, status int) {
 // The answering attempt's reverse_proxy placeholders (the upstream it
 // used) are copied to the client request's.
 func (c *call) finish(a *attempt, errText func() string) {
-	if a != nil && c.repl != nil {
-		copyProxyPlaceholders(c.repl, a.repl, a.w.header)
+	if a != nil && c.parent.Repl != nil {
+		copyProxyPlaceholders(c.parent.Repl, a.repl, a.w.header)
 	}
 	c.setPlaceholders(a, c.summarize())
-	if errText != nil && c.repl != nil {
-		c.repl.Set("http.selective.error", errText())
+	if errText != nil && c.parent.Repl != nil {
+		c.parent.Repl.Set("http.selective.error", errText())
 	}
 	if a == nil {
 		return
@@ -601,15 +594,15 @@ func (c *call) finish(a *attempt, errText func() string) {
 
 // setPlaceholders sets the call's placeholders from s.
 func (c *call) setPlaceholders(a *attempt, s summary) {
-	if c.repl == nil {
+	if c.parent.Repl == nil {
 		return
 	}
 	if a != nil {
-		c.repl.Set("http.selective.group", a.group.name)
+		c.parent.Repl.Set("http.selective.group", a.group.name)
 	}
-	c.repl.Set("http.selective.attempts", s.attempts)
-	c.repl.Set("http.selective.tried", s.tried)
-	c.repl.Set("http.selective.backup", s.backup)
+	c.parent.Repl.Set("http.selective.attempts", s.attempts)
+	c.parent.Repl.Set("http.selective.tried", s.tried)
+	c.parent.Repl.Set("http.selective.backup", s.backup)
 }
 
 // summary is what a call has done so far: its attempts, the groups tried

@@ -45,6 +45,19 @@ func Start(ctx context.Context, timeout time.Duration) (deadline time.Time, ok b
 	return time.Time{}, false
 }
 
+// Bound returns ctx ending at deadline, the call's from Start (zero: none,
+// and ctx is returned as it is), and carrying it to the combo handlers
+// nested below (With), so that an outer handler's deadline bounds every
+// level alike. When the deadline passes, context.Cause(ctx) is cause (nil:
+// context.DeadlineExceeded). The caller must call the CancelFunc.
+func Bound(ctx context.Context, deadline time.Time, cause error) (context.Context, context.CancelFunc) {
+	if deadline.IsZero() {
+		return ctx, func() {}
+	}
+	ctx, cancel := context.WithDeadlineCause(ctx, deadline, cause)
+	return With(ctx, deadline), cancel
+}
+
 // ErrBodyTimeout is ReadBody's error when the deadline passed before the
 // body was read. Handlers answer it 408 Request Timeout: the client, not
 // an upstream, was too slow (RFC 9110 §15.5.9), and no upstream has seen

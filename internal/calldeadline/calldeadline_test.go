@@ -87,3 +87,26 @@ func TestStreamLate(t *testing.T) {
 		t.Error("an unread body is late once the deadline passed, not before")
 	}
 }
+
+func TestBound(t *testing.T) {
+	ctx := context.Background()
+	got, cancel := Bound(ctx, time.Time{}, nil)
+	cancel()
+	if got != ctx {
+		t.Error("no deadline: want ctx as it is")
+	}
+	cause := errors.New("call timeout")
+	end := time.Now().Add(20 * time.Millisecond)
+	got, cancel = Bound(ctx, end, cause)
+	defer cancel()
+	if d, ok := got.Deadline(); !ok || !d.Equal(end) {
+		t.Errorf("context deadline %v %v, want %v", d, ok, end)
+	}
+	if d, ok := From(got); !ok || !d.Equal(end) {
+		t.Errorf("carried deadline %v %v, want %v", d, ok, end)
+	}
+	<-got.Done()
+	if !errors.Is(context.Cause(got), cause) {
+		t.Errorf("cause %v, want %v", context.Cause(got), cause)
+	}
+}
