@@ -37,7 +37,7 @@ func TestBoundsJSON(t *testing.T) {
 		{"poll_interval negative", `,"poll_interval":"-1s"`, "poll_interval -1s is below the minimum 100ms"},
 		{"poll_interval huge", `,"poll_interval":"1000000h"`, "poll_interval 1000000h0m0s is above the maximum 1h0m0s"},
 		{"poll_interval NaN", `,"poll_interval":"NaNs"`, `poll_interval: time: invalid duration "NaNs"`},
-		{"timeout not a duration", `,"timeout":true`, `cannot unmarshal bool into Go struct field plain.timeout`},
+		{"timeout not a duration", `,"timeout":true`, `cannot unmarshal bool into Go struct field plain.FanOut.timeout`},
 		{"unknown field", `,"poll_intervals":"1s"`, `unknown field "poll_intervals"`},
 		{"timeout too small", `,"timeout":"1us"`, "timeout 1µs is below the minimum 1ms"},
 		{"timeout negative", `,"timeout":-1`, "timeout -1ns is below the minimum 1ms"},

@@ -73,7 +73,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 // sub-requests go through.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume the directive name
-	p := &blockParse{h: h, seg: d.NextSegment()}
+	p := &blockParse{h: h, f: &h.FanOut, what: directive, maxFail: MaxPartitions, seg: d.NextSegment()}
 	sd := caddyfile.NewDispenser(p.seg)
 	sd.Next()
 	if err := caddyopt.BlockOnly(sd, directive); err != nil {
@@ -94,10 +94,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // directive is the Caddyfile directive, the start of its errors.
 const directive = "partition"
 
-// blockParse is the reading of one partition block.
+// blockParse is the reading of one partition block, or of the fan-out
+// options of a parallel block (h nil).
 type blockParse struct {
-	h   *Handler
-	seg caddyfile.Segment // the whole directive
+	h *Handler
+	// f is the fan-out's options; what starts the errors; maxFail
+	// bounds fail_limit.
+	f       *FanOut
+	what    string
+	maxFail int
+	seg     caddyfile.Segment // the whole directive
 	// passthrough holds the tokens of reverse_proxy's options.
 	passthrough []caddyfile.Token
 	// sizeAt is the last size option, for errors about two of them.
@@ -208,33 +214,33 @@ func (p *blockParse) serfTag(d *caddyfile.Dispenser, _ string) error {
 
 // duration reads `timeout <duration>` and `poll_interval <duration>`.
 func (p *blockParse) duration(d *caddyfile.Dispenser, name string) error {
-	dur, err := caddyopt.Duration(d, directive)
+	dur, err := caddyopt.Duration(d, p.what)
 	if err != nil {
 		return err
 	}
 	if name == "timeout" {
 		err = bounds.Duration(name, dur, minTimeout, maxTimeout)
-		p.h.Timeout = caddy.Duration(dur)
+		p.f.Timeout = caddy.Duration(dur)
 	} else {
 		err = bounds.Duration(name, dur, minPollInterval, maxPollInterval)
 		p.h.PollInterval = caddy.Duration(dur)
 	}
 	if err != nil {
-		return caddyopt.Errf(d, directive, "%v", err)
+		return caddyopt.Errf(d, p.what, "%v", err)
 	}
 	return nil
 }
 
 // failLimit reads `fail_limit <n>`.
 func (p *blockParse) failLimit(d *caddyfile.Dispenser, name string) error {
-	n, err := caddyopt.Int(d, directive)
+	n, err := caddyopt.Int(d, p.what)
 	if err != nil {
 		return err
 	}
-	if err := bounds.Int(name, n, 1, MaxPartitions); err != nil {
-		return caddyopt.Errf(d, directive, "%v", err)
+	if err := bounds.Int(name, n, 1, p.maxFail); err != nil {
+		return caddyopt.Errf(d, p.what, "%v", err)
 	}
-	p.h.FailLimit = n
+	p.f.FailLimit = n
 	return nil
 }
 
@@ -242,30 +248,30 @@ func (p *blockParse) failLimit(d *caddyfile.Dispenser, name string) error {
 // max_merged_body and max_merge_memory. How the sizes fit together is
 // checked once the block is read (see check).
 func (p *blockParse) size(d *caddyfile.Dispenser, name string) error {
-	v, err := caddyopt.OneArg(d, directive)
+	v, err := caddyopt.OneArg(d, p.what)
 	if err != nil {
 		return err
 	}
 	size, err := humanize.ParseBytes(v)
 	if err != nil {
-		return caddyopt.Invalid(d, directive, name, v, "a size such as 1MiB or 65536")
+		return caddyopt.Invalid(d, p.what, name, v, "a size such as 1MiB or 65536")
 	}
 	n := int64(min(size, math.MaxInt64))
 	p.sizeAt = d
 	if name == "max_merge_memory" {
-		p.h.MaxMergeMemory = n
+		p.f.MaxMergeMemory = n
 		return nil
 	}
 	if err := checkSize(name, n); err != nil {
-		return caddyopt.Errf(d, directive, "%v", err)
+		return caddyopt.Errf(d, p.what, "%v", err)
 	}
 	switch name {
 	case "max_request_body":
-		p.h.MaxRequestBody = n
+		p.f.MaxRequestBody = n
 	case "max_response_body":
-		p.h.MaxResponseBody = n
+		p.f.MaxResponseBody = n
 	default:
-		p.h.MaxMergedBody = n
+		p.f.MaxMergedBody = n
 	}
 	return nil
 }
@@ -274,31 +280,31 @@ func (p *blockParse) size(d *caddyfile.Dispenser, name string) error {
 // the rest of the line.
 func (p *blockParse) merge(d *caddyfile.Dispenser, _ string) error {
 	if !d.NextArg() {
-		return caddyopt.Missing(d, directive)
+		return caddyopt.Missing(d, p.what)
 	}
 	mname := d.Val()
 	unm, err := caddyfile.UnmarshalModule(d, "http.partition.mergers."+mname)
 	if err != nil {
 		return err
 	}
-	p.h.MergeRaw = caddyconfig.JSONModuleObject(unm, "merger", mname, nil)
+	p.f.MergeRaw = caddyconfig.JSONModuleObject(unm, "merger", mname, nil)
 	return nil
 }
 
 // skip reads `skip <cel expression>`.
 func (p *blockParse) skip(d *caddyfile.Dispenser, _ string) error {
-	args, err := caddyopt.Args(d, directive)
+	args, err := caddyopt.Args(d, p.what)
 	if err != nil {
 		return err
 	}
 	if len(args) != 1 {
-		return caddyopt.Errf(d, directive, "skip: want one CEL expression (in backticks), e.g. skip `{partition.index} == 2`; got %d argument(s)", len(args))
+		return caddyopt.Errf(d, p.what, "skip: want one CEL expression (in backticks), e.g. skip `{%s.index} == 2`; got %d argument(s)", p.what, len(args))
 	}
-	m, err := expressionMatcher(d, directive+": skip", args[0])
+	m, err := expressionMatcher(d, p.what+": skip", args[0])
 	if err != nil {
 		return err
 	}
-	p.h.SkipRaw = append(p.h.SkipRaw, m)
+	p.f.SkipRaw = append(p.f.SkipRaw, m)
 	return nil
 }
 
@@ -361,20 +367,30 @@ func (p *blockParse) check(d *caddyfile.Dispenser) error {
 	if h.NamingMaxRemovedPercent != 0 && h.NamingFile == "" {
 		return caddyopt.Errf(d, directive, "naming_max_removed_percent is set without a naming_file")
 	}
-	if p.sizeAt != nil {
-		resp, merged := cmp.Or(h.MaxResponseBody, defaultMaxResponseBody), cmp.Or(h.MaxMergedBody, defaultMaxMergedBody)
-		if err := checkMergedBody(resp, merged); err != nil {
-			return caddyopt.Errf(p.sizeAt, directive, "%v", err)
-		}
-		sized := Handler{MaxMergedBody: merged, MaxMergeMemory: h.MaxMergeMemory}
-		if err := sized.checkMergeMemory(); err != nil {
-			return caddyopt.Errf(p.sizeAt, directive, "%v", err)
-		}
+	if err := p.checkSizes(); err != nil {
+		return err
 	}
 	if len(h.Upstreams) == 0 && h.NamingFile == "" && h.Serf == nil {
 		at := caddyfile.NewDispenser(p.seg[:1])
 		at.Next()
 		return caddyopt.Errf(at, directive, "no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
+	}
+	return nil
+}
+
+// checkSizes checks how the size options fit together, at the last one
+// given.
+func (p *blockParse) checkSizes() error {
+	if p.sizeAt == nil {
+		return nil
+	}
+	resp, merged := cmp.Or(p.f.MaxResponseBody, defaultMaxResponseBody), cmp.Or(p.f.MaxMergedBody, defaultMaxMergedBody)
+	if err := checkMergedBody(resp, merged); err != nil {
+		return caddyopt.Errf(p.sizeAt, p.what, "%v", err)
+	}
+	sized := FanOut{MaxMergedBody: merged, MaxMergeMemory: p.f.MaxMergeMemory}
+	if err := sized.checkMergeMemory(); err != nil {
+		return caddyopt.Errf(p.sizeAt, p.what, "%v", err)
 	}
 	return nil
 }

@@ -12,7 +12,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
-	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
@@ -119,70 +118,11 @@ type Handler struct {
 	// follow the members: a new list replaces the old atomically.
 	Serf *SerfNaming `json:"serf,omitempty"`
 
-	// How many failed partitions fail the whole request. Default (or 0):
-	// the number of partitions of the chosen scheme, i.e. the request
-	// fails only when every partition has; partitions that did answer are
-	// merged otherwise. Skipped partitions never count. At most
-	// MaxPartitions (1024).
-	FailLimit int `json:"fail_limit,omitempty"`
-
-	// Overall deadline of the call, from the moment the handler starts:
-	// reading the request body and all sub-requests, retries included. A
-	// request body not received by then is answered 408 Request Timeout
-	// (no partition has seen the request). Partitions that have not
-	// answered by then count as failed ("timeout") and are cancelled.
-	// Inside a selective group, the selective's deadline replaces it
-	// (brpc's rule: the outer channel's timeout overrides its
-	// sub-channels'). From 1ms to 24h. Default: 30s.
-	Timeout caddy.Duration `json:"timeout,omitempty"`
-
-	// The largest request body accepted, in bytes; it is read once and
-	// replayed to every partition. A larger body is answered with 413.
-	// At most 1 GiB. Default: 1 MiB.
-	MaxRequestBody int64 `json:"max_request_body,omitempty"`
-
-	// The largest sub-response body read from a partition, in bytes; a
-	// larger one counts as a failed partition. At most 1 GiB.
-	// Default: 8 MiB.
-	MaxResponseBody int64 `json:"max_response_body,omitempty"`
-
-	// The most bytes one request may hold for its merge, in bytes: the
-	// sub-response bodies received for it together, and the merged body.
-	// Going over fails the request at once with 502 (and a warning in the
-	// log), whatever fail_limit says, and cancels the sub-requests still
-	// running. A request's memory is thus bounded by about twice this,
-	// plus a copy of the request body per partition (which reverse_proxy
-	// buffers for retries), whatever the partition count.
-	// At least max_response_body, at most 1 GiB. Default: 64 MiB, eight
-	// partitions' worth of default-sized sub-responses.
-	MaxMergedBody int64 `json:"max_merged_body,omitempty"`
-
-	// The most bytes all partition fan-outs of the process may hold for
-	// merging together, a bound shared by every partition handler: each
-	// fan-out reserves its worst case before its first sub-request —
-	// twice the least of max_merged_body and its partition count times
-	// max_response_body (the sub-responses, then the merged body), plus a
-	// copy of the request body per partition — and releases it when it
-	// has answered. A fan-out that does not fit waits, in order of
-	// arrival, until its deadline, and is then answered 503 naming this
-	// option; the fan-outs in flight never fail for it. The largest value
-	// among the running partition handlers applies, a handler without it
-	// counting as the default. At least 2 × max_merged_body, from 1 MiB to
-	// 1 TiB. Default: 1 GiB (16 fan-outs of 4 partitions at once with the
-	// default sizes).
-	MaxMergeMemory int64 `json:"max_merge_memory,omitempty"`
-
-	// How sub-responses are merged: a module in the namespace
-	// http.partition.mergers (json, concat, ndjson, first).
-	// Default: json.
-	MergeRaw json.RawMessage `json:"merge,omitempty" caddy:"namespace=http.partition.mergers inline_key=merger"`
-
-	// Matcher sets evaluated once per partition against that partition's
-	// sub-request, whose placeholders include {partition.index},
-	// {partition.count}, {partition.scheme} and {partition.tag}; a
-	// partition is skipped when any set matches. When every partition of
-	// the chosen scheme is skipped, the answer is 400.
-	SkipRaw caddyhttp.RawMatcherSets `json:"skip,omitempty" caddy:"namespace=http.matchers"`
+	// The options every fan-out handler has: fail_limit, timeout, the
+	// body and merge bounds, merge and skip (see FanOut). Skip matchers
+	// see {partition.index}, {partition.count}, {partition.scheme} and
+	// {partition.tag}; fail_limit is at most MaxPartitions (1024).
+	FanOut
 
 	// Rules that reject a request with 400 before any sub-request is
 	// sent. They are checked in order against the client request, after
@@ -211,10 +151,7 @@ type Handler struct {
 	// supported.
 	Proxy *reverseproxy.Handler `json:"proxy,omitempty"`
 
-	merger Merger
-	enough Sufficer // merger as a Sufficer, or nil
-	skip   caddyhttp.MatcherSets
-	proxy  *reverseproxy.Handler
+	proxy *reverseproxy.Handler
 	// skipEjected: the selection policy does not know lbx's outlier
 	// ejection, so the upstream source leaves ejected replicas out.
 	skipEjected bool
@@ -228,7 +165,6 @@ type Handler struct {
 	// The naming file's and the serf members' entries (under swapMu).
 	fileEntries []Entry
 	serfEntries []Entry
-	logger      *zap.Logger
 }
 
 // ejectionAware is a selection policy that leaves upstreams ejected by
@@ -284,21 +220,9 @@ func (h *Handler) UnmarshalJSON(b []byte) error {
 // the internal reverse_proxy, the upstream list and the naming file
 // watcher (a goroutine that stops with the config).
 func (h *Handler) Provision(ctx caddy.Context) error {
-	h.logger = ctx.Logger()
-	if h.Timeout == 0 {
-		h.Timeout = caddy.Duration(defaultTimeout)
-	}
+	h.fanOutDefaults(ctx, partitionKind)
 	if h.PollInterval == 0 {
 		h.PollInterval = caddy.Duration(defaultPollInterval)
-	}
-	if h.MaxRequestBody == 0 {
-		h.MaxRequestBody = defaultMaxRequestBody
-	}
-	if h.MaxResponseBody == 0 {
-		h.MaxResponseBody = defaultMaxResponseBody
-	}
-	if h.MaxMergedBody == 0 {
-		h.MaxMergedBody = defaultMaxMergedBody
 	}
 	// Caddy validates after provisioning, and what follows starts
 	// goroutines (the internal reverse_proxy's policy, the watchers).
@@ -311,6 +235,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	if len(h.static) == 0 && h.NamingFile == "" && h.Serf == nil {
 		return errors.New("no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
+	}
+	if err := h.provisionFanOut(ctx); err != nil {
+		return err
 	}
 	if err := h.provisionMatchers(ctx); err != nil {
 		return err
@@ -326,7 +253,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	live.Add(h)
-	updateMergeMemory()
+	h.join()
 	return nil
 }
 
@@ -351,29 +278,8 @@ func (h *Handler) provisionStatic() error {
 	return nil
 }
 
-// provisionMatchers loads the merger, the skip matchers and the reject
-// rules.
+// provisionMatchers loads the reject rules.
 func (h *Handler) provisionMatchers(ctx caddy.Context) error {
-	if h.MergeRaw != nil {
-		mod, err := ctx.LoadModule(h, "MergeRaw")
-		if err != nil {
-			return fmt.Errorf("loading merger: %v", err)
-		}
-		h.merger = mod.(Merger)
-	} else {
-		h.merger = JSONMerger{}
-	}
-	h.enough, _ = h.merger.(Sufficer)
-
-	if h.SkipRaw != nil {
-		sets, err := ctx.LoadModule(h, "SkipRaw")
-		if err != nil {
-			return fmt.Errorf("loading skip matchers: %v", err)
-		}
-		if err := h.skip.FromInterface(sets); err != nil {
-			return fmt.Errorf("skip matchers: %v", err)
-		}
-	}
 	for i, rule := range h.Reject {
 		if err := rule.provision(ctx, i); err != nil {
 			return err
@@ -428,7 +334,7 @@ func (h *Handler) Validate() error {
 // the naming file watcher stops when the config's context is cancelled.
 func (h *Handler) Cleanup() error {
 	live.Remove(h)
-	updateMergeMemory()
+	h.leave()
 	if h.hosts != nil {
 		h.hosts.Release()
 	}
@@ -465,17 +371,10 @@ func (rule *RejectRule) provision(ctx caddy.Context, i int) error {
 // The Caddyfile applies the same checks (checkDuration, checkCount,
 // checkSize) where the values are written.
 func (h *Handler) validate() error {
-	checks := []error{
+	checks := append(h.checks(MaxPartitions),
 		h.checkNaming(),
 		bounds.Duration("poll_interval", time.Duration(h.PollInterval), minPollInterval, maxPollInterval),
-		bounds.Duration("timeout", time.Duration(h.Timeout), minTimeout, maxTimeout),
-		bounds.Int("fail_limit", h.FailLimit, 0, MaxPartitions),
-		checkSize("max_request_body", h.MaxRequestBody),
-		checkSize("max_response_body", h.MaxResponseBody),
-		checkSize("max_merged_body", h.MaxMergedBody),
-		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
-		h.checkMergeMemory(),
-	}
+	)
 	if h.Retries != nil {
 		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))
 	}

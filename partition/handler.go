@@ -55,16 +55,8 @@ func (h *Handler) Capacity() (usable, total float64) {
 // Timeout as much as the sub-requests do.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.Handler) error {
 	end, _ := calldeadline.Start(r.Context(), time.Duration(h.Timeout))
-	body, err := readBody(w, r, h.MaxRequestBody, end)
-	if err != nil {
-		switch {
-		case errors.Is(err, errBodyTooLarge):
-			h.answer(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than max_request_body (%d bytes)", h.MaxRequestBody))
-		case errors.Is(err, calldeadline.ErrBodyTimeout):
-			h.answer(w, r, http.StatusRequestTimeout, err.Error()+h.deadlineName(r))
-		default:
-			h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
-		}
+	body, ok := h.requestBody(w, r, end)
+	if !ok {
 		return nil
 	}
 	if h.rejected(w, r, body) {
@@ -76,8 +68,41 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		h.answer(w, r, http.StatusServiceUnavailable, "no partition scheme has capacity: "+l.describe(monoclock.Now()))
 		return nil
 	}
-	h.fanOut(w, r, sc, body, end)
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set("http.partition.scheme", sc.count)
+	}
+	h.fanOut(w, r, h.round(sc), body, end)
 	return nil
+}
+
+// round is sc's fan-out: one sub-request per partition.
+func (h *Handler) round(sc *scheme) round {
+	return round{
+		count: sc.count,
+		newCall: func(ctx context.Context, p subParent, i int) *subCall {
+			return h.newSubCall(ctx, p, sc, i)
+		},
+	}
+}
+
+// requestBody reads the request body whole, by end, the call's deadline
+// (zero: none); ok is false when it has answered the request itself: a
+// body over max_request_body (413), not received by the deadline (408),
+// or broken (400).
+func (h *FanOut) requestBody(w http.ResponseWriter, r *http.Request, end time.Time) (body []byte, ok bool) {
+	body, err := readBody(w, r, h.MaxRequestBody, end)
+	if err != nil {
+		switch {
+		case errors.Is(err, errBodyTooLarge):
+			h.answer(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("request body larger than max_request_body (%d bytes)", h.MaxRequestBody))
+		case errors.Is(err, calldeadline.ErrBodyTimeout):
+			h.answer(w, r, http.StatusRequestTimeout, err.Error()+h.deadlineName(r))
+		default:
+			h.answer(w, r, http.StatusBadRequest, "reading request body: "+err.Error())
+		}
+		return nil, false
+	}
+	return body, true
 }
 
 // rejected checks the reject rules against r, whose body was read whole
@@ -111,10 +136,11 @@ func (h *Handler) rejected(w http.ResponseWriter, r *http.Request, body []byte) 
 }
 
 // deadlineName says which deadline a 408 answer is about: this
-// handler's timeout, or the one of a selective it is nested in.
-func (h *Handler) deadlineName(r *http.Request) string {
+// handler's timeout, or the one of a selective (or parallel) it is nested
+// in.
+func (h *FanOut) deadlineName(r *http.Request) string {
 	if _, outer := calldeadline.From(r.Context()); outer {
-		return " (the enclosing selective's timeout)"
+		return " (the enclosing selective's or parallel's timeout)"
 	}
 	return fmt.Sprintf(" (timeout %v)", time.Duration(h.Timeout))
 }
@@ -144,10 +170,10 @@ func readBody(w http.ResponseWriter, r *http.Request, limit int64, end time.Time
 }
 
 // answer writes a short plain-text response and exposes its text as
-// {http.partition.error}.
-func (h *Handler) answer(w http.ResponseWriter, r *http.Request, status int, msg string) {
+// {http.partition.error} ({http.parallel.error}).
+func (h *FanOut) answer(w http.ResponseWriter, r *http.Request, status int, msg string) {
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-		repl.Set("http.partition.error", msg)
+		repl.Set(h.kind.ns+".error", msg)
 	}
 	hdr := w.Header()
 	hdr.Set("Content-Type", "text/plain; charset=utf-8")
@@ -182,17 +208,17 @@ type outcome struct {
 	dial       string // the replica of the last attempt
 }
 
-// fanOut runs one sub-request per partition of sc and answers, by end,
-// the call's deadline (zero: none).
-func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, body []byte, end time.Time) {
+// fanOut runs one sub-request per part of rd and answers, by end, the
+// call's deadline (zero: none).
+func (h *FanOut) fanOut(w http.ResponseWriter, r *http.Request, rd round, body []byte, end time.Time) {
 	ctx, cancel := context.WithCancelCause(r.Context())
 	defer cancel(nil)
 	ctx, stop := calldeadline.Bound(ctx, end, errTimeout)
 	defer stop()
 
 	parent := subParent{Parent: subreq.Capture(r), req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
-	outcomes := make([]*outcome, sc.count)
-	calls, ok := h.subCalls(ctx, w, r, sc, parent, outcomes)
+	outcomes := make([]*outcome, rd.count)
+	calls, ok := h.subCalls(ctx, w, r, rd, parent, outcomes)
 	if !ok {
 		return
 	}
@@ -223,27 +249,26 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 	t.settle(calls, outcomes)
 	switch {
 	case t.overBudget:
-		h.report(w, r, sc, outcomes)
+		h.report(w, r, rd, outcomes)
 		h.tooLarge(w, r, "the sub-responses together are")
 	case t.failed >= limit:
-		h.failed(w, r, sc, outcomes, t, limit)
+		h.failed(w, r, rd, outcomes, t, limit)
 	default:
-		h.merge(w, r, sc, outcomes, t.succeeded)
+		h.merge(w, r, rd, outcomes, t.succeeded)
 	}
 }
 
-// subCalls makes the sub-requests of sc's partitions, but for those the
-// skip matchers skip, whose outcomes it sets; ok is false when it has
-// answered the request itself: a skip matcher failed, or every partition
-// was skipped.
-func (h *Handler) subCalls(ctx context.Context, w http.ResponseWriter, r *http.Request, sc *scheme, parent subParent, outcomes []*outcome) (calls []*subCall, ok bool) {
-	calls = make([]*subCall, 0, sc.count)
-	for i := range sc.count {
-		c := h.newSubCall(ctx, parent, sc, i)
+// subCalls makes the sub-requests of rd's parts, but for those the skip
+// matchers skip, whose outcomes it sets; ok is false when it has answered
+// the request itself: a skip matcher failed, or every part was skipped.
+func (h *FanOut) subCalls(ctx context.Context, w http.ResponseWriter, r *http.Request, rd round, parent subParent, outcomes []*outcome) (calls []*subCall, ok bool) {
+	calls = make([]*subCall, 0, rd.count)
+	for i := range rd.count {
+		c := rd.newCall(ctx, parent, i)
 		if len(h.skip) > 0 {
 			skip, err := h.skip.AnyMatchWithError(c.req)
 			if err != nil {
-				h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating skip for partition %d: %v", i, err))
+				h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("evaluating skip for %s %s: %v", h.kind.noun, rd.key(i), err))
 				return nil, false
 			}
 			if skip {
@@ -254,8 +279,8 @@ func (h *Handler) subCalls(ctx context.Context, w http.ResponseWriter, r *http.R
 		calls = append(calls, c)
 	}
 	if len(calls) == 0 {
-		h.report(w, r, sc, outcomes)
-		h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("all %d partitions skipped", sc.count))
+		h.report(w, r, rd, outcomes)
+		h.answer(w, r, http.StatusBadRequest, fmt.Sprintf("all %d %s skipped", rd.count, h.kind.nouns))
 		return nil, false
 	}
 	return calls, true
@@ -264,7 +289,7 @@ func (h *Handler) subCalls(ctx context.Context, w http.ResponseWriter, r *http.R
 // reserve takes need bytes of max_merge_memory for the fan-out, waiting
 // for room until ctx ends; ok is false when it has answered the request
 // itself.
-func (h *Handler) reserve(ctx context.Context, w http.ResponseWriter, r *http.Request, need int64) (ok bool) {
+func (h *FanOut) reserve(ctx context.Context, w http.ResponseWriter, r *http.Request, need int64) (ok bool) {
 	err := mergeMemory.acquire(ctx, need)
 	if err == nil {
 		return true
@@ -280,7 +305,7 @@ func (h *Handler) reserve(ctx context.Context, w http.ResponseWriter, r *http.Re
 // start runs each sub-request in a goroutine of its own, which sends its
 // outcome, a panic's included, on results (room for all); wg is done when
 // every one has.
-func (h *Handler) start(ctx context.Context, calls []*subCall) (results <-chan *outcome, wg *sync.WaitGroup) {
+func (h *FanOut) start(ctx context.Context, calls []*subCall) (results <-chan *outcome, wg *sync.WaitGroup) {
 	ch := make(chan *outcome, len(calls))
 	wg = new(sync.WaitGroup)
 	for _, c := range calls {
@@ -289,7 +314,7 @@ func (h *Handler) start(ctx context.Context, calls []*subCall) (results <-chan *
 			defer wg.Done()
 			defer func() {
 				if v := recover(); v != nil {
-					h.logger.Error("partition sub-request panicked", zap.Int("partition", c.index), zap.Any("panic", v), zap.Stack("stack"))
+					h.logger.Error(h.kind.name+" sub-request panicked", zap.Int(h.kind.noun, c.index), zap.Any("panic", v), zap.Stack("stack"))
 					ch <- &outcome{index: c.index, status: http.StatusBadGateway, err: fmt.Errorf("panic: %v", v)}
 				}
 			}()
@@ -313,7 +338,7 @@ type tally struct {
 // stops as soon as the fan-out is decided: limit partitions failed, the
 // sub-responses went over max_merged_body, the merger has enough (a
 // Sufficer), or ctx ended (the deadline, or the client went away).
-func (h *Handler) collect(ctx context.Context, results <-chan *outcome, outcomes []*outcome, n, limit int) (t tally) {
+func (h *FanOut) collect(ctx context.Context, results <-chan *outcome, outcomes []*outcome, n, limit int) (t tally) {
 	for range n {
 		select {
 		case o := <-results:
@@ -361,26 +386,26 @@ func (t *tally) settle(calls []*subCall, outcomes []*outcome) {
 	}
 }
 
-// failed answers a fan-out in which limit partitions failed: 502, or 504
-// when the deadline passed, naming the failed partitions.
-func (h *Handler) failed(w http.ResponseWriter, r *http.Request, sc *scheme, outcomes []*outcome, t tally, limit int) {
+// failed answers a fan-out in which limit parts failed: 502, or 504 when
+// the deadline passed, naming the failed parts.
+func (h *FanOut) failed(w http.ResponseWriter, r *http.Request, rd round, outcomes []*outcome, t tally, limit int) {
 	status := http.StatusBadGateway
 	if t.deadline {
 		status = http.StatusGatewayTimeout
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "%d/%d partitions failed, fail_limit=%d", t.failed, sc.count, limit)
+	fmt.Fprintf(&b, "%d/%d %s failed, fail_limit=%d", t.failed, rd.count, h.kind.nouns, limit)
 	for _, o := range outcomes {
 		if o != nil && o.err != nil && (o.done || t.deadline) {
-			fmt.Fprintf(&b, " [p%d]%s", o.index, o.err)
+			fmt.Fprintf(&b, " [%s]%s", rd.label(o.index), o.err)
 		}
 	}
-	h.report(w, r, sc, outcomes)
+	h.report(w, r, rd, outcomes)
 	h.answer(w, r, status, b.String())
 }
 
-// merge answers with the merged responses of the succeeded partitions.
-func (h *Handler) merge(w http.ResponseWriter, r *http.Request, sc *scheme, outcomes []*outcome, succeeded int) {
+// merge answers with the merged responses of the succeeded parts.
+func (h *FanOut) merge(w http.ResponseWriter, r *http.Request, rd round, outcomes []*outcome, succeeded int) {
 	parts := make([]*Part, 0, succeeded)
 	for _, o := range outcomes {
 		if o != nil && o.done && o.err == nil {
@@ -388,9 +413,9 @@ func (h *Handler) merge(w http.ResponseWriter, r *http.Request, sc *scheme, outc
 		}
 	}
 	merged, err := h.merger.Merge(parts)
-	h.report(w, r, sc, outcomes)
+	h.report(w, r, rd, outcomes)
 	if err != nil {
-		h.answer(w, r, http.StatusBadGateway, "merging partition responses: "+err.Error())
+		h.answer(w, r, http.StatusBadGateway, "merging "+h.kind.noun+" responses: "+err.Error())
 		return
 	}
 	if int64(len(merged.Body)) > h.MaxMergedBody {
@@ -416,7 +441,7 @@ func (h *Handler) merge(w http.ResponseWriter, r *http.Request, sc *scheme, outc
 // noMergeMemory answers 503 for a fan-out that could not reserve need
 // bytes of max_merge_memory: it never fits (err is errNeverFits), or no
 // room came before its deadline.
-func (h *Handler) noMergeMemory(w http.ResponseWriter, r *http.Request, need int64, err error) {
+func (h *FanOut) noMergeMemory(w http.ResponseWriter, r *http.Request, need int64, err error) {
 	v := mergeMemory.view()
 	msg := fmt.Sprintf("merge memory full: this fan-out needs %d bytes, and max_merge_memory is %d with %d in use by %d fan-outs (%d waiting); no room before the deadline", need, v.Limit, v.InUse, v.FanOuts, v.Waiting)
 	if errors.Is(err, errNeverFits) {
@@ -428,17 +453,17 @@ func (h *Handler) noMergeMemory(w http.ResponseWriter, r *http.Request, need int
 
 // tooLarge answers 502 for a request that went over max_merged_body, and
 // logs it: the limit is the operator's to raise.
-func (h *Handler) tooLarge(w http.ResponseWriter, r *http.Request, what string) {
+func (h *FanOut) tooLarge(w http.ResponseWriter, r *http.Request, what string) {
 	msg := fmt.Sprintf("%s larger than max_merged_body (%d bytes)", what, h.MaxMergedBody)
-	if c := h.logger.Check(zap.WarnLevel, "partition merge over max_merged_body"); c != nil {
+	if c := h.logger.Check(zap.WarnLevel, h.kind.name+" merge over max_merged_body"); c != nil {
 		c.Write(zap.String("uri", r.RequestURI), zap.Int64("max_merged_body", h.MaxMergedBody), zap.String("error", msg))
 	}
 	h.answer(w, r, http.StatusBadGateway, msg)
 }
 
-// report sets the X-Partition-Status header and the placeholders
-// {http.partition.*} for logs.
-func (h *Handler) report(w http.ResponseWriter, r *http.Request, sc *scheme, outcomes []*outcome) {
+// report sets the status header (X-Partition-Status, X-Parallel-Status)
+// and the placeholders {http.partition.*} ({http.parallel.*}) for logs.
+func (h *FanOut) report(w http.ResponseWriter, r *http.Request, rd round, outcomes []*outcome) {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	var b strings.Builder
 	failed := 0
@@ -446,7 +471,7 @@ func (h *Handler) report(w http.ResponseWriter, r *http.Request, sc *scheme, out
 		if i > 0 {
 			b.WriteString(", ")
 		}
-		fmt.Fprintf(&b, "p%d=", i)
+		fmt.Fprintf(&b, "%s=", rd.label(i))
 		if o == nil || o.skipped {
 			b.WriteString("skipped")
 			continue
@@ -462,7 +487,7 @@ func (h *Handler) report(w http.ResponseWriter, r *http.Request, sc *scheme, out
 			}
 		}
 		if repl != nil {
-			prefix := "http.partition." + strconv.Itoa(i) + "."
+			prefix := h.kind.ns + "." + rd.key(i) + "."
 			repl.Set(prefix+"status", o.status)
 			repl.Set(prefix+"latency", o.latency)
 			repl.Set(prefix+"latency_ms", o.latency.Seconds()*1e3)
@@ -473,12 +498,11 @@ func (h *Handler) report(w http.ResponseWriter, r *http.Request, sc *scheme, out
 		}
 	}
 	status := b.String()
-	w.Header().Set(StatusHeader, status)
+	w.Header().Set(h.kind.header, status)
 	if repl != nil {
-		repl.Set("http.partition.scheme", sc.count)
-		repl.Set("http.partition.count", sc.count)
-		repl.Set("http.partition.failed", failed)
-		repl.Set("http.partition.status", status)
+		repl.Set(h.kind.ns+".count", rd.count)
+		repl.Set(h.kind.ns+".failed", failed)
+		repl.Set(h.kind.ns+".status", status)
 	}
 }
 

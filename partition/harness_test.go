@@ -87,6 +87,8 @@ func checkNoLeak(t *testing.T) {
 	t.Helper()
 	ours := []string{
 		"partition.(*Handler).",
+		"partition.(*FanOut).",
+		"partition.(*Parallel).",
 		"partition.(*namingWatcher).run",
 		"partition.(*serfWatcher).run",
 	}

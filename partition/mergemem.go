@@ -19,9 +19,9 @@ const (
 	maxMergeMemory        = 1 << 40
 )
 
-// mergeMemory is the process-wide bound on the memory partition fan-outs
-// hold for merging (max_merge_memory), shared by every partition handler
-// of the process, of every config loaded: a fan-out reserves its worst
+// mergeMemory is the process-wide bound on the memory fan-outs hold for
+// merging (max_merge_memory), shared by every partition and parallel
+// handler of the process, of every config loaded: a fan-out reserves its worst
 // case (see Handler.reservation) before its first sub-request and
 // releases it when it has answered, so that the fan-outs in flight never
 // hold more than the bound together and none of them ever fails for it.
@@ -146,7 +146,7 @@ func (p *memPool) grantLocked() {
 // mergeMemoryView is the bound's state in GET /lbx/partitions.
 type mergeMemoryView struct {
 	// Limit is max_merge_memory in force: the largest of the running
-	// partition handlers' (each counts as the default when it sets none).
+	// partition and parallel handlers' (each counts as the default when it sets none).
 	Limit int64 `json:"limit"`
 	// InUse is what the fan-outs in flight have reserved, by FanOuts
 	// fan-outs; Waiting fan-outs wait for room.
@@ -169,15 +169,16 @@ func (p *memPool) view() mergeMemoryView {
 	}
 }
 
-// updateMergeMemory sets the bound from the running handlers: the largest
-// max_merge_memory among them, each one without it counting as the
-// default, so that every handler's fan-outs fit (Validate checks a
-// handler's reservation against its own value). It runs when a handler
-// is provisioned and when one is cleaned up; during a reload the old
-// config's handlers count until they are cleaned up.
+// updateMergeMemory sets the bound from the running handlers (fanOuts:
+// partition's and parallel's): the largest max_merge_memory among them,
+// each one without it counting as the default, so that every handler's
+// fan-outs fit (Validate checks a handler's reservation against its own
+// value). It runs when a handler is provisioned and when one is cleaned
+// up; during a reload the old config's handlers count until they are
+// cleaned up.
 func updateMergeMemory() {
 	var limit int64
-	for _, h := range live.All() {
+	for _, h := range fanOuts.All() {
 		limit = max(limit, h.mergeMemoryLimit())
 	}
 	if limit == 0 {
@@ -187,7 +188,7 @@ func updateMergeMemory() {
 }
 
 // mergeMemoryLimit is MaxMergeMemory with its default.
-func (h *Handler) mergeMemoryLimit() int64 {
+func (h *FanOut) mergeMemoryLimit() int64 {
 	if h.MaxMergeMemory == 0 {
 		return defaultMaxMergeMemory
 	}
@@ -199,7 +200,7 @@ func (h *Handler) mergeMemoryLimit() int64 {
 // body: the sub-responses together hold at most max_merged_body, and no
 // more than n × max_response_body; the merged body, built while they are
 // held, about as much again.
-func (h *Handler) mergeReserve(n int) int64 {
+func (h *FanOut) mergeReserve(n int) int64 {
 	return 2 * min(h.MaxMergedBody, int64(n)*h.MaxResponseBody)
 }
 
@@ -207,13 +208,13 @@ func (h *Handler) mergeReserve(n int) int64 {
 // bodyLen bytes reserves of max_merge_memory: mergeReserve, and one copy
 // of the body per partition (the internal reverse_proxy buffers it for
 // retries).
-func (h *Handler) reservation(n int, bodyLen int) int64 {
+func (h *FanOut) reservation(n int, bodyLen int) int64 {
 	return h.mergeReserve(n) + int64(n)*int64(bodyLen)
 }
 
 // checkMergeMemory checks max_merge_memory against its bounds and against
 // what one fan-out of this handler may reserve for its merge.
-func (h *Handler) checkMergeMemory() error {
+func (h *FanOut) checkMergeMemory() error {
 	m := h.MaxMergeMemory
 	if m != 0 && (m < minMergeMemory || m > maxMergeMemory) {
 		return fmt.Errorf("max_merge_memory %d is out of range: want %d (1 MiB) to %d (1 TiB)", m, int64(minMergeMemory), int64(maxMergeMemory))

@@ -41,12 +41,15 @@ type budget struct {
 // take reserves n bytes and reports whether the budget still holds.
 func (b *budget) take(n int64) bool { return b.used.Add(n) <= b.limit }
 
-// subCall is one partition's sub-request.
+// subCall is one part's sub-request.
 type subCall struct {
 	index int
 	req   *http.Request
+	// via serves the sub-request: partition's internal reverse_proxy, or
+	// a parallel branch's routes.
+	via   caddyhttp.MiddlewareHandler
 	rec   *recorder
-	state *subState
+	state *subState // partition's upstream source; nil in a branch
 	start time.Time
 }
 
@@ -74,19 +77,32 @@ type givenUpstream struct {
 	up  *reverseproxy.Upstream
 }
 
-// newSubCall makes partition i's sub-request: a clone of the client
-// request with the buffered body, its own replacer and vars map
-// (subreq.Parent.Isolate; placeholders it does not know, e.g. set by
-// `map` or `vars` before this handler, come from the client request's),
+// newSubCall makes partition i's sub-request (newCall), through the
+// internal reverse_proxy with the partition's replicas as its upstreams,
 // and the partition placeholders.
 func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int) *subCall {
+	state := &subState{replicas: sc.parts[i], sample: sc.sample(i), skipEjected: h.skipEjected}
+	c, repl := h.newCall(context.WithValue(ctx, subStateKey{}, state), p, i, h.proxy)
+	c.state = state
+	repl.Set("partition.index", i)
+	repl.Set("partition.count", sc.count)
+	repl.Set("partition.scheme", sc.count)
+	repl.Set("partition.tag", Tag{Index: i, Count: sc.count}.String())
+	return c
+}
+
+// newCall makes part i's sub-request, served by via: a clone of the
+// client request with the buffered body, its own replacer (returned, for
+// the part's placeholders) and vars map (subreq.Parent.Isolate;
+// placeholders it does not know, e.g. set by `map` or `vars` before this
+// handler, come from the client request's).
+func (h *FanOut) newCall(ctx context.Context, p subParent, i int, via caddyhttp.MiddlewareHandler) (*subCall, *caddy.Replacer) {
 	c := &subCall{
 		index: i,
+		via:   via,
 		rec:   &recorder{header: make(http.Header), limit: h.MaxResponseBody, budget: p.budget},
-		state: &subState{replicas: sc.parts[i], sample: sc.sample(i), skipEjected: h.skipEjected},
 		start: time.Now(),
 	}
-	ctx = context.WithValue(ctx, subStateKey{}, c.state)
 	req := p.req.Clone(ctx)
 	// The body is complete and its length known; nothing is negotiated
 	// with the client any more, and fan-out is not for protocol upgrades.
@@ -106,12 +122,8 @@ func (h *Handler) newSubCall(ctx context.Context, p subParent, sc *scheme, i int
 	}
 
 	req, repl := p.Isolate(req, c.rec)
-	repl.Set("partition.index", i)
-	repl.Set("partition.count", sc.count)
-	repl.Set("partition.scheme", sc.count)
-	repl.Set("partition.tag", Tag{Index: i, Count: sc.count}.String())
 	c.req = req
-	return c
+	return c, repl
 }
 
 // subRequestDrop are the client request headers sub-requests do not carry.
@@ -120,13 +132,15 @@ var subRequestDrop = []string{
 	"If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since",
 }
 
-// runSubCall sends the sub-request through the internal reverse_proxy and
-// judges the result.
-func (h *Handler) runSubCall(ctx context.Context, c *subCall) *outcome {
+// runSubCall sends the sub-request through its handler (partition's
+// internal reverse_proxy, a branch's routes) and judges the result.
+func (h *FanOut) runSubCall(ctx context.Context, c *subCall) *outcome {
 	o := &outcome{index: c.index}
 	err, panicked := h.serveSub(c)
 	o.latency = time.Since(c.start)
-	h.publish(c.state)
+	if c.state != nil {
+		c.state.publish()
+	}
 	if repl, ok := c.req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		o.dial, _ = repl.GetString("http.reverse_proxy.upstream.hostport")
 	}
@@ -154,13 +168,16 @@ func (h *Handler) runSubCall(ctx context.Context, c *subCall) *outcome {
 		o.err = shortReason(ctx, err)
 	case o.status == 499 || ctx.Err() != nil:
 		o.err = ctxReason(ctx)
+	case o.status == 0:
+		// A parallel branch whose routes wrote nothing.
+		o.err = errors.New("no response")
 	case o.status < 200 || o.status > 299:
 		o.err = fmt.Errorf("status %d", o.status)
 	}
 	if o.err != nil {
 		c.rec.release()
-		if c := h.logger.Check(zap.DebugLevel, "partition failed"); c != nil {
-			c.Write(zap.Int("partition", o.index), zap.String("upstream", o.dial), zap.Int("status", o.status), zap.Error(o.err))
+		if l := h.logger.Check(zap.DebugLevel, h.kind.noun+" failed"); l != nil {
+			l.Write(zap.Int(h.kind.noun, o.index), zap.String("upstream", o.dial), zap.Int("status", o.status), zap.Error(o.err))
 		}
 		return o
 	}
@@ -174,21 +191,21 @@ func (h *Handler) runSubCall(ctx context.Context, c *subCall) *outcome {
 	return o
 }
 
-// serveSub calls the internal reverse_proxy. reverse_proxy panics with
+// serveSub calls the sub-request's handler. reverse_proxy panics with
 // http.ErrAbortHandler when it cannot finish copying a response (here:
 // the recorder refused a body over the limit, or the sub-request was
 // cancelled mid-body); that panic is the sub-request's failure, not the
 // server's.
-func (h *Handler) serveSub(c *subCall) (err error, panicked any) {
+func (h *FanOut) serveSub(c *subCall) (err error, panicked any) {
 	defer func() {
 		if v := recover(); v != nil {
 			panicked = v
 			if v != http.ErrAbortHandler {
-				h.logger.Error("partition sub-request panicked", zap.Int("partition", c.index), zap.Any("panic", v), zap.Stack("stack"))
+				h.logger.Error(h.kind.name+" sub-request panicked", zap.Int(h.kind.noun, c.index), zap.Any("panic", v), zap.Stack("stack"))
 			}
 		}
 	}()
-	return h.proxy.ServeHTTP(c.rec, c.req, noNext), nil
+	return c.via.ServeHTTP(c.rec, c.req, noNext), nil
 }
 
 var noNext = caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
@@ -196,7 +213,7 @@ var noNext = caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) erro
 // publish records, for each replica used, the Upstream value reverse_proxy
 // filled in, so its health can be read later (see replica.usable). It runs
 // after the sub-request finished: reverse_proxy no longer writes to it.
-func (h *Handler) publish(st *subState) {
+func (st *subState) publish() {
 	for _, g := range st.given {
 		if g.up.Host != nil {
 			g.rep.last.Store(g.up)

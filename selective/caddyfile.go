@@ -290,27 +290,11 @@ func (s *Handler) parseGroup(h httpcaddyfile.Helper, what string) error {
 			return caddyopt.Errf(gd, what, "group %s specified more than once", g.Name)
 		}
 	}
-	// The block, behind the directive's name alone, is what Caddy's
-	// subroute parser reads.
-	toks := []caddyfile.Token{seg[0]}
-	for i, t := range seg {
-		if t.Text == "{" && i > 0 && t.Line == seg[0].Line {
-			toks = append(toks, seg[i:]...)
-			break
-		}
-	}
-	if len(toks) == 1 {
-		return caddyopt.Errf(gd, gw, "missing block; give the group's handler, e.g. { reverse_proxy ... }")
-	}
-	handler, err := httpcaddyfile.ParseSegmentAsSubroute(h.WithDispenser(caddyfile.NewDispenser(toks)))
+	routes, err := caddyopt.Routes(h, seg, gw, "group")
 	if err != nil {
 		return err
 	}
-	sub, ok := handler.(*caddyhttp.Subroute)
-	if !ok || len(sub.Routes) == 0 {
-		return caddyopt.Errf(gd, gw, "empty block; give the group's handler, e.g. { reverse_proxy ... }")
-	}
-	g.Routes = sub.Routes
+	g.Routes = routes
 	s.Groups = append(s.Groups, g)
 	return nil
 }

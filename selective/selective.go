@@ -516,18 +516,7 @@ func checkThreshold(p float64) error { return bounds.Positive("threshold", p, 10
 
 // checkGroupName is the rule for a group's name.
 func checkGroupName(name string) error {
-	if name == "" {
-		return errors.New("group has no name")
-	}
-	if len(name) > maxGroupName {
-		return fmt.Errorf("group name %.20q... is longer than %d bytes", name, maxGroupName)
-	}
-	for _, c := range name {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-' || c == '_') {
-			return fmt.Errorf("group name %q has %q; use letters, digits, '.', '-' and '_'", name, c)
-		}
-	}
-	return nil
+	return bounds.Name("group", name, maxGroupName)
 }
 
 // validHeaderName reports whether s is a token (RFC 9110).

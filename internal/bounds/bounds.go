@@ -65,3 +65,22 @@ func Percent(name string, v float64) error {
 	}
 	return nil
 }
+
+// Name checks name, the name of a kind of element such as "group" or
+// "branch": not empty, at most max bytes, and only letters, digits, '.',
+// '-' and '_', so that it reads the same in headers, placeholders and
+// metric labels.
+func Name(kind, name string, max int) error {
+	if name == "" {
+		return fmt.Errorf("%s has no name", kind)
+	}
+	if len(name) > max {
+		return fmt.Errorf("%s name %.20q... is longer than %d bytes", kind, name, max)
+	}
+	for _, c := range name {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-' || c == '_') {
+			return fmt.Errorf("%s name %q has %q; use letters, digits, '.', '-' and '_'", kind, name, c)
+		}
+	}
+	return nil
+}

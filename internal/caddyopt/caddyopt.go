@@ -31,6 +31,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // Once rejects an option that appears twice in one block.
@@ -266,4 +267,36 @@ func GlobalApp[T any, P interface {
 		}
 		return httpcaddyfile.App{Name: name, Value: caddyconfig.JSON(app, nil)}, nil
 	}
+}
+
+// Routes reads the block of seg, an option such as `group <name> {…}` or
+// `branch [<name>] {…}` of a combo handler's block, as the routes of a
+// subroute: directives, as in a route, ordered as Caddy orders them. h is
+// the enclosing directive's helper (its options and named matchers apply
+// inside); what names the option in errors, as in "selective: group a",
+// and noun is what the block holds the handlers of ("group", "branch").
+func Routes(h httpcaddyfile.Helper, seg caddyfile.Segment, what, noun string) (caddyhttp.RouteList, error) {
+	// The block, behind the option's name alone, is what Caddy's
+	// subroute parser reads.
+	toks := []caddyfile.Token{seg[0]}
+	for i, t := range seg {
+		if t.Text == "{" && i > 0 && t.Line == seg[0].Line {
+			toks = append(toks, seg[i:]...)
+			break
+		}
+	}
+	at := caddyfile.NewDispenser(seg)
+	at.Next()
+	if len(toks) == 1 {
+		return nil, Errf(at, what, "missing block; give the %s's handler, e.g. { reverse_proxy ... }", noun)
+	}
+	handler, err := httpcaddyfile.ParseSegmentAsSubroute(h.WithDispenser(caddyfile.NewDispenser(toks)))
+	if err != nil {
+		return nil, err
+	}
+	sub, ok := handler.(*caddyhttp.Subroute)
+	if !ok || len(sub.Routes) == 0 {
+		return nil, Errf(at, what, "empty block; give the %s's handler, e.g. { reverse_proxy ... }", noun)
+	}
+	return sub.Routes, nil
 }
