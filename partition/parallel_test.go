@@ -309,3 +309,36 @@ func TestParallelConfigErrors(t *testing.T) {
 		t.Errorf("a valid config: %v", err)
 	}
 }
+
+// TestParallelSkip skips branches by name; when all are skipped, the
+// answer is 400.
+func TestParallelSkip(t *testing.T) {
+	e := newEnv(t)
+	a, b := e.backend("a"), e.backend("b")
+	slowJSON(a, "a", 0)
+	slowJSON(b, "b", 0)
+	e.load(fmt.Sprintf(`	parallel {
+		branch a {
+			reverse_proxy %s
+		}
+		branch b {
+			reverse_proxy %s
+		}
+		skip `+"`{parallel.branch} == 'b' || {query.none} == '1'`"+`
+	}`, a.addr, b.addr))
+
+	res := e.get("/")
+	if res.status != http.StatusOK || res.body != "{\"a\":\"a\"}\n" {
+		t.Fatalf("status %d body %q; want a's answer alone", res.status, res.body)
+	}
+	if st := res.header.Get(ParallelStatusHeader); !strings.HasPrefix(st, "a=200;") || !strings.HasSuffix(st, ", b=skipped") {
+		t.Errorf("%s %q; want a answered, b skipped", ParallelStatusHeader, st)
+	}
+	if n := b.hits.Load(); n != 0 {
+		t.Errorf("skipped branch's backend got %d requests", n)
+	}
+	res = e.get("/?none=1")
+	if res.status != http.StatusBadRequest || res.body != "all 2 branches skipped\n" {
+		t.Errorf("all skipped: status %d body %q; want 400", res.status, res.body)
+	}
+}
