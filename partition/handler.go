@@ -9,6 +9,10 @@
 // internal reverse_proxy handler (so replica choice, retries, transports,
 // header handling and health are Caddy's and lbx's own), and merges the
 // sub-responses with a merger module.
+//
+// The package also holds parallel, brpc's ParallelChannel: the same
+// fan-out over a list of branches, each a list of routes, rather than over
+// the partitions of a scheme. Both handlers run on one engine (FanOut).
 package partition
 
 import (
