@@ -29,6 +29,10 @@ func TestBounds(t *testing.T) {
 		{Percent("threshold", math.NaN()), "threshold NaN% is not a percentage"},
 		{Percent("threshold", 0), ""},
 		{Percent("threshold", 100), ""},
+		{Name("branch", "users-2.v_1", 64), ""},
+		{Name("branch", "", 64), "branch has no name"},
+		{Name("group", "a/b", 64), `group name "a/b" has '/'; use letters, digits, '.', '-' and '_'`},
+		{Name("group", strings.Repeat("x", 65), 64), "is longer than 64 bytes"},
 	} {
 		switch {
 		case tt.want == "" && tt.err != nil:
