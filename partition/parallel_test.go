@@ -1,6 +1,7 @@
 package partition
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -341,4 +342,77 @@ func TestParallelSkip(t *testing.T) {
 	if res.status != http.StatusBadRequest || res.body != "all 2 branches skipped\n" {
 		t.Errorf("all skipped: status %d body %q; want 400", res.status, res.body)
 	}
+}
+
+// TestParallelClientDisconnectCancelsBranches: when the client goes away,
+// every branch is cancelled, down to the backend connection, a selective
+// nested in a branch included.
+func TestParallelClientDisconnectCancelsBranches(t *testing.T) {
+	e := newEnv(t)
+	s0, s1 := e.backend("s0"), e.backend("s1")
+	slowJSON(s0, "a", time.Minute)
+	slowJSON(s1, "b", time.Minute)
+	e.load(fmt.Sprintf(`	parallel {
+		branch a {
+			reverse_proxy %s
+		}
+		branch b {
+			selective {
+				group g {
+					reverse_proxy %s
+				}
+			}
+		}
+	}`, s0.addr, s1.addr))
+
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.url("/"), nil)
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.do(req)
+		done <- err
+	}()
+	waitFor(t, 5*time.Second, "both branches to reach their backends", func() (bool, string) {
+		return s0.hits.Load() == 1 && s1.hits.Load() == 1, fmt.Sprintf("hits %d %d", s0.hits.Load(), s1.hits.Load())
+	})
+	cancel()
+	if err := <-done; err == nil {
+		t.Error("the client request should have been aborted")
+	}
+	waitFor(t, 5*time.Second, "both backends to see their request cancelled", func() (bool, string) {
+		return s0.cancelled.Load() == 1 && s1.cancelled.Load() == 1, fmt.Sprintf("cancelled %d %d", s0.cancelled.Load(), s1.cancelled.Load())
+	})
+}
+
+// TestParallelInSelectiveTakesItsDeadline: a parallel in a selective
+// group takes the selective's 200 ms deadline instead of its own 10 s.
+func TestParallelInSelectiveTakesItsDeadline(t *testing.T) {
+	e := newEnv(t)
+	slow := e.backend("slow")
+	slowJSON(slow, "slow", time.Minute)
+	e.load(fmt.Sprintf(`	selective {
+		group g {
+			parallel {
+				branch s {
+					reverse_proxy %s
+				}
+				timeout 10s
+			}
+		}
+		timeout 200ms
+		max_retry 0
+	}`, slow.addr))
+
+	start := time.Now()
+	res := e.get("/")
+	took := time.Since(start)
+	if res.status != http.StatusGatewayTimeout {
+		t.Fatalf("status %d body %q; want 504", res.status, res.body)
+	}
+	if took < 200*time.Millisecond || took > 5*time.Second {
+		t.Errorf("answer after %v; want it at the selective's 200ms deadline", took)
+	}
+	waitFor(t, 5*time.Second, "the branch's backend request to be cancelled", func() (bool, string) {
+		return slow.cancelled.Load() == 1, fmt.Sprintf("cancelled %d, hits %d", slow.cancelled.Load(), slow.hits.Load())
+	})
 }
