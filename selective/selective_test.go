@@ -461,6 +461,52 @@ func TestBadConfigKeepsServing(t *testing.T) {
 	}
 }
 
+// A group may be a parallel fan-out: its merged answer is the group's,
+// its failure is retried on the next group, and, as parallel reports no
+// capacity, the group counts as one usable upstream.
+func TestParallelGroup(t *testing.T) {
+	e := newEnv(t)
+	a, b, single := e.backend("a"), e.backend("b"), e.backend("single")
+	e.load(fmt.Sprintf(`	selective {
+		group fanout {
+			parallel {
+				branch a {
+					reverse_proxy %s
+				}
+				branch b {
+					reverse_proxy %s
+				}
+				merge concat
+				fail_limit 1
+			}
+		}
+		group single {
+			reverse_proxy %s
+		}
+		policy failover
+		max_retry 1
+	}`, a.addr, b.addr, single.addr))
+	if r := e.get("/"); r.status != 200 || r.body != "ab" {
+		t.Fatalf("got %d %q, want the branches' answers merged", r.status, r.body)
+	}
+	var found bool
+	for _, g := range e.admin().Handlers[0].Groups {
+		if g.Name == "fanout" {
+			found = true
+			if g.Usable != 1 || g.Upstreams != 1 {
+				t.Errorf("capacity %v of %v; want 1 of 1", g.Usable, g.Upstreams)
+			}
+		}
+	}
+	if !found {
+		t.Fatal("no group fanout in the admin view")
+	}
+	b.status.Store(http.StatusServiceUnavailable)
+	if r := e.get("/"); r.status != 200 || r.body != "single" {
+		t.Fatalf("with a branch failing: %d %q, want the other group's answer", r.status, r.body)
+	}
+}
+
 // A group may be a partition fan-out: its merged answer is the group's,
 // its failure (fail_limit 1) is retried on the next group, and the
 // selective's deadline bounds it instead of its own 30s timeout.
