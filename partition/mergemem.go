@@ -21,8 +21,8 @@ const (
 
 // mergeMemory is the process-wide bound on the memory fan-outs hold for
 // merging (max_merge_memory), shared by every partition and parallel
-// handler of the process, of every config loaded: a fan-out reserves its worst
-// case (see Handler.reservation) before its first sub-request and
+// handler of the process, of every config loaded: a fan-out reserves its
+// worst case (see FanOut.reservation) before its first sub-request and
 // releases it when it has answered, so that the fan-outs in flight never
 // hold more than the bound together and none of them ever fails for it.
 // A fan-out that does not fit waits, first come first served, until its
@@ -146,7 +146,8 @@ func (p *memPool) grantLocked() {
 // mergeMemoryView is the bound's state in GET /lbx/partitions.
 type mergeMemoryView struct {
 	// Limit is max_merge_memory in force: the largest of the running
-	// partition and parallel handlers' (each counts as the default when it sets none).
+	// partition and parallel handlers' (each counts as the default when
+	// it sets none).
 	Limit int64 `json:"limit"`
 	// InUse is what the fan-outs in flight have reserved, by FanOuts
 	// fan-outs; Waiting fan-outs wait for room.
