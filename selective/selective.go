@@ -34,21 +34,21 @@ func init() {
 	caddy.RegisterModule(new(Handler))
 }
 
-// Handler balances each request among Groups: it chooses a group by
-// Policy, sends the request through the group's routes, retries a failed
-// call on another group up to MaxRetry times, and, with BackupRequest or
-// BackupRequestAuto set, sends a second attempt to an idle replica the
+// Handler balances each request among its `groups`: it chooses a group
+// by its `policy`, sends the request through the group's routes, retries a failed
+// call on another group up to `max_retry` times, and, with `backup_request` or
+// `backup_request_auto` set, sends a second attempt to an idle replica the
 // call is not using (in another group, or the same one) if the first has
 // not answered within the delay and looks stuck rather than queued,
 // taking whichever answers first. The rules for when and where a backup
 // goes, and for its budget, are stated once in docs/selective.md
 // ("Backup requests").
 //
-// A call fails, for retries, as RetryOn says: by default on a dial error,
+// A call fails, for retries, as `retry_on` says: by default on a dial error,
 // a timeout, another proxy error (a reset, a closed connection) and the
 // statuses 502, 503 and 504. A request whose method is not safe is
 // retried only on dial errors (the request never reached a backend),
-// unless RetryAnyMethod is set, as in Caddy's reverse_proxy.
+// unless `retry_any_method` is set, as in Caddy's reverse_proxy.
 // When every attempt failed, the client gets the last failure: its
 // response as the group answered it, or the group's error (502, or 504
 // for a timeout), for handle_errors.
