@@ -59,7 +59,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //
 //		# any other reverse_proxy subdirective except upstreams, dynamic,
 //		# active health checks, handle_response and response_buffers, e.g.:
-//		lb_policy ewma
+//		lb_policy least_time
 //		header_up X-Partition {partition.index}/{partition.count}
 //		transport http { ... }
 //	}
@@ -401,7 +401,7 @@ func (p *blockParse) proxy() error {
 				break
 			}
 		}
-		return caddyopt.Errf(at, directive, "active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
+		return caddyopt.Errf(at, directive, "active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy least_time { outlier }")
 	}
 	p.h.Proxy = rp
 	return nil

@@ -63,7 +63,7 @@ const (
 //
 // Sub-requests go through an internal reverse_proxy handler configured by
 // Proxy: replicas of a partition are chosen with its load balancing policy
-// (lbx's ewma by default), a failed attempt is retried on another replica
+// (least_time by default), a failed attempt is retried on another replica
 // of the same partition (Retries, default 1), and its transport, header
 // operations and passive health checks apply. Each sub-request has its
 // own replacer and request variables.
@@ -204,7 +204,7 @@ type Handler struct {
 	// upstreams (they come from Upstreams and NamingFile): load
 	// balancing, retries, transport, header operations (header_up may use
 	// the partition placeholders), rewrite, passive health checks. Its
-	// selection policy defaults to lbx's ewma (whose outlier ejection
+	// selection policy defaults to least_time (whose outlier ejection
 	// also takes a replica out of its scheme's capacity); its retries are
 	// governed by Retries. Active health checks, handle_response and
 	// response buffering (sub-responses are held whole already) are not
@@ -232,7 +232,7 @@ type Handler struct {
 }
 
 // ejectionAware is a selection policy that leaves upstreams ejected by
-// lbx's outlier detection out by itself, as lbx's ewma and panic do: they
+// lbx's outlier detection out by itself, as least_time and panic do: they
 // must be handed every replica, or their panic mode would not count the
 // ejected ones as unavailable. Any other policy is handed the replicas
 // that are not ejected.
@@ -515,7 +515,7 @@ func checkSize(name string, n int64) error {
 
 // provisionProxy loads the internal reverse_proxy handler through Caddy,
 // so that its selection policy finds it among the modules being
-// provisioned (lbx's ewma instruments its transport that way) and Caddy
+// provisioned (least_time instruments its transport that way) and Caddy
 // cleans it up with the config. Its upstreams come from the partition
 // sub-request being served (see source).
 func (h *Handler) provisionProxy(ctx caddy.Context) error {
@@ -529,7 +529,7 @@ func (h *Handler) provisionProxy(ctx caddy.Context) error {
 		case len(h.Proxy.HandleResponse) > 0:
 			return errors.New("proxy: handle_response is not supported inside partition")
 		case h.Proxy.HealthChecks != nil && h.Proxy.HealthChecks.Active != nil:
-			return errors.New("proxy: active health checks are not supported inside partition (use passive health checks or lb_policy ewma's outlier ejection)")
+			return errors.New("proxy: active health checks are not supported inside partition (use passive health checks or lb_policy least_time's outlier ejection)")
 		}
 		raw, err := json.Marshal(h.Proxy)
 		if err != nil {

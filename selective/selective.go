@@ -146,7 +146,7 @@ type Handler struct {
 	backupMatch caddyhttp.MatcherSets
 	budget      *budget
 	// table holds the estimator settings and the groups' baseline latency
-	// (the same estimator as lb_policy ewma's); the groups' states are
+	// (the same estimator as lb_policy least_time's); the groups' states are
 	// kept outside its registry, in groupStates.
 	table  *hoststate.Table
 	server *caddyhttp.Server
@@ -180,8 +180,8 @@ type Group struct {
 	// The routes a request sent to the group goes through, as in a
 	// subroute: usually one reverse_proxy handler. A group that writes no
 	// response fails with 502. A reverse_proxy here (or in a subroute
-	// here) with no selection policy gets `ewma`, written in at
-	// provisioning.
+	// here) with no selection policy gets least_time (written `ewma`,
+	// its earlier name), at provisioning.
 	Routes caddyhttp.RouteList `json:"routes,omitempty"`
 }
 
@@ -293,7 +293,7 @@ type Policy struct {
 	// The policy:
 	//   - "latency" (default): the group with the lowest expected cost,
 	//     its attempts in flight divided by its capacity times its latency
-	//     estimate, with the same estimator and tie band as lb_policy ewma:
+	//     estimate, with the same estimator and tie band as lb_policy least_time:
 	//     among groups of similar latency, weighted least-requests by
 	//     capacity.
 	//   - "weighted": at random, in proportion to capacity.
