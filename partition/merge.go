@@ -12,6 +12,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/internal/caddyopt"
+	"github.com/caddy-lbx/lbx/internal/jsonscan"
 )
 
 func init() {
@@ -202,87 +203,11 @@ type member struct {
 
 // appendMembers appends the members of obj, a valid JSON object, to ms.
 func appendMembers(ms []member, obj []byte, from int) []member {
-	i := 1
-	for {
-		i = skipSpace(obj, i)
-		switch obj[i] {
-		case '}':
-			return ms
-		case ',':
-			i = skipSpace(obj, i+1)
-		}
-		end := skipString(obj, i)
-		key := obj[i:end]
-		i = skipSpace(obj, skipSpace(obj, end)+1) // past the colon
-		vend := skipValue(obj, i)
-		ms = append(ms, member{key: key, name: keyName(key), val: obj[i:vend], obj: from})
-		i = vend
-	}
-}
-
-// keyName returns the text of a quoted key: the bytes between the quotes
-// unless it has escapes.
-func keyName(key []byte) []byte {
-	inner := key[1 : len(key)-1]
-	if bytes.IndexByte(inner, '\\') < 0 {
-		return inner
-	}
-	var s string
-	_ = json.Unmarshal(key, &s) // valid: Prepare checked the body
-	return []byte(s)
-}
-
-// The scanners below work on valid JSON (Prepare checked it), so they
-// only find where things end.
-
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
-}
-
-// skipString returns the index after the string that starts at b[i].
-func skipString(b []byte, i int) int {
-	for i++; ; i++ {
-		switch b[i] {
-		case '\\':
-			i++
-		case '"':
-			return i + 1
-		}
-	}
-}
-
-// skipValue returns the index after the value that starts at b[i].
-func skipValue(b []byte, i int) int {
-	switch b[i] {
-	case '"':
-		return skipString(b, i)
-	case '{', '[':
-		depth := 0
-		for ; ; i++ {
-			switch b[i] {
-			case '"':
-				i = skipString(b, i) - 1
-			case '{', '[':
-				depth++
-			case '}', ']':
-				depth--
-				if depth == 0 {
-					return i + 1
-				}
-			}
-		}
-	}
-	for i < len(b) {
-		switch b[i] {
-		case ',', '}', ']', ' ', '\t', '\n', '\r':
-			return i
-		}
-		i++
-	}
-	return i
+	jsonscan.Members(obj, func(m jsonscan.Member) bool {
+		ms = append(ms, member{key: m.Key, name: jsonscan.StringText(m.Key), val: m.Value, obj: from})
+		return true
+	})
+	return ms
 }
 
 // appendCompact appends src, valid JSON (or a run of array elements),
@@ -292,7 +217,7 @@ func appendCompact(dst, src []byte) []byte {
 	for i := 0; i < len(src); i++ {
 		switch src[i] {
 		case '"':
-			i = skipString(src, i) - 1
+			i = jsonscan.SkipString(src, i) - 1
 		case ' ', '\t', '\n', '\r':
 			dst = append(dst, src[start:i]...)
 			start = i + 1
