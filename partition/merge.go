@@ -79,7 +79,16 @@ type Sufficer interface {
 // bytes, without decoding values it copies, so its memory is about the
 // size of its output plus a small record per key of the objects it
 // merges.
-type JSONMerger struct{}
+type JSONMerger struct {
+	// The name of a member added to the merged body, when it is an
+	// object, that lists the partitions missing from the answer (those
+	// that failed within fail_limit) as an array of their indices: [1,3],
+	// or [] when the answer is complete. It replaces a member of the same
+	// name from the partitions. A merged body that is not an object gets
+	// no member (the X-Partition-Missing header says it still). At most
+	// 256 bytes of UTF-8. Default: none.
+	MissingField string `json:"missing_field,omitempty"`
+}
 
 // CaddyModule returns the Caddy module information.
 func (JSONMerger) CaddyModule() caddy.ModuleInfo {
@@ -103,8 +112,23 @@ func (JSONMerger) Prepare(p *Part) error {
 	return fmt.Errorf("invalid JSON: %v", err)
 }
 
-// Merge merges the parts' bodies, which Prepare checked.
-func (JSONMerger) Merge(parts []*Part) (Merged, error) {
+// Validate checks missing_field.
+func (m JSONMerger) Validate() error {
+	if m.MissingField == "" {
+		return nil
+	}
+	return checkMissingField(m.MissingField)
+}
+
+// Merge merges the parts' bodies, which Prepare checked, as a complete
+// answer.
+func (m JSONMerger) Merge(parts []*Part) (Merged, error) {
+	return m.MergePartial(parts, nil)
+}
+
+// MergePartial merges the parts' bodies, which Prepare checked, and adds
+// the missing partitions' indices as missing_field when it is set.
+func (m JSONMerger) MergePartial(parts []*Part, missing []int) (Merged, error) {
 	vals := make([][]byte, len(parts))
 	size := len("null\n")
 	for i, p := range parts {
@@ -118,9 +142,13 @@ func (JSONMerger) Merge(parts []*Part) (Merged, error) {
 	} else {
 		out = appendMergedJSON(out, vals)
 	}
+	out = append(out, '\n')
+	if m.MissingField != "" {
+		out = withMissing(out, m.MissingField, missing)
+	}
 	return Merged{
 		Header: http.Header{"Content-Type": {"application/json"}},
-		Body:   append(out, '\n'),
+		Body:   out,
 	}, nil
 }
 
@@ -328,19 +356,39 @@ func (FirstMerger) Merge(parts []*Part) (Merged, error) {
 	return Merged{Status: p.Status, Header: p.Header, Body: p.Body}, nil
 }
 
+// UnmarshalCaddyfile sets up the merger from Caddyfile tokens:
+//
+//	merge json [{
+//		missing_field <name>
+//	}]
+func (m *JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	what := "partition: merge json"
+	return caddyopt.Block(d, what, func(opt string) error {
+		if opt != "missing_field" {
+			return caddyopt.Unknown(d, what, "missing_field")
+		}
+		v, err := caddyopt.OneArg(d, what)
+		if err != nil {
+			return err
+		}
+		if err := checkMissingField(v); err != nil {
+			return caddyopt.Errf(d, what, "%v", err)
+		}
+		m.MissingField = v
+		return nil
+	})
+}
+
 // UnmarshalCaddyfile sets up the merger from Caddyfile tokens; it takes no
 // options:
 //
-//	merge json|concat|ndjson|first
-func (*JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
-
-// UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
+//	merge concat|ndjson|first
 func (*ConcatMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
-// UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
+// UnmarshalCaddyfile: see ConcatMerger.UnmarshalCaddyfile.
 func (*NDJSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
-// UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
+// UnmarshalCaddyfile: see ConcatMerger.UnmarshalCaddyfile.
 func (*FirstMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
 // unmarshalMerger reads the `merge <name>` line of a merger that has no
@@ -353,6 +401,8 @@ func unmarshalMerger(d *caddyfile.Dispenser) error {
 // Interface guards
 var (
 	_ Merger                = (*JSONMerger)(nil)
+	_ PartialMerger         = (*JSONMerger)(nil)
+	_ caddy.Validator       = (*JSONMerger)(nil)
 	_ Merger                = (*ConcatMerger)(nil)
 	_ Merger                = (*NDJSONMerger)(nil)
 	_ Merger                = (*FirstMerger)(nil)
