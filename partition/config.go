@@ -227,8 +227,8 @@ type Handler struct {
 	merger   Merger
 	enough   Sufficer // merger as a Sufficer, or nil
 	splitter *bodysplit.Splitter
-	skip   caddyhttp.MatcherSets
-	proxy  *reverseproxy.Handler
+	skip     caddyhttp.MatcherSets
+	proxy    *reverseproxy.Handler
 	// skipEjected: the selection policy does not know lbx's outlier
 	// ejection, so the upstream source leaves ejected replicas out.
 	skipEjected bool
