@@ -224,11 +224,10 @@ type Handler struct {
 	// supported.
 	Proxy *reverseproxy.Handler `json:"proxy,omitempty"`
 
-	merger   Merger
-	enough   Sufficer // merger as a Sufficer, or nil
-	splitter *bodysplit.Splitter
-	skip     caddyhttp.MatcherSets
-	proxy    *reverseproxy.Handler
+	merger Merger
+	enough Sufficer // merger as a Sufficer, or nil
+	skip   caddyhttp.MatcherSets
+	proxy  *reverseproxy.Handler
 	// skipEjected: the selection policy does not know lbx's outlier
 	// ejection, so the upstream source leaves ejected replicas out.
 	skipEjected bool
@@ -243,6 +242,9 @@ type Handler struct {
 	fileEntries []Entry
 	serfEntries []Entry
 	logger      *zap.Logger
+
+	// splitter splits request bodies (split_body), or is nil.
+	splitter *bodysplit.Splitter
 }
 
 // ejectionAware is a selection policy that leaves upstreams ejected by
