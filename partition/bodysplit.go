@@ -99,46 +99,38 @@ func (p *blockParse) splitBody(d *caddyfile.Dispenser, name string) error {
 	case len(args) > 2:
 		return caddyopt.Errf(d, what, "want <field> [hash|index], got %d arguments", len(args))
 	}
-	c := &bodysplit.Config{Field: args[0], By: bodysplit.ByHash}
-	if err := bodysplit.CheckField(c.Field); err != nil {
-		return caddyopt.Errf(d, what, "%v", err)
+	c := &bodysplit.Config{Field: args[0]}
+	if err := caddyopt.Checked(d, what, bodysplit.CheckField(c.Field)); err != nil {
+		return err
 	}
+	by := bodysplit.ByHash // the default, written into by by Provision
 	if len(args) == 2 {
-		if err := bodysplit.CheckBy(args[1]); err != nil {
-			return caddyopt.Errf(d, what, "%v", err)
-		}
-		c.By = args[1]
-	}
-	once := caddyopt.NewOnce(what)
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		if err := once.Check(d); err != nil {
+		by, c.By = args[1], args[1]
+		if err := caddyopt.Checked(d, what, bodysplit.CheckBy(by)); err != nil {
 			return err
 		}
-		switch opt := d.Val(); opt {
+	}
+	err := caddyopt.Options(d, what, func(opt string) error {
+		switch opt {
 		case "key":
 			v, err := caddyopt.OneArg(d, what)
 			if err != nil {
 				return err
 			}
-			if err := bodysplit.CheckKey(c.By, v); err != nil {
-				return caddyopt.Errf(d, what, "%v", err)
-			}
 			c.Key = v
+			return caddyopt.Checked(d, what, bodysplit.CheckKey(by, v))
 		case "max_elements":
 			n, err := caddyopt.Int(d, what)
 			if err != nil {
 				return err
 			}
-			if err := bodysplit.CheckMaxElements(n); err != nil {
-				return caddyopt.Errf(d, what, "%v", err)
-			}
 			c.MaxElements = n
-		default:
-			return caddyopt.Unknown(d, what, "key", "max_elements")
+			return caddyopt.Checked(d, what, bodysplit.CheckMaxElements(n))
 		}
-	}
-	if len(args) < 2 {
-		c.By = "" // the default, written by Provision
+		return caddyopt.Unknown(d, what, "key", "max_elements")
+	})
+	if err != nil {
+		return err
 	}
 	p.h.SplitBody = c
 	return nil

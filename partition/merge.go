@@ -371,11 +371,8 @@ func (m *JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if err != nil {
 			return err
 		}
-		if err := checkMissingField(v); err != nil {
-			return caddyopt.Errf(d, what, "%v", err)
-		}
 		m.MissingField = v
-		return nil
+		return caddyopt.Checked(d, what, checkMissingField(v))
 	})
 }
 
