@@ -433,7 +433,7 @@ func (h *Handler) noMergeMemory(w http.ResponseWriter, r *http.Request, need int
 	v := mergeMemory.view()
 	msg := fmt.Sprintf("merge memory full: this fan-out needs %d bytes, and max_merge_memory is %d with %d in use by %d fan-outs (%d waiting); no room before the deadline", need, v.Limit, v.InUse, v.FanOuts, v.Waiting)
 	if errors.Is(err, errNeverFits) {
-		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request body per partition), more than max_merge_memory %d", need, v.Limit)
+		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request bodies it sends), more than max_merge_memory %d", need, v.Limit)
 	}
 	w.Header().Set("Retry-After", "1")
 	h.answer(w, r, http.StatusServiceUnavailable, msg)
