@@ -347,3 +347,26 @@ func TestSplitBodyIndexAndSkip(t *testing.T) {
 		t.Errorf("backends saw %d requests for bodies that cannot be split", n)
 	}
 }
+
+// TestSplitBodyReservation: a fan-out reserves one copy of the body per
+// partition it sends to, and with split_body twice the split bodies of
+// the partitions it sends to (they are held, and reverse_proxy buffers a
+// copy of each).
+func TestSplitBodyReservation(t *testing.T) {
+	body := []byte(`{"ids":[1,2,3,4]}`)
+	calls := []*subCall{{index: 0}, {index: 2}}
+	whole := subParent{body: body}
+	if got := whole.bodyBytes(calls); got != 2*int64(len(body)) {
+		t.Errorf("whole body to 2 partitions: %d; want %d", got, 2*len(body))
+	}
+	split := subParent{body: body, bodies: [][]byte{[]byte(`{"ids":[1,3]}`), nil, []byte(`{"ids":[2,4]}`)}}
+	if got := split.bodyBytes(calls); got != 2*(13+13) {
+		t.Errorf("split bodies: %d; want %d", got, 2*(13+13))
+	}
+	if !split.noBody(1) || split.noBody(0) || whole.noBody(1) {
+		t.Error("noBody: only a partition split_body left without elements is skipped")
+	}
+	if string(split.bodyFor(2)) != `{"ids":[2,4]}` || string(whole.bodyFor(2)) != string(body) {
+		t.Error("bodyFor")
+	}
+}
