@@ -370,3 +370,23 @@ func TestSplitBodyReservation(t *testing.T) {
 		t.Error("bodyFor")
 	}
 }
+
+// TestMissingParts: missing are the partitions that failed (an error, a
+// timeout), not those skipped or cancelled because the merger had enough.
+func TestMissingParts(t *testing.T) {
+	failed := fmt.Errorf("status 503")
+	outcomes := []*outcome{
+		{index: 0},
+		{index: 1, err: failed, done: true},
+		{index: 2, skipped: true},
+		{index: 3, err: fmt.Errorf("canceled"), canceled: true},
+		{index: 4, err: fmt.Errorf("timeout"), status: http.StatusGatewayTimeout},
+		nil,
+	}
+	if got := missingParts(outcomes); !slices.Equal(got, []int{1, 4}) {
+		t.Errorf("missing %v; want [1 4]", got)
+	}
+	if got := missingParts(outcomes[:1]); got != nil {
+		t.Errorf("missing %v; want none", got)
+	}
+}
