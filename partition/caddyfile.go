@@ -53,6 +53,13 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		max_merged_body <size>
 //		max_merge_memory <size>
 //		merge json|concat|ndjson|first
+//		merge json {
+//			missing_field <name>
+//		}
+//		split_body <field> [hash|index] {
+//			key          <member>
+//			max_elements <n>
+//		}
 //		skip <cel expression>
 //		reject <cel expression> [<message>]
 //		lb_retries <n>
@@ -122,6 +129,7 @@ var options = map[string]optionParser{
 	"max_merged_body":            (*blockParse).size,
 	"max_merge_memory":           (*blockParse).size,
 	"merge":                      (*blockParse).merge,
+	"split_body":                 (*blockParse).splitBody,
 	"skip":                       (*blockParse).skip,
 	"reject":                     (*blockParse).reject,
 	"lb_retries":                 (*blockParse).lbRetries,

@@ -14,6 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/bodysplit"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -184,6 +185,18 @@ type Handler struct {
 	// the chosen scheme is skipped, the answer is 400.
 	SkipRaw caddyhttp.RawMatcherSets `json:"skip,omitempty" caddy:"namespace=http.matchers"`
 
+	// Splits the JSON request body among the partitions: each partition
+	// is sent the body with the array named by field holding only its own
+	// elements, by FNV-1a-64 of each element's key modulo the partition
+	// count (by "hash", the default) or element i to partition i (by
+	// "index"); every other byte is sent as written, and a partition with
+	// no element is skipped. A body that cannot be split (not a JSON
+	// object, no such array, an element without a usable key, more than
+	// max_elements, or by "index" with another length than the partition
+	// count) is answered 400 before any sub-request. Default: none, every
+	// partition gets the whole body.
+	SplitBody *bodysplit.Config `json:"split_body,omitempty"`
+
 	// Rules that reject a request with 400 before any sub-request is
 	// sent. They are checked in order against the client request, after
 	// its body has been read (a body over MaxRequestBody is answered 413
@@ -229,6 +242,9 @@ type Handler struct {
 	fileEntries []Entry
 	serfEntries []Entry
 	logger      *zap.Logger
+
+	// splitter splits request bodies (split_body), or is nil.
+	splitter *bodysplit.Splitter
 }
 
 // ejectionAware is a selection policy that leaves upstreams ejected by
@@ -313,6 +329,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return errors.New("no upstreams: give tagged upstreams (to <address> <N/M>), a naming_file or serf_tag")
 	}
 	if err := h.provisionMatchers(ctx); err != nil {
+		return err
+	}
+	if err := h.provisionSplit(); err != nil {
 		return err
 	}
 	if err := h.provisionProxy(ctx); err != nil {
@@ -475,6 +494,7 @@ func (h *Handler) validate() error {
 		checkSize("max_merged_body", h.MaxMergedBody),
 		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
 		h.checkMergeMemory(),
+		h.checkSplitBody(),
 	}
 	if h.Retries != nil {
 		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))

@@ -190,7 +190,11 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 	ctx, stop := calldeadline.Bound(ctx, end, errTimeout)
 	defer stop()
 
-	parent := subParent{Parent: subreq.Capture(r), req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
+	bodies, ok := h.splitBodies(w, r, sc.count, body)
+	if !ok {
+		return
+	}
+	parent := subParent{Parent: subreq.Capture(r), req: r, body: body, bodies: bodies, budget: &budget{limit: h.MaxMergedBody}}
 	outcomes := make([]*outcome, sc.count)
 	calls, ok := h.subCalls(ctx, w, r, sc, parent, outcomes)
 	if !ok {
@@ -198,7 +202,7 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 	}
 	// The fan-out's worst case, reserved before any sub-request and
 	// released after the answer is written (a panic included).
-	need := h.reservation(len(calls), len(body))
+	need := h.reservation(len(calls), parent.bodyBytes(calls))
 	if !h.reserve(ctx, w, r, need) {
 		return
 	}
@@ -233,12 +237,17 @@ func (h *Handler) fanOut(w http.ResponseWriter, r *http.Request, sc *scheme, bod
 }
 
 // subCalls makes the sub-requests of sc's partitions, but for those the
-// skip matchers skip, whose outcomes it sets; ok is false when it has
+// skip matchers skip or split_body leaves without elements, whose
+// outcomes it sets; ok is false when it has
 // answered the request itself: a skip matcher failed, or every partition
 // was skipped.
 func (h *Handler) subCalls(ctx context.Context, w http.ResponseWriter, r *http.Request, sc *scheme, parent subParent, outcomes []*outcome) (calls []*subCall, ok bool) {
 	calls = make([]*subCall, 0, sc.count)
 	for i := range sc.count {
+		if parent.noBody(i) {
+			outcomes[i] = &outcome{index: i, skipped: true}
+			continue
+		}
 		c := h.newSubCall(ctx, parent, sc, i)
 		if len(h.skip) > 0 {
 			skip, err := h.skip.AnyMatchWithError(c.req)
@@ -387,7 +396,8 @@ func (h *Handler) merge(w http.ResponseWriter, r *http.Request, sc *scheme, outc
 			parts = append(parts, o.part)
 		}
 	}
-	merged, err := h.merger.Merge(parts)
+	missing := missingParts(outcomes)
+	merged, err := mergeParts(h.merger, parts, missing)
 	h.report(w, r, sc, outcomes)
 	if err != nil {
 		h.answer(w, r, http.StatusBadGateway, "merging partition responses: "+err.Error())
@@ -405,6 +415,9 @@ func (h *Handler) merge(w http.ResponseWriter, r *http.Request, sc *scheme, outc
 		hdr[k] = v
 	}
 	hdr.Set("Content-Length", strconv.Itoa(len(merged.Body)))
+	if len(missing) > 0 {
+		hdr.Set(MissingHeader, missingHeader(missing))
+	}
 	status := merged.Status
 	if status == 0 {
 		status = http.StatusOK
@@ -420,7 +433,7 @@ func (h *Handler) noMergeMemory(w http.ResponseWriter, r *http.Request, need int
 	v := mergeMemory.view()
 	msg := fmt.Sprintf("merge memory full: this fan-out needs %d bytes, and max_merge_memory is %d with %d in use by %d fan-outs (%d waiting); no room before the deadline", need, v.Limit, v.InUse, v.FanOuts, v.Waiting)
 	if errors.Is(err, errNeverFits) {
-		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request body per partition), more than max_merge_memory %d", need, v.Limit)
+		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request bodies it sends), more than max_merge_memory %d", need, v.Limit)
 	}
 	w.Header().Set("Retry-After", "1")
 	h.answer(w, r, http.StatusServiceUnavailable, msg)
