@@ -49,13 +49,13 @@ func CheckRefresh(refresh caddy.Duration) error {
 const defaultUpstreamsRefresh = time.Second
 
 // SerfUpstreams is a dynamic upstream source for reverse_proxy: the alive
-// members of this node's cluster whose serf tags match Tags.
-// Each member's dial address is its advertised IP with the port from its
-// tag PortTag, or Port.
+// members of this node's cluster whose serf tags match `tags`.
+// Each member's dial address is its advertised IP with the port from the
+// tag `port_tag` names, or `port`.
 //
 // Serf keeps the member list current (a member that leaves is gone at
 // once; one that crashes once serf marks it failed, within seconds). The
-// source re-reads it at most every Refresh, on a request, and rebuilds
+// source re-reads it at most every `refresh`, on a request, and rebuilds
 // its list only when the set of addresses changed; the list is sorted,
 // so selection policies see the same pool in the same order between
 // changes. Each change is logged once.

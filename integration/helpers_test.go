@@ -161,29 +161,40 @@ func (e *env) loadCaddyfile(caddyfile string) {
 	}
 	// The old config's server closed its keep-alive connections; a
 	// request the client sends on one of them as it closes fails, so the
-	// next requests start on new ones.
+	// next requests start on new ones. Caddy stops the old servers without
+	// waiting for them, so their listening socket may still take a
+	// connection and reset it as it closes (a stock least_conn phase lost a
+	// request to EOF so in CI): wait until the new socket is the only one.
 	e.client.CloseIdleConnections()
+	waitOneListener(e.t, httpPort, "HTTP")
 }
 
-// waitOldAdminGone waits, up to 5 s, until one socket at most listens on
-// the admin port. Every load replaces Caddy's admin server and stops the
-// old one after answering; until its socket closes, the kernel may hand
-// it a new connection and reset it as it closes (SO_REUSEPORT).
-// caddytest's InitServer starts by probing the admin API once, and on a
-// failed probe starts a second Caddy of its own with a bare config (CI
-// saw "POSTed configuration isn't active" after such a reset). Linux
-// only: elsewhere it returns at once.
+// waitOldAdminGone waits until one socket at most listens on the admin
+// port. Every load replaces Caddy's admin server and stops the old one
+// after answering; until its socket closes, the kernel may hand it a new
+// connection and reset it as it closes (SO_REUSEPORT). caddytest's
+// InitServer starts by probing the admin API once, and on a failed probe
+// starts a second Caddy of its own with a bare config (CI saw "POSTed
+// configuration isn't active" after such a reset).
 func waitOldAdminGone(t testing.TB) {
 	t.Helper()
 	_, portText, _ := strings.Cut(adminAddr, ":")
 	port, _ := strconv.Atoi(portText)
+	waitOneListener(t, port, "admin")
+}
+
+// waitOneListener waits, up to 5 s, until one socket at most listens on
+// port, and logs it when two still do. Linux only: elsewhere it returns
+// at once.
+func waitOneListener(t testing.TB, port int, what string) {
+	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		n, ok := listenersOnPort(port)
 		if !ok || n <= 1 {
 			return
 		}
 	}
-	t.Logf("two sockets still listen on the admin port %d after 5 s", port)
+	t.Logf("two sockets still listen on the %s port %d after 5 s", what, port)
 }
 
 // listenersOnPort counts the TCP sockets in state LISTEN on port, from
@@ -687,7 +698,7 @@ func cancelAfter(cond func() bool) (context.Context, func()) {
 	return ctx, func() { close(stop); <-done; cancel() }
 }
 
-// TestListenersOnPort: the count waitOldAdminGone relies on sees a
+// TestListenersOnPort: the count waitOneListener relies on sees a
 // listening socket, and no longer once it closes.
 func TestListenersOnPort(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")

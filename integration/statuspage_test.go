@@ -151,7 +151,7 @@ func holdConns(t *testing.T, addr string, n int) {
 }
 
 // statusNodeCaddyfile is the observed node's config: the cluster and
-// rebalance apps, one site with an ewma pool (outlier ejection, slow start)
+// rebalance apps, one site with a least_time pool (outlier ejection, slow start)
 // and a partition handler, and the status page on a loopback site of its
 // own.
 func statusNodeCaddyfile(admin, serf, site, statusSite, ok1, ok2, bad, dead string) string {
@@ -178,7 +178,7 @@ http://%s {
 	rebalance_close
 	handle /pool/* {
 		reverse_proxy %s %s %s {
-			lb_policy ewma {
+			lb_policy least_time {
 				outlier {
 					consecutive_failures 3
 					failure_status 503
@@ -209,7 +209,7 @@ http://%s {
 }
 
 // TestStatusPage loads the status page in a real headless Chromium against
-// a running 3-node fleet: node a (an ewma pool of two good backends and
+// a running 3-node fleet: node a (a least_time pool of two good backends and
 // one answering 503, a partition handler with a dead replica, the page on
 // a loopback site of its own) and nodes b and c. It checks what the page
 // shows — the pool and its ejected upstream, the partitions and the dead
@@ -377,7 +377,7 @@ func TestStatusPage(t *testing.T) {
 	waitDOM(t, ctx, 5*time.Second, "upstream row of the ejected backend", rowText(fmt.Sprintf(`#upstreams tr[data-dial=%q]`, host(bad))),
 		func(s string) bool { return containsAll(s, "ejected for", "consecutive_failures") })
 	waitDOM(t, ctx, 5*time.Second, "the pool's summary", rowText("#pools"),
-		func(s string) bool { return containsAll(s, "policy ewma", "available 2 of 3", "panic no") })
+		func(s string) bool { return containsAll(s, "policy least_time", "available 2 of 3", "panic no") })
 
 	// Partitions.
 	waitDOM(t, ctx, 5*time.Second, "partition p0", rowText(`#partitions tr[data-partition="2:p0"]`),

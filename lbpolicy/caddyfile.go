@@ -50,15 +50,7 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the policy's name
 	// errors name the policy as written: least_time, or ewma
 	what := "lb_policy " + d.Val()
-	if err := caddyopt.BlockOnly(d, what); err != nil {
-		return err
-	}
-	once := caddyopt.NewOnce(what)
-	for d.NextBlock(0) {
-		opt := d.Val()
-		if err := once.Check(d); err != nil {
-			return err
-		}
+	return caddyopt.Options(d, what, func(opt string) error {
 		switch opt {
 		case "choices":
 			val, err := caddyopt.OneArg(d, what)
@@ -118,8 +110,8 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		default:
 			return caddyopt.Unknown(d, what, "choices", "decay", "weights", "panic_threshold", "retry_budget", "slow_start", "outlier")
 		}
-	}
-	return nil
+		return nil
+	})
 }
 
 // UnmarshalCaddyfile sets up the panic wrapper from Caddyfile tokens.
@@ -134,16 +126,8 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //	}
 func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "lb_policy panic"
-	d.Next() // the policy's name
-	if err := caddyopt.BlockOnly(d, what); err != nil {
-		return err
-	}
-	once := caddyopt.NewOnce(what)
-	for d.NextBlock(0) {
-		if err := once.Check(d); err != nil {
-			return err
-		}
-		switch d.Val() {
+	return caddyopt.Block(d, what, func(opt string) error {
+		switch opt {
 		case "threshold":
 			v, err := parsePercent(d, what)
 			if err != nil {
@@ -181,8 +165,8 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if lt, ok := p.inner.(leastTimer); ok && p.Outlier != nil {
 			return d.Err(errOutlierAround(lt).Error())
 		}
-	}
-	return nil
+		return nil
+	})
 }
 
 // unmarshalCaddyfile reads an outlier block, the dispenser on its name;
@@ -205,9 +189,6 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		health_check_restore            on|off
 //	}
 func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error {
-	if err := caddyopt.BlockOnly(d, what); err != nil {
-		return err
-	}
 	counts := map[string]*int{
 		"consecutive_failures":            &o.Consecutive,
 		"success_rate_min_hosts":          &o.SuccessRateMinHosts,
@@ -220,12 +201,7 @@ func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error 
 		"max_ejection_time":  &o.MaxEjectionTime,
 		"interval":           &o.Interval,
 	}
-	once := caddyopt.NewOnce(what)
-	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		opt := d.Val()
-		if err := once.Check(d); err != nil {
-			return err
-		}
+	return caddyopt.Options(d, what, func(opt string) error {
 		switch opt {
 		case "consecutive_failures", "success_rate_min_hosts", "success_rate_min_requests",
 			"failure_percentage_min_hosts", "failure_percentage_min_requests":
@@ -291,8 +267,8 @@ func (o *Outlier) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error 
 		if err := o.check(opt); err != nil {
 			return caddyopt.Errf(d, what, "%v", err)
 		}
-	}
-	return nil
+		return nil
+	})
 }
 
 // unmarshalCaddyfile reads a slow_start option, the dispenser on its name;

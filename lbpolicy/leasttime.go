@@ -32,7 +32,7 @@ func init() {
 //	cost = (requests in flight + 1) × expected latency / weight
 //
 // where the expected latency is the median time to response headers of
-// the upstream's last 16 answers within Decay, raised live when it has gone
+// the upstream's last 16 answers within `decay`, raised live when it has gone
 // without answering for longer than that while requests are in flight (a
 // stall is seen as it happens), and doubled for each failed attempt in a
 // row (a transport error, or a 502, 503 or 504: an instant failure never
@@ -43,7 +43,7 @@ func init() {
 // in expected latency does not count: upstreams within it are compared by
 // load alone, exactly as least_conn would, and only the excess of a clear
 // difference in speed is weighed against the load. An upstream not tried
-// for Decay, with nothing in flight, is expected at the pool's typical
+// for `decay`, with nothing in flight, is expected at the pool's typical
 // latency, so one request tells whether it has recovered; a new upstream
 // starts there too, neither starved nor stampeded.
 //

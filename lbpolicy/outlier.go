@@ -18,9 +18,9 @@ import (
 
 // Outlier configures outlier ejection from live traffic, like Envoy's
 // outlier detection: an upstream is taken out of selection for a while when
-// it fails Consecutive attempts in a row, when (every Interval) its success
-// rate is far below that of the rest of the pool, or, if
-// FailurePercentageThreshold is set, when its share of failed attempts is
+// it fails `consecutive_failures` attempts in a row, when (every `interval`)
+// its success rate is far below that of the rest of the pool, or, if
+// `failure_percentage_threshold` is set, when its share of failed attempts is
 // above that threshold. An ejected upstream returns by itself when its time
 // is up; each ejection in a row lasts longer (base × number of ejections,
 // capped), and the multiplier shrinks again while the upstream behaves.

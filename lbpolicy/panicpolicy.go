@@ -22,7 +22,7 @@ func init() {
 }
 
 // PanicSelection gives any selection policy panic mode. While at least
-// Threshold percent of the upstreams are available, it simply delegates to
+// `threshold` percent of the upstreams are available, it simply delegates to
 // the wrapped policy. Below that, too much of the pool looks down for the
 // health checks to be believed (a busy day makes every probe time out;
 // ejecting the whole pool would turn slowness into an outage), so the

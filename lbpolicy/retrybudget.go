@@ -20,8 +20,8 @@ import (
 
 // RetryBudget limits reverse_proxy's retries (lb_retries, lb_try_duration)
 // so that a brown-out does not become a retry storm: a retry is allowed
-// only while the retries in flight are fewer than Percent of the requests
-// in flight to the pool, or fewer than MinConcurrent, whichever is larger
+// only while the retries in flight are fewer than `percent` of the requests
+// in flight to the pool, or fewer than `min_concurrent`, whichever is larger
 // (Envoy's retry budget). A refused retry ends the request with the error
 // of its last attempt, as if no retries were left.
 //

@@ -14,7 +14,7 @@ import (
 // SlowStart ramps up the share of an upstream that joins a pool already
 // serving, or returns to it, so that a cold host (empty caches, JIT not
 // warm, connection pools empty) is not handed a full share at once. For
-// Window after its (re)start, the upstream's effective weight is
+// `window` after its (re)start, the upstream's effective weight is
 //
 //	weight × max(min_weight_percent/100, (elapsed / window) ^ (1 / aggression))
 //

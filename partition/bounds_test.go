@@ -126,7 +126,7 @@ func TestBoundsCaddyfile(t *testing.T) {
 		{"to [::1] 0/1", `missing port; give host:port, e.g. [::1]:80, at Testfile:3`},
 		{"response_buffers 1MiB", "partition: response_buffers is not supported: each sub-response is held whole already (see max_response_body), at Testfile:3"},
 		{"buffer_responses", "partition: buffer_responses is not supported"},
-		{"health_uri /health", "partition: active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }, at Testfile:3"},
+		{"health_uri /health", "partition: active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy least_time { outlier }, at Testfile:3"},
 	} {
 		var h Handler
 		err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("partition {\nto 10.0.0.1:80 0/1\n" + tc.in + "\n}"))

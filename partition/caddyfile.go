@@ -53,13 +53,20 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //		max_merged_body <size>
 //		max_merge_memory <size>
 //		merge json|concat|ndjson|first
+//		merge json {
+//			missing_field <name>
+//		}
+//		split_body <field> [hash|index] {
+//			key          <member>
+//			max_elements <n>
+//		}
 //		skip <cel expression>
 //		reject <cel expression> [<message>]
 //		lb_retries <n>
 //
 //		# any other reverse_proxy subdirective except upstreams, dynamic,
 //		# active health checks, handle_response and response_buffers, e.g.:
-//		lb_policy ewma
+//		lb_policy least_time
 //		header_up X-Partition {partition.index}/{partition.count}
 //		transport http { ... }
 //	}
@@ -128,6 +135,7 @@ var options = map[string]optionParser{
 	"max_merged_body":            (*blockParse).size,
 	"max_merge_memory":           (*blockParse).size,
 	"merge":                      (*blockParse).merge,
+	"split_body":                 (*blockParse).splitBody,
 	"skip":                       (*blockParse).skip,
 	"reject":                     (*blockParse).reject,
 	"lb_retries":                 (*blockParse).lbRetries,
@@ -417,7 +425,7 @@ func (p *blockParse) proxy() error {
 				break
 			}
 		}
-		return caddyopt.Errf(at, directive, "active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy ewma { outlier }")
+		return caddyopt.Errf(at, directive, "active health checks (health_*) are not supported; use passive health checks (fail_duration, max_fails, …) or lb_policy least_time { outlier }")
 	}
 	p.h.Proxy = rp
 	return nil

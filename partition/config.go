@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
+	"github.com/caddy-lbx/lbx/internal/bodysplit"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -62,7 +63,7 @@ const (
 //
 // Sub-requests go through an internal reverse_proxy handler configured by
 // Proxy: replicas of a partition are chosen with its load balancing policy
-// (lbx's ewma by default), a failed attempt is retried on another replica
+// (least_time by default), a failed attempt is retried on another replica
 // of the same partition (Retries, default 1), and its transport, header
 // operations and passive health checks apply. Each sub-request has its
 // own replacer and request variables.
@@ -124,6 +125,18 @@ type Handler struct {
 	// {partition.tag}; fail_limit is at most MaxPartitions (1024).
 	FanOut
 
+	// Splits the JSON request body among the partitions: each partition
+	// is sent the body with the array named by field holding only its own
+	// elements, by FNV-1a-64 of each element's key modulo the partition
+	// count (by "hash", the default) or element i to partition i (by
+	// "index"); every other byte is sent as written, and a partition with
+	// no element is skipped. A body that cannot be split (not a JSON
+	// object, no such array, an element without a usable key, more than
+	// max_elements, or by "index" with another length than the partition
+	// count) is answered 400 before any sub-request. Default: none, every
+	// partition gets the whole body.
+	SplitBody *bodysplit.Config `json:"split_body,omitempty"`
+
 	// Rules that reject a request with 400 before any sub-request is
 	// sent. They are checked in order against the client request, after
 	// its body has been read (a body over MaxRequestBody is answered 413
@@ -144,7 +157,7 @@ type Handler struct {
 	// upstreams (they come from Upstreams and NamingFile): load
 	// balancing, retries, transport, header operations (header_up may use
 	// the partition placeholders), rewrite, passive health checks. Its
-	// selection policy defaults to lbx's ewma (whose outlier ejection
+	// selection policy defaults to least_time (whose outlier ejection
 	// also takes a replica out of its scheme's capacity); its retries are
 	// governed by Retries. Active health checks, handle_response and
 	// response buffering (sub-responses are held whole already) are not
@@ -165,10 +178,13 @@ type Handler struct {
 	// The naming file's and the serf members' entries (under swapMu).
 	fileEntries []Entry
 	serfEntries []Entry
+
+	// splitter splits request bodies (split_body), or is nil.
+	splitter *bodysplit.Splitter
 }
 
 // ejectionAware is a selection policy that leaves upstreams ejected by
-// lbx's outlier detection out by itself, as lbx's ewma and panic do: they
+// lbx's outlier detection out by itself, as least_time and panic do: they
 // must be handed every replica, or their panic mode would not count the
 // ejected ones as unavailable. Any other policy is handed the replicas
 // that are not ejected.
@@ -240,6 +256,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if err := h.provisionMatchers(ctx); err != nil {
+		return err
+	}
+	if err := h.provisionSplit(); err != nil {
 		return err
 	}
 	if err := h.provisionProxy(ctx); err != nil {
@@ -374,6 +393,7 @@ func (h *Handler) validate() error {
 	checks := append(h.checks(MaxPartitions),
 		h.checkNaming(),
 		bounds.Duration("poll_interval", time.Duration(h.PollInterval), minPollInterval, maxPollInterval),
+		h.checkSplitBody(),
 	)
 	if h.Retries != nil {
 		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))
@@ -414,7 +434,7 @@ func checkSize(name string, n int64) error {
 
 // provisionProxy loads the internal reverse_proxy handler through Caddy,
 // so that its selection policy finds it among the modules being
-// provisioned (lbx's ewma instruments its transport that way) and Caddy
+// provisioned (least_time instruments its transport that way) and Caddy
 // cleans it up with the config. Its upstreams come from the partition
 // sub-request being served (see source).
 func (h *Handler) provisionProxy(ctx caddy.Context) error {
@@ -428,7 +448,7 @@ func (h *Handler) provisionProxy(ctx caddy.Context) error {
 		case len(h.Proxy.HandleResponse) > 0:
 			return errors.New("proxy: handle_response is not supported inside partition")
 		case h.Proxy.HealthChecks != nil && h.Proxy.HealthChecks.Active != nil:
-			return errors.New("proxy: active health checks are not supported inside partition (use passive health checks or lb_policy ewma's outlier ejection)")
+			return errors.New("proxy: active health checks are not supported inside partition (use passive health checks or lb_policy least_time's outlier ejection)")
 		}
 		raw, err := json.Marshal(h.Proxy)
 		if err != nil {

@@ -101,12 +101,15 @@ type fanKind struct {
 	noun   string // one part: "partition", "branch"
 	nouns  string // parts: "partitions", "branches"
 	header string // the status header
-	ns     string // the placeholders' namespace, e.g. "http.partition"
+	// missing is the header that lists the parts missing from a merged
+	// answer.
+	missing string
+	ns      string // the placeholders' namespace, e.g. "http.partition"
 }
 
 var (
-	partitionKind = &fanKind{name: "partition", noun: "partition", nouns: "partitions", header: StatusHeader, ns: "http.partition"}
-	parallelKind  = &fanKind{name: "parallel", noun: "branch", nouns: "branches", header: ParallelStatusHeader, ns: "http.parallel"}
+	partitionKind = &fanKind{name: "partition", noun: "partition", nouns: "partitions", header: StatusHeader, missing: MissingHeader, ns: "http.partition"}
+	parallelKind  = &fanKind{name: "parallel", noun: "branch", nouns: "branches", header: ParallelStatusHeader, missing: ParallelMissingHeader, ns: "http.parallel"}
 )
 
 // round is one fan-out: how many parts it has, what they are called, and
@@ -116,7 +119,11 @@ type round struct {
 	// names are the parts' names in the status header and placeholders;
 	// nil: partitions, "p<index>" in the header and the index in
 	// placeholders.
-	names   []string
+	names []string
+	// bodies are the parts' own request bodies (partition's split_body),
+	// a nil entry for a part left without one; nil: the request body, to
+	// every part.
+	bodies  [][]byte
 	newCall func(ctx context.Context, p subParent, i int) *subCall
 }
 

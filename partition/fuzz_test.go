@@ -102,6 +102,11 @@ func FuzzHandlerJSON(f *testing.F) {
 		`{"naming_file":"/nonexistent","poll_interval":-1}`,
 		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1000000000"}]}`,
 		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"proxy":{"load_balancing":{"selection_policy":{"policy":"ewma","outlier":{"interval":"-1s"}}}}}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"split_body":{"field":"q.ids","by":"hash","key":"id","max_elements":10}}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"split_body":{"field":"a..b","by":"index","key":"id","max_elements":-1}}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"split_body":{}}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"merge":{"merger":"json","missing_field":"missing"}}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"merge":{"merger":"json","missing_field":"` + strings.Repeat("m", 300) + `"}}`,
 	} {
 		f.Add(s)
 	}

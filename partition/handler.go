@@ -75,14 +75,20 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		repl.Set("http.partition.scheme", sc.count)
 	}
-	h.fanOut(w, r, h.round(sc), body, end)
+	bodies, ok := h.splitBodies(w, r, sc.count, body)
+	if !ok {
+		return nil
+	}
+	h.fanOut(w, r, h.round(sc, bodies), body, end)
 	return nil
 }
 
-// round is sc's fan-out: one sub-request per partition.
-func (h *Handler) round(sc *scheme) round {
+// round is sc's fan-out: one sub-request per partition, with bodies (see
+// round.bodies).
+func (h *Handler) round(sc *scheme, bodies [][]byte) round {
 	return round{
-		count: sc.count,
+		count:  sc.count,
+		bodies: bodies,
 		newCall: func(ctx context.Context, p subParent, i int) *subCall {
 			return h.newSubCall(ctx, p, sc, i)
 		},
@@ -220,7 +226,7 @@ func (h *FanOut) fanOut(w http.ResponseWriter, r *http.Request, rd round, body [
 	ctx, stop := calldeadline.Bound(ctx, end, errTimeout)
 	defer stop()
 
-	parent := subParent{Parent: subreq.Capture(r), req: r, body: body, budget: &budget{limit: h.MaxMergedBody}}
+	parent := subParent{Parent: subreq.Capture(r), req: r, body: body, bodies: rd.bodies, budget: &budget{limit: h.MaxMergedBody}}
 	outcomes := make([]*outcome, rd.count)
 	calls, ok := h.subCalls(ctx, w, r, rd, parent, outcomes)
 	if !ok {
@@ -228,7 +234,7 @@ func (h *FanOut) fanOut(w http.ResponseWriter, r *http.Request, rd round, body [
 	}
 	// The fan-out's worst case, reserved before any sub-request and
 	// released after the answer is written (a panic included).
-	need := h.reservation(len(calls), len(body))
+	need := h.reservation(len(calls), parent.bodyBytes(calls))
 	if !h.reserve(ctx, w, r, need) {
 		return
 	}
@@ -263,11 +269,16 @@ func (h *FanOut) fanOut(w http.ResponseWriter, r *http.Request, rd round, body [
 }
 
 // subCalls makes the sub-requests of rd's parts, but for those the skip
-// matchers skip, whose outcomes it sets; ok is false when it has answered
-// the request itself: a skip matcher failed, or every part was skipped.
+// matchers skip or split_body leaves without elements, whose outcomes it
+// sets; ok is false when it has answered the request itself: a skip
+// matcher failed, or every part was skipped.
 func (h *FanOut) subCalls(ctx context.Context, w http.ResponseWriter, r *http.Request, rd round, parent subParent, outcomes []*outcome) (calls []*subCall, ok bool) {
 	calls = make([]*subCall, 0, rd.count)
 	for i := range rd.count {
+		if parent.noBody(i) {
+			outcomes[i] = &outcome{index: i, skipped: true}
+			continue
+		}
 		c := rd.newCall(ctx, parent, i)
 		if len(h.skip) > 0 {
 			skip, err := h.skip.AnyMatchWithError(c.req)
@@ -416,7 +427,8 @@ func (h *FanOut) merge(w http.ResponseWriter, r *http.Request, rd round, outcome
 			parts = append(parts, o.part)
 		}
 	}
-	merged, err := h.merger.Merge(parts)
+	missing := missingParts(outcomes)
+	merged, err := mergeParts(h.merger, parts, missing)
 	h.report(w, r, rd, outcomes)
 	if err != nil {
 		h.answer(w, r, http.StatusBadGateway, "merging "+h.kind.noun+" responses: "+err.Error())
@@ -434,6 +446,9 @@ func (h *FanOut) merge(w http.ResponseWriter, r *http.Request, rd round, outcome
 		hdr[k] = v
 	}
 	hdr.Set("Content-Length", strconv.Itoa(len(merged.Body)))
+	if len(missing) > 0 {
+		hdr.Set(h.kind.missing, missingHeader(rd, missing))
+	}
 	status := merged.Status
 	if status == 0 {
 		status = http.StatusOK
@@ -449,7 +464,7 @@ func (h *FanOut) noMergeMemory(w http.ResponseWriter, r *http.Request, need int6
 	v := mergeMemory.view()
 	msg := fmt.Sprintf("merge memory full: this fan-out needs %d bytes, and max_merge_memory is %d with %d in use by %d fan-outs (%d waiting); no room before the deadline", need, v.Limit, v.InUse, v.FanOuts, v.Waiting)
 	if errors.Is(err, errNeverFits) {
-		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request body per partition), more than max_merge_memory %d", need, v.Limit)
+		msg = fmt.Sprintf("merge memory: this fan-out needs %d bytes (twice its merge bound, and the request bodies it sends), more than max_merge_memory %d", need, v.Limit)
 	}
 	w.Header().Set("Retry-After", "1")
 	h.answer(w, r, http.StatusServiceUnavailable, msg)

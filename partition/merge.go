@@ -12,6 +12,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 
 	"github.com/caddy-lbx/lbx/internal/caddyopt"
+	"github.com/caddy-lbx/lbx/internal/jsonscan"
 )
 
 func init() {
@@ -78,7 +79,16 @@ type Sufficer interface {
 // bytes, without decoding values it copies, so its memory is about the
 // size of its output plus a small record per key of the objects it
 // merges.
-type JSONMerger struct{}
+type JSONMerger struct {
+	// The name of a member added to the merged body, when it is an
+	// object, that lists the partitions missing from the answer (those
+	// that failed within fail_limit) as an array of their indices: [1,3],
+	// or [] when the answer is complete. It replaces a member of the same
+	// name from the partitions. A merged body that is not an object gets
+	// no member (the X-Partition-Missing header says it still). At most
+	// 256 bytes of UTF-8. Default: none.
+	MissingField string `json:"missing_field,omitempty"`
+}
 
 // CaddyModule returns the Caddy module information.
 func (JSONMerger) CaddyModule() caddy.ModuleInfo {
@@ -102,8 +112,23 @@ func (JSONMerger) Prepare(p *Part) error {
 	return fmt.Errorf("invalid JSON: %v", err)
 }
 
-// Merge merges the parts' bodies, which Prepare checked.
-func (JSONMerger) Merge(parts []*Part) (Merged, error) {
+// Validate checks missing_field.
+func (m JSONMerger) Validate() error {
+	if m.MissingField == "" {
+		return nil
+	}
+	return checkMissingField(m.MissingField)
+}
+
+// Merge merges the parts' bodies, which Prepare checked, as a complete
+// answer.
+func (m JSONMerger) Merge(parts []*Part) (Merged, error) {
+	return m.MergePartial(parts, nil)
+}
+
+// MergePartial merges the parts' bodies, which Prepare checked, and adds
+// the missing partitions' indices as missing_field when it is set.
+func (m JSONMerger) MergePartial(parts []*Part, missing []int) (Merged, error) {
 	vals := make([][]byte, len(parts))
 	size := len("null\n")
 	for i, p := range parts {
@@ -117,9 +142,13 @@ func (JSONMerger) Merge(parts []*Part) (Merged, error) {
 	} else {
 		out = appendMergedJSON(out, vals)
 	}
+	out = append(out, '\n')
+	if m.MissingField != "" {
+		out = withMissing(out, m.MissingField, missing)
+	}
 	return Merged{
 		Header: http.Header{"Content-Type": {"application/json"}},
-		Body:   append(out, '\n'),
+		Body:   out,
 	}, nil
 }
 
@@ -202,87 +231,11 @@ type member struct {
 
 // appendMembers appends the members of obj, a valid JSON object, to ms.
 func appendMembers(ms []member, obj []byte, from int) []member {
-	i := 1
-	for {
-		i = skipSpace(obj, i)
-		switch obj[i] {
-		case '}':
-			return ms
-		case ',':
-			i = skipSpace(obj, i+1)
-		}
-		end := skipString(obj, i)
-		key := obj[i:end]
-		i = skipSpace(obj, skipSpace(obj, end)+1) // past the colon
-		vend := skipValue(obj, i)
-		ms = append(ms, member{key: key, name: keyName(key), val: obj[i:vend], obj: from})
-		i = vend
-	}
-}
-
-// keyName returns the text of a quoted key: the bytes between the quotes
-// unless it has escapes.
-func keyName(key []byte) []byte {
-	inner := key[1 : len(key)-1]
-	if bytes.IndexByte(inner, '\\') < 0 {
-		return inner
-	}
-	var s string
-	_ = json.Unmarshal(key, &s) // valid: Prepare checked the body
-	return []byte(s)
-}
-
-// The scanners below work on valid JSON (Prepare checked it), so they
-// only find where things end.
-
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
-}
-
-// skipString returns the index after the string that starts at b[i].
-func skipString(b []byte, i int) int {
-	for i++; ; i++ {
-		switch b[i] {
-		case '\\':
-			i++
-		case '"':
-			return i + 1
-		}
-	}
-}
-
-// skipValue returns the index after the value that starts at b[i].
-func skipValue(b []byte, i int) int {
-	switch b[i] {
-	case '"':
-		return skipString(b, i)
-	case '{', '[':
-		depth := 0
-		for ; ; i++ {
-			switch b[i] {
-			case '"':
-				i = skipString(b, i) - 1
-			case '{', '[':
-				depth++
-			case '}', ']':
-				depth--
-				if depth == 0 {
-					return i + 1
-				}
-			}
-		}
-	}
-	for i < len(b) {
-		switch b[i] {
-		case ',', '}', ']', ' ', '\t', '\n', '\r':
-			return i
-		}
-		i++
-	}
-	return i
+	jsonscan.Members(obj, func(m jsonscan.Member) bool {
+		ms = append(ms, member{key: m.Key, name: jsonscan.StringText(m.Key), val: m.Value, obj: from})
+		return true
+	})
+	return ms
 }
 
 // appendCompact appends src, valid JSON (or a run of array elements),
@@ -292,7 +245,7 @@ func appendCompact(dst, src []byte) []byte {
 	for i := 0; i < len(src); i++ {
 		switch src[i] {
 		case '"':
-			i = skipString(src, i) - 1
+			i = jsonscan.SkipString(src, i) - 1
 		case ' ', '\t', '\n', '\r':
 			dst = append(dst, src[start:i]...)
 			start = i + 1
@@ -403,19 +356,36 @@ func (FirstMerger) Merge(parts []*Part) (Merged, error) {
 	return Merged{Status: p.Status, Header: p.Header, Body: p.Body}, nil
 }
 
+// UnmarshalCaddyfile sets up the merger from Caddyfile tokens:
+//
+//	merge json [{
+//		missing_field <name>
+//	}]
+func (m *JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	what := "partition: merge json"
+	return caddyopt.Block(d, what, func(opt string) error {
+		if opt != "missing_field" {
+			return caddyopt.Unknown(d, what, "missing_field")
+		}
+		v, err := caddyopt.OneArg(d, what)
+		if err != nil {
+			return err
+		}
+		m.MissingField = v
+		return caddyopt.Checked(d, what, checkMissingField(v))
+	})
+}
+
 // UnmarshalCaddyfile sets up the merger from Caddyfile tokens; it takes no
 // options:
 //
-//	merge json|concat|ndjson|first
-func (*JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
-
-// UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
+//	merge concat|ndjson|first
 func (*ConcatMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
-// UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
+// UnmarshalCaddyfile: see ConcatMerger.UnmarshalCaddyfile.
 func (*NDJSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
-// UnmarshalCaddyfile: see JSONMerger.UnmarshalCaddyfile.
+// UnmarshalCaddyfile: see ConcatMerger.UnmarshalCaddyfile.
 func (*FirstMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return unmarshalMerger(d) }
 
 // unmarshalMerger reads the `merge <name>` line of a merger that has no
@@ -428,6 +398,8 @@ func unmarshalMerger(d *caddyfile.Dispenser) error {
 // Interface guards
 var (
 	_ Merger                = (*JSONMerger)(nil)
+	_ PartialMerger         = (*JSONMerger)(nil)
+	_ caddy.Validator       = (*JSONMerger)(nil)
 	_ Merger                = (*ConcatMerger)(nil)
 	_ Merger                = (*NDJSONMerger)(nil)
 	_ Merger                = (*FirstMerger)(nil)

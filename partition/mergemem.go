@@ -205,12 +205,11 @@ func (h *FanOut) mergeReserve(n int) int64 {
 	return 2 * min(h.MaxMergedBody, int64(n)*h.MaxResponseBody)
 }
 
-// reservation is what a fan-out to n partitions with a request body of
-// bodyLen bytes reserves of max_merge_memory: mergeReserve, and one copy
-// of the body per partition (the internal reverse_proxy buffers it for
-// retries).
-func (h *FanOut) reservation(n int, bodyLen int) int64 {
-	return h.mergeReserve(n) + int64(n)*int64(bodyLen)
+// reservation is what a fan-out to n parts whose request bodies hold
+// bodies bytes (see subParent.bodyBytes) reserves of max_merge_memory:
+// mergeReserve, and the bodies.
+func (h *FanOut) reservation(n int, bodies int64) int64 {
+	return h.mergeReserve(n) + bodies
 }
 
 // checkMergeMemory checks max_merge_memory against its bounds and against

@@ -188,7 +188,7 @@ func lbxUpstreams(t *testing.T) upstreamsStatus {
 	return rep
 }
 
-// TestOutlierEjectionInsidePartition: lb_policy ewma's outlier ejection
+// TestOutlierEjectionInsidePartition: lb_policy least_time's outlier ejection
 // works inside partition. One replica of a two-replica partition answers
 // 503 at once; it is also the only replica of partition 1 of a
 // 3-partition scheme. After two failed attempts in a row it is ejected

@@ -25,6 +25,11 @@ func init() {
 // outcome, e.g. "users=200;12ms, recs=502;3ms;failed, ads=skipped".
 const ParallelStatusHeader = "X-Parallel-Status"
 
+// ParallelMissingHeader is the response header of a merged answer that
+// lists the branches missing from it (failed within fail_limit), e.g.
+// "recs, ads"; absent when none is.
+const ParallelMissingHeader = "X-Parallel-Missing"
+
 // Bounds of a parallel handler's branches.
 const (
 	maxBranches    = 64

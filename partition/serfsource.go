@@ -29,12 +29,12 @@ const DefaultSerfPartitionTag = "partition"
 // the previous one atomically (requests in flight finish on the list they
 // started with), merged with the static upstreams and the naming file's.
 type SerfNaming struct {
-	// PartitionTag is the member tag that holds the partition tags.
+	// The member tag that holds the partition tags.
 	// Default: "partition".
 	PartitionTag string `json:"partition_tag,omitempty"`
 
-	// Selector picks the members (tags, port, port_tag, exclude_self,
-	// allow_networks, allow_ports) and applies the dial policy.
+	// The member selection, inlined: `tags`, `port`, `port_tag`, `exclude_self`,
+	// `allow_networks` and `allow_ports` pick the members, and the dial policy applies.
 	cluster.Selector
 }
 

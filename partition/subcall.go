@@ -26,8 +26,11 @@ import (
 // sub-requests only read it.
 type subParent struct {
 	subreq.Parent
-	req    *http.Request
-	body   []byte
+	req  *http.Request
+	body []byte
+	// bodies are the partitions' own bodies (split_body), nil entries
+	// for partitions that are skipped; nil: every partition gets body.
+	bodies [][]byte
 	budget *budget // the bytes the sub-responses may hold together
 }
 
@@ -114,9 +117,10 @@ func (h *FanOut) newCall(ctx context.Context, p subParent, i int, via caddyhttp.
 	for _, k := range subRequestDrop {
 		req.Header.Del(k)
 	}
-	subreq.ReplayBody(req, p.body)
-	if len(p.body) > 0 {
-		req.Header.Set("Content-Length", strconv.Itoa(len(p.body)))
+	body := p.bodyFor(i)
+	subreq.ReplayBody(req, body)
+	if len(body) > 0 {
+		req.Header.Set("Content-Length", strconv.Itoa(len(body)))
 	} else {
 		req.Header.Del("Content-Length")
 	}

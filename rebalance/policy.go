@@ -52,14 +52,14 @@ func init() {
 // least-of-two by requests in flight.
 //
 // An upstream is the member whose dial address, built as `dynamic serf`
-// builds it (the member's IP and the port in its tag PortTag, else Port),
+// builds it (the member's IP and the port in the tag `port_tag` names, else `port`),
 // equals the upstream's dial address, so `dynamic serf` and this policy
-// with the same port and port_tag pair up. With neither Port nor PortTag
-// set, an upstream is the member whose IP is the upstream's host, provided
+// with the same port and port_tag pair up. With neither `port` nor
+// `port_tag` set, an upstream is the member whose IP is the upstream's host, provided
 // exactly one alive member has that IP. A dial address that two alive
 // members share matches neither.
 //
-// The loads are read from the cluster at most every Refresh, by the one
+// The loads are read from the cluster at most every `refresh`, by the one
 // request that finds them out of date while the others use the previous
 // reading; a selection looks up the two upstreams drawn in that reading,
 // reads no clock (the age of the reading is measured in the app's

@@ -308,7 +308,7 @@ func TestThroughputClusterSheds(t *testing.T) {
 	// The clients a shed moves reconnect right after it: between the
 	// two the nodes hold fewer than 400.
 	var heldA, heldB int
-	lbxtest.WaitFor(t, 5*time.Second, "the two nodes hold 400 connections", func() (bool, string) {
+	lbxtest.WaitFor(t, 15*time.Second, "the two nodes hold 400 connections", func() (bool, string) {
 		heldA, heldB = simA.tracker.Counts().Held(), simB.tracker.Counts().Held()
 		return heldA+heldB == 400, fmt.Sprintf("%d + %d", heldA, heldB)
 	})

@@ -107,7 +107,7 @@ func (c *call) launch(ctx context.Context, g int, kind attemptKind, avoid []stri
 	// A backup on a group that is already trying the request goes to
 	// another replica, one with spare capacity: the group's policy leaves
 	// out the others (when it tracks what requests tried, as lb_policy
-	// ewma and panic do under a selective that hedges).
+	// least_time and panic do under a selective that hedges).
 	lbpolicy.AvoidAll(a.req, avoid)
 	c.mu.Lock()
 	c.attempts = append(c.attempts, a)

@@ -53,7 +53,7 @@ type group struct {
 }
 
 // countEvery is how long (ns) a count of a group's usable upstreams is
-// reused, as lb_policy ewma reuses its count of available upstreams:
+// reused, as lb_policy least_time reuses its count of available upstreams:
 // choosing stays O(groups), and a health change shows within a blink.
 const countEvery = int64(5e6)
 
@@ -66,7 +66,7 @@ var groupStates = caddy.NewUsagePool()
 // groupState is what is known of a group across configs.
 type groupState struct {
 	// stats is the group's latency estimate and attempts awaiting
-	// headers, kept by the estimator lb_policy ewma uses. It is not in
+	// headers, kept by the estimator lb_policy least_time uses. It is not in
 	// hoststate's registry of upstream addresses: a group is not one.
 	stats *hoststate.Stats
 	// inFlight counts attempts not finished (response body included).
@@ -311,7 +311,7 @@ func (g *group) usable(i int, u *reverseproxy.Upstream, now int64) bool {
 // lately): a replica that froze, whose abandoned attempts left it looking
 // idle, is still expected to be as slow as its stall (hoststate's Judge).
 // avoid then lists every usable upstream that is not such a replica, so
-// that the group's policy (when it tracks what a request tried, as ewma
+// that the group's policy (when it tracks what a request tried, as least_time
 // and panic do) chooses among the spare ones only.
 //
 // Any other group has spare capacity when it has fewer of this handler's

@@ -76,7 +76,7 @@ func (h *Handler) pick(c *call, now int64, excluded func(int) bool) int {
 }
 
 // cheapest is the latency policy: the group of lowest expected cost, with
-// lb_policy ewma's estimator and comparison (see choose.Cost.Beats), the
+// lb_policy least_time's estimator and comparison (see choose.Cost.Beats), the
 // capacity standing for the weight.
 func (h *Handler) cheapest(v *choiceView, now int64) int {
 	return choose.Cheapest(groupCandidates{h: h, v: v, now: now, base: h.table.Baseline()})

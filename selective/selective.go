@@ -34,21 +34,21 @@ func init() {
 	caddy.RegisterModule(new(Handler))
 }
 
-// Handler balances each request among Groups: it chooses a group by
-// Policy, sends the request through the group's routes, retries a failed
-// call on another group up to MaxRetry times, and, with BackupRequest or
-// BackupRequestAuto set, sends a second attempt to an idle replica the
+// Handler balances each request among its `groups`: it chooses a group
+// by its `policy`, sends the request through the group's routes, retries a failed
+// call on another group up to `max_retry` times, and, with `backup_request` or
+// `backup_request_auto` set, sends a second attempt to an idle replica the
 // call is not using (in another group, or the same one) if the first has
 // not answered within the delay and looks stuck rather than queued,
 // taking whichever answers first. The rules for when and where a backup
 // goes, and for its budget, are stated once in docs/selective.md
 // ("Backup requests").
 //
-// A call fails, for retries, as RetryOn says: by default on a dial error,
+// A call fails, for retries, as `retry_on` says: by default on a dial error,
 // a timeout, another proxy error (a reset, a closed connection) and the
 // statuses 502, 503 and 504. A request whose method is not safe is
 // retried only on dial errors (the request never reached a backend),
-// unless RetryAnyMethod is set, as in Caddy's reverse_proxy.
+// unless `retry_any_method` is set, as in Caddy's reverse_proxy.
 // When every attempt failed, the client gets the last failure: its
 // response as the group answered it, or the group's error (502, or 504
 // for a timeout), for handle_errors.
@@ -146,7 +146,7 @@ type Handler struct {
 	backupMatch caddyhttp.MatcherSets
 	budget      *budget
 	// table holds the estimator settings and the groups' baseline latency
-	// (the same estimator as lb_policy ewma's); the groups' states are
+	// (the same estimator as lb_policy least_time's); the groups' states are
 	// kept outside its registry, in groupStates.
 	table  *hoststate.Table
 	server *caddyhttp.Server
@@ -180,8 +180,8 @@ type Group struct {
 	// The routes a request sent to the group goes through, as in a
 	// subroute: usually one reverse_proxy handler. A group that writes no
 	// response fails with 502. A reverse_proxy here (or in a subroute
-	// here) with no selection policy gets `ewma`, written in at
-	// provisioning.
+	// here) with no selection policy gets least_time (written `ewma`,
+	// its earlier name), at provisioning.
 	Routes caddyhttp.RouteList `json:"routes,omitempty"`
 }
 
@@ -293,7 +293,7 @@ type Policy struct {
 	// The policy:
 	//   - "latency" (default): the group with the lowest expected cost,
 	//     its attempts in flight divided by its capacity times its latency
-	//     estimate, with the same estimator and tie band as lb_policy ewma:
+	//     estimate, with the same estimator and tie band as lb_policy least_time:
 	//     among groups of similar latency, weighted least-requests by
 	//     capacity.
 	//   - "weighted": at random, in proportion to capacity.

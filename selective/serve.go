@@ -291,7 +291,7 @@ func (c *call) sendBackup(ctx context.Context, delay time.Duration) int {
 // busy period began with the attempt, a whole delay ago.
 //
 // The replica's state is the one lbx's policies keep for every upstream
-// (ewma, the default in a group, and panic record it); for an upstream
+// (least_time, the default in a group, and panic record it); for an upstream
 // no lbx policy observes, and for groups that are not one reverse_proxy
 // with static upstreams, the group's own state stands in: whether any
 // attempt of this handler on the group got an answer lately.

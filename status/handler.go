@@ -118,27 +118,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 // allow_remote serves clients that are not on this machine (put
 // authentication or a remote_ip matcher in front).
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the directive
-	const what = "lbx_status"
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	once := caddyopt.NewOnce(what)
-	for d.NextBlock(0) {
-		if err := once.Check(d); err != nil {
-			return err
+	return caddyopt.Block(d, "lbx_status", func(opt string) error {
+		if opt != "allow_remote" {
+			return caddyopt.Unknown(d, "lbx_status", "allow_remote")
 		}
-		switch d.Val() {
-		case "allow_remote":
-			if err := caddyopt.NoArgs(d, what); err != nil {
-				return err
-			}
-			h.AllowRemote = true
-		default:
-			return caddyopt.Unknown(d, what, "allow_remote")
-		}
-	}
-	return nil
+		h.AllowRemote = true
+		return caddyopt.NoArgs(d, "lbx_status")
+	})
 }
 
 func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {

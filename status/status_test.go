@@ -281,7 +281,7 @@ func TestCaddyfile(t *testing.T) {
 		}
 	}
 	for bad, want := range map[string]string{
-		"lbx_status x":                                    "wrong argument count",
+		"lbx_status x":                                    `unexpected argument "x"`,
 		"lbx_status {\n\tfoo\n}":                          `unknown option "foo" (want allow_remote)`,
 		"lbx_status {\n\tallow_remote yes\n}":             `unexpected argument "yes"`,
 		"lbx_status {\n\tallow_remote\n\tallow_remote\n}": "allow_remote specified more than once",

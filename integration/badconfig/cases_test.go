@@ -109,7 +109,7 @@ func (s *server) namedCases() []badCase {
 		s.caddyfileCase("Caddyfile encrypt_key of 5 bytes", "encrypt_keys[1]: decodes to 5 bytes; want 16, 24 or 32 (AES-128, -192 or -256), at Caddyfile:", "node_name badconfig",
 			"node_name badconfig\n\t\tencrypt_key "+gossipKey+" c2hvcnQ="),
 		s.caddyfileCase("Caddyfile lbx_handoff with an argument", `lbx_handoff listener wrapper: unexpected argument \"on\"; it takes none, at Caddyfile:`, "\t\t\tlbx_handoff\n", "\t\t\tlbx_handoff on\n"),
-		s.caddyfileCase("Caddyfile lbx_status with an argument", "wrong argument count", "\t\tlbx_status\n", "\t\tlbx_status verbose\n"),
+		s.caddyfileCase("Caddyfile lbx_status with an argument", "unexpected argument", "\t\tlbx_status\n", "\t\tlbx_status verbose\n"),
 		s.caddyfileCase("Caddyfile rebalance idle_close_after 1ms", "idle_close_after 1ms is below the minimum 1s, at Caddyfile:",
 			"idle_close_after 2m", "idle_close_after 1ms"),
 		s.caddyfileCase("Caddyfile rebalance cpu bogus", "Caddyfile:", "boundary_timeout 30s", "boundary_timeout 30s\n\t\tcpu bogus"),

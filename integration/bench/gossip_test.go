@@ -98,9 +98,10 @@ func TestGossipFlowSmall(t *testing.T) {
 				return
 			}
 			// 4 s of 200 ms intervals: 20 steps per member, a keep-alive
-			// every 5 at least.
-			if perMember := float64(r.reports) / 6; perMember < 4 || perMember >= 20 {
-				t.Errorf("%d tag reports in the window, %.1f per member; want at least the keep-alives (4) and fewer than one per interval (20)", r.reports, perMember)
+			// every 5 at least, so 4; a loaded machine drops ticks (CI
+			// measured 3.8 with other builds running), so at least 3.
+			if perMember := float64(r.reports) / 6; perMember < 3 || perMember >= 20 {
+				t.Errorf("%d tag reports in the window, %.1f per member; want at least most of the keep-alives (3 of 4) and fewer than one per interval (20)", r.reports, perMember)
 			}
 			if r.reach1.N == 0 || r.neverAll > 0 {
 				t.Errorf("tags: reach to all %+v, %.1f%% never reached all; want every report to reach every member", r.reach1, r.neverAll)

@@ -133,12 +133,19 @@ func BlockOnly(d *caddyfile.Dispenser, what string) error {
 }
 
 // Block reads a block of options: it consumes the name of the
-// directive, global option or module (the token the dispenser is on),
-// refuses arguments on its line, and calls option for each option of the
-// block with the dispenser on the option's name, after refusing one given
-// twice. option reads the option's values and checks them.
+// directive, global option or module (the token the dispenser is on)
+// and reads the rest as Options does.
 func Block(d *caddyfile.Dispenser, what string, option func(opt string) error) error {
 	d.Next() // the name
+	return Options(d, what, option)
+}
+
+// Options reads the block of options of the directive, global option or
+// module whose name the dispenser has just consumed: it refuses
+// arguments on the name's line, and calls option for each option of the
+// block with the dispenser on the option's name, after refusing one given
+// twice. option reads the option's values and checks them.
+func Options(d *caddyfile.Dispenser, what string, option func(opt string) error) error {
 	if err := BlockOnly(d, what); err != nil {
 		return err
 	}
