@@ -416,3 +416,35 @@ func TestParallelInSelectiveTakesItsDeadline(t *testing.T) {
 		return slow.cancelled.Load() == 1, fmt.Sprintf("cancelled %d, hits %d", slow.cancelled.Load(), slow.hits.Load())
 	})
 }
+
+// TestParallelPartialAnswer: a branch that fails within fail_limit is
+// named in X-Parallel-Missing, and its index in merge json's
+// missing_field.
+func TestParallelPartialAnswer(t *testing.T) {
+	e := newEnv(t)
+	a, bad := e.backend("a"), e.backend("bad")
+	slowJSON(a, "a", 0)
+	bad.setHandler(func(b *backend, w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusBadGateway) })
+	e.load(fmt.Sprintf(`	parallel {
+		branch a {
+			reverse_proxy %s
+		}
+		branch recs {
+			reverse_proxy %s
+		}
+		merge json {
+			missing_field missing
+		}
+	}`, a.addr, bad.addr))
+
+	res := e.get("/")
+	if res.status != http.StatusOK || res.body != "{\"a\":\"a\",\"missing\":[1]}\n" {
+		t.Fatalf("status %d body %q; want a's answer with missing [1]", res.status, res.body)
+	}
+	if m := res.header.Get(ParallelMissingHeader); m != "recs" {
+		t.Errorf("%s %q; want recs", ParallelMissingHeader, m)
+	}
+	if m := res.header.Get(MissingHeader); m != "" {
+		t.Errorf("%s %q on a parallel answer", MissingHeader, m)
+	}
+}
