@@ -171,6 +171,25 @@ func TestNamingFileEditedUnderLoad(t *testing.T) {
 // adding the 4-partition scheme on a third server doubles that scheme's
 // capacity; removing partition 2/3 takes the first server out.
 func TestSeedWalkThrough(t *testing.T) {
+	seedWalkThrough(t, func(partition string) string { return partition }, "")
+}
+
+// TestSeedWalkThroughInAParallelBranch: the walk-through holds with the
+// dynamic partition as one branch of a parallel, beside a branch that
+// answers by itself ("a combination of channels is itself a channel").
+// Every request goes through both branches, so the partition sees the
+// same traffic as alone.
+func TestSeedWalkThroughInAParallelBranch(t *testing.T) {
+	seedWalkThrough(t, func(partition string) string {
+		return "\tparallel {\n\t\tbranch walk {\n" + partition + "\n\t\t}\n" +
+			"\t\tbranch other {\n\t\t\theader Content-Type application/json\n\t\t\trespond `{\"other\":true}` 200\n\t\t}\n" +
+			"\t\tfail_limit 1\n\t}"
+	}, `"other":true`)
+}
+
+// seedWalkThrough runs the walk-through with the partition handler's
+// directive placed in a site by wrap; every answer's body contains want.
+func seedWalkThrough(t *testing.T, wrap func(partition string) string, want string) {
 	e := newEnv(t)
 	s4, s5, s6 := e.backend("8004"), e.backend("8005"), e.backend("8006")
 	list := filepath.Join(t.TempDir(), "server_list")
@@ -188,7 +207,10 @@ func TestSeedWalkThrough(t *testing.T) {
 		return sb.String()
 	}
 	writeFile(t, list, scheme(s4, 3))
-	e.load(partitionSite(nil, "naming_file "+list, "poll_interval 100ms", "lb_policy round_robin", "fail_limit 1"))
+	e.load(wrap(partitionSite(nil, "naming_file "+list, "poll_interval 100ms", "lb_policy round_robin", "fail_limit 1")))
+	if res := e.get("/"); res.status != http.StatusOK || !strings.Contains(res.body, want) {
+		t.Fatalf("status %d, body %q; want 200 and a body containing %q", res.status, res.body, want)
+	}
 	l := e.startLoad(4)
 	l.waitRequests(t, 50)
 
