@@ -10,12 +10,12 @@ import (
 	"github.com/caddy-lbx/lbx/internal/caddyopt"
 )
 
-// Per-partition request bodies (split_body): each partition is sent only
-// its own elements of an array field of the JSON request body, and a
-// partition with none is skipped. The split itself is internal/bodysplit.
+// Per-part request bodies (split_body): each partition or branch is sent
+// only its own elements of an array field of the JSON request body, and a
+// part with none is skipped. The split itself is internal/bodysplit.
 
 // provisionSplit writes split_body's defaults and prepares its splitter.
-func (h *Handler) provisionSplit() error {
+func (h *FanOut) provisionSplit() error {
 	if h.SplitBody == nil {
 		return nil
 	}
@@ -29,7 +29,7 @@ func (h *Handler) provisionSplit() error {
 }
 
 // checkSplitBody is split_body's part of validate.
-func (h *Handler) checkSplitBody() error {
+func (h *FanOut) checkSplitBody() error {
 	if h.SplitBody == nil {
 		return nil
 	}
@@ -41,11 +41,11 @@ func (h *Handler) checkSplitBody() error {
 	return nil
 }
 
-// splitBodies splits body among the n partitions of the chosen scheme,
-// once per request, before any sub-request; bodies is nil without
-// split_body (every partition gets body). ok is false when it has answered
+// splitBodies splits body among the n parts (the chosen scheme's
+// partitions, or parallel's branches), once per request, before any
+// sub-request; bodies is nil without split_body (every part gets body). ok is false when it has answered
 // the request itself: 400 for a body that cannot be split.
-func (h *Handler) splitBodies(w http.ResponseWriter, r *http.Request, n int, body []byte) (bodies [][]byte, ok bool) {
+func (h *FanOut) splitBodies(w http.ResponseWriter, r *http.Request, n int, body []byte) (bodies [][]byte, ok bool) {
 	if h.splitter == nil {
 		return nil, true
 	}
@@ -57,7 +57,7 @@ func (h *Handler) splitBodies(w http.ResponseWriter, r *http.Request, n int, bod
 	return bodies, true
 }
 
-// bodyFor returns partition i's request body.
+// bodyFor returns part i's request body.
 func (p subParent) bodyFor(i int) []byte {
 	if p.bodies == nil {
 		return p.body
@@ -65,7 +65,7 @@ func (p subParent) bodyFor(i int) []byte {
 	return p.bodies[i]
 }
 
-// noBody reports whether split_body left partition i without elements:
+// noBody reports whether split_body left part i without elements:
 // it is skipped.
 func (p subParent) noBody(i int) bool {
 	return p.bodies != nil && p.bodies[i] == nil
@@ -91,11 +91,11 @@ func (p subParent) bodyBytes(calls []*subCall) int64 {
 // splitBody reads `split_body <field> [hash|index] [{ key <member>;
 // max_elements <n> }]`, checking each value where it is written.
 func (p *blockParse) splitBody(d *caddyfile.Dispenser, name string) error {
-	what := directive + ": " + name
+	what := p.what + ": " + name
 	args := d.RemainingArgs()
 	switch {
 	case len(args) == 0:
-		return caddyopt.Missing(d, directive)
+		return caddyopt.Missing(d, p.what)
 	case len(args) > 2:
 		return caddyopt.Errf(d, what, "want <field> [hash|index], got %d arguments", len(args))
 	}
@@ -132,6 +132,6 @@ func (p *blockParse) splitBody(d *caddyfile.Dispenser, name string) error {
 	if err != nil {
 		return err
 	}
-	p.h.SplitBody = c
+	p.f.SplitBody = c
 	return nil
 }

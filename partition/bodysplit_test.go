@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -40,7 +41,7 @@ func TestUnmarshalSplitBody(t *testing.T) {
 		"split_body a..b":                                                 `partition: split_body: field "a..b": name 2 of the path is empty, at Testfile:3`,
 		"split_body a.b.c.d.e.f.g.h.i":                                    `has 9 names; at most 8, at Testfile:3`,
 		"split_body ids range":                                            `partition: split_body: by "range": want hash or index, at Testfile:3`,
-		"split_body ids index {\nkey id\n}":                               `partition: split_body: key "id": a key applies to by hash only; by index sends element i to partition i, at Testfile:4`,
+		"split_body ids index {\nkey id\n}":                               `partition: split_body: key "id": a key applies to by hash only; by index sends element i to part i (partition or branch), at Testfile:4`,
 		"split_body ids {\nmax_elements 0\n}":                             "partition: split_body: max_elements 0 is below the minimum 1, at Testfile:4",
 		"split_body ids {\nmax_elements 10000001\n}":                      "max_elements 10000001 is above the maximum 10000000, at Testfile:4",
 		"split_body ids {\nmax_elements x\n}":                             `partition: split_body: max_elements "x": want a whole number, at Testfile:4`,
@@ -81,7 +82,7 @@ func TestValidateSplitBody(t *testing.T) {
 		{bodysplit.Config{Field: "ids", By: "index", Key: "id"}, `split_body: key "id": a key applies to by hash only`},
 		{bodysplit.Config{Field: "ids", MaxElements: -3}, "split_body: max_elements -3 is below the minimum 1"},
 	} {
-		h := Handler{SplitBody: &tc.cfg}
+		h := FanOut{SplitBody: &tc.cfg}
 		if err := h.checkSplitBody(); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%+v: %v; want %q", tc.cfg, err, tc.want)
 		}
@@ -389,4 +390,67 @@ func TestMissingParts(t *testing.T) {
 	if got := missingParts(outcomes[:1]); got != nil {
 		t.Errorf("missing %v; want none", got)
 	}
+}
+
+// TestParallelSplitBody: split_body in parallel, brpc's
+// UseFieldAsSubRequest. By index, branch i (here three different
+// services) is sent element i of the array and nothing else; by hash,
+// each branch its ids, a branch left with none skipped; a body that
+// cannot be split is answered 400 with no branch asked.
+func TestParallelSplitBody(t *testing.T) {
+	e := newEnv(t)
+	ib := newIDBackends(e, 3)
+	site := func(by string) string {
+		var b strings.Builder
+		b.WriteString("\tparallel {\n")
+		for i, s := range ib.list {
+			fmt.Fprintf(&b, "\t\tbranch svc%d {\n\t\t\treverse_proxy %s\n\t\t}\n", i, s.addr)
+		}
+		b.WriteString("\t\tsplit_body ids " + by + "\n\t}")
+		return b.String()
+	}
+	e.load(site("index"))
+	res := e.post("/", `{"ids": [["a1", "a2"], "b", {"c": 3}]}`)
+	if res.status != http.StatusOK {
+		t.Fatalf("by index: status %d: %s", res.status, res.body)
+	}
+	want := map[int][]string{0: {`["a1", "a2"]`}, 1: {`"b"`}, 2: {`{"c": 3}`}}
+	ib.mu.Lock()
+	if !reflect.DeepEqual(ib.ids, want) {
+		t.Errorf("by index: the branches got %v; want element i in branch i: %v", ib.ids, want)
+	}
+	ib.ids, ib.reqs = map[int][]string{}, map[int]int{}
+	ib.mu.Unlock()
+
+	e.load(site("hash"))
+	_, ids := multiGet(300)
+	var mine0 []string // the ids branch 0 is asked for, alone
+	for _, id := range ids {
+		s, _ := strconv.Unquote(id)
+		if bodysplit.HashKey([]byte(s))%3 == 0 {
+			mine0 = append(mine0, id)
+		}
+	}
+	res = e.post("/", `{"ids":[`+strings.Join(mine0, ",")+`]}`)
+	if res.status != http.StatusOK || len(itemsOf(t, res.body)) != len(mine0) {
+		t.Fatalf("by hash: status %d, body %.80q; want the %d ids of branch 0", res.status, res.body, len(mine0))
+	}
+	if st := res.header.Get(ParallelStatusHeader); !strings.HasPrefix(st, "svc0=200;") || !strings.Contains(st, "svc1=skipped, svc2=skipped") {
+		t.Errorf("by hash: %s %q; want svc0 asked, svc1 and svc2 skipped", ParallelStatusHeader, st)
+	}
+	ib.mu.Lock()
+	if ib.reqs[0] != 1 || ib.reqs[1] != 0 || ib.reqs[2] != 0 || len(ib.ids[0]) != len(mine0) {
+		t.Errorf("by hash: requests %v, %d ids at branch 0; want one request, to branch 0, with its %d ids", ib.reqs, len(ib.ids[0]), len(mine0))
+	}
+	ib.mu.Unlock()
+
+	res = e.post("/", `{"ids": "not an array"}`)
+	if res.status != http.StatusBadRequest || !strings.Contains(res.body, "split_body") {
+		t.Errorf("unsplittable body: status %d, %q; want 400 naming split_body", res.status, res.body)
+	}
+	ib.mu.Lock()
+	if n := ib.reqs[0] + ib.reqs[1] + ib.reqs[2]; n != 1 {
+		t.Errorf("an unsplittable body reached a branch: %d requests in all; want 1 (the one before)", n)
+	}
+	ib.mu.Unlock()
 }

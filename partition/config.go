@@ -13,7 +13,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
-	"github.com/caddy-lbx/lbx/internal/bodysplit"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
@@ -125,18 +124,6 @@ type Handler struct {
 	// {partition.tag}; fail_limit is at most MaxPartitions (1024).
 	FanOut
 
-	// Splits the JSON request body among the partitions: each partition
-	// is sent the body with the array named by field holding only its own
-	// elements, by FNV-1a-64 of each element's key modulo the partition
-	// count (by "hash", the default) or element i to partition i (by
-	// "index"); every other byte is sent as written, and a partition with
-	// no element is skipped. A body that cannot be split (not a JSON
-	// object, no such array, an element without a usable key, more than
-	// max_elements, or by "index" with another length than the partition
-	// count) is answered 400 before any sub-request. Default: none, every
-	// partition gets the whole body.
-	SplitBody *bodysplit.Config `json:"split_body,omitempty"`
-
 	// Rules that reject a request with 400 before any sub-request is
 	// sent. They are checked in order against the client request, after
 	// its body has been read (a body over MaxRequestBody is answered 413
@@ -178,9 +165,6 @@ type Handler struct {
 	// The naming file's and the serf members' entries (under swapMu).
 	fileEntries []Entry
 	serfEntries []Entry
-
-	// splitter splits request bodies (split_body), or is nil.
-	splitter *bodysplit.Splitter
 }
 
 // ejectionAware is a selection policy that leaves upstreams ejected by
@@ -256,9 +240,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if err := h.provisionMatchers(ctx); err != nil {
-		return err
-	}
-	if err := h.provisionSplit(); err != nil {
 		return err
 	}
 	if err := h.provisionProxy(ctx); err != nil {
@@ -393,7 +374,6 @@ func (h *Handler) validate() error {
 	checks := append(h.checks(MaxPartitions),
 		h.checkNaming(),
 		bounds.Duration("poll_interval", time.Duration(h.PollInterval), minPollInterval, maxPollInterval),
-		h.checkSplitBody(),
 	)
 	if h.Retries != nil {
 		checks = append(checks, bounds.Int("retries", *h.Retries, 0, maxRetries))

@@ -11,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/bodysplit"
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/liveset"
 )
@@ -87,11 +88,26 @@ type FanOut struct {
 	// the answer is 400.
 	SkipRaw caddyhttp.RawMatcherSets `json:"skip,omitempty" caddy:"namespace=http.matchers"`
 
+	// Splits the JSON request body among the parts: each part is sent
+	// the body with the array named by field holding only its own
+	// elements, by FNV-1a-64 of each element's key modulo the number of
+	// parts (by "hash", the default) or element i to part i (by
+	// "index"); every other byte is sent as written, and a part with no
+	// element is skipped. The parts are the partitions of the scheme
+	// chosen, or parallel's branches. A body that cannot be split (not a
+	// JSON object, no such array, an element without a usable key, more
+	// than max_elements, or by "index" with another length than the
+	// number of parts) is answered 400 before any sub-request. Default:
+	// none, every part gets the whole body.
+	SplitBody *bodysplit.Config `json:"split_body,omitempty"`
+
 	kind   *fanKind
 	merger Merger
 	enough Sufficer // merger as a Sufficer, or nil
 	skip   caddyhttp.MatcherSets
 	logger *zap.Logger
+	// splitter splits request bodies (split_body), or is nil.
+	splitter *bodysplit.Splitter
 }
 
 // fanKind is how a fan-out handler names itself and its parts in answers,
@@ -189,7 +205,7 @@ func (h *FanOut) provisionFanOut(ctx caddy.Context) error {
 			return fmt.Errorf("skip matchers: %v", err)
 		}
 	}
-	return nil
+	return h.provisionSplit()
 }
 
 // checks checks the options' bounds, after the defaults are applied;
@@ -204,6 +220,7 @@ func (h *FanOut) checks(maxFail int) []error {
 		checkSize("max_merged_body", h.MaxMergedBody),
 		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
 		h.checkMergeMemory(),
+		h.checkSplitBody(),
 	}
 }
 

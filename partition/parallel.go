@@ -189,7 +189,11 @@ func (p *Parallel) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp
 	if !ok {
 		return nil
 	}
-	p.fanOut(w, r, p.round, body, end)
+	rd := p.round
+	if rd.bodies, ok = p.splitBodies(w, r, rd.count, body); !ok {
+		return nil
+	}
+	p.fanOut(w, r, rd, body, end)
 	return nil
 }
 

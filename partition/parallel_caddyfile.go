@@ -35,6 +35,7 @@ var parallelOptions = map[string]optionParser{
 	"max_merge_memory":  (*blockParse).size,
 	"merge":             (*blockParse).merge,
 	"skip":              (*blockParse).skip,
+	"split_body":        (*blockParse).splitBody,
 }
 
 // parseParallel sets up the handler from Caddyfile tokens. Syntax:
@@ -53,6 +54,10 @@ var parallelOptions = map[string]optionParser{
 //		max_merged_body <size>
 //		max_merge_memory <size>
 //		skip <cel expression>
+//		split_body <field> [hash|index] [{
+//			key          <member>
+//			max_elements <n>
+//		}]
 //	}
 //
 // branch and skip may be repeated; every other option may appear once. A

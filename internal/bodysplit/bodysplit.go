@@ -133,7 +133,7 @@ func CheckKey(by, key string) error {
 	case key == "":
 		return nil
 	case by == ByIndex:
-		return fmt.Errorf("key %q: a key applies to by hash only; by index sends element i to partition i", key)
+		return fmt.Errorf("key %q: a key applies to by hash only; by index sends element i to part i (partition or branch)", key)
 	case len(key) > maxName:
 		return fmt.Errorf("key %q is %d bytes; at most %d", key, len(key), maxName)
 	case !utf8.ValidString(key):
@@ -217,7 +217,7 @@ type elem struct {
 // in one sub-body, and the rest of the body in each.
 func (s *Splitter) Split(body []byte, n int) ([][]byte, error) {
 	if n < 1 {
-		return nil, errorf(Length, "no partition to split %q among", s.field)
+		return nil, errorf(Length, "no part to split %q among", s.field)
 	}
 	arr, arrStart, err := s.find(body)
 	if err != nil {
@@ -345,7 +345,7 @@ func (s *Splitter) assign(arr []byte, base, n int) ([]elem, error) {
 		return nil, err
 	}
 	if s.byIndex && count != n {
-		return nil, errorf(Length, "field %q has %d elements; by index needs one per partition, %d", s.field, count, n)
+		return nil, errorf(Length, "field %q has %d elements; by index needs one per part (partition or branch), %d", s.field, count, n)
 	}
 	return elems, nil
 }

@@ -177,9 +177,9 @@ func TestSplitErrors(t *testing.T) {
 		{Config{Field: "ids", Key: "id"}, `{"ids":[{"id":[1]}]}`, 2, ElementType, `element 0 of "ids": key "id" is an array; want a string or a number`},
 		{Config{Field: "ids", Key: "id"}, `{"ids":[{"id":1,"id":2}]}`, 2, Duplicate, `element 0 of "ids" has the key "id" twice`},
 		{Config{Field: "ids", MaxElements: 2}, `{"ids":[1,2,3]}`, 2, TooMany, `field "ids" has more than 2 elements (max_elements)`},
-		{Config{Field: "ids", By: ByIndex}, `{"ids":[1,2,3]}`, 2, Length, `field "ids" has 3 elements; by index needs one per partition, 2`},
+		{Config{Field: "ids", By: ByIndex}, `{"ids":[1,2,3]}`, 2, Length, `field "ids" has 3 elements; by index needs one per part (partition or branch), 2`},
 		{Config{Field: "ids", By: ByIndex}, `{"ids":[1]}`, 2, Length, `has 1 elements`},
-		{Config{Field: "ids"}, `{"ids":[1]}`, 0, Length, "no partition"},
+		{Config{Field: "ids"}, `{"ids":[1]}`, 0, Length, "no part to split"},
 	} {
 		out, err := mustNew(t, tc.cfg).Split([]byte(tc.body), tc.n)
 		var se *Error
