@@ -1,7 +1,6 @@
 package lbpolicy
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -122,16 +121,6 @@ func (x *LeastTimeSelection) UnmarshalJSON(b []byte) error {
 	type plain LeastTimeSelection
 	return jsonfield.Decode(b, (*plain)(x))
 }
-
-// DefaultComboPolicy returns the selection policy, as module JSON, that
-// lbx's combo handlers give a reverse_proxy of theirs that names none
-// (partition's proxy, a selective group's): least_time, which judges
-// replicas by what they answered and reads the replicas a call already
-// tried. Caddy's own default, random, does neither. It is written under
-// the earlier name, ewma, which behaves the same, so that configs adapted
-// before the rename and their admin views and metrics read as they did.
-// A new copy each call: it is stored into configs.
-func DefaultComboPolicy() json.RawMessage { return json.RawMessage(`{"policy":"ewma"}`) }
 
 // CaddyModule returns the Caddy module information.
 func (*LeastTimeSelection) CaddyModule() caddy.ModuleInfo {

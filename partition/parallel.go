@@ -15,6 +15,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/calldeadline"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/lbpolicy"
 )
 
 func init() {
@@ -88,6 +89,9 @@ type Branch struct {
 	Name string `json:"name,omitempty"`
 
 	// The routes that serve the branch's sub-request, as in a subroute.
+	// A reverse_proxy here (or in a subroute here) that names no
+	// selection policy gets least_time (written `ewma`, its earlier
+	// name) at provisioning, as in a selective group.
 	Routes caddyhttp.RouteList `json:"routes,omitempty"`
 }
 
@@ -123,6 +127,12 @@ func (p *Parallel) Provision(ctx caddy.Context) error {
 	}
 	names := make([]string, len(p.Branches))
 	for i, b := range p.Branches {
+		// A reverse_proxy here that names no policy gets least_time, as
+		// in a selective group: a retry goes to another replica, and a
+		// slow or failing one is judged by its answers.
+		if err := lbpolicy.DefaultRoutesPolicy(b.Routes); err != nil {
+			return fmt.Errorf("branch %s: %v", b.Name, err)
+		}
 		sub := &caddyhttp.Subroute{Routes: b.Routes}
 		if err := sub.Provision(ctx); err != nil {
 			return fmt.Errorf("branch %s: %v", b.Name, err)

@@ -448,3 +448,25 @@ func TestParallelPartialAnswer(t *testing.T) {
 		t.Errorf("%s %q on a parallel answer", MissingHeader, m)
 	}
 }
+
+// TestParallelBranchDefaultPolicy: a branch's reverse_proxy that names no
+// policy runs least_time, as a selective group's does: with one fast and
+// one slow replica the slow one gets few requests (Caddy's default,
+// random, gives it about half).
+func TestParallelBranchDefaultPolicy(t *testing.T) {
+	e := newEnv(t)
+	fast, slow := e.backend("fast"), e.backend("slow")
+	slowJSON(fast, "who", 0)
+	slowJSON(slow, "who", 30*time.Millisecond)
+	e.load(fmt.Sprintf("\tparallel {\n\t\tbranch {\n\t\t\treverse_proxy %s %s\n\t\t}\n\t}", fast.addr, slow.addr))
+	const n = 100
+	for range n {
+		if res := e.get("/"); res.status != http.StatusOK {
+			t.Fatalf("status %d: %s", res.status, res.body)
+		}
+	}
+	if got := slow.hits.Load(); got > n/4 || fast.hits.Load()+got != n {
+		t.Fatalf("slow replica %d of %d requests, fast %d; want the slow one to get at most a quarter, as least_time gives it", got, n, fast.hits.Load())
+	}
+	t.Logf("slow replica: %d of %d requests", slow.hits.Load(), n)
+}

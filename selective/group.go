@@ -134,7 +134,7 @@ func provisionGroup(ctx caddy.Context, g *Group) (*group, error) {
 	sum := sha256.Sum256(raw)
 	// After the key: a default written here must not change the state a
 	// reload finds the group's under.
-	if err := defaultGroupPolicy(g.Routes); err != nil {
+	if err := lbpolicy.DefaultRoutesPolicy(g.Routes); err != nil {
 		return nil, err
 	}
 	pg := &group{
@@ -154,77 +154,6 @@ func provisionGroup(ctx caddy.Context, g *Group) (*group, error) {
 	pg.metrics = newGroupMetrics(pg.name)
 	pg.findCapacity(pg.sub.Routes)
 	return pg, nil
-}
-
-// defaultGroupPolicy gives each reverse_proxy in routes (and in their
-// subroutes) that names no selection policy lbpolicy.DefaultComboPolicy
-// (so a backup in the same group goes to another replica), in its raw
-// JSON before it is provisioned. Nested selective and partition
-// handlers choose their own defaults.
-func defaultGroupPolicy(routes caddyhttp.RouteList) error {
-	for i := range routes {
-		for j, raw := range routes[i].HandlersRaw {
-			out, err := defaultHandlerPolicy(raw)
-			if err != nil {
-				return fmt.Errorf("route %d, handler %d: %v", i, j, err)
-			}
-			routes[i].HandlersRaw[j] = out
-		}
-	}
-	return nil
-}
-
-// defaultHandlerPolicy returns raw, a handler's JSON, with
-// lbpolicy.DefaultComboPolicy written in if it is a reverse_proxy with no selection
-// policy, or a subroute holding one.
-func defaultHandlerPolicy(raw json.RawMessage) (json.RawMessage, error) {
-	var h map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &h); err != nil {
-		return nil, err
-	}
-	var name string
-	if err := json.Unmarshal(h["handler"], &name); err != nil {
-		return raw, nil // Caddy's provisioning reports it
-	}
-	switch name {
-	case "reverse_proxy":
-		var lb map[string]json.RawMessage
-		if v, ok := h["load_balancing"]; ok {
-			if err := json.Unmarshal(v, &lb); err != nil {
-				return nil, fmt.Errorf("load_balancing: %v", err)
-			}
-		}
-		if p, ok := lb["selection_policy"]; ok && len(p) > 0 && string(p) != "null" {
-			return raw, nil
-		}
-		if lb == nil {
-			lb = map[string]json.RawMessage{}
-		}
-		lb["selection_policy"] = lbpolicy.DefaultComboPolicy()
-		v, err := json.Marshal(lb)
-		if err != nil {
-			return nil, err
-		}
-		h["load_balancing"] = v
-	case "subroute":
-		var routes caddyhttp.RouteList
-		if v, ok := h["routes"]; ok {
-			if err := json.Unmarshal(v, &routes); err != nil {
-				return nil, fmt.Errorf("subroute routes: %v", err)
-			}
-		}
-		if err := defaultGroupPolicy(routes); err != nil {
-			return nil, fmt.Errorf("subroute: %v", err)
-		}
-		v, err := json.Marshal(routes)
-		if err != nil {
-			return nil, err
-		}
-		h["routes"] = v
-	default:
-		return raw, nil
-	}
-	return json.Marshal(h)
 }
 
 // findCapacity looks through routes for the first handler that tells the
