@@ -245,7 +245,7 @@ func (h *FanOut) fanOut(w http.ResponseWriter, r *http.Request, rd round, body [
 		limit = len(calls)
 	}
 	results, wg := h.start(ctx, calls)
-	t := h.collect(ctx, results, outcomes, len(calls), limit)
+	t := h.collect(ctx, end, results, outcomes, len(calls), limit)
 	cancel(errDecided)
 	wg.Wait()
 
@@ -353,7 +353,12 @@ type tally struct {
 // stops as soon as the fan-out is decided: limit partitions failed, the
 // sub-responses went over max_merged_body, the merger has enough (a
 // Sufficer), or ctx ended (the deadline, or the client went away).
-func (h *FanOut) collect(ctx context.Context, results <-chan *outcome, outcomes []*outcome, n, limit int) (t tally) {
+//
+// A part that fails once end (the call's deadline) has passed timed out,
+// whatever it says: a handler nested in it holds the same deadline and
+// may answer it a moment before this one's timer fires, and the answer
+// must not depend on which of the two was first.
+func (h *FanOut) collect(ctx context.Context, end time.Time, results <-chan *outcome, outcomes []*outcome, n, limit int) (t tally) {
 	for range n {
 		select {
 		case o := <-results:
@@ -365,6 +370,10 @@ func (h *FanOut) collect(ctx context.Context, results <-chan *outcome, outcomes 
 					return t
 				}
 				continue
+			}
+			if !end.IsZero() && !time.Now().Before(end) && !o.overBudget {
+				o.status, o.err = http.StatusGatewayTimeout, errors.New("timeout")
+				t.deadline = true
 			}
 			t.failed++
 			if o.overBudget {
