@@ -346,6 +346,9 @@ func (rule *RejectRule) provision(ctx caddy.Context, i int) error {
 	if rule == nil || len(rule.MatchRaw) == 0 {
 		return fmt.Errorf("reject[%d]: no matchers", i)
 	}
+	if err := jsonfield.CheckExpressionMatcher(rule.MatchRaw); err != nil {
+		return fmt.Errorf("reject[%d]: match: %v", i, err)
+	}
 	mods, err := ctx.LoadModule(rule, "MatchRaw")
 	if err != nil {
 		return fmt.Errorf("reject[%d]: loading matchers: %v", i, err)

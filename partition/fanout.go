@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/bodysplit"
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/liveset"
 )
 
@@ -221,7 +222,19 @@ func (h *FanOut) checks(maxFail int) []error {
 		checkMergedBody(h.MaxResponseBody, h.MaxMergedBody),
 		h.checkMergeMemory(),
 		h.checkSplitBody(),
+		checkSkip(h.SkipRaw),
 	}
+}
+
+// checkSkip checks the skip matcher sets' expressions before Caddy
+// decodes them (see jsonfield.CheckExpressionMatcher).
+func checkSkip(sets caddyhttp.RawMatcherSets) error {
+	for i, set := range sets {
+		if err := jsonfield.CheckExpressionMatcher(set); err != nil {
+			return fmt.Errorf("skip[%d]: %v", i, err)
+		}
+	}
+	return nil
 }
 
 // join makes the fan-out count toward the process-wide merge memory

@@ -385,6 +385,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.budget = newBudget(percent)
 	if h.BackupMatchRaw != nil {
+		for i, set := range h.BackupMatchRaw {
+			if err := jsonfield.CheckExpressionMatcher(set); err != nil {
+				return fmt.Errorf("selective: backup_match[%d]: %v", i, err)
+			}
+		}
 		mods, err := ctx.LoadModule(h, "BackupMatchRaw")
 		if err != nil {
 			return fmt.Errorf("selective: backup_match: %v", err)

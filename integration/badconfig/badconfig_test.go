@@ -159,6 +159,47 @@ const baseline = `{
 			backup_request auto quantile 99 min 5ms max 500ms
 		}
 	}
+	handle /parallel {
+		parallel {
+			branch one {
+				reverse_proxy {B1}
+			}
+			branch two {
+				reverse_proxy {B2}
+			}
+			fail_limit 1
+			timeout 5s
+			max_request_body 1MB
+			max_response_body 1MB
+			max_merged_body 2MB
+			max_merge_memory 1GiB
+			merge json {
+				missing_field missing
+			}
+			skip "{parallel.branch} == 'two' && {query.one} == '1'"
+		}
+	}
+	handle /split {
+		parallel {
+			branch {
+				reverse_proxy {B1}
+			}
+			branch {
+				reverse_proxy {B2}
+			}
+			split_body request.ids {
+				key id
+				max_elements 1000
+			}
+		}
+	}
+	handle /split-partition {
+		partition {
+			to {B1} 0/2
+			to {B2} 1/2
+			split_body ids index
+		}
+	}
 	handle /naming {
 		partition {
 			naming_file {NAMING}
@@ -191,7 +232,7 @@ const baseline = `{
 
 // trafficPaths are the routes the background traffic uses; each must
 // answer 200 under the baseline.
-var trafficPaths = []string{"/ewma", "/panic", "/partition", "/selective", "/selective-auto", "/naming", "/lbx/upstreams"}
+var trafficPaths = []string{"/ewma", "/panic", "/partition", "/parallel", "/selective", "/selective-auto", "/naming", "/lbx/upstreams"}
 
 // server is a cmd/caddy process serving the baseline, with traffic on it.
 type server struct {

@@ -33,7 +33,9 @@ func (s *server) namedCases() []badCase {
 		return o["policy"] == "ewma" && o["outlier"] != nil && o["weights"] != nil
 	}
 	panicPolicy := func(o map[string]any) bool { return o["policy"] == "panic" }
-	partition := func(o map[string]any) bool { return o["handler"] == "partition" && o["upstreams"] != nil }
+	partition := func(o map[string]any) bool {
+		return o["handler"] == "partition" && o["upstreams"] != nil && o["proxy"] != nil
+	}
 	app := func(name string) func(cfg map[string]any) map[string]any {
 		return func(cfg map[string]any) map[string]any { return cfg["apps"].(map[string]any)[name].(map[string]any) }
 	}
@@ -167,9 +169,10 @@ func sortedKeys(m map[string]any) []string {
 // every option inside them.
 var lbxModules = map[string][]string{
 	"policy":  {"ewma", "panic", "cluster_load"},
-	"handler": {"partition", "rebalance_close", "selective", "lbx_status"},
+	"handler": {"partition", "parallel", "rebalance_close", "selective", "lbx_status"},
 	"source":  {"serf"},
 	"wrapper": {"rebalance"},
+	"merger":  {"json", "concat", "ndjson", "first"},
 }
 
 // moduleName returns the inline key and name of a module object, if o is

@@ -14,6 +14,8 @@ import (
 	"reflect"
 	"sort"
 	"strings"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // Decode unmarshals data into v, a pointer to a struct, strictly (unknown
@@ -103,4 +105,36 @@ func fieldsByKey(t reflect.Type) map[string]reflect.Type {
 		out[name] = f.Type
 	}
 	return out
+}
+
+// CheckExpressionMatcher checks the expression matcher of a matcher set,
+// if it has one, before Caddy decodes it: Caddy's (v2.11) takes a string,
+// or an object with the string members expr and name, and panics on any
+// other object (one without name among them) instead of returning an
+// error, which would cut a POST /load short with no answer.
+func CheckExpressionMatcher(set caddy.ModuleMap) error {
+	raw, ok := set["expression"]
+	if !ok || isString(raw) {
+		return nil
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &obj); err != nil || obj == nil {
+		return fmt.Errorf("expression: want a CEL expression as a string, or an object with expr and name; got %s", bytes.TrimSpace(raw))
+	}
+	for _, k := range []string{"expr", "name"} {
+		if obj[k] == nil {
+			return fmt.Errorf("expression: member %s is missing; Caddy needs both expr and name in the object form", k)
+		}
+		if !isString(obj[k]) {
+			return fmt.Errorf("expression: member %s must be a string, got %s", k, bytes.TrimSpace(obj[k]))
+		}
+	}
+	return nil
+}
+
+// isString reports whether raw is a JSON string (null is not).
+func isString(raw json.RawMessage) bool {
+	var s string
+	raw = bytes.TrimSpace(raw)
+	return len(raw) > 0 && raw[0] == '"' && json.Unmarshal(raw, &s) == nil
 }
