@@ -3,6 +3,7 @@ package partition
 import (
 	"encoding/json"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -107,20 +108,41 @@ func FuzzHandlerJSON(f *testing.F) {
 		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"split_body":{}}`,
 		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"merge":{"merger":"json","missing_field":"missing"}}`,
 		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"merge":{"merger":"json","missing_field":"` + strings.Repeat("m", 300) + `"}}`,
+		`{"upstreams":[{"dial":"127.0.0.1:1","tag":"0/1"}],"skip":[{"expression":{"x":1}}],"reject":[{"match":{"expression":{"expr":"true"}}}]}`,
 	} {
 		f.Add(s)
 	}
-	f.Fuzz(func(t *testing.T, handler string) {
-		var fields map[string]json.RawMessage
-		if json.Unmarshal([]byte(handler), &fields) != nil {
-			return
-		}
-		delete(fields, "handler")
-		fields["handler"] = json.RawMessage(`"partition"`)
-		h, err := json.Marshal(fields)
-		if err != nil {
-			t.Fatal(err)
-		}
-		lbxtest.ValidateHostile(t, lbxtest.HandlerConfig(h))
-	})
+	f.Fuzz(func(t *testing.T, handler string) { validateHandlerJSON(t, "partition", handler) })
+}
+
+// FuzzParallelJSON is FuzzHandlerJSON for the parallel handler.
+func FuzzParallelJSON(f *testing.F) {
+	const route = `{"handle":[{"handler":"static_response","body":"{}"}]}`
+	for _, s := range []string{
+		`{"branches":[{"routes":[` + route + `]}]}`,
+		`{"branches":[{"name":"a","routes":[` + route + `]},{"name":"a","routes":[]}],"fail_limit":3}`,
+		`{"branches":[null,{"name":"a b"}],"timeout":"-1s","max_merged_body":1}`,
+		`{"branches":[{"routes":[` + route + `]}],"split_body":{"field":"ids","by":"index"},"merge":{"merger":"json","missing_field":"m"}}`,
+		`{"branches":[{"routes":[` + route + `]}],"skip":[{"expression":{"x":1}}]}`,
+		`{"branches":[{"routes":[` + route + `]}],"skip":[{"expression":{"expr":"true","name":null}}]}`,
+		`{"branches":[{"routes":[{"handle":[{"handler":"parallel","branches":[{"routes":[` + route + `]}]}]}]}]}`,
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, handler string) { validateHandlerJSON(t, "parallel", handler) })
+}
+
+// validateHandlerJSON validates a config with one handler of the given
+// name whose other fields are handler's, if it is a JSON object.
+func validateHandlerJSON(t *testing.T, name, handler string) {
+	var fields map[string]json.RawMessage
+	if json.Unmarshal([]byte(handler), &fields) != nil {
+		return
+	}
+	fields["handler"] = json.RawMessage(strconv.Quote(name))
+	h, err := json.Marshal(fields)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lbxtest.ValidateHostile(t, lbxtest.HandlerConfig(h))
 }
