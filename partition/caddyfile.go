@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"encoding/json"
+	"fmt"
 	"math"
 	"strconv"
 	"strings"
@@ -293,7 +294,7 @@ func (p *blockParse) merge(d *caddyfile.Dispenser, _ string) error {
 	mname := d.Val()
 	unm, err := caddyfile.UnmarshalModule(d, "http.partition.mergers."+mname)
 	if err != nil {
-		return err
+		return fmt.Errorf("%s: %w", p.what, err)
 	}
 	p.f.MergeRaw = caddyconfig.JSONModuleObject(unm, "merger", mname, nil)
 	return nil

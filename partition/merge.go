@@ -362,7 +362,9 @@ func (FirstMerger) Merge(parts []*Part) (Merged, error) {
 //		missing_field <name>
 //	}]
 func (m *JSONMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	what := "partition: merge json"
+	// errors start "merge json"; the directive (partition, parallel)
+	// that reads the merger puts its name before it
+	what := "merge json"
 	return caddyopt.Block(d, what, func(opt string) error {
 		if opt != "missing_field" {
 			return caddyopt.Unknown(d, what, "missing_field")
@@ -392,7 +394,7 @@ func (*FirstMerger) UnmarshalCaddyfile(d *caddyfile.Dispenser) error { return un
 // options.
 func unmarshalMerger(d *caddyfile.Dispenser) error {
 	d.Next() // the merger's name
-	return caddyopt.NoOptions(d, "partition: merge "+d.Val())
+	return caddyopt.NoOptions(d, "merge "+d.Val())
 }
 
 // Interface guards
