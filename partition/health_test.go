@@ -41,6 +41,13 @@ func TestClientDisconnectCancelsPartitions(t *testing.T) {
 	}
 	e.load(partitionSite([]string{s0.addr + " 0/2", s1.addr + " 1/2"}, "timeout 30s"))
 
+	e.leaveMidway(t, s0, s1)
+}
+
+// leaveMidway sends a request, goes away once both backends have it, and
+// waits for both to see their request cancelled.
+func (e *env) leaveMidway(t *testing.T, s0, s1 *backend) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.url("/"), nil)
 	done := make(chan error, 1)
@@ -48,7 +55,7 @@ func TestClientDisconnectCancelsPartitions(t *testing.T) {
 		_, err := e.do(req)
 		done <- err
 	}()
-	waitFor(t, 5*time.Second, "both partitions to reach their backends", func() (bool, string) {
+	waitFor(t, 5*time.Second, "both parts to reach their backends", func() (bool, string) {
 		return s0.hits.Load() == 1 && s1.hits.Load() == 1, fmt.Sprintf("hits %d %d", s0.hits.Load(), s1.hits.Load())
 	})
 	cancel()

@@ -1,7 +1,6 @@
 package partition
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -364,24 +363,7 @@ func TestParallelClientDisconnectCancelsBranches(t *testing.T) {
 			}
 		}
 	}`, s0.addr, s1.addr))
-
-	ctx, cancel := context.WithCancel(context.Background())
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.url("/"), nil)
-	done := make(chan error, 1)
-	go func() {
-		_, err := e.do(req)
-		done <- err
-	}()
-	waitFor(t, 5*time.Second, "both branches to reach their backends", func() (bool, string) {
-		return s0.hits.Load() == 1 && s1.hits.Load() == 1, fmt.Sprintf("hits %d %d", s0.hits.Load(), s1.hits.Load())
-	})
-	cancel()
-	if err := <-done; err == nil {
-		t.Error("the client request should have been aborted")
-	}
-	waitFor(t, 5*time.Second, "both backends to see their request cancelled", func() (bool, string) {
-		return s0.cancelled.Load() == 1 && s1.cancelled.Load() == 1, fmt.Sprintf("cancelled %d %d", s0.cancelled.Load(), s1.cancelled.Load())
-	})
+	e.leaveMidway(t, s0, s1)
 }
 
 // TestParallelInSelectiveTakesItsDeadline: a parallel in a selective

@@ -277,19 +277,7 @@ func (s *Splitter) find(body []byte) (arr []byte, start int, err error) {
 	}
 	for depth, name := range s.path {
 		at := strings.Join(s.path[:depth+1], ".")
-		var found []byte
-		dup := false
-		jsonscan.Members(val, func(m jsonscan.Member) bool {
-			if string(jsonscan.StringText(m.Key)) != name {
-				return true
-			}
-			if found != nil {
-				dup = true
-				return false
-			}
-			found = m.Value
-			return true
-		})
+		found, dup := member(val, name)
 		switch {
 		case dup:
 			return nil, 0, errorf(Duplicate, "field %q appears twice in its object", at)
@@ -361,19 +349,7 @@ func (s *Splitter) keyText(v []byte, i int) ([]byte, error) {
 	if v[0] != '{' {
 		return nil, errorf(ElementType, "element %d of %q is %s; with key %q the elements must be objects", i, s.field, kindName(v[0]), s.key)
 	}
-	var found []byte
-	dup := false
-	jsonscan.Members(v, func(m jsonscan.Member) bool {
-		if string(jsonscan.StringText(m.Key)) != s.key {
-			return true
-		}
-		if found != nil {
-			dup = true
-			return false
-		}
-		found = m.Value
-		return true
-	})
+	found, dup := member(v, s.key)
 	switch {
 	case dup:
 		return nil, errorf(Duplicate, "element %d of %q has the key %q twice", i, s.field, s.key)
@@ -428,4 +404,22 @@ func HashKey(key []byte) uint64 {
 		h *= fnvPrime
 	}
 	return h
+}
+
+// member returns the value of obj's member name (nil if it has none),
+// and whether name appears more than once, which parsers read
+// differently (the first or the last), so a split refuses it.
+func member(obj []byte, name string) (value []byte, dup bool) {
+	jsonscan.Members(obj, func(m jsonscan.Member) bool {
+		if string(jsonscan.StringText(m.Key)) != name {
+			return true
+		}
+		if value != nil {
+			dup = true
+			return false
+		}
+		value = m.Value
+		return true
+	})
+	return value, dup
 }
