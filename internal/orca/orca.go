@@ -303,6 +303,7 @@ func (b *builder) setScalar(s scalar, key string, v float64) error {
 	if b.strict && b.r.set&s.field != 0 {
 		return fault(ErrDuplicate, s.name, "given twice")
 	}
+	v = plusZero(v)
 	b.r.set |= s.field
 	switch s.field {
 	case CPU:
@@ -359,7 +360,7 @@ func (b *builder) setEntry(m int, name string, v float64) error {
 	if *mp == nil {
 		*mp = make(map[string]float64)
 	}
-	(*mp)[name] = v
+	(*mp)[name] = plusZero(v)
 	return nil
 }
 
@@ -374,6 +375,15 @@ func checkValue(key string, v, max float64) error {
 		return fault(ErrValue, key, fmt.Sprintf("%g is above the cap %g", v, max))
 	}
 	return nil
+}
+
+// plusZero turns -0, which passes checkValue, into 0, so that no
+// report carries a negative sign.
+func plusZero(v float64) float64 {
+	if v == 0 {
+		return 0
+	}
+	return v
 }
 
 // checkName checks a metric name of map m against the name rule.

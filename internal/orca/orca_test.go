@@ -78,6 +78,11 @@ var full = Report{
 }
 
 func equal(a, b Report) bool {
+	for _, v := range []float64{a.CPU, a.Mem, a.Application, a.RPS, a.EPS} {
+		if math.Signbit(v) {
+			return false
+		}
+	}
 	return a.set == b.set && a.CPU == b.CPU && a.Mem == b.Mem && a.Application == b.Application &&
 		a.RPS == b.RPS && a.EPS == b.EPS && maps.Equal(a.Named, b.Named) &&
 		maps.Equal(a.Utilizations, b.Utilizations) && maps.Equal(a.RequestCost, b.RequestCost)
@@ -120,6 +125,7 @@ func TestParseGood(t *testing.T) {
 		},
 		{"text empty", "TEXT ", Report{}},
 		{"text zero is present", "TEXT cpu_utilization=0", Report{set: CPU}},
+		{"text minus zero", "TEXT cpu_utilization=-0, named_metrics.z=-0.0", Report{Named: map[string]float64{"z": 0}, set: CPU}},
 		{"text caps inclusive", "TEXT cpu_utilization=100, mem_utilization=1, eps=1e9, named_metrics.x=1e15", Report{CPU: 100, Mem: 1, EPS: 1e9, Named: map[string]float64{"x": 1e15}, set: CPU | Mem | EPS}},
 		{
 			"json snake",
@@ -445,7 +451,7 @@ func check(r Report) error {
 		{"rps", r.RPS, RPS, MaxRate},
 		{"eps", r.EPS, EPS, MaxRate},
 	} {
-		if !(f.v >= 0 && f.v <= f.max) {
+		if !(f.v >= 0 && f.v <= f.max) || math.Signbit(f.v) {
 			return fmt.Errorf("%s = %v", f.name, f.v)
 		}
 		if !r.Has(f.field) && f.v != 0 {
@@ -460,7 +466,7 @@ func check(r Report) error {
 		max  float64
 	}{{r.Named, MaxValue}, {r.Utilizations, MaxFraction}, {r.RequestCost, MaxValue}} {
 		for k, v := range m.vals {
-			if !(v >= 0 && v <= m.max) {
+			if !(v >= 0 && v <= m.max) || math.Signbit(v) {
 				return fmt.Errorf("%q = %v", k, v)
 			}
 			if k == "" || len(k) > MaxNameBytes {
