@@ -36,8 +36,8 @@ import (
 	"strings"
 )
 
-// Bounds on a report. They are part of what a backend may rely on, so
-// they change only with a note in the changelog.
+// Bounds on a report. Each is checked as the report is read, before the
+// work or memory it bounds is spent.
 const (
 	// MaxHeaderBytes is the longest header value read, 8 KiB: a report
 	// of every standard field and 64 named metrics fits in well under
@@ -320,7 +320,7 @@ func (b *builder) setScalar(s scalar, key string, v float64) error {
 	return nil
 }
 
-// Map kinds, in the order of their wire field numbers' use below.
+// The report's maps, as indices into mapPrefix and mapMax.
 const (
 	mapNamed = iota
 	mapUtil
