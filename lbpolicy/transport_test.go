@@ -46,7 +46,7 @@ func (p *probePolicy) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
-	_, err := install(ctx, p.table, p.Outlier)
+	_, err := install(ctx, p.table, p.Outlier, loadReportsOrDefault(nil))
 	return err
 }
 
