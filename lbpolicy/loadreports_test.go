@@ -2,6 +2,7 @@ package lbpolicy
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"strings"
 	"testing"
@@ -188,5 +189,23 @@ func TestLoadReportErrorKinds(t *testing.T) {
 		if got := loadReportErrorKind(err); got != want {
 			t.Errorf("%.20q: kind %q, want %q (%v)", in, got, want, err)
 		}
+	}
+}
+
+// The panic policy reads reports only where it observes the traffic
+// itself; elsewhere its load_reports is refused, not silently ignored.
+func TestPanicLoadReportsPlacement(t *testing.T) {
+	for _, tc := range []struct {
+		p   *PanicSelection
+		err string
+	}{
+		{&PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "least_time"}`), LoadReports: &LoadReports{}}, "configure load_reports inside the least_time policy"},
+		{&PanicSelection{LoadReports: &LoadReports{}}, "load_reports needs an outlier block"},
+		{&PanicSelection{Outlier: &Outlier{}, LoadReports: &LoadReports{MaxAge: -1}}, "panic: load_reports: max_age"},
+	} {
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		wantErr(t, tc.p.Provision(ctx), tc.err)
+		_ = tc.p.Cleanup()
+		cancel()
 	}
 }
