@@ -53,7 +53,7 @@ var (
 	descReportedUtil = prometheus.NewDesc("caddy_lbx_upstream_reported_utilization",
 		"The utilization the upstream last reported in an ORCA load report (application_utilization when above 0, else cpu_utilization; may exceed 1). Only while the report is fresh (younger than load_reports max_age).", []string{"upstream"}, nil)
 	descReportsRefused = prometheus.NewDesc("caddy_lbx_upstream_load_reports_refused_total",
-		"ORCA load reports from the upstream that did not parse and were refused (upstreams that sent one).", []string{"upstream"}, nil)
+		"ORCA load reports from the upstream that did not parse and were refused (upstreams with one refused or more).", []string{"upstream"}, nil)
 	descUpstreams = prometheus.NewDesc("caddy_lbx_upstreams",
 		"Upstream addresses in use by lbx's policies, by state: healthy, failing (the last attempts failed), ejected (by outlier detection), unsampled (no attempt finished yet). Covers every address, also those beyond the per-upstream series cap.", []string{"state"}, nil)
 	descPanic = prometheus.NewDesc("caddy_lbx_pool_panic",
