@@ -213,6 +213,36 @@ type upstreamView struct {
 	// EjectionsByReason splits ejections_total by reason.
 	EjectionsByReason   map[string]uint64 `json:"ejections_by_reason"`
 	ConsecutiveFailures int64             `json:"consecutive_failures"`
+	// LoadReport is the latest good ORCA load report the upstream sent;
+	// absent when it never sent one.
+	LoadReport *loadReportView `json:"load_report,omitempty"`
+	// LoadReportsRefused counts the upstream's load reports that did not
+	// parse, and LoadReportError is the kind of fault of the last one
+	// (see loadReportErrorKind); both absent when none was refused.
+	LoadReportsRefused uint64 `json:"load_reports_refused,omitempty"`
+	LoadReportError    string `json:"load_report_error,omitempty"`
+}
+
+// loadReportView is an upstream's latest good load report in the admin
+// API: the fields it carried (absent ones omitted), the utilization
+// read from it, and its age.
+type loadReportView struct {
+	CPU         *float64 `json:"cpu_utilization,omitempty"`
+	Application *float64 `json:"application_utilization,omitempty"`
+	Mem         *float64 `json:"mem_utilization,omitempty"`
+	RPS         *float64 `json:"rps_fractional,omitempty"`
+	EPS         *float64 `json:"eps,omitempty"`
+	// Named are the report's named_metrics (at most 64).
+	Named map[string]float64 `json:"named_metrics,omitempty"`
+	// Utilization is application_utilization when above 0, else
+	// cpu_utilization; absent when the report has neither.
+	Utilization *float64 `json:"utilization,omitempty"`
+	// AgeMs is how long ago the report came, in milliseconds; Stale is
+	// true once that is more than the pool's load_reports max_age
+	// (MaxAgeMs).
+	AgeMs    float64 `json:"age_ms"`
+	MaxAgeMs float64 `json:"max_age_ms"`
+	Stale    bool    `json:"stale"`
 }
 
 // upstreamsStatus is the body of GET /lbx/upstreams.
@@ -393,18 +423,18 @@ func buildUpstreamsPage(q pageQuery) upstreamsStatus {
 		if !r.has(st.Dial()) {
 			break
 		}
-		status.Upstreams = append(status.Upstreams, viewOf(st.Snapshot(now), prices.expected(st, now)))
+		status.Upstreams = append(status.Upstreams, viewOf(st.Snapshot(now), prices.expected(st, now), now))
 	}
 	status.Pools = poolStatusesIn(reports, r)
 	for _, w := range worst.sorted() {
-		status.Summary.Worst = append(status.Summary.Worst, viewOf(w.snap, w.expected))
+		status.Summary.Worst = append(status.Summary.Worst, viewOf(w.snap, w.expected, now))
 	}
 	return status
 }
 
 // viewOf returns the admin API's view of one upstream; expected is what
 // selection expects of it, in ns (see expectedOf).
-func viewOf(s hoststate.Snapshot, expected float64) upstreamView {
+func viewOf(s hoststate.Snapshot, expected float64, now int64) upstreamView {
 	v := upstreamView{
 		Dial:              s.Dial,
 		State:             upstreamState(s),
@@ -437,6 +467,13 @@ func viewOf(s hoststate.Snapshot, expected float64) upstreamView {
 	}
 	if s.AnswerMedian == 0 {
 		v.AnswerMedianHuman = "no answers yet"
+	}
+	if s.LoadReport != nil {
+		v.LoadReport = loadReportViewOf(s.LoadReport, now)
+	}
+	if s.ReportsRefused > 0 {
+		v.LoadReportsRefused = s.ReportsRefused
+		v.LoadReportError = loadReportErrorKind(s.ReportError)
 	}
 	if s.SinceFailure > 0 {
 		v.LastFailureHuman = humanize.Time(time.Now().Add(-s.SinceFailure))

@@ -25,6 +25,10 @@ import (
 //		retry_budget [<percent>] [{
 //			min_concurrent <n>
 //		}]
+//		load_reports {
+//			max_age        <duration>
+//			forward_header
+//		}
 //		slow_start <window> [{
 //			min_weight <percent>
 //			aggression <number>
@@ -107,8 +111,13 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := s.RetryBudget.unmarshalCaddyfile(d, what); err != nil {
 				return err
 			}
+		case "load_reports":
+			s.LoadReports = new(LoadReports)
+			if err := s.LoadReports.unmarshalCaddyfile(d, what); err != nil {
+				return err
+			}
 		default:
-			return caddyopt.Unknown(d, what, "choices", "decay", "weights", "panic_threshold", "retry_budget", "slow_start", "outlier")
+			return caddyopt.Unknown(d, what, "choices", "decay", "weights", "panic_threshold", "retry_budget", "slow_start", "outlier", "load_reports")
 		}
 		return nil
 	})
@@ -120,6 +129,7 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //	lb_policy panic {
 //		threshold <percent>|off
 //		outlier { <as in least_time> }
+//		load_reports { <as in least_time> }
 //		policy    <name> [<args...>] [{
 //			<policy options>
 //		}]
@@ -137,6 +147,11 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "outlier":
 			p.Outlier = new(Outlier)
 			if err := p.Outlier.unmarshalCaddyfile(d, what+": outlier"); err != nil {
+				return err
+			}
+		case "load_reports":
+			p.LoadReports = new(LoadReports)
+			if err := p.LoadReports.unmarshalCaddyfile(d, what); err != nil {
 				return err
 			}
 		case "policy":
@@ -160,7 +175,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			p.PolicyRaw = caddyconfig.JSONModuleObject(sel, "policy", name, nil)
 			p.inner = sel // for the checks below; Provision loads it again
 		default:
-			return caddyopt.Unknown(d, what, "threshold", "outlier", "policy")
+			return caddyopt.Unknown(d, what, "threshold", "outlier", "load_reports", "policy")
 		}
 		if lt, ok := p.inner.(leastTimer); ok && p.Outlier != nil {
 			return d.Err(errOutlierAround(lt).Error())

@@ -77,7 +77,7 @@ func TestLeastTimeUnmarshalCaddyfile(t *testing.T) {
 
 		{name: "argument after the name", input: "ewma foo", err: `lb_policy ewma: unexpected argument "foo"; options go in a block, at Testfile:1`},
 		{name: "argument before the block", input: "ewma 2 {\n\tdecay 1s\n}", err: `lb_policy ewma: unexpected argument "2"; options go in a block, at Testfile:1`},
-		{name: "unknown option", input: "ewma {\n\tchoices 2\n\tslow_begin 30s\n}", err: `lb_policy ewma: unknown option "slow_begin" (want choices, decay, weights, panic_threshold, retry_budget, slow_start or outlier), at Testfile:3`},
+		{name: "unknown option", input: "ewma {\n\tchoices 2\n\tslow_begin 30s\n}", err: `lb_policy ewma: unknown option "slow_begin" (want choices, decay, weights, panic_threshold, retry_budget, slow_start, outlier or load_reports), at Testfile:3`},
 		{name: "repeated option", input: "ewma {\n\tdecay 10s\n\tchoices 2\n\tdecay 20s\n}", err: "lb_policy ewma: decay specified more than once, at Testfile:4"},
 		{name: "repeated weights", input: "ewma {\n\tweights 1 2\n\tweights 3\n}", err: "lb_policy ewma: weights specified more than once, at Testfile:3"},
 
@@ -178,7 +178,7 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 		},
 
 		{name: "argument after the name", input: "panic least_conn", err: `lb_policy panic: unexpected argument "least_conn"; options go in a block, at Testfile:1`},
-		{name: "unknown option", input: "panic {\n\tfallback least_conn\n}", err: `lb_policy panic: unknown option "fallback" (want threshold, outlier or policy), at Testfile:2`},
+		{name: "unknown option", input: "panic {\n\tfallback least_conn\n}", err: `lb_policy panic: unknown option "fallback" (want threshold, outlier, load_reports or policy), at Testfile:2`},
 
 		{name: "threshold missing", input: "panic {\n\tthreshold\n}", err: "lb_policy panic: threshold: missing value, at Testfile:2"},
 		{name: "threshold over 100", input: "panic {\n\tthreshold 150%\n}", err: `lb_policy panic: threshold "150%": want a percentage from 0% to 100%, or 'off', at Testfile:2`},

@@ -26,6 +26,12 @@ func FuzzSelectionPolicyJSON(f *testing.F) {
 		`{"policy":"panic","selection_policy":{"policy":"ewma","outlier":{"interval":"1ns"}}}`,
 		`{"policy":"panic","outlier":{},"selection_policy":{"policy":"least_time"}}`,
 		`{"policy":"panic","outlier":{"interval":"-1s"}}`,
+		`{"policy":"least_time","load_reports":{"max_age":"10s","forward_header":true}}`,
+		`{"policy":"ewma","load_reports":{"max_age":-1}}`,
+		`{"policy":"least_time","load_reports":{"max_age":1e18,"forward_header":1}}`,
+		`{"policy":"panic","outlier":{},"load_reports":{"max_age":"2s"},"selection_policy":{"policy":"least_conn"}}`,
+		`{"policy":"panic","load_reports":{},"selection_policy":{"policy":"least_time"}}`,
+		`{"policy":"panic","load_reports":{}}`,
 	} {
 		f.Add([]byte(seed))
 	}

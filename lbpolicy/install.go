@@ -28,13 +28,15 @@ var errNoProxyHandler = errors.New("not provisioned inside a reverse_proxy handl
 // The handler then sees a transport that implements every optional
 // interface the inner one does, with neutral answers otherwise.
 //
+// Responses' load reports are taken in as reports says (see LoadReports).
+//
 // With a non-nil outlier, every attempt also feeds outlier ejection, and a
 // goroutine applies its interval rules (success rate, failure percentage)
 // to table until ctx is done. When the handler also has active health
 // checks, probes that pass end an ejection early.
 //
 // install returns the handler it instrumented.
-func install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reverseproxy.Handler, error) {
+func install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier, reports *LoadReports) (*reverseproxy.Handler, error) {
 	h := parentProxy(ctx)
 	if h == nil {
 		return nil, errNoProxyHandler
@@ -47,7 +49,7 @@ func install(ctx caddy.Context, table *hoststate.Table, outlier *Outlier) (*reve
 		}
 		return h, nil
 	}
-	wrapper := &observingTransport{inner: h.Transport, table: table, outlier: outlier}
+	wrapper := &observingTransport{inner: h.Transport, table: table, outlier: outlier, reports: reports}
 	if outlier != nil && !outlier.KeepEjectedOnHealthCheck && h.HealthChecks != nil {
 		probe, err := newProbeRule(h.HealthChecks.Active)
 		if err != nil {

@@ -101,6 +101,12 @@ type LeastTimeSelection struct {
 	// absent.
 	RetryBudget *RetryBudget `json:"retry_budget,omitempty"`
 
+	// How the ORCA load reports backends send in the
+	// Endpoint-Load-Metrics response header are taken in. They are
+	// read, and the header removed from responses, also when this is
+	// absent (with its defaults). Selection does not use them yet.
+	LoadReports *LoadReports `json:"load_reports,omitempty"`
+
 	// name is the policy's name as configured, "least_time" or "ewma": it
 	// names the policy in logs, events, errors, metrics and admin views,
 	// so that a config written with ewma reads as it always did.
@@ -170,13 +176,14 @@ func (s *LeastTimeSelection) Provision(ctx caddy.Context) error {
 	if s.RetryBudget != nil {
 		s.RetryBudget.provision(s.logger)
 	}
+	s.LoadReports = loadReportsOrDefault(s.LoadReports)
 	// Caddy validates after provisioning, but install starts the outlier
 	// sweep loop: a bad value must be refused before it (a negative
 	// interval panicked in NewTicker and took the process down).
 	if err := s.Validate(); err != nil {
 		return err
 	}
-	h, err := install(ctx, s.table, s.Outlier)
+	h, err := install(ctx, s.table, s.Outlier, s.LoadReports)
 	switch {
 	case errors.Is(err, errNoProxyHandler):
 		s.logger.Warn(s.policyName() + " policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
@@ -248,7 +255,14 @@ func (s *LeastTimeSelection) Validate() error {
 		}
 	}
 	if s.RetryBudget != nil {
-		return s.RetryBudget.validate()
+		if err := s.RetryBudget.validate(); err != nil {
+			return err
+		}
+	}
+	if s.LoadReports != nil {
+		if err := s.LoadReports.validate(); err != nil {
+			return fmt.Errorf("%s: %v", s.policyName(), err)
+		}
 	}
 	return nil
 }

@@ -18,8 +18,8 @@ import (
 // The upstream series are capped: the first maxUpstreamSeries addresses,
 // in dial order (so the set is stable from scrape to scrape), get series
 // of their own; the rest are added up under upstream="_other" (counters
-// and the ejected gauge summed; answer median, expected latency and
-// failure ratio their highest). The
+// and the ejected gauge summed; answer median, expected latency, failure
+// ratio and reported utilization their highest). The
 // count of upstreams by state, caddy_lbx_upstreams, covers every address.
 // A pool of hundreds of thousands of upstreams (a naming file) would
 // otherwise make a scrape of hundreds of megabytes that no Prometheus
@@ -50,6 +50,10 @@ var (
 		"Ejections of the upstream by outlier detection, by reason.", []string{"upstream", "reason"}, nil)
 	descOverflow = prometheus.NewDesc("caddy_lbx_upstream_ejections_overflow_total",
 		"Ejections of the upstream that max_ejection_percent refused: it met a rule while the pool was at its cap.", []string{"upstream"}, nil)
+	descReportedUtil = prometheus.NewDesc("caddy_lbx_upstream_reported_utilization",
+		"The utilization the upstream last reported in an ORCA load report (application_utilization when above 0, else cpu_utilization; may exceed 1). Only while the report is fresh (younger than load_reports max_age).", []string{"upstream"}, nil)
+	descReportsRefused = prometheus.NewDesc("caddy_lbx_upstream_load_reports_refused_total",
+		"ORCA load reports from the upstream that did not parse and were refused (upstreams with one refused or more).", []string{"upstream"}, nil)
 	descUpstreams = prometheus.NewDesc("caddy_lbx_upstreams",
 		"Upstream addresses in use by lbx's policies, by state: healthy, failing (the last attempts failed), ejected (by outlier detection), unsampled (no attempt finished yet). Covers every address, also those beyond the per-upstream series cap.", []string{"state"}, nil)
 	descPanic = prometheus.NewDesc("caddy_lbx_pool_panic",
@@ -62,7 +66,7 @@ var (
 
 // Describe implements prometheus.Collector.
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descAnswerMedian, descExpected, descFailureRatio, descSamples, descFailures, descEjected, descEjections, descOverflow, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
+	for _, d := range []*prometheus.Desc{descAnswerMedian, descExpected, descFailureRatio, descSamples, descFailures, descEjected, descEjections, descOverflow, descReportedUtil, descReportsRefused, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
 		ch <- d
 	}
 }
@@ -96,7 +100,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		if own[st] {
 			snaps = append(snaps, s)
 		} else {
-			other.add(s)
+			other.add(s, now)
 		}
 		return true
 	})
@@ -119,6 +123,12 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descOverflow, prometheus.CounterValue, float64(s.Overflows), s.Dial)
 		for r, n := range s.Outlier.ByReason {
 			ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), s.Dial, hoststate.EjectReason(r).String())
+		}
+		if u, ok := reportedUtilization(s.LoadReport, now); ok {
+			ch <- prometheus.MustNewConstMetric(descReportedUtil, prometheus.GaugeValue, u, s.Dial)
+		}
+		if s.ReportsRefused > 0 {
+			ch <- prometheus.MustNewConstMetric(descReportsRefused, prometheus.CounterValue, float64(s.ReportsRefused), s.Dial)
 		}
 	}
 	if other.n > 0 {
@@ -172,15 +182,23 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 type otherSeries struct {
 	n                            int
 	samples, failures, overflows uint64
+	refused                      uint64  // load reports refused
+	util                         float64 // the highest fresh reported utilization
+	reported                     bool    // some upstream has a fresh one
 	ejected                      int
 	byReason                     [hoststate.NumEjectReasons]uint64
 	median, expected, ratio      float64 // the highest of each, s
 	answered, priced             bool
 }
 
-func (o *otherSeries) add(r rated) {
+func (o *otherSeries) add(r rated, now int64) {
 	s := r.snap
 	o.n++
+	o.refused += s.ReportsRefused
+	if u, ok := reportedUtilization(s.LoadReport, now); ok {
+		o.util = math.Max(o.util, u)
+		o.reported = true
+	}
 	o.samples += s.Samples
 	o.failures += s.Failures
 	o.overflows += s.Overflows
@@ -216,6 +234,21 @@ func (o *otherSeries) collect(ch chan<- prometheus.Metric) {
 	for r, n := range o.byReason {
 		ch <- prometheus.MustNewConstMetric(descEjections, prometheus.CounterValue, float64(n), otherUpstreams, hoststate.EjectReason(r).String())
 	}
+	if o.reported {
+		ch <- prometheus.MustNewConstMetric(descReportedUtil, prometheus.GaugeValue, o.util, otherUpstreams)
+	}
+	if o.refused > 0 {
+		ch <- prometheus.MustNewConstMetric(descReportsRefused, prometheus.CounterValue, float64(o.refused), otherUpstreams)
+	}
+}
+
+// reportedUtilization returns the utilization of r, when r is a fresh
+// report that has one: a stale report's number is not shown as current.
+func reportedUtilization(r *hoststate.LoadReport, now int64) (float64, bool) {
+	if r == nil || r.Stale(now) {
+		return 0, false
+	}
+	return r.Utilization()
 }
 
 var collector stateCollector

@@ -43,6 +43,14 @@ type PanicSelection struct {
 	// own outlier block.
 	Outlier *Outlier `json:"outlier,omitempty"`
 
+	// How the ORCA load reports backends send in the
+	// Endpoint-Load-Metrics response header are taken in, when the
+	// panic policy observes the traffic itself: only with an outlier
+	// block. They are then read, and the header removed, also when this
+	// is absent. Around least_time (or ewma), set it on the wrapped
+	// policy instead. Selection does not use the reports yet.
+	LoadReports *LoadReports `json:"load_reports,omitempty"`
+
 	inner     reverseproxy.Selector
 	innerName string
 	views     views
@@ -92,6 +100,14 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		// per subset
 		p.trackTried = TracksTried(ctx)
 	}
+	if p.LoadReports != nil {
+		switch {
+		case leastTime:
+			return fmt.Errorf("panic: configure load_reports inside the %s policy, not around it", lt.leastTime().policyName())
+		case p.Outlier == nil:
+			return fmt.Errorf("panic: load_reports needs an outlier block: without one the panic policy does not observe the traffic, and reads no reports")
+		}
+	}
 	emitter := events.New(ctx)
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), emitter)
 	if p.Outlier != nil {
@@ -99,12 +115,13 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 			return errOutlierAround(lt)
 		}
 		p.Outlier.provision(ctx.Logger(), emitter)
+		p.LoadReports = loadReportsOrDefault(p.LoadReports)
 		// Validated before install starts the sweep loop (see least_time).
 		if err := p.Validate(); err != nil {
 			return err
 		}
 		p.table = hoststate.NewTable(hoststate.Config{})
-		h, err := install(ctx, p.table, p.Outlier)
+		h, err := install(ctx, p.table, p.Outlier, p.LoadReports)
 		switch {
 		case errors.Is(err, errNoProxyHandler):
 			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection has no traffic to judge")
@@ -146,6 +163,11 @@ func errOutlierAround(lt leastTimer) error {
 func (p *PanicSelection) Validate() error {
 	if p.Threshold != nil {
 		if err := bounds.Percent("threshold", *p.Threshold); err != nil {
+			return fmt.Errorf("panic: %v", err)
+		}
+	}
+	if p.LoadReports != nil {
+		if err := p.LoadReports.validate(); err != nil {
 			return fmt.Errorf("panic: %v", err)
 		}
 	}

@@ -25,7 +25,14 @@ import (
 //
 // Active health-check requests also go through the transport; they carry no
 // request vars (only real client requests do), which is how they are kept
-// out of the statistics.
+// out of the statistics, and out of load reports.
+//
+// It also takes in the ORCA load reports responses carry (see
+// LoadReports) and, unless configured to forward it, removes their
+// header before reverse_proxy copies the response's headers to the
+// client. Each handler has its own wrapper, so whether the header is
+// forwarded is the setting of the policy that installed it, also when
+// other pools share the address.
 type observingTransport struct {
 	inner   http.RoundTripper
 	table   *hoststate.Table
@@ -36,6 +43,9 @@ type observingTransport struct {
 	// budget, when set, counts the retries in flight that a policy's
 	// retry budget granted.
 	budget *RetryBudget
+	// reports says how the load reports in responses are taken in;
+	// nil: they are not read (a wrapper built in a test).
+	reports *LoadReports
 	// owned is a transport this package created in place of reverse_proxy's
 	// default one; it is cleaned up with the wrapper.
 	owned caddy.CleanerUpper
@@ -72,6 +82,9 @@ func (t *observingTransport) RoundTrip(req *http.Request) (*http.Response, error
 		outcome = hoststate.Failure
 	}
 	t.table.Observe(s, start, outcome)
+	if err == nil && t.reports != nil {
+		takeLoadReport(s, resp, t.reports)
+	}
 	if t.outlier != nil && outcome != hoststate.Abandoned {
 		t.outlier.judge(t.table, s, di.Upstream.Dial, outcome == hoststate.Failure)
 	}

@@ -46,7 +46,7 @@ func (p *probePolicy) Provision(ctx caddy.Context) error {
 			return err
 		}
 	}
-	_, err := install(ctx, p.table, p.Outlier)
+	_, err := install(ctx, p.table, p.Outlier, loadReportsOrDefault(nil))
 	return err
 }
 
@@ -264,6 +264,7 @@ func BenchmarkObserve(b *testing.B) {
 		{"bare", instant{}},
 		{"observed", &observingTransport{inner: instant{}, table: table}},
 		{"observed_outlier", &observingTransport{inner: instant{}, table: table, outlier: &o}},
+		{"observed_report", &observingTransport{inner: reporting{"TEXT cpu_utilization=0.4, rps_fractional=12, named_metrics.queue=3"}, table: table, reports: loadReportsOrDefault(nil)}},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			b.ReportAllocs()

@@ -90,6 +90,9 @@ type Stats struct {
 	tally             atomic.Uint64 // judged and failed attempts, packed: see Tally
 	ejectionsByReason [NumEjectReasons]atomic.Uint64
 	lastReason        atomic.Uint32 // EjectReason+1 of the last ejection; 0 if never
+
+	// reports are the upstream's ORCA load reports (see loadreport.go).
+	reports loadReports
 }
 
 // Destruct implements caddy.Destructor; Stats holds no resources.
@@ -234,6 +237,12 @@ type Snapshot struct {
 	Overflows      uint64
 	ConsecFailures int64
 	Outlier        EjectionSnapshot // ejections by reason
+	// LoadReport is the latest good load report; nil if none came.
+	LoadReport *LoadReport
+	// ReportsRefused counts load reports that did not parse, and
+	// ReportError is the kind of fault of the last one (nil if none).
+	ReportsRefused uint64
+	ReportError    error
 }
 
 // Snapshot reads the state without locking.
@@ -261,6 +270,8 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	snap.Overflows = s.overflows.Load()
 	snap.ConsecFailures = s.consecutive.Load()
 	snap.Outlier = s.ejectionSnapshot()
+	snap.LoadReport = s.LoadReport()
+	snap.ReportsRefused, snap.ReportError = s.LoadReportsRefused()
 	if h := s.host.Load(); h != nil {
 		snap.InFlight = h.NumRequests()
 		snap.PassiveFails = h.Fails()
