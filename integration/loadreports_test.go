@@ -157,3 +157,22 @@ func scrape(t *testing.T) string {
 	body, _ := io.ReadAll(res.Body)
 	return string(body)
 }
+
+// Dynamic upstreams (issue 27, item 5): a pool from `dynamic a`, with
+// the policy in its no-options form, takes the reports in and strips
+// them as a static one does; the report is kept under the dial address
+// the source produced.
+func TestLoadReportsDynamicUpstreams(t *testing.T) {
+	e := newEnv(t)
+	b := e.reportingBackend()
+	_, port, _ := strings.Cut(b.addr(), ":")
+	e.load(fmt.Sprintf("reverse_proxy {\n\tdynamic a 127.0.0.1 %s {\n\t\trefresh 1s\n\t}\n\tlb_policy least_time\n}", port))
+	b.set("TEXT application_utilization=0.25, cpu_utilization=0.9")
+	if code, h := e.getHeader(t); code != 200 || len(h) != 0 {
+		t.Fatalf("status %d, client got the report header %q", code, h)
+	}
+	u := fetchReported(t, b.addr())
+	if r := u.Report; r == nil || r.Utilization == nil || *r.Utilization != 0.25 || r.Stale {
+		t.Fatalf("load report of a dynamic upstream: %+v", r)
+	}
+}
