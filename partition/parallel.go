@@ -115,8 +115,8 @@ func (p *Parallel) UnmarshalJSON(b []byte) error {
 func (p *Parallel) Provision(ctx caddy.Context) error {
 	p.fanOutDefaults(ctx, parallelKind)
 	for i, b := range p.Branches {
-		if b != nil && b.Name == "" {
-			b.Name = strconv.Itoa(i)
+		if b != nil {
+			b.Name = branchName(b.Name, i)
 		}
 	}
 	if err := p.validate(); err != nil {
@@ -217,6 +217,15 @@ func (p *Parallel) newBranchCall(ctx context.Context, parent subParent, i int) *
 		repl.Set(ns+"branch", p.round.names[i])
 	}
 	return c
+}
+
+// branchName is the name of branch i, given name: name, or the index
+// when it has none.
+func branchName(name string, i int) string {
+	if name == "" {
+		return strconv.Itoa(i)
+	}
+	return name
 }
 
 // Interface guards

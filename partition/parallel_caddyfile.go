@@ -1,7 +1,8 @@
 package partition
 
 import (
-	"strconv"
+	"maps"
+	"slices"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
@@ -91,8 +92,7 @@ func parseParallel(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) 
 		}
 		parse, ok := parallelOptions[name]
 		if !ok {
-			return nil, caddyopt.Unknown(od, what, "branch", "fail_limit", "timeout", "merge",
-				"max_request_body", "max_response_body", "max_merged_body", "max_merge_memory", "skip")
+			return nil, caddyopt.Unknown(od, what, append([]string{"branch"}, slices.Sorted(maps.Keys(parallelOptions))...)...)
 		}
 		if name != "skip" {
 			if err := once.Check(od); err != nil {
@@ -114,10 +114,7 @@ func parseParallel(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) 
 	}
 	seen := make(map[string]bool, len(par.Branches))
 	for i, b := range par.Branches {
-		name := b.Name
-		if name == "" {
-			name = strconv.Itoa(i)
-		}
+		name := branchName(b.Name, i)
 		if seen[name] {
 			return nil, caddyopt.Errf(branchAt[i], what, "branch %s specified more than once (an unnamed branch is named by its index)", name)
 		}
