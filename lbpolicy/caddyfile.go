@@ -136,7 +136,7 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //	}
 func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const what = "lb_policy panic"
-	return caddyopt.Block(d, what, func(opt string) error {
+	err := caddyopt.Block(d, what, func(opt string) error {
 		switch opt {
 		case "threshold":
 			v, err := parsePercent(d, what)
@@ -177,11 +177,18 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		default:
 			return caddyopt.Unknown(d, what, "threshold", "outlier", "load_reports", "policy")
 		}
-		if lt, ok := p.inner.(leastTimer); ok && p.Outlier != nil {
-			return d.Err(errOutlierAround(lt).Error())
+		if err := p.misplaced(false); err != nil {
+			return d.Err(err.Error())
 		}
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	if err := p.misplaced(true); err != nil {
+		return d.Err(err.Error())
+	}
+	return nil
 }
 
 // unmarshalCaddyfile reads an outlier block, the dispenser on its name;

@@ -93,27 +93,18 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		p.inner = sel
 		p.innerName = string(mod.(caddy.Module).CaddyModule().ID.Name())
 	}
-	lt, leastTime := p.inner.(leastTimer)
-	if !leastTime {
+	if _, leastTime := p.inner.(leastTimer); !leastTime {
 		// least_time records and avoids what a request tried itself, over
 		// the pool it is handed: filtered copies would give it a view
 		// per subset
 		p.trackTried = TracksTried(ctx)
 	}
-	if p.LoadReports != nil {
-		switch {
-		case leastTime:
-			return fmt.Errorf("panic: configure load_reports inside the %s policy, not around it", lt.leastTime().policyName())
-		case p.Outlier == nil:
-			return fmt.Errorf("panic: load_reports needs an outlier block: without one the panic policy does not observe the traffic, and reads no reports")
-		}
+	if err := p.misplaced(true); err != nil {
+		return err
 	}
 	emitter := events.New(ctx)
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), emitter)
 	if p.Outlier != nil {
-		if leastTime {
-			return errOutlierAround(lt)
-		}
 		p.Outlier.provision(ctx.Logger(), emitter)
 		p.LoadReports = loadReportsOrDefault(p.LoadReports)
 		// Validated before install starts the sweep loop (see least_time).
@@ -152,11 +143,26 @@ func (p *PanicSelection) linger() time.Duration {
 	return lingerFor()
 }
 
-// errOutlierAround refuses two outlier detectors for one pool: least_time
-// (or ewma, as the error names it if so configured) has its own, which
-// also resets its estimates on ejection.
-func errOutlierAround(lt leastTimer) error {
-	return fmt.Errorf("panic: configure outlier ejection inside the %s policy, not around it", lt.leastTime().policyName())
+// misplaced is the rule for what the panic policy observes itself:
+// outlier ejection and load_reports belong inside a least_time (or ewma,
+// as the errors name it if so configured) policy, which observes the
+// traffic itself (and resets its estimates on ejection), not around it,
+// so that one pool has one outlier detector; and load_reports
+// needs an outlier block, without which panic does not observe the
+// traffic and reads no reports. complete says the whole configuration is
+// there (the Caddyfile checks the first two rules after each option, the
+// last once the block is read).
+func (p *PanicSelection) misplaced(complete bool) error {
+	lt, leastTime := p.inner.(leastTimer)
+	switch {
+	case leastTime && p.Outlier != nil:
+		return fmt.Errorf("panic: configure outlier ejection inside the %s policy, not around it", lt.leastTime().policyName())
+	case leastTime && p.LoadReports != nil:
+		return fmt.Errorf("panic: configure load_reports inside the %s policy, not around it", lt.leastTime().policyName())
+	case complete && p.LoadReports != nil && p.Outlier == nil:
+		return errors.New("panic: load_reports needs an outlier block: without one the panic policy does not observe the traffic, and reads no reports")
+	}
+	return nil
 }
 
 // Validate checks the threshold and the outlier ejection.
