@@ -8,11 +8,7 @@ func parseText(body string) (Report, error) {
 	b := builder{strict: true}
 	for body != "" {
 		var elem string
-		if i := strings.IndexByte(body, ','); i >= 0 {
-			elem, body = body[:i], body[i+1:]
-		} else {
-			elem, body = body, ""
-		}
+		elem, body, _ = strings.Cut(body, ",")
 		elem = strings.Trim(elem, " \t")
 		if elem == "" {
 			continue
