@@ -10,10 +10,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -166,7 +164,7 @@ func (e *env) loadCaddyfile(caddyfile string) {
 	// connection and reset it as it closes (a stock least_conn phase lost a
 	// request to EOF so in CI): wait until the new socket is the only one.
 	e.client.CloseIdleConnections()
-	waitOneListener(e.t, httpPort, "HTTP")
+	lbxtest.WaitOneListener(e.t, httpPort, "HTTP")
 }
 
 // waitOldAdminGone waits until one socket at most listens on the admin
@@ -180,42 +178,7 @@ func waitOldAdminGone(t testing.TB) {
 	t.Helper()
 	_, portText, _ := strings.Cut(adminAddr, ":")
 	port, _ := strconv.Atoi(portText)
-	waitOneListener(t, port, "admin")
-}
-
-// waitOneListener waits, up to 5 s, until one socket at most listens on
-// port, and logs it when two still do. Linux only: elsewhere it returns
-// at once.
-func waitOneListener(t testing.TB, port int, what string) {
-	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		n, ok := listenersOnPort(port)
-		if !ok || n <= 1 {
-			return
-		}
-	}
-	t.Logf("two sockets still listen on the %s port %d after 5 s", what, port)
-}
-
-// listenersOnPort counts the TCP sockets in state LISTEN on port, from
-// /proc/net/tcp and tcp6; ok is false where those cannot be read.
-func listenersOnPort(port int) (n int, ok bool) {
-	want := fmt.Sprintf(":%04X ", port)
-	for _, f := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			continue
-		}
-		ok = true
-		for _, line := range strings.Split(string(b), "\n")[1:] {
-			fields := strings.Fields(line)
-			// local_address is fields[1] (addr:PORT), st is fields[3]: 0A is LISTEN.
-			if len(fields) > 3 && strings.HasSuffix(fields[1]+" ", want) && fields[3] == "0A" {
-				n++
-			}
-		}
-	}
-	return n, ok
+	lbxtest.WaitOneListener(t, port, "admin")
 }
 
 // failRecorder is the testing.TB handed to caddytest: it notes whether
@@ -696,26 +659,4 @@ func cancelAfter(cond func() bool) (context.Context, func()) {
 		}
 	}()
 	return ctx, func() { close(stop); <-done; cancel() }
-}
-
-// TestListenersOnPort: the count waitOneListener relies on sees a
-// listening socket, and no longer once it closes.
-func TestListenersOnPort(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	n, ok := listenersOnPort(port)
-	if !ok {
-		ln.Close()
-		t.Skip("no /proc/net/tcp here")
-	}
-	if n != 1 {
-		t.Errorf("listening: %d sockets counted on port %d; want 1", n, port)
-	}
-	ln.Close()
-	if n, _ := listenersOnPort(port); n != 0 {
-		t.Errorf("closed: %d sockets counted on port %d; want 0", n, port)
-	}
 }

@@ -1,7 +1,10 @@
 package lbxtest
 
 import (
+	"fmt"
 	"net"
+	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -76,4 +79,42 @@ func FreePort(t testing.TB) int {
 	}
 	t.Fatal("no fresh free port in 100 tries")
 	return 0
+}
+
+// WaitOneListener waits, up to 5 s, until one socket at most listens on
+// port, and logs it when two still do. After a reload Caddy stops the
+// old config's servers without waiting for them, and until the old
+// socket closes the kernel may hand it a new connection and reset it as
+// it closes (SO_REUSEPORT): a test that connects right after a reload
+// waits first. Linux only: elsewhere it returns at once.
+func WaitOneListener(t testing.TB, port int, what string) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		n, ok := ListenersOnPort(port)
+		if !ok || n <= 1 {
+			return
+		}
+	}
+	t.Logf("two sockets still listen on the %s port %d after 5 s", what, port)
+}
+
+// ListenersOnPort counts the TCP sockets in state LISTEN on port, from
+// /proc/net/tcp and tcp6; ok is false where those cannot be read.
+func ListenersOnPort(port int) (n int, ok bool) {
+	want := fmt.Sprintf(":%04X ", port)
+	for _, f := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		ok = true
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			fields := strings.Fields(line)
+			// local_address is fields[1] (addr:PORT), st is fields[3]: 0A is LISTEN.
+			if len(fields) > 3 && strings.HasSuffix(fields[1]+" ", want) && fields[3] == "0A" {
+				n++
+			}
+		}
+	}
+	return n, ok
 }

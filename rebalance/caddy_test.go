@@ -115,7 +115,9 @@ func TestCaddyWiring(t *testing.T) {
 	}
 	// The connections of the old config's server are still held and
 	// still counted (they close when the old server shuts them down or
-	// the client goes).
+	// the client goes). A new one goes to the new server once the old
+	// one's socket has closed (CI saw a reset before).
+	lbxtest.WaitOneListener(t, httpPort, "HTTP")
 	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/", httpPort))
 	if err != nil {
 		t.Fatal(err)
