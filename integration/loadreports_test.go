@@ -17,6 +17,8 @@ import (
 type reportingBackend struct {
 	srv    *httptest.Server
 	report atomic.Pointer[string]
+	served atomic.Int64
+	delay  atomic.Int64 // how long each answer takes, ns
 }
 
 func (e *env) reportingBackend() *reportingBackend {
@@ -27,6 +29,8 @@ func (e *env) reportingBackend() *reportingBackend {
 		if v := *b.report.Load(); v != "" {
 			w.Header().Set("Endpoint-Load-Metrics", v)
 		}
+		b.served.Add(1)
+		time.Sleep(time.Duration(b.delay.Load()))
 		_, _ = io.WriteString(w, "ok")
 	}))
 	e.t.Cleanup(b.srv.Close)
@@ -175,4 +179,69 @@ func TestLoadReportsDynamicUpstreams(t *testing.T) {
 	if r := u.Report; r == nil || r.Utilization == nil || *r.Utilization != 0.25 || r.Stale {
 		t.Fatalf("load report of a dynamic upstream: %+v", r)
 	}
+}
+
+// With no options, least_time takes share from the upstream that reports
+// more load than its peers, and says so in the admin API; once its report
+// says it is as loaded as the others, it gets its share back.
+func TestLoadReportsShapeTraffic(t *testing.T) {
+	e := newEnv(t)
+	bs := []*reportingBackend{e.reportingBackend(), e.reportingBackend(), e.reportingBackend()}
+	e.load(fmt.Sprintf("reverse_proxy %s %s %s {\n\tlb_policy least_time\n}", bs[0].addr(), bs[1].addr(), bs[2].addr()))
+	for _, b := range bs {
+		// equally fast, and slow enough that loopback's noise (a first
+		// answer on a new connection taking ten times a later one) does
+		// not tell them apart: the reports alone do
+		b.delay.Store(int64(2 * time.Millisecond))
+	}
+	for _, b := range bs[:2] {
+		b.set("TEXT application_utilization=0.2")
+	}
+	bs[2].set("TEXT application_utilization=0.95")
+	send := func(n int) []int64 {
+		before := []int64{bs[0].served.Load(), bs[1].served.Load(), bs[2].served.Load()}
+		for range n {
+			if code, _ := e.getHeader(t); code != 200 {
+				t.Fatalf("status %d", code)
+			}
+		}
+		return []int64{bs[0].served.Load() - before[0], bs[1].served.Load() - before[1], bs[2].served.Load() - before[2]}
+	}
+	send(30) // every upstream has reported
+	// mean 0.45: the busy one keeps 0.05/0.55 of its third, about 3%
+	got := send(600)
+	t.Logf("served %v of 600", got)
+	if got[2] > 45 || got[0] < 200 || got[1] < 200 {
+		t.Fatalf("served %v of 600; the upstream reporting 0.95 should get about 18", got)
+	}
+	var page struct {
+		Pools []struct {
+			Upstreams []struct {
+				Dial  string   `json:"dial"`
+				Share *float64 `json:"reported_share_percent"`
+			} `json:"upstreams"`
+		} `json:"pools"`
+	}
+	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams")
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = json.NewDecoder(res.Body).Decode(&page)
+	res.Body.Close()
+	if err != nil || len(page.Pools) != 1 {
+		t.Fatalf("GET /lbx/upstreams: %v, %+v", err, page)
+	}
+	for _, m := range page.Pools[0].Upstreams {
+		if busy := m.Dial == bs[2].addr(); busy != (m.Share != nil) || busy && *m.Share > 20 {
+			t.Errorf("%s: reported_share_percent %v", m.Dial, m.Share)
+		}
+	}
+
+	bs[2].set("TEXT application_utilization=0.2")
+	// its next answer brings the new report; the old one's pull is gone
+	// with it
+	waitFor(t, 10*time.Second, "the upstream to get its share back", func() (bool, string) {
+		got := send(300)
+		return got[2] > 60, fmt.Sprintf("served %v of 300", got)
+	})
 }

@@ -104,7 +104,8 @@ type LeastTimeSelection struct {
 	// How the ORCA load reports backends send in the
 	// Endpoint-Load-Metrics response header are taken in. They are
 	// read, and the header removed from responses, also when this is
-	// absent (with its defaults). Selection does not use them yet.
+	// absent (with its defaults), and a fresh report that says an upstream
+	// is busier than its peers takes share from it.
 	LoadReports *LoadReports `json:"load_reports,omitempty"`
 
 	// name is the policy's name as configured, "least_time" or "ewma": it
@@ -326,8 +327,11 @@ func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Requ
 		ramp:  s.SlowStart,
 		tried: tried,
 	}
-	if c.ramp != nil {
+	c.loadMean, c.reports = v.meanReportedLoad(now)
+	if c.reports || c.ramp != nil {
 		c.admit = rand.Float64()
+	}
+	if c.ramp != nil {
 		if s.panic.threshold <= 0 {
 			// the recount is also what notices hosts coming back
 			// from Caddy-unhealthy; panic mode does it otherwise
@@ -337,8 +341,9 @@ func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Requ
 	k := s.Choices.forPool(len(pool))
 	i := c.choose(k)
 	if i < 0 && c.admit > 0 {
-		// Only ramping upstreams are left and this draw admitted none
-		// of them: a ramp shapes shares, it must never refuse a request.
+		// Only ramping or reportedly busy upstreams are left and this
+		// draw admitted none of them: ramps and reports shape shares,
+		// they must never refuse a request.
 		c.admit = 0
 		i = c.choose(k)
 	}
@@ -478,6 +483,11 @@ type leastTimeCandidates struct {
 	// tried is what this request already tried, nil on a first attempt:
 	// a retry leaves those out while another upstream is usable.
 	tried *Tried
+	// reports: at least two members report their load, of mean
+	// loadMean; a member is then usable only when admit is below its
+	// hoststate.ReportedShare (times its ramp's factor).
+	reports  bool
+	loadMean float64
 }
 
 func (c leastTimeCandidates) Len() int { return len(c.pool) }
@@ -496,11 +506,23 @@ func (c leastTimeCandidates) Usable(i int) bool {
 	if c.tried != nil && c.tried.Has(c.pool[i].Dial) {
 		return false
 	}
-	if c.ramp == nil {
-		return true
+	return c.admit == 0 || c.admit < c.share(c.view.members[i].stats)
+}
+
+// share is the share of selections in which member st is considered: its
+// slow start's factor while it ramps, times the share its load report
+// leaves it; 1 when neither applies.
+func (c leastTimeCandidates) share(st *hoststate.Stats) float64 {
+	share := 1.0
+	if c.ramp != nil {
+		if start := st.RampStart(c.now); c.ramp.ramping(start, c.now) {
+			share = c.ramp.factor(start, c.now)
+		}
 	}
-	start := c.view.members[i].stats.RampStart(c.now)
-	return !c.ramp.ramping(start, c.now) || c.admit < c.ramp.factor(start, c.now)
+	if c.reports {
+		share *= st.ReportedShare(c.now, c.loadMean)
+	}
+	return share
 }
 
 func (c leastTimeCandidates) Cost(i int) choose.Cost {
@@ -590,6 +612,12 @@ func (s *LeastTimeSelection) statusOf(v *poolView, withBudget bool) poolStatus {
 			if f := s.SlowStart.factor(st.RampStart(now), now); f < 1 {
 				pct := f * 100
 				m.SlowStartPercent = &pct
+			}
+		}
+		if mean, ok := v.meanReportedLoad(now); ok {
+			if f := st.ReportedShare(now, mean); f < 1 {
+				pct := f * 100
+				m.ReportedSharePercent = &pct
 			}
 		}
 		status.Upstreams = append(status.Upstreams, m)

@@ -29,11 +29,14 @@ import (
 //
 // Reports are read, and the header is removed from the response before
 // it reaches the client, also when this block is absent: the defaults
-// below apply. Selection does not use the reports yet.
+// below apply. least_time uses fresh reports in selection: an upstream
+// that reports more load than the mean of its pool's reporting members
+// is considered in fewer selections, down to a twentieth of them (see
+// hoststate.ReportedShare); one that sends none is judged as before.
 type LoadReports struct {
-	// How long a report counts as fresh: an older one is still shown,
-	// flagged stale, and will not be used by selection. From 1s to 1h.
-	// Default: 10s.
+	// How long a report counts: its pull on selection fades from full
+	// when it arrives to none at this age, after which it is still shown,
+	// flagged stale. From 1s to 1h. Default: 3s.
 	MaxAge caddy.Duration `json:"max_age,omitempty"`
 
 	// Keep the Endpoint-Load-Metrics header in the response passed on to
@@ -55,9 +58,11 @@ const loadReportHeader = "Endpoint-Load-Metrics"
 
 // Bounds of max_age: below a second a report ages out between two
 // responses of a lightly used backend; beyond an hour it describes a
-// load long gone.
+// load long gone. The default is a few of least_time's default decay: a
+// backend a report priced out draws only a trickle, so its next report
+// may be seconds away, and an old one must let go of it by then.
 const (
-	defaultLoadReportMaxAge = 10 * time.Second
+	defaultLoadReportMaxAge = 3 * time.Second
 	minLoadReportMaxAge     = time.Second
 	maxLoadReportMaxAge     = time.Hour
 )

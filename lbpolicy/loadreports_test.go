@@ -55,7 +55,7 @@ func TestTransportTakesLoadReports(t *testing.T) {
 		t.Fatal("header passed on by default")
 	}
 	good := st.LoadReport()
-	if good == nil || good.CPU != 0.4 || good.RPS != 12 || good.Named["queue"] != 3 || good.MaxAge != 10*time.Second {
+	if good == nil || good.CPU != 0.4 || good.RPS != 12 || good.Named["queue"] != 3 || good.MaxAge != 3*time.Second {
 		t.Fatalf("report = %+v", good)
 	}
 	fwd := &LoadReports{MaxAge: strip.MaxAge, ForwardHeader: true}

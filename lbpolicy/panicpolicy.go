@@ -48,7 +48,7 @@ type PanicSelection struct {
 	// panic policy observes the traffic itself: only with an outlier
 	// block. They are then read, and the header removed, also when this
 	// is absent. Around least_time (or ewma), set it on the wrapped
-	// policy instead. Selection does not use the reports yet.
+	// policy instead. The wrapped stock policy does not use the reports.
 	LoadReports *LoadReports `json:"load_reports,omitempty"`
 
 	inner     reverseproxy.Selector

@@ -15,6 +15,8 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/orca"
 )
 
 // proxyWithPolicy provisions a real reverse_proxy handler with n upstreams
@@ -63,6 +65,9 @@ func BenchmarkSelect(b *testing.B) {
 		{"ewma_choices_2_ss", `{"policy":"ewma","choices":2,"slow_start":{"window":"30s"}}`, ""},
 		{"ewma_choices_2_rb", `{"policy":"ewma","choices":2,"retry_budget":{}}`, ""},
 		{"ewma_choices_2_outlier_ss_rb", `{"policy":"ewma","choices":2,"outlier":{},"slow_start":{"window":"30s"},"retry_budget":{}}`, ""},
+		// every upstream has a fresh load report (see reported below)
+		{"ewma_choices_2_reports", `{"policy":"ewma","choices":2}`, ""},
+		{"ewma_choices_all_reports", `{"policy":"ewma","choices":"all"}`, ""},
 		{"stock_random_choose_2", `{"policy":"random_choose","choose":2}`, ""},
 		{"stock_least_conn", `{"policy":"least_conn"}`, ""},
 		{"panic_least_conn", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`, ""},
@@ -81,6 +86,13 @@ func BenchmarkSelect(b *testing.B) {
 					s := lt.leastTime()
 					for i, u := range pool {
 						observe(s, u, time.Duration(1+i%5)*time.Millisecond, hoststate.Success)
+						if strings.HasSuffix(p.name, "_reports") {
+							r, err := orca.Parse(fmt.Sprintf("TEXT application_utilization=%g", 0.2+0.1*float64(i%8)))
+							if err != nil {
+								b.Fatal(err)
+							}
+							s.table.Stats(u.Dial).SetLoadReport(r, monoclock.Now(), time.Hour)
+						}
 					}
 				}
 				// a request as Caddy's server hands it over, with its

@@ -2,6 +2,7 @@ package hoststate
 
 import (
 	"errors"
+	"math"
 	"testing"
 	"time"
 	"unsafe"
@@ -59,5 +60,69 @@ func TestLoadReport(t *testing.T) {
 	snap := s.Snapshot(2000)
 	if snap.LoadReport != got || snap.ReportsRefused != 2 || snap.ReportError != orca.ErrValue {
 		t.Fatalf("snapshot = %+v", snap)
+	}
+}
+
+func TestReportedShare(t *testing.T) {
+	for _, c := range []struct {
+		load, mean, pull, want float64
+	}{
+		{0.3, 0.3, 1, 1},           // at the mean: untouched
+		{0.1, 0.45, 1, 1},          // below the mean: never raised
+		{0.9, 0.45, 1, 0.1 / 0.55}, // headroom 0.1 against 0.55
+		{1, 0.5, 1, MinReportedShare},
+		{1, 1, 1, 1},                           // all saturated: alike
+		{0.9, 0.45, 0.5, 1 - 0.5*(1-0.1/0.55)}, // half faded
+		{1, 0.5, 0, 1},                         // faded out
+	} {
+		if got := ReportedShare(c.load, c.mean, c.pull); math.Abs(got-c.want) > 1e-12 {
+			t.Errorf("ReportedShare(%v, %v, %v) = %v, want %v", c.load, c.mean, c.pull, got, c.want)
+		}
+	}
+}
+
+func TestReportedLoad(t *testing.T) {
+	report := func(s *Stats, header string, at int64) {
+		t.Helper()
+		r, err := orca.Parse(header)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.SetLoadReport(r, at, time.Second)
+	}
+	const at = int64(1e9)
+	a, b, c := NewStats("a:1"), NewStats("b:1"), NewStats("c:1")
+	report(a, "TEXT application_utilization=0.2, cpu_utilization=0.9", at) // application wins
+	report(b, "TEXT cpu_utilization=0.5, rps_fractional=100, eps=20", at)  // + error share 0.2
+	report(c, "TEXT rps_fractional=100, named_metrics.queue=3", at)        // no utilization
+	for _, x := range []struct {
+		s    *Stats
+		load float64
+		ok   bool
+	}{{a, 0.2, true}, {b, 0.7, true}, {c, 0, false}} {
+		load, pull, ok := x.s.ReportedLoad(at)
+		if ok != x.ok || math.Abs(load-x.load) > 1e-12 || (ok && pull != 1) {
+			t.Errorf("%s: load %v, pull %v, %v; want %v, 1, %v", x.s.Dial(), load, pull, ok, x.load, x.ok)
+		}
+	}
+	if _, pull, _ := a.ReportedLoad(at + int64(time.Second)/4); math.Abs(pull-0.75) > 1e-12 {
+		t.Errorf("pull a quarter of max_age later = %v, want 0.75", pull)
+	}
+	if _, _, ok := a.ReportedLoad(at + int64(time.Second)); ok {
+		t.Error("a report at its max_age still counts")
+	}
+	members := []*Stats{a, b, c, NewStats("d:1")}
+	mean, ok := MeanReportedLoad(at, len(members), func(i int) *Stats { return members[i] })
+	if !ok || math.Abs(mean-0.45) > 1e-12 {
+		t.Errorf("mean = %v, %v; want 0.45 over the two that report", mean, ok)
+	}
+	if _, ok := MeanReportedLoad(at, 1, func(int) *Stats { return a }); ok {
+		t.Error("a report alone has a mean to be weighed against")
+	}
+	if got := c.ReportedShare(at, 0.45); got != 1 {
+		t.Errorf("a report without utilization takes share: %v", got)
+	}
+	if got, want := b.ReportedShare(at, 0.45), 0.3/0.55; math.Abs(got-want) > 1e-12 {
+		t.Errorf("share of b = %v, want %v", got, want)
 	}
 }

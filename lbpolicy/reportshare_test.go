@@ -1,0 +1,83 @@
+package lbpolicy
+
+import (
+	"math"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/orca"
+)
+
+// reportLoad stores a load report of utilization u for u's upstream,
+// received age ago.
+func reportLoad(t *testing.T, s *LeastTimeSelection, up *reverseproxy.Upstream, u float64, age time.Duration) {
+	t.Helper()
+	r, err := orca.Parse("TEXT application_utilization=" + strconv.FormatFloat(u, 'g', -1, 64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.table.Stats(up.Dial).SetLoadReport(r, monoclock.Now()-int64(age), 3*time.Second)
+}
+
+// TestLeastTimeLoadReportsShapeShares checks that fresh reports take share
+// from an upstream busier than its peers, in proportion, and that stale,
+// lone or uniform reports take none. Latency and in-flight are equal, so
+// without reports each of the four draws a quarter.
+func TestLeastTimeLoadReportsShapeShares(t *testing.T) {
+	const picks = 8000
+	for _, c := range []struct {
+		name     string
+		loads    []float64 // per upstream, <0: no report
+		age      time.Duration
+		hot      float64 // expected share of pool[3]
+		tolerate float64
+	}{
+		{"none", []float64{-1, -1, -1, -1}, 0, 0.25, 0.04},
+		{"busier", []float64{0.3, 0.3, 0.3, 0.9}, 0, 0.25 * (0.1 / 0.55), 0.02},
+		{"saturated", []float64{0.5, 0.5, 0.5, 1}, 0, 0.25 * hoststate.MinReportedShare, 0.01},
+		{"alone", []float64{-1, -1, -1, 0.95}, 0, 0.25, 0.04},
+		{"uniform", []float64{0.9, 0.9, 0.9, 0.9}, 0, 0.25, 0.04},
+		{"stale", []float64{0.3, 0.3, 0.3, 0.9}, 4 * time.Second, 0.25, 0.04},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s := provisionLeastTime(t, &LeastTimeSelection{})
+			pool := newPool(t, 4)
+			for i, u := range pool {
+				observe(s, u, 2*time.Millisecond, hoststate.Success)
+				if c.loads[i] >= 0 {
+					reportLoad(t, s, u, c.loads[i], c.age)
+				}
+			}
+			got := float64(shares(s, pool, picks)[pool[3]]) / picks
+			if math.Abs(got-c.hot) > c.tolerate {
+				t.Fatalf("share of pool[3] = %.3f, want %.3f ± %.3f", got, c.hot, c.tolerate)
+			}
+		})
+	}
+}
+
+// TestLeastTimeLoadReportsNeverRefuse: a report shapes shares only; when
+// the one usable upstream is the busy one, it is chosen every time.
+func TestLeastTimeLoadReportsNeverRefuse(t *testing.T) {
+	for _, choices := range []Choices{choicesAll, 2} {
+		s := provisionLeastTime(t, &LeastTimeSelection{Choices: choices, PanicThreshold: new(float64)})
+		pool := newPool(t, 3)
+		for i, u := range pool {
+			observe(s, u, time.Millisecond, hoststate.Success)
+			reportLoad(t, s, u, []float64{0.1, 0.1, 1}[i], 0)
+		}
+		for _, u := range pool[:2] {
+			s.table.Stats(u.Dial).Eject(monoclock.Now(), time.Minute, func(int64) time.Duration { return time.Minute }, hoststate.ReasonSuccessRate)
+		}
+		for i := range 1000 {
+			if u := s.Select(pool, nil, nil); u != pool[2] {
+				t.Fatalf("choices %v: selection %d chose %v, want the busy upstream, the only one usable", choices, i, u)
+			}
+		}
+	}
+}
