@@ -382,6 +382,10 @@ func TestBinRoundTrip(t *testing.T) {
 	}
 }
 
+// grpcGoReport is an endpoint-load-metrics-bin value grpc-go wrote (see
+// TestParseBinary).
+const grpcGoReport = "CeF6FK5H4do/QhAKBXF1ZXVlEQAAAAAAAAhASTMzMzMzM+M/"
+
 // TestParseBinary checks that an endpoint-load-metrics-bin value reads
 // as the same value behind "BIN " does, with gRPC's padding rule, and
 // that the length bound holds for it too.
@@ -397,6 +401,17 @@ func TestParseBinary(t *testing.T) {
 		want     Report
 		kind     error // nil: want must come back
 	}{
+		{
+			// What grpc-go v1.83.2's server wrote in the trailer
+			// endpoint-load-metrics-bin of a call whose handler recorded
+			// cpu 0.42, application utilization 0.6 and the named metric
+			// queue=3 (orca.CallMetricsServerOption), as read off the
+			// wire by net/http's HTTP/2 client.
+			"written by grpc-go",
+			grpcGoReport,
+			Report{CPU: 0.42, Application: 0.6, Named: map[string]float64{"queue": 3}, set: CPU | Application},
+			nil,
+		},
 		{"padded", padded, Report{CPU: 0.5, set: CPU}, nil},
 		{"unpadded, as gRPC writes it", unpadded, Report{CPU: 0.5, set: CPU}, nil},
 		{"surrounding blanks", " \t" + unpadded + " ", Report{CPU: 0.5, set: CPU}, nil},
@@ -597,6 +612,7 @@ func FuzzParse(f *testing.F) {
 // reads exactly as the same value in Parse's BIN form does.
 func FuzzParseBinary(f *testing.F) {
 	for _, s := range []string{
+		grpcGoReport,
 		base64.RawStdEncoding.EncodeToString(encode(full)),
 		base64.StdEncoding.EncodeToString(enc(nil).double(1, 0.5)),
 		base64.RawStdEncoding.EncodeToString(enc(nil).double(1, 0.5)) + "=",
