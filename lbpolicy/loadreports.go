@@ -3,7 +3,9 @@ package lbpolicy
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -20,28 +22,33 @@ import (
 // LoadReports configures how ORCA load reports are taken in: the
 // Endpoint-Load-Metrics header that backends add to their responses
 // (`TEXT cpu_utilization=0.3, rps_fractional=120, ...`, or the JSON and
-// BIN forms), with their own account of their load. Every response to
-// real traffic that carries the header has it parsed, within the bounds
-// of lbx's ORCA parser, and the latest good report of each upstream is
-// kept and shown in the admin API, the metrics and the status page.
-// Health-check responses are not read. A report that does not parse is
-// counted and leaves the last good one in place.
+// BIN forms), with their own account of their load, or gRPC's form, the
+// binary metadata Endpoint-Load-Metrics-Bin that gRPC servers send in
+// the trailers of a call (or in its headers, when the call ends without
+// a message). Every response to real traffic that carries a report has
+// it parsed, within the bounds of lbx's ORCA parser, and the latest good
+// report of each upstream is kept and shown in the admin API, the
+// metrics and the status page. Health-check responses are not read. A
+// report that does not parse is counted and leaves the last good one in
+// place.
 //
-// Reports are read, and the header is removed from the response before
-// it reaches the client, also when this block is absent: the defaults
-// below apply. least_time uses fresh reports in selection: an upstream
-// that reports more load than the mean of its pool's reporting members
-// is considered in fewer selections, down to a twentieth of them (see
-// hoststate.ReportedShare); one that sends none is judged as before.
+// Reports are read, and their headers and trailers are removed from the
+// response before it reaches the client, also when this block is
+// absent: the defaults below apply. least_time uses fresh reports in
+// selection: an upstream that reports more load than the mean of its
+// pool's reporting members is considered in fewer selections, down to a
+// twentieth of them (see hoststate.ReportedShare); one that sends none is
+// judged as before.
 type LoadReports struct {
 	// How long a report counts: its pull on selection fades from full
 	// when it arrives to none at this age, after which it is still shown,
 	// flagged stale. From 1s to 1h. Default: 3s.
 	MaxAge caddy.Duration `json:"max_age,omitempty"`
 
-	// Keep the Endpoint-Load-Metrics header in the response passed on to
-	// the client. Default: false (the header is removed, since it tells
-	// clients about the backends' load).
+	// Keep the Endpoint-Load-Metrics and Endpoint-Load-Metrics-Bin
+	// headers and trailers in the response passed on to the client.
+	// Default: false (they are removed, since they tell clients about
+	// the backends' load).
 	ForwardHeader bool `json:"forward_header,omitempty"`
 }
 
@@ -52,9 +59,13 @@ func (x *LoadReports) UnmarshalJSON(b []byte) error {
 	return jsonfield.Decode(b, (*plain)(x))
 }
 
-// loadReportHeader is the response header ORCA reports come in, in its
-// canonical form, so that it is looked up without canonicalising.
-const loadReportHeader = "Endpoint-Load-Metrics"
+// The response headers (and trailers) ORCA reports come in, in their
+// canonical form, so that they are looked up without canonicalising:
+// the HTTP form, and gRPC's binary metadata (the base64 of the message).
+const (
+	loadReportHeader    = "Endpoint-Load-Metrics"
+	loadReportBinHeader = "Endpoint-Load-Metrics-Bin"
+)
 
 // Bounds of max_age: below a second a report ages out between two
 // responses of a lightly used backend; beyond an hour it describes a
@@ -128,26 +139,112 @@ func (l *LoadReports) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) er
 	})
 }
 
-// takeLoadReport reads the load report resp carries, if any, into s, and
-// removes the header unless the configuration forwards it. It is called
-// for responses to real traffic only: a health check's report would be
-// of a request the backend treats differently, and keeping probes out of
-// the traffic statistics is the rule throughout.
+// takeLoadReports reads the load reports resp carries into s: the one in
+// its headers now, and the one in its trailers when the body has been
+// read to its end. It removes both unless the configuration forwards
+// them. It is called for responses to real traffic only: a health
+// check's report would be of a request the backend treats differently,
+// and keeping probes out of the traffic statistics is the rule
+// throughout.
 //
-// Only the first header value is read: ORCA sends one, and a backend
-// that sends several gets the first one judged, not the one it prefers.
-func takeLoadReport(s *hoststate.Stats, resp *http.Response, l *LoadReports) {
-	vals := resp.Header[loadReportHeader]
-	if len(vals) == 0 {
+// The body is wrapped only when a trailer report may come: when the
+// response announces one in its Trailer header, or is gRPC, whose
+// servers send trailers unannounced. Other responses cost two map
+// lookups and no allocation.
+func takeLoadReports(s *hoststate.Stats, resp *http.Response, l *LoadReports) {
+	takeLoadReport(s, resp.Header, l)
+	if !trailerReportExpected(resp) {
 		return
 	}
-	if r, err := orca.Parse(vals[0]); err != nil {
+	if !l.ForwardHeader {
+		// Unannounced, so that the client is not told of a trailer it
+		// will not get; the transport fills in the trailers it receives
+		// whether they were announced or not.
+		delete(resp.Trailer, loadReportHeader)
+		delete(resp.Trailer, loadReportBinHeader)
+	}
+	resp.Body = &trailerReportBody{ReadCloser: resp.Body, resp: resp, stats: s, reports: l}
+}
+
+// trailerReportExpected reports whether resp's trailers may carry a load
+// report that its body must be watched for.
+func trailerReportExpected(resp *http.Response) bool {
+	if resp.Body == nil || resp.Body == http.NoBody || resp.StatusCode == http.StatusSwitchingProtocols {
+		// no trailers to come, or a body reverse_proxy uses as a
+		// connection, which a wrapper would hide
+		return false
+	}
+	if _, ok := resp.Trailer[loadReportHeader]; ok {
+		return true
+	}
+	if _, ok := resp.Trailer[loadReportBinHeader]; ok {
+		return true
+	}
+	return isGRPC(resp.Header)
+}
+
+// isGRPC reports whether a response is gRPC over HTTP/2: Content-Type
+// application/grpc, alone or followed by "+format" or parameters
+// (application/grpc-web, which carries its trailers in the body, is
+// not).
+func isGRPC(h http.Header) bool {
+	ct := h["Content-Type"]
+	if len(ct) == 0 {
+		return false
+	}
+	rest, ok := strings.CutPrefix(ct[0], "application/grpc")
+	return ok && (rest == "" || rest[0] == '+' || rest[0] == ';')
+}
+
+// trailerReportBody is a response body that, on reaching its end, reads
+// the load report in the response's trailers. The transport fills in the
+// trailers before the body returns io.EOF, and reverse_proxy copies them
+// to the client only after the body returned it, so the report is read
+// and removed in between, on reverse_proxy's goroutine, without waiting
+// for anything.
+type trailerReportBody struct {
+	io.ReadCloser
+	resp    *http.Response
+	stats   *hoststate.Stats
+	reports *LoadReports
+	done    bool
+}
+
+// Read implements io.Reader.
+func (b *trailerReportBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err == io.EOF && !b.done {
+		b.done = true
+		takeLoadReport(b.stats, b.resp.Trailer, b.reports)
+	}
+	return n, err
+}
+
+// takeLoadReport reads the load report in h, a response's headers or
+// trailers, if any, into s, and removes it from h unless the
+// configuration forwards it. The HTTP form is read when present, else
+// gRPC's binary form; both are removed.
+//
+// Only the first value is read: ORCA sends one, and a backend that sends
+// several gets the first one judged, not the one it prefers.
+func takeLoadReport(s *hoststate.Stats, h http.Header, l *LoadReports) {
+	var r orca.Report
+	var err error
+	if v := h[loadReportHeader]; len(v) > 0 {
+		r, err = orca.Parse(v[0])
+	} else if v := h[loadReportBinHeader]; len(v) > 0 {
+		r, err = orca.ParseBinary(v[0])
+	} else {
+		return
+	}
+	if err != nil {
 		s.RefuseLoadReport(err)
 	} else {
 		s.SetLoadReport(r, monoclock.Now(), time.Duration(l.MaxAge))
 	}
 	if !l.ForwardHeader {
-		delete(resp.Header, loadReportHeader)
+		delete(h, loadReportHeader)
+		delete(h, loadReportBinHeader)
 	}
 }
 

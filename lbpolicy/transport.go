@@ -28,9 +28,8 @@ import (
 // out of the statistics, and out of load reports.
 //
 // It also takes in the ORCA load reports responses carry (see
-// LoadReports) and, unless configured to forward it, removes their
-// header before reverse_proxy copies the response's headers to the
-// client. Each handler has its own wrapper, so whether the header is
+// LoadReports) and, unless configured to forward them, removes their
+// headers and trailers before reverse_proxy copies them to the client. Each handler has its own wrapper, so whether the header is
 // forwarded is the setting of the policy that installed it, also when
 // other pools share the address.
 type observingTransport struct {
@@ -83,7 +82,7 @@ func (t *observingTransport) RoundTrip(req *http.Request) (*http.Response, error
 	}
 	t.table.Observe(s, start, outcome)
 	if err == nil && t.reports != nil {
-		takeLoadReport(s, resp, t.reports)
+		takeLoadReports(s, resp, t.reports)
 	}
 	if t.outlier != nil && outcome != hoststate.Abandoned {
 		t.outlier.judge(t.table, s, di.Upstream.Dial, outcome == hoststate.Failure)

@@ -48,11 +48,11 @@ func binMap(num uint64) (int, bool) {
 	return 0, false
 }
 
-// parseBin parses the body of a BIN report: the serialized message in
-// standard base64, with or without padding.
+// parseBin parses the body of a BIN report, or the value of an
+// endpoint-load-metrics-bin header: the serialized message in standard
+// base64, with or without padding.
 func parseBin(body string) (Report, error) {
-	body = strings.TrimRight(body, " \t=")
-	msg, err := base64.RawStdEncoding.DecodeString(body)
+	msg, err := decodeBase64(strings.Trim(body, " \t"))
 	if err != nil {
 		return Report{}, fault(ErrSyntax, "", "bad base64: "+err.Error())
 	}
@@ -97,6 +97,17 @@ func parseBin(body string) (Report, error) {
 		}
 	}
 	return b.r, nil
+}
+
+// decodeBase64 decodes standard base64 by gRPC's rule for binary
+// metadata: a length that is a multiple of 4 is read as padded (or as
+// needing no padding), any other as unpadded. Padding where none fits,
+// such as "QQ=", is refused, as gRPC refuses it.
+func decodeBase64(s string) ([]byte, error) {
+	if len(s)%4 == 0 {
+		return base64.StdEncoding.DecodeString(s)
+	}
+	return base64.RawStdEncoding.DecodeString(s)
 }
 
 // binEntry reads one map entry message: key (field 1, string) and value

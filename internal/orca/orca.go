@@ -19,6 +19,11 @@
 // numeric strings. BIN is the serialized message in standard base64,
 // padded or not.
 //
+// gRPC sends the same message in binary metadata instead, the header or
+// (for gRPC's per-call reports, always) trailer endpoint-load-metrics-bin,
+// whose value is the base64 alone, without a prefix; ParseBinary reads
+// that value, with the same bounds.
+//
 // Reports come from backends and are untrusted. Parse reads at most
 // MaxHeaderBytes, at most MaxKeys keys and MaxMetrics map entries, checks
 // every metric name against the name rule (see ErrName) and every value
@@ -230,8 +235,8 @@ func quote(s string) string {
 // response has several such headers, pass the first, as Envoy does.
 // Surrounding spaces and tabs are ignored; the prefix is case-sensitive.
 func Parse(header string) (Report, error) {
-	if len(header) > MaxHeaderBytes {
-		return Report{}, fault(ErrTooLong, "", fmt.Sprintf("%d bytes, the limit is %d", len(header), MaxHeaderBytes))
+	if err := checkLength(header); err != nil {
+		return Report{}, err
 	}
 	h := strings.TrimLeft(header, " \t")
 	switch {
@@ -249,6 +254,28 @@ func Parse(header string) (Report, error) {
 		p = p[:i]
 	}
 	return Report{}, fault(ErrFormat, "", "prefix "+quote(p)+" is not TEXT, JSON or BIN")
+}
+
+// ParseBinary parses the value of an endpoint-load-metrics-bin header or
+// trailer, gRPC's binary metadata: the serialized message in standard
+// base64 without a prefix, padded or not (gRPC writes it unpadded and
+// reads both). It reads it as Parse reads a BIN value, within the same
+// bounds, and returns the same kinds of error; an empty value is the
+// empty message, a report with no fields.
+func ParseBinary(value string) (Report, error) {
+	if err := checkLength(value); err != nil {
+		return Report{}, err
+	}
+	return parseBin(value)
+}
+
+// checkLength refuses a value longer than MaxHeaderBytes before any of
+// it is read.
+func checkLength(v string) error {
+	if len(v) > MaxHeaderBytes {
+		return fault(ErrTooLong, "", fmt.Sprintf("%d bytes, the limit is %d", len(v), MaxHeaderBytes))
+	}
+	return nil
 }
 
 // builder accumulates a report while enforcing the bounds common to

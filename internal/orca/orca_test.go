@@ -382,6 +382,94 @@ func TestBinRoundTrip(t *testing.T) {
 	}
 }
 
+// grpcGoReport is an endpoint-load-metrics-bin value grpc-go wrote (see
+// TestParseBinary).
+const grpcGoReport = "CeF6FK5H4do/QhAKBXF1ZXVlEQAAAAAAAAhASTMzMzMzM+M/"
+
+// TestParseBinary checks that an endpoint-load-metrics-bin value reads
+// as the same value behind "BIN " does, with gRPC's padding rule, and
+// that the length bound holds for it too.
+func TestParseBinary(t *testing.T) {
+	cpu := enc(nil).double(1, 0.5).varint(3, 7) // 11 bytes: base64 needs one '='
+	padded := base64.StdEncoding.EncodeToString(cpu)
+	unpadded := base64.RawStdEncoding.EncodeToString(cpu)
+	if padded == unpadded {
+		t.Fatal("the test value needs padding")
+	}
+	for _, tc := range []struct {
+		name, in string
+		want     Report
+		kind     error // nil: want must come back
+	}{
+		{
+			// What grpc-go v1.83.2's server wrote in the trailer
+			// endpoint-load-metrics-bin of a call whose handler recorded
+			// cpu 0.42, application utilization 0.6 and the named metric
+			// queue=3 (orca.CallMetricsServerOption), as read off the
+			// wire by net/http's HTTP/2 client.
+			"written by grpc-go",
+			grpcGoReport,
+			Report{CPU: 0.42, Application: 0.6, Named: map[string]float64{"queue": 3}, set: CPU | Application},
+			nil,
+		},
+		{"padded", padded, Report{CPU: 0.5, set: CPU}, nil},
+		{"unpadded, as gRPC writes it", unpadded, Report{CPU: 0.5, set: CPU}, nil},
+		{"surrounding blanks", " \t" + unpadded + " ", Report{CPU: 0.5, set: CPU}, nil},
+		{"every field", base64.RawStdEncoding.EncodeToString(encode(full)), full, nil},
+		{"empty message", "", Report{}, nil},
+		{"too much padding", unpadded + "==", Report{}, ErrSyntax},
+		{"padding where none fits", base64.RawStdEncoding.EncodeToString(cpu[:10]) + "=", Report{}, ErrSyntax},
+		{"with the BIN prefix", "BIN " + padded, Report{}, ErrSyntax},
+		{"text form", "TEXT cpu_utilization=0.5", Report{}, ErrSyntax},
+		{"NaN", base64.RawStdEncoding.EncodeToString(enc(nil).double(1, math.NaN())), Report{}, ErrValue},
+		{"65 named", strings.TrimPrefix(func() string {
+			var e enc
+			for i := range MaxMetrics + 1 {
+				e = e.entry(8, fmt.Sprint("m", i), 1)
+			}
+			return e.bin()
+		}(), "BIN "), Report{}, ErrTooMany},
+		{"too long", strings.Repeat("A", MaxHeaderBytes+4), Report{}, ErrTooLong},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := ParseBinary(tc.in)
+			switch {
+			case tc.kind == nil && err != nil:
+				t.Fatalf("ParseBinary(%.80q): %v", tc.in, err)
+			case tc.kind != nil && !errors.Is(err, tc.kind):
+				t.Fatalf("ParseBinary(%.80q) = %+v, %v; want kind %v", tc.in, got, err, tc.kind)
+			case !equal(got, tc.want):
+				t.Fatalf("ParseBinary(%.80q) = %+v, want %+v", tc.in, got, tc.want)
+			}
+		})
+	}
+	// at the bound: a value of exactly MaxHeaderBytes is read
+	e := enc(nil).bytes(100, make([]byte, MaxHeaderBytes/4*3-13)).double(1, 0.5)
+	v := base64.RawStdEncoding.EncodeToString(e)
+	if len(v) > MaxHeaderBytes || len(v) < MaxHeaderBytes-3 {
+		t.Fatalf("test value of %d bytes", len(v))
+	}
+	v += strings.Repeat(" ", MaxHeaderBytes-len(v))
+	if r, err := ParseBinary(v); err != nil || r.CPU != 0.5 {
+		t.Fatalf("a value of exactly %d bytes: %+v, %v", MaxHeaderBytes, r, err)
+	}
+}
+
+// sameAsBIN checks that ParseBinary(in) is what Parse makes of the same
+// value in the BIN form.
+func sameAsBIN(t *testing.T, in string) {
+	t.Helper()
+	got, err := ParseBinary(in)
+	if len("BIN "+in) > MaxHeaderBytes {
+		return // the prefix tips it over Parse's bound
+	}
+	want, werr := Parse("BIN " + in)
+	if (err == nil) != (werr == nil) || !equal(got, want) ||
+		(err != nil && err.Error() != werr.Error()) {
+		t.Fatalf("ParseBinary(%.80q) = %+v, %v; Parse of it as BIN = %+v, %v", in, got, err, want, werr)
+	}
+}
+
 func TestUtilization(t *testing.T) {
 	for _, tc := range []struct {
 		in     string
@@ -516,6 +604,38 @@ func FuzzParse(f *testing.F) {
 		if err := check(r); err != nil {
 			t.Fatalf("Parse(%q) = %+v: %v", in, r, err)
 		}
+	})
+}
+
+// FuzzParseBinary checks that any endpoint-load-metrics-bin value either
+// is refused with an *Error or reads as a report within the bounds, and
+// reads exactly as the same value in Parse's BIN form does.
+func FuzzParseBinary(f *testing.F) {
+	for _, s := range []string{
+		grpcGoReport,
+		base64.RawStdEncoding.EncodeToString(encode(full)),
+		base64.StdEncoding.EncodeToString(enc(nil).double(1, 0.5)),
+		base64.RawStdEncoding.EncodeToString(enc(nil).double(1, 0.5)) + "=",
+		base64.RawStdEncoding.EncodeToString(enc(nil).entry(8, "q", 1)[:4]),
+		base64.RawStdEncoding.EncodeToString(enc(nil).double(9, math.Inf(1))),
+		"", "////", "A", "QQ=", "BIN AAAA", "AAAA,AAAA",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, in string) {
+		r, err := ParseBinary(in)
+		if err != nil {
+			var e *Error
+			if !errors.As(err, &e) {
+				t.Fatalf("error %T is not *Error", err)
+			}
+			if !equal(r, Report{}) {
+				t.Fatalf("report %+v with error %v", r, err)
+			}
+		} else if err := check(r); err != nil {
+			t.Fatalf("ParseBinary(%q) = %+v: %v", in, r, err)
+		}
+		sameAsBIN(t, in)
 	})
 }
 
