@@ -2,6 +2,7 @@ package hoststate
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"testing"
 	"time"
@@ -125,4 +126,39 @@ func TestReportedLoad(t *testing.T) {
 	if got, want := b.ReportedShare(at, 0.45), 0.3/0.55; math.Abs(got-want) > 1e-12 {
 		t.Errorf("share of b = %v, want %v", got, want)
 	}
+}
+
+// FuzzReportedShare: whatever reports say (any utilization, error rate
+// and age a parsed report can hold, against any mean), the share stays
+// within [MinReportedShare, 1]: a report never takes an upstream out and
+// never raises one above its share without reports.
+func FuzzReportedShare(f *testing.F) {
+	f.Add(0.3, 0.0, 0.0, 0.45, 0.0)
+	f.Add(100.0, 1e9, 1e9, 0.0, 0.5)
+	f.Add(0.0, 0.0, 0.0, 1.0, 1.0)
+	f.Fuzz(func(t *testing.T, util, rps, eps, mean, ageFrac float64) {
+		header := fmt.Sprintf("TEXT application_utilization=%g, rps_fractional=%g, eps=%g", util, rps, eps)
+		r, err := orca.Parse(header)
+		if err != nil {
+			return // the parser's bounds refused it: nothing reaches selection
+		}
+		s := NewStats("fuzz:1")
+		s.SetLoadReport(r, 1, time.Second)
+		if math.IsNaN(ageFrac) || math.IsInf(ageFrac, 0) {
+			ageFrac = 0
+		}
+		now := 1 + int64(math.Mod(math.Abs(ageFrac), 2)*float64(time.Second))
+		load, _, ok := s.ReportedLoad(now)
+		if ok && (load < 0 || load > 1) {
+			t.Fatalf("%s: load %v outside [0, 1]", header, load)
+		}
+		// the mean is of loads, so within [0, 1]
+		m := math.Mod(math.Abs(mean), 1)
+		if math.IsNaN(m) {
+			m = 0
+		}
+		if got := s.ReportedShare(now, m); !(got >= MinReportedShare && got <= 1) {
+			t.Fatalf("%s at mean %v: share %v outside [%v, 1]", header, m, got, MinReportedShare)
+		}
+	})
 }
