@@ -224,15 +224,20 @@ func TestStatusPage(t *testing.T) {
 	chrome := findChromium(t)
 	bin := drainBuildCaddy(t)
 
-	okBackend := func() *httptest.Server {
+	okBackend := func(report string) *httptest.Server {
 		s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if report != "" {
+				w.Header().Set("Endpoint-Load-Metrics", report)
+			}
 			w.Header().Set("Content-Type", "application/json")
 			_, _ = io.WriteString(w, `{"items":[1]}`)
 		}))
 		t.Cleanup(s.Close)
 		return s
 	}
-	ok1, ok2 := okBackend(), okBackend()
+	// ok1 sends ORCA load reports: the upstreams table gains its
+	// "reported" column
+	ok1, ok2 := okBackend("TEXT application_utilization=0.4, cpu_utilization=0.7"), okBackend("")
 	bad := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "overloaded", http.StatusServiceUnavailable)
 	}))
@@ -376,6 +381,8 @@ func TestStatusPage(t *testing.T) {
 		func(s string) bool { return containsAll(s, host(bad), "no") })
 	waitDOM(t, ctx, 5*time.Second, "upstream row of the ejected backend", rowText(fmt.Sprintf(`#upstreams tr[data-dial=%q]`, host(bad))),
 		func(s string) bool { return containsAll(s, "ejected for", "consecutive_failures") })
+	waitDOM(t, ctx, 5*time.Second, "the reported column of the reporting backend", rowText(fmt.Sprintf(`#upstreams tr[data-dial=%q]`, host(ok1))),
+		func(s string) bool { return containsAll(s, "40%", "ago") })
 	waitDOM(t, ctx, 5*time.Second, "the pool's summary", rowText("#pools"),
 		func(s string) bool { return containsAll(s, "policy least_time", "available 2 of 3", "panic no") })
 
