@@ -221,6 +221,13 @@ type upstreamView struct {
 	// (see loadReportErrorKind); both absent when none was refused.
 	LoadReportsRefused uint64 `json:"load_reports_refused,omitempty"`
 	LoadReportError    string `json:"load_report_error,omitempty"`
+	// ProbesSent counts the load probes sent to the upstream (see
+	// LoadProbe); ProbesFailed those of them that got no answer in time
+	// or a 5xx, and ProbesRejected those answered with a 4xx. All absent
+	// when no probe was sent.
+	ProbesSent     uint64 `json:"probes_sent,omitempty"`
+	ProbesFailed   uint64 `json:"probes_failed,omitempty"`
+	ProbesRejected uint64 `json:"probes_rejected,omitempty"`
 }
 
 // loadReportView is an upstream's latest good load report in the admin
@@ -475,6 +482,10 @@ func viewOf(s hoststate.Snapshot, expected float64, now int64) upstreamView {
 		v.LoadReportsRefused = s.ReportsRefused
 		v.LoadReportError = loadReportErrorKind(s.ReportError)
 	}
+	for _, n := range s.Probes {
+		v.ProbesSent += n
+	}
+	v.ProbesFailed, v.ProbesRejected = s.Probes[hoststate.ProbeFailed], s.Probes[hoststate.ProbeRejected]
 	if s.SinceFailure > 0 {
 		v.LastFailureHuman = humanize.Time(time.Now().Add(-s.SinceFailure))
 	}

@@ -28,6 +28,11 @@ import (
 //		load_reports {
 //			max_age        <duration>
 //			forward_header
+//			probe <path> [{
+//				per_request <ratio>
+//				max_rate    <n>[/s]
+//				timeout     <duration>
+//			}]
 //		}
 //		slow_start <window> [{
 //			min_weight <percent>

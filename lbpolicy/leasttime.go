@@ -105,7 +105,8 @@ type LeastTimeSelection struct {
 	// Endpoint-Load-Metrics response header are taken in. They are
 	// read, and the header removed from responses, also when this is
 	// absent (with its defaults), and a fresh report that says an upstream
-	// is busier than its peers takes share from it.
+	// is busier than its peers takes share from it. Its probe block, when
+	// present, has the policy ask upstreams for reports itself.
 	LoadReports *LoadReports `json:"load_reports,omitempty"`
 
 	// name is the policy's name as configured, "least_time" or "ewma": it
@@ -115,8 +116,10 @@ type LeastTimeSelection struct {
 	table    *hoststate.Table
 	observer *observingTransport
 	views    views
-	panic    panicMode
-	logger   *zap.Logger
+	// prober sends load probes; nil when load_reports has no probe.
+	prober *loadProber
+	panic  panicMode
+	logger *zap.Logger
 	// trackTried: the handler can retry, so each request records what it
 	// tried and a retry avoids it (see tried.go)
 	trackTried bool
@@ -196,12 +199,23 @@ func (s *LeastTimeSelection) Provision(ctx caddy.Context) error {
 		if s.observer != nil && s.RetryBudget != nil {
 			s.observer.budget = s.RetryBudget
 		}
+		if s.observer != nil && s.LoadReports.Probe != nil {
+			// through the handler's own transport, inside the observing
+			// one: a probe is neither traffic nor a health check
+			s.prober, err = newLoadProber(ctx, s.LoadReports.Probe, s.observer.inner, s.table, s.LoadReports, s.Outlier, s.logger)
+			if err != nil {
+				return fmt.Errorf("%s: %v", s.policyName(), err)
+			}
+		}
 		if len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
 			return fmt.Errorf("%s: %d weights given for %d upstreams; give one weight per upstream, in order", s.policyName(), len(s.Weights), len(h.Upstreams))
 		}
 	}
 	if s.views.rel == nil {
 		s.views.rel = newReleaser(s.table, nil, s.linger())
+	}
+	if s.LoadReports.Probe != nil && s.prober == nil {
+		s.logger.Warn(s.policyName() + " policy has no reverse_proxy transport to probe through; load_reports probe is off")
 	}
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
@@ -287,6 +301,9 @@ func checkWeight(w int) error { return bounds.Int("weight", w, 1, maxWeight) }
 // Cleanup releases the policy's references to shared upstream state.
 func (s *LeastTimeSelection) Cleanup() error {
 	unregisterPool(s)
+	if s.prober != nil {
+		s.prober.close()
+	}
 	if s.table != nil {
 		s.table.Release()
 	}
@@ -316,6 +333,9 @@ func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Requ
 	now := monoclock.Latest()
 	if s.observer == nil && rand.Uint32()%clockRefresh == 0 {
 		now = monoclock.Now()
+	}
+	if s.prober != nil {
+		s.prober.maybe(pool, v, now)
 	}
 	c := leastTimeCandidates{
 		pool:  pool,

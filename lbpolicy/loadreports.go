@@ -50,6 +50,11 @@ type LoadReports struct {
 	// Default: false (they are removed, since they tell clients about
 	// the backends' load).
 	ForwardHeader bool `json:"forward_header,omitempty"`
+
+	// Load probes: requests the policy sends to upstreams for their
+	// report alone, so that reports stay fresh where traffic is sparse
+	// (see LoadProbe). Only least_time takes them. Off when absent.
+	Probe *LoadProbe `json:"probe,omitempty"`
 }
 
 // UnmarshalJSON decodes the configuration strictly, naming the option
@@ -87,6 +92,9 @@ func loadReportsOrDefault(l *LoadReports) *LoadReports {
 	if l.MaxAge == 0 {
 		l.MaxAge = caddy.Duration(defaultLoadReportMaxAge)
 	}
+	if l.Probe != nil {
+		l.Probe.provision()
+	}
 	return l
 }
 
@@ -94,6 +102,11 @@ func loadReportsOrDefault(l *LoadReports) *LoadReports {
 func (l *LoadReports) validate() error {
 	if l.MaxAge != 0 {
 		if err := checkLoadReportMaxAge(time.Duration(l.MaxAge)); err != nil {
+			return fmt.Errorf("load_reports: %v", err)
+		}
+	}
+	if l.Probe != nil {
+		if err := l.Probe.validate(); err != nil {
 			return fmt.Errorf("load_reports: %v", err)
 		}
 	}
@@ -113,6 +126,11 @@ func checkLoadReportMaxAge(d time.Duration) error {
 //	load_reports {
 //		max_age        <duration>
 //		forward_header
+//		probe <path> [{
+//			per_request <ratio>
+//			max_rate    <n>[/s]
+//			timeout     <duration>
+//		}]
 //	}
 func (l *LoadReports) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) error {
 	what += ": load_reports"
@@ -132,8 +150,13 @@ func (l *LoadReports) unmarshalCaddyfile(d *caddyfile.Dispenser, what string) er
 				return err
 			}
 			l.ForwardHeader = true
+		case "probe":
+			l.Probe = new(LoadProbe)
+			if err := l.Probe.unmarshalCaddyfile(d, what); err != nil {
+				return err
+			}
 		default:
-			return caddyopt.Unknown(d, what, "max_age", "forward_header")
+			return caddyopt.Unknown(d, what, "max_age", "forward_header", "probe")
 		}
 		return nil
 	})

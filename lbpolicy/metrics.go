@@ -54,6 +54,8 @@ var (
 		"The utilization the upstream last reported in an ORCA load report (application_utilization when above 0, else cpu_utilization; may exceed 1). Only while the report is fresh (younger than load_reports max_age).", []string{"upstream"}, nil)
 	descReportsRefused = prometheus.NewDesc("caddy_lbx_upstream_load_reports_refused_total",
 		"ORCA load reports from the upstream that did not parse and were refused (upstreams with one refused or more).", []string{"upstream"}, nil)
+	descLoadProbes = prometheus.NewDesc("caddy_lbx_upstream_load_probes_total",
+		"Load probes sent to the upstream (load_reports probe), by result: ok, failed (no answer in time, or a 5xx) or rejected (a 4xx). Upstreams that were probed only.", []string{"upstream", "result"}, nil)
 	descUpstreams = prometheus.NewDesc("caddy_lbx_upstreams",
 		"Upstream addresses in use by lbx's policies, by state: healthy, failing (the last attempts failed), ejected (by outlier detection), unsampled (no attempt finished yet). Covers every address, also those beyond the per-upstream series cap.", []string{"state"}, nil)
 	descPanic = prometheus.NewDesc("caddy_lbx_pool_panic",
@@ -66,7 +68,7 @@ var (
 
 // Describe implements prometheus.Collector.
 func (stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descAnswerMedian, descExpected, descFailureRatio, descSamples, descFailures, descEjected, descEjections, descOverflow, descReportedUtil, descReportsRefused, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
+	for _, d := range []*prometheus.Desc{descAnswerMedian, descExpected, descFailureRatio, descSamples, descFailures, descEjected, descEjections, descOverflow, descReportedUtil, descReportsRefused, descLoadProbes, descUpstreams, descPanic, descPanicEntered, descRetriesRefused} {
 		ch <- d
 	}
 }
@@ -130,6 +132,7 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 		if s.ReportsRefused > 0 {
 			ch <- prometheus.MustNewConstMetric(descReportsRefused, prometheus.CounterValue, float64(s.ReportsRefused), s.Dial)
 		}
+		collectLoadProbes(ch, s.Probes, s.Dial)
 	}
 	if other.n > 0 {
 		other.collect(ch)
@@ -182,7 +185,8 @@ func (stateCollector) Collect(ch chan<- prometheus.Metric) {
 type otherSeries struct {
 	n                            int
 	samples, failures, overflows uint64
-	refused                      uint64  // load reports refused
+	refused                      uint64 // load reports refused
+	probes                       [hoststate.NumProbeResults]uint64
 	util                         float64 // the highest fresh reported utilization
 	reported                     bool    // some upstream has a fresh one
 	ejected                      int
@@ -195,6 +199,9 @@ func (o *otherSeries) add(r rated, now int64) {
 	s := r.snap
 	o.n++
 	o.refused += s.ReportsRefused
+	for r, n := range s.Probes {
+		o.probes[r] += n
+	}
 	if u, ok := reportedUtilization(s.LoadReport, now); ok {
 		o.util = math.Max(o.util, u)
 		o.reported = true
@@ -239,6 +246,18 @@ func (o *otherSeries) collect(ch chan<- prometheus.Metric) {
 	}
 	if o.refused > 0 {
 		ch <- prometheus.MustNewConstMetric(descReportsRefused, prometheus.CounterValue, float64(o.refused), otherUpstreams)
+	}
+	collectLoadProbes(ch, o.probes, otherUpstreams)
+}
+
+// collectLoadProbes sends the load probe counts of upstream, one series
+// per result, when any probe was sent to it.
+func collectLoadProbes(ch chan<- prometheus.Metric, n [hoststate.NumProbeResults]uint64, upstream string) {
+	if n == ([hoststate.NumProbeResults]uint64{}) {
+		return
+	}
+	for r, c := range n {
+		ch <- prometheus.MustNewConstMetric(descLoadProbes, prometheus.CounterValue, float64(c), upstream, hoststate.ProbeResult(r).String())
 	}
 }
 

@@ -159,6 +159,8 @@ func (p *PanicSelection) misplaced(complete bool) error {
 		return fmt.Errorf("panic: configure outlier ejection inside the %s policy, not around it", lt.leastTime().policyName())
 	case leastTime && p.LoadReports != nil:
 		return fmt.Errorf("panic: configure load_reports inside the %s policy, not around it", lt.leastTime().policyName())
+	case p.LoadReports != nil && p.LoadReports.Probe != nil:
+		return errors.New("panic: load_reports: probe is an option of least_time's load_reports; the panic policy does not probe")
 	case complete && p.LoadReports != nil && p.Outlier == nil:
 		return errors.New("panic: load_reports needs an outlier block: without one the panic policy does not observe the traffic, and reads no reports")
 	}

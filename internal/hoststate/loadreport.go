@@ -38,6 +38,55 @@ type loadReports struct {
 	// lastKind is the kind (an orca.Err* value) of the last refused
 	// report; nil if none was refused.
 	lastKind atomic.Pointer[error]
+	// probes counts the load probes sent to the upstream, by result.
+	probes [NumProbeResults]atomic.Uint64
+}
+
+// ProbeResult is how a load probe (a request sent only for the
+// upstream's load report) ended.
+type ProbeResult uint8
+
+const (
+	// ProbeOK is a probe answered with a status below 400.
+	ProbeOK ProbeResult = iota
+	// ProbeFailed is a probe that got no answer in time, or a 5xx: the
+	// upstream could not serve even that.
+	ProbeFailed
+	// ProbeRejected is a probe answered with a 4xx: the upstream is up,
+	// but the probe's path is likely wrong.
+	ProbeRejected
+	// NumProbeResults is the number of ProbeResult values.
+	NumProbeResults
+)
+
+// String returns the result's name, as the metrics label it.
+func (r ProbeResult) String() string {
+	switch r {
+	case ProbeOK:
+		return "ok"
+	case ProbeFailed:
+		return "failed"
+	case ProbeRejected:
+		return "rejected"
+	}
+	return "unknown"
+}
+
+// CountLoadProbe counts one load probe sent to the upstream that ended
+// with r.
+func (s *Stats) CountLoadProbe(r ProbeResult) {
+	if r < NumProbeResults {
+		s.reports.probes[r].Add(1)
+	}
+}
+
+// LoadProbes returns how many load probes sent to the upstream ended
+// with each result, indexed by ProbeResult.
+func (s *Stats) LoadProbes() (n [NumProbeResults]uint64) {
+	for i := range n {
+		n[i] = s.reports.probes[i].Load()
+	}
+	return n
 }
 
 // SetLoadReport keeps r, received at now, as the upstream's latest load

@@ -243,6 +243,8 @@ type Snapshot struct {
 	// ReportError is the kind of fault of the last one (nil if none).
 	ReportsRefused uint64
 	ReportError    error
+	// Probes counts the load probes sent to the host, by ProbeResult.
+	Probes [NumProbeResults]uint64
 }
 
 // Snapshot reads the state without locking.
@@ -272,6 +274,7 @@ func (s *Stats) Snapshot(now int64) Snapshot {
 	snap.Outlier = s.ejectionSnapshot()
 	snap.LoadReport = s.LoadReport()
 	snap.ReportsRefused, snap.ReportError = s.LoadReportsRefused()
+	snap.Probes = s.LoadProbes()
 	if h := s.host.Load(); h != nil {
 		snap.InFlight = h.NumRequests()
 		snap.PassiveFails = h.Fails()
