@@ -294,6 +294,9 @@ func (p *loadProber) maybe(pool reverseproxy.UpstreamPool, v *poolView, now int6
 	if rand.Float64() >= p.cfg.PerRequest {
 		return
 	}
+	if p.inFlight.Load() >= maxProbesInFlight {
+		return // before taking a token, which would be wasted
+	}
 	i := p.pick(pool, v, now)
 	if i < 0 || !p.admit(now) {
 		return
@@ -373,8 +376,12 @@ func (p *loadProber) run(u *reverseproxy.Upstream, st *hoststate.Stats) {
 		}
 	}()
 	result := p.send(u, st)
+	if result == hoststate.ProbeFailed && p.ctx.Err() != nil {
+		// cut short by the config's end: says nothing of the upstream
+		return
+	}
 	st.CountLoadProbe(result)
-	if result == hoststate.ProbeFailed && p.outlier != nil && p.ctx.Err() == nil {
+	if result == hoststate.ProbeFailed && p.outlier != nil {
 		p.outlier.judge(p.table, st, u.Dial, true)
 	}
 }
