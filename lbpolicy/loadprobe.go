@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"net/url"
@@ -313,12 +314,16 @@ func (p *loadProber) maybe(pool reverseproxy.UpstreamPool, v *poolView, now int6
 	}
 	p.wg.Add(1)
 	p.mu.Unlock()
-	go p.run(pool[i], v.members[i].stats)
+	st := v.members[i].stats
+	st.StartLoadProbe(now)
+	go p.run(pool[i], st)
 }
 
 // pick returns which member of pool to probe: of two drawn at random, the
 // one whose report is older (none is oldest), leaving out members that
-// are unhealthy in Caddy's eyes or ejected; -1 when both are.
+// are unhealthy in Caddy's eyes or ejected; -1 when both are. A probe
+// sent counts as a report on its way, so that a member whose probes
+// fail, and that never has a fresh report, does not draw every probe.
 func (p *loadProber) pick(pool reverseproxy.UpstreamPool, v *poolView, now int64) int {
 	usable := func(i int) bool { return pool[i].Healthy() && !v.members[i].stats.Ejected(now) }
 	if len(pool) == 1 {
@@ -336,19 +341,24 @@ func (p *loadProber) pick(pool reverseproxy.UpstreamPool, v *poolView, now int64
 	case !uj:
 		return i
 	}
-	if reportedAt(v.members[j].stats) < reportedAt(v.members[i].stats) {
+	if refreshedAt(v.members[j].stats) < refreshedAt(v.members[i].stats) {
 		return j
 	}
 	return i
 }
 
-// reportedAt is when st's latest report arrived; the least value when it
-// has none, which makes it the first to probe.
-func reportedAt(st *hoststate.Stats) int64 {
-	if r := st.LoadReport(); r != nil {
-		return r.AtNs
+// refreshedAt is when st's latest report arrived or its last probe
+// started, whichever is later; the least value when neither happened,
+// which makes it the first to probe.
+func refreshedAt(st *hoststate.Stats) int64 {
+	at := int64(math.MinInt64)
+	if probed := st.LoadProbedAt(); probed != 0 {
+		at = probed
 	}
-	return -1 << 63
+	if r := st.LoadReport(); r != nil {
+		at = max(at, r.AtNs)
+	}
+	return at
 }
 
 // admit takes a token of the rate cap at now: one probe per interval,

@@ -339,6 +339,14 @@ func TestLoadProbePicksOlderReport(t *testing.T) {
 	if seen < 1300 || seen > 1700 { // in every pair it is in: half of them
 		t.Fatalf("the member with no report picked %d of 3000, want about 1500", seen)
 	}
+	// once a probe to it has started, it counts as the freshest: a member
+	// whose probes fail does not draw them all
+	s.table.Stats(pool2[3].Dial).StartLoadProbe(now + 1)
+	for range 1000 {
+		if i := p.pick(pool2, v2, now); i == 3 {
+			t.Fatal("a member just probed was picked again")
+		}
+	}
 	// ejected ones are left out
 	s.table.Stats(pool[2].Dial).Eject(now, time.Minute, func(int64) time.Duration { return time.Minute }, hoststate.ReasonSuccessRate)
 	if n := count(); n[2] != 0 {

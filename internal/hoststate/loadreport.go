@@ -40,6 +40,9 @@ type loadReports struct {
 	lastKind atomic.Pointer[error]
 	// probes counts the load probes sent to the upstream, by result.
 	probes [NumProbeResults]atomic.Uint64
+	// probedNs is when the last load probe to the upstream started
+	// (monoclock); 0 if none did.
+	probedNs atomic.Int64
 }
 
 // ProbeResult is how a load probe (a request sent only for the
@@ -71,6 +74,13 @@ func (r ProbeResult) String() string {
 	}
 	return "unknown"
 }
+
+// StartLoadProbe notes that a load probe to the upstream starts at now.
+func (s *Stats) StartLoadProbe(now int64) { s.reports.probedNs.Store(now) }
+
+// LoadProbedAt returns when the last load probe to the upstream started
+// (monoclock), 0 if none did.
+func (s *Stats) LoadProbedAt() int64 { return s.reports.probedNs.Load() }
 
 // CountLoadProbe counts one load probe sent to the upstream that ended
 // with r.
