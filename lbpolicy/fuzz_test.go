@@ -32,6 +32,11 @@ func FuzzSelectionPolicyJSON(f *testing.F) {
 		`{"policy":"panic","outlier":{},"load_reports":{"max_age":"2s"},"selection_policy":{"policy":"least_conn"}}`,
 		`{"policy":"panic","load_reports":{},"selection_policy":{"policy":"least_time"}}`,
 		`{"policy":"panic","load_reports":{}}`,
+		`{"policy":"least_time","load_reports":{"probe":{"path":"/load","per_request":1,"max_rate":1000,"timeout":"10ms"}}}`,
+		`{"policy":"ewma","load_reports":{"probe":{"path":"//x/../load","per_request":1e308,"max_rate":-1,"timeout":-1}}}`,
+		`{"policy":"least_time","load_reports":{"probe":{"path":"http://10.0.0.1/","max_rate":1e18}}}`,
+		`{"policy":"least_time","load_reports":{"probe":{}}}`,
+		`{"policy":"panic","outlier":{},"load_reports":{"probe":{"path":"/load"}},"selection_policy":{"policy":"least_conn"}}`,
 	} {
 		f.Add([]byte(seed))
 	}
