@@ -135,9 +135,6 @@ func TestLoadProbesReportIdleUpstream(t *testing.T) {
 	if h, a := *idle.probeHost.Load(), *idle.probeAgent.Load(); h != idle.addr() || a != "lbx-load-probe" {
 		t.Fatalf("probe Host %q, User-Agent %q; want the upstream's address %q and lbx-load-probe", h, a, idle.addr())
 	}
-	if busy.probes.Load() == 0 {
-		t.Fatal("the upstream with traffic was never probed")
-	}
 	want := fmt.Sprintf(`caddy_lbx_upstream_load_probes_total{result="ok",upstream=%q}`, idle.addr())
 	if m := scrape(t); !strings.Contains(m, want) {
 		t.Fatalf("/metrics lacks %s", want)
