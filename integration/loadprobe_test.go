@@ -28,9 +28,25 @@ type probedBackend struct {
 
 func (e *env) probedBackend(report string) *probedBackend {
 	e.t.Helper()
+	b := newProbedBackend(report)
+	b.srv.Start()
+	e.t.Cleanup(b.srv.Close)
+	return b
+}
+
+// probedBackendTLS is probedBackend serving HTTPS.
+func (e *env) probedBackendTLS(report string) *probedBackend {
+	e.t.Helper()
+	b := newProbedBackend(report)
+	b.srv.StartTLS()
+	e.t.Cleanup(b.srv.Close)
+	return b
+}
+
+func newProbedBackend(report string) *probedBackend {
 	b := new(probedBackend)
 	b.report.Store(&report)
-	b.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	b.srv = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/load" {
 			b.traffic.Add(1)
 			_, _ = io.WriteString(w, "ok")
@@ -47,7 +63,6 @@ func (e *env) probedBackend(report string) *probedBackend {
 		w.Header().Set("Endpoint-Load-Metrics", *b.report.Load())
 		_, _ = io.WriteString(w, "load")
 	}))
-	e.t.Cleanup(b.srv.Close)
 	return b
 }
 
@@ -173,5 +188,34 @@ func TestLoadProbeFailuresEject(t *testing.T) {
 	want := fmt.Sprintf(`caddy_lbx_upstream_load_probes_total{result="failed",upstream=%q}`, bad.addr())
 	if m := scrape(t); !strings.Contains(m, want) {
 		t.Fatalf("/metrics lacks %s", want)
+	}
+}
+
+// Probes go through the handler's transport: to an HTTPS upstream they
+// are sent over TLS, with the transport's TLS settings.
+func TestLoadProbesOverTLS(t *testing.T) {
+	e := newEnv(t)
+	b := e.probedBackendTLS("TEXT cpu_utilization=0.35")
+	e.load(fmt.Sprintf(`reverse_proxy https://%s {
+	transport http {
+		tls_insecure_skip_verify
+	}
+	lb_policy least_time {
+		load_reports {
+			probe /load {
+				per_request 1
+			}
+		}
+	}
+}`, b.addr()))
+	waitFor(t, 10*time.Second, "a report from a probe over TLS", func() (bool, string) {
+		if code, _ := e.getHeader(t); code != 200 {
+			return false, fmt.Sprintf("status %d", code)
+		}
+		u := fetchProbed(t, b.addr())
+		return u.Report != nil && u.Report.CPU != nil && *u.Report.CPU == 0.35, fmt.Sprintf("%+v", u)
+	})
+	if u := fetchProbed(t, b.addr()); u.ProbesFailed != 0 || u.ProbesRejected != 0 || b.traffic.Load() == 0 {
+		t.Fatalf("probes over TLS: %+v, traffic %d", u, b.traffic.Load())
 	}
 }
