@@ -76,9 +76,11 @@ func (x *LoadProbe) UnmarshalJSON(b []byte) error {
 // Defaults and bounds of the probe options.
 //
 // One probe per ten selections adds a tenth to the requests an upstream
-// gets from this proxy, each a cheap one, and keeps the reports of a
-// pool fresh where each proxy sees only a few answers per upstream per
-// second: the gap probing is for. Prequal itself probes more (a few
+// gets from this proxy, each a cheap one, and keeps a small pool's
+// reports within the default max_age (3s) where each proxy sends only a
+// few requests per upstream per second, the gap probing is for: at 20
+// requests a second over 4 upstreams, each is probed about every 2s, on
+// top of what its traffic brings. Prequal itself probes more (a few
 // probes per query) because its probes are cheap RPCs; an HTTP request
 // costs more. The cap of 50 per second keeps a busy proxy's probes to a
 // trickle next to its traffic while refreshing a pool of 50 upstreams
