@@ -481,3 +481,20 @@ func TestLoadProbeProvision(t *testing.T) {
 		t.Fatalf("probe over PROXY protocol: %v", err)
 	}
 }
+
+// TestLoadProbeSelectNoAlloc: with probing on, a selection that starts
+// no probe allocates nothing.
+func TestLoadProbeSelectNoAlloc(t *testing.T) {
+	b := &probeBackend{}
+	p, s := newTestProber(t, LoadProbe{Path: "/load", PerRequest: 1, MaxRate: 1}, b, nil)
+	s.prober = p
+	pool := newPool(t, 4)
+	s.Select(pool, nil, nil) // starts the one probe the cap allows this second
+	waitProbes(t, p)
+	if a := testing.AllocsPerRun(100, func() { s.Select(pool, nil, nil) }); a != 0 {
+		t.Fatalf("Select allocates %v times with probing on and no probe started", a)
+	}
+	if n := len(b.requests()); n < 1 || n > 2 {
+		t.Fatalf("%d probes; want the one the cap of 1/s allows (two if a second passed)", n)
+	}
+}
