@@ -22,7 +22,9 @@
 //  3. If the backend is frozen (see Freeze) when the work would start or
 //     end, it is postponed to the end of the freeze: a stall holds the
 //     requests in service and stops new ones from starting.
-//  4. It answers 200 with a short body and a BackendHeader naming itself.
+//  4. It answers 200 with a short body and a BackendHeader naming itself,
+//     and, while load reports are on (SetLoadReports), an ORCA load report
+//     of its own state in LoadReportHeader (see report.go).
 //
 // Two exceptions come first. A request for HealthPath is answered 200 at
 // once, whatever the model says (no worker, no freeze, no failure), as a
@@ -322,6 +324,8 @@ type Backend struct {
 	arrived  atomic.Uint64 // load requests since the epoch, for FailRate
 	inSystem atomic.Int64
 	health   atomic.Int64
+	reports  atomic.Bool // SetLoadReports
+	rates    rateWindow  // answers and failures per second, for the reports
 	phases   [numPhases]phaseCounters
 	buckets  []atomic.Int64 // arrivals of load traffic per ArrivalBucket since the epoch
 
@@ -416,6 +420,19 @@ func (b *Backend) ResetCounters() {
 	}
 }
 
+// BusyTime returns the time the backend's workers were held, by requests
+// of every phase together, since the counters were last reset (a request
+// counts when its work ends). The difference of two readings over a
+// window, divided by Workers × the window, is the backend's utilization
+// in it, whoever sent the load.
+func (b *Backend) BusyTime() time.Duration {
+	var d int64
+	for i := range b.phases {
+		d += b.phases[i].busy.Load()
+	}
+	return time.Duration(d)
+}
+
 // Counters returns the counters of phase p.
 func (b *Backend) Counters(p Phase) Counters {
 	c := &b.phases[p]
@@ -482,6 +499,8 @@ func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch fail {
 	case Fail503:
 		c.failed.Add(1)
+		b.rates.note(time.Now(), true)
+		b.report(w, b.inSystem.Load())
 		b.answer(w, http.StatusServiceUnavailable)
 		return
 	case FailReset:
@@ -505,8 +524,14 @@ func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		time.Sleep(d)
 	}
 	<-b.slots
-	c.busy.Add(int64(time.Since(start)))
+	end := time.Now()
+	c.busy.Add(int64(end.Sub(start)))
 	c.served.Add(1)
+	b.rates.note(end, false)
+	// This request is still counted in inSystem (the deferred decrement
+	// runs after the answer): the report includes it, as a server's
+	// count of requests in the system does while it writes a response.
+	b.report(w, b.inSystem.Load())
 	b.answer(w, http.StatusOK)
 }
 
