@@ -16,6 +16,8 @@
 //	cd integration && go run ./bench fleetsim [flags]    # the rebalance decision simulated on fleets of 100 to 1000+ nodes
 //	cd integration && go run ./bench reload [flags]      # requests a config reload loses, stock Caddy and lbx side by side
 //	cd integration && go run ./bench graceful -scenario scale-out|rolling-restart|reload [flags]  # clients that never retry (issue 23)
+//	cd integration && go run ./bench shared [flags]      # shared backends, sparse views: 12 nodes, load reports (issue 27)
+//	cd integration && go run ./bench shared -quick       # its smoke test, under a minute
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -79,6 +81,8 @@ func main() {
 		_, err = runReload(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "graceful":
 		_, err = runGraceful(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	case len(os.Args) > 1 && os.Args[1] == "shared":
+		_, err = runShared(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "burn":
 		err = runBurn(os.Args[2:], os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "fleetsim":
@@ -331,6 +335,9 @@ type policy struct {
 	groups int
 	// backupAuto writes `backup_request auto` instead of a duration.
 	backupAuto bool
+	// options are lines of the lb_policy block (Caddy policies), after
+	// any weights.
+	options []string
 }
 
 var allPolicies = []policy{

@@ -453,6 +453,9 @@ func newProxyConfig(pol policy, dir string, upstreams []string, opts proxyOption
 			}
 		}
 	}
+	if pol.kind == kindCaddy {
+		c.PolicyOptions = append(c.PolicyOptions, pol.options...)
+	}
 	if opts.HealthCheck {
 		c.HealthURI, c.HealthInterval = loadmodel.HealthPath, healthInterval
 	}

@@ -427,10 +427,20 @@ func (r *report) writeMarkdown(w io.Writer) error {
 // the measured requests, most requests held at once and utilization; the
 // marked backends' names carry label.
 func backendTable(b *strings.Builder, names, marked []string, label string, rows []row) {
+	labels := map[string]string{}
+	for _, n := range marked {
+		labels[n] = label
+	}
+	labelledBackendTable(b, names, labels, rows)
+}
+
+// labelledBackendTable is backendTable with each backend's own label, if
+// labels has one.
+func labelledBackendTable(b *strings.Builder, names []string, labels map[string]string, rows []row) {
 	b.WriteString("| policy |")
 	for _, n := range names {
-		if slices.Contains(marked, n) {
-			n += " (" + label + ")"
+		if l := labels[n]; l != "" {
+			n += " (" + l + ")"
 		}
 		b.WriteString(" " + n + " |")
 	}
