@@ -24,6 +24,10 @@ func groupCPU(int) (time.Duration, error) {
 	return 0, errors.ErrUnsupported
 }
 
+func groupsCPU(...int) (time.Duration, error) {
+	return 0, errors.ErrUnsupported
+}
+
 func loadAverage() string { return "" }
 
 func cpuPressure() (time.Duration, bool) { return 0, false }

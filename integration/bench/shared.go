@@ -540,15 +540,15 @@ func stopNodes(nodes []*proxy) error {
 
 // nodesCPU returns the CPU time the nodes' processes used so far.
 func nodesCPU(nodes []*proxy) (time.Duration, bool) {
-	var sum time.Duration
-	for _, p := range nodes {
-		d, ok := p.cpu()
-		if !ok {
-			return 0, false
-		}
-		sum += d
+	if !cpuSupported {
+		return 0, false
 	}
-	return sum, true
+	pgids := make([]int, len(nodes))
+	for i, p := range nodes {
+		pgids[i] = p.proc.pid()
+	}
+	d, err := groupsCPU(pgids...)
+	return d, err == nil
 }
 
 // runSharedCase measures one policy once: the nodes, each driven by its
@@ -583,25 +583,32 @@ func runSharedCase(ctx context.Context, cfg *sharedConfig, t tools, v sharedVari
 		OnMin: v.onMin, OnMax: v.onMax, OffMin: v.offMin, OffMax: v.offMax,
 		Seed: uint64(seed)*0x2545f4914f6cdd1d + 1, Timeout: cfg.timeout,
 	}
-	// At the start of the measured window: every backend's busy time,
-	// the nodes' CPU time and the machine's CPU pressure.
+	// At the start of the measured window (the first client's first
+	// measured request): every backend's busy time, the nodes' CPU time
+	// and the machine's CPU pressure. The clients' dispatchers only
+	// signal it: reading /proc takes milliseconds they must not lose.
 	var (
 		once         sync.Once
+		measuring    = make(chan struct{})
 		measureStart time.Time
 		busy0        = make([]time.Duration, len(backends))
 		cpu0, psi0   time.Duration
 		cpuOK, psiOK bool
+		sampled      sync.WaitGroup
 	)
-	onMeasure := func() {
-		once.Do(func() {
-			measureStart = time.Now()
-			for i, b := range backends {
-				busy0[i] = b.BusyTime()
-			}
-			cpu0, cpuOK = nodesCPU(nodes)
-			psi0, psiOK = cpuPressure()
-		})
-	}
+	onMeasure := func() { once.Do(func() { measureStart = time.Now(); close(measuring) }) }
+	sampled.Go(func() {
+		select {
+		case <-ctx.Done():
+			return
+		case <-measuring:
+		}
+		for i, b := range backends {
+			busy0[i] = b.BusyTime()
+		}
+		cpu0, cpuOK = nodesCPU(nodes)
+		psi0, psiOK = cpuPressure()
+	})
 	epoch := time.Now()
 	for _, b := range backends {
 		b.SetEpoch(epoch)
@@ -633,6 +640,8 @@ func runSharedCase(ctx context.Context, cfg *sharedConfig, t tools, v sharedVari
 		})
 	}
 	wg.Wait()
+	onMeasure() // in case no client got as far (an error), so the sampler ends
+	sampled.Wait()
 	measured := time.Since(measureStart)
 	busy1 := make([]time.Duration, len(backends))
 	for i, b := range backends {
