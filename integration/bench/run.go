@@ -216,15 +216,7 @@ type window struct {
 func runCase(ctx context.Context, t tools, cs caseSpec, pol policy, backends []*loadmodel.Backend, dir string) (caseResult, error) {
 	cr := caseResult{Scenario: cs.scenario, Policy: pol.key, OfferedRate: cs.rate, markLabel: cs.markLabel}
 
-	// Let the previous case's leftovers drain so they do not count here.
-	idleCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	for _, b := range backends {
-		if err := b.WaitIdle(idleCtx); err != nil && ctx.Err() == nil {
-			cr.Notes = append(cr.Notes, "started with requests left over: "+err.Error())
-		}
-		b.ResetCounters()
-	}
-	cancel()
+	cr.Notes = append(cr.Notes, settleBackends(ctx, backends)...)
 	if err := ctx.Err(); err != nil {
 		return cr, err
 	}
@@ -322,8 +314,32 @@ func runCase(ctx context.Context, t tools, cs caseSpec, pol policy, backends []*
 		share := float64(marked) / float64(total)
 		cr.DegradedShare = &share
 	}
-	if res.MaxSendLag > 50*time.Millisecond {
-		cr.Notes = append(cr.Notes, fmt.Sprintf("load generator fell %v behind schedule (CPU starved?)", res.MaxSendLag.Round(time.Millisecond)))
-	}
+	cr.Notes = append(cr.Notes, sendLagNotes(res.MaxSendLag)...)
 	return cr, nil
+}
+
+// settleBackends lets the previous case's leftovers drain (for up to 5
+// s), so that they do not count in the next case, and resets the
+// backends' counters. It returns a note for each backend that did not
+// drain.
+func settleBackends(ctx context.Context, backends []*loadmodel.Backend) []string {
+	var notes []string
+	idleCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	for _, b := range backends {
+		if err := b.WaitIdle(idleCtx); err != nil && ctx.Err() == nil {
+			notes = append(notes, "started with requests left over: "+err.Error())
+		}
+		b.ResetCounters()
+	}
+	return notes
+}
+
+// sendLagNotes returns a note when the load generator fell more than 50 ms
+// behind its schedule: its latencies then include its own starvation.
+func sendLagNotes(lag time.Duration) []string {
+	if lag <= 50*time.Millisecond {
+		return nil
+	}
+	return []string{fmt.Sprintf("load generator fell %v behind schedule (CPU starved?)", lag.Round(time.Millisecond))}
 }

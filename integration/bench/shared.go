@@ -556,15 +556,10 @@ func nodesCPU(nodes []*proxy) (time.Duration, bool) {
 func runSharedCase(ctx context.Context, cfg *sharedConfig, t tools, v sharedVariant, pol sharedPolicy, seed int, backends []*loadmodel.Backend, dir string) (sharedCase, error) {
 	c := sharedCase{caseResult: caseResult{Scenario: v.name, Policy: pol.key, Seed: seed, OfferedRate: v.rate * float64(v.nodes)},
 		Nodes: v.nodes, Reports: pol.reports}
-	idleCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	c.Notes = settleBackends(ctx, backends)
 	for _, b := range backends {
-		if err := b.WaitIdle(idleCtx); err != nil && ctx.Err() == nil {
-			c.Notes = append(c.Notes, "started with requests left over: "+err.Error())
-		}
-		b.ResetCounters()
 		b.SetLoadReports(pol.reports)
 	}
-	cancel()
 	if err := ctx.Err(); err != nil {
 		return c, err
 	}
@@ -684,9 +679,7 @@ func runSharedCase(ctx context.Context, cfg *sharedConfig, t tools, v sharedVari
 		}
 		c.Backends = append(c.Backends, br)
 	}
-	if merged.MaxSendLag > 50*time.Millisecond {
-		c.Notes = append(c.Notes, fmt.Sprintf("load generator fell %v behind schedule (CPU starved?)", merged.MaxSendLag.Round(time.Millisecond)))
-	}
+	c.Notes = append(c.Notes, sendLagNotes(merged.MaxSendLag)...)
 	return c, nil
 }
 
