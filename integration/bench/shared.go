@@ -10,7 +10,8 @@ package main
 // lag a burst of a second or two; the backends' own load reports
 // (Endpoint-Load-Metrics) show it at once. Policies run side by side per
 // seed: stock least_conn, lbx ewma with backends that do not report, the
-// same with backends that do, and a slot for probing.
+// same with backends that do, and with backends that report and are
+// probed for load.
 
 import (
 	"context"
@@ -40,8 +41,8 @@ type sharedPolicy struct {
 	// target marks the policies the class's verdict judges (reports or
 	// probing); the others are what they are judged against.
 	target bool
-	// skip, when set, says why the policy does not run yet; the report
-	// notes it.
+	// skip, when set, says why the policy does not run (a feature not
+	// built yet); the report notes it.
 	skip string
 }
 
@@ -51,14 +52,14 @@ type sharedPolicy struct {
 // it ignores the header (and passes it on to the client, which lbx does
 // not).
 //
-// Probing is a slot: when lbx has it, put its lb_policy block lines in
-// options and clear skip.
+// Probing adds only its path, loadmodel.LoadReportPath, which every
+// backend answers at once with its report.
 var sharedPolicies = []sharedPolicy{
 	{policy: policy{key: "least_conn", label: "Caddy least_conn", kind: kindCaddy, caddyPolicy: "least_conn"}, reports: true},
 	{policy: policy{key: "ewma_noreports", label: "lbx ewma, backends silent", kind: kindCaddy, caddyPolicy: "ewma"}},
 	{policy: policy{key: "ewma_reports", label: "lbx ewma, backends report", kind: kindCaddy, caddyPolicy: "ewma"}, reports: true, target: true},
-	{policy: policy{key: "ewma_probing", label: "lbx ewma, probing", kind: kindCaddy, caddyPolicy: "ewma"}, reports: true, target: true,
-		skip: "probing (issue 27, item 3) is not built yet"},
+	{policy: policy{key: "ewma_probing", label: "lbx ewma, reports and probes", kind: kindCaddy, caddyPolicy: "ewma",
+		options: []string{"load_reports {", "probe " + loadmodel.LoadReportPath, "}"}}, reports: true, target: true},
 }
 
 func sharedPolicyKeys() []string {
@@ -301,6 +302,18 @@ type sharedCase struct {
 	// held a load report at the end of the window (GET /lbx/upstreams),
 	// for ewma; -1 where not known.
 	HeldReports int `json:"held_reports"`
+	// Probes is the number of load probes the backends answered during
+	// the case, warm-up included.
+	Probes int64 `json:"load_probes"`
+}
+
+// loadProbes sums the load probes the backends have answered.
+func loadProbes(backends []*loadmodel.Backend) int64 {
+	var n int64
+	for _, b := range backends {
+		n += b.LoadProbes()
+	}
+	return n
 }
 
 // heldReports counts the upstreams with a load_report in lbx's view of
@@ -334,6 +347,9 @@ type sharedRow struct {
 	// HeldReports is the fewest upstreams, over seeds, for which the
 	// first node held a load report at the end; -1 where not known.
 	HeldReports int `json:"held_reports"`
+	// ProbeRate is the load probes the backends answered per second of
+	// the case, all nodes together.
+	ProbeRate stat `json:"load_probes_per_s"`
 }
 
 // sharedSummary is a variant's table and verdict.
@@ -567,6 +583,7 @@ func runSharedCase(ctx context.Context, cfg *sharedConfig, t tools, v sharedVari
 	for i, b := range backends {
 		upstreams[i] = b.Addr()
 	}
+	probes0 := loadProbes(backends)
 	nodes, err := startNodes(ctx, t, pol.policy, v.nodes, dir, upstreams)
 	if err != nil {
 		return c, err
@@ -652,6 +669,7 @@ func runSharedCase(ctx context.Context, cfg *sharedConfig, t tools, v sharedVari
 	}
 	err = errors.Join(errors.Join(errs...), antErr, stopNodes(nodes))
 	nodes = nil // stopped
+	c.Probes = loadProbes(backends) - probes0
 	if err != nil {
 		return c, err
 	}
@@ -698,7 +716,7 @@ func summarizeShared(v sharedVariant, cfg *sharedConfig, pols []sharedPolicy, ca
 	var psi []float64
 	for _, p := range pols {
 		var runs []caseResult
-		var antP99 []float64
+		var antP99, probeRate []float64
 		held := -1
 		for _, c := range cases {
 			if c.Policy == p.key {
@@ -707,6 +725,7 @@ func summarizeShared(v sharedVariant, cfg *sharedConfig, pols []sharedPolicy, ca
 					held = c.HeldReports
 				}
 				antP99 = append(antP99, ms(c.Antagonist.P99))
+				probeRate = append(probeRate, float64(c.Probes)/(cfg.warmup+cfg.duration).Seconds())
 				if c.CPUPressure != nil {
 					psi = append(psi, *c.CPUPressure)
 				}
@@ -717,7 +736,7 @@ func summarizeShared(v sharedVariant, cfg *sharedConfig, pols []sharedPolicy, ca
 			continue
 		}
 		s.Rows = append(s.Rows, sharedRow{scenRow: aggregateRow(p.policy, runs, nil, nil), Reports: p.reports, Target: p.target,
-			AntagonistP99: statOf(antP99), HeldReports: held})
+			AntagonistP99: statOf(antP99), HeldReports: held, ProbeRate: statOf(probeRate)})
 	}
 	if len(psi) > 0 {
 		st := statOf(psi)
@@ -824,8 +843,8 @@ func writeSharedVariant(b *strings.Builder, v sharedSummary, cases []sharedCase)
 	fmt.Fprintf(b, "Backends (workers × service, a sleep): %s. ", strings.Join(names, "; "))
 	fmt.Fprintf(b, "Antagonist: %.0f req/s straight to b3 (%.1f × its capacity of ≈%.0f req/s) in bursts of %s–%s, pauses of %s–%s.\n\n",
 		v.AntagonistRate, v.AntagonistRate/(sharedWorkers*cap4ms), sharedWorkers*cap4ms, v.OnMin, v.OnMax, v.OffMin, v.OffMax)
-	b.WriteString("| policy | backends report | p50 | p99 | p99.9 | errors (median, max) | proxy CPU/request | antagonist's own p99 | reports node 1 held |\n")
-	b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|--:|\n")
+	b.WriteString("| policy | backends report | p50 | p99 | p99.9 | errors (median, max) | proxy CPU/request | antagonist's own p99 | reports node 1 held | load probes |\n")
+	b.WriteString("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	for _, x := range v.Rows {
 		cpu := "—"
 		if x.ProxyCPUus != nil {
@@ -839,8 +858,8 @@ func writeSharedVariant(b *strings.Builder, v sharedSummary, cases []sharedCase)
 		if x.HeldReports >= 0 {
 			held = fmt.Sprintf("%d of %d", x.HeldReports, len(v.Models))
 		}
-		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s, %s | %s | %s | %s |\n", x.Label, rep, fmtStat(x.P50, fmtMs), fmtStat(x.P99, fmtMs), fmtStat(x.P999, fmtMs),
-			fmtPct(x.ErrorPct.Median), fmtPct(x.ErrorPct.Max), cpu, fmtStat(x.AntagonistP99, fmtMs), held)
+		fmt.Fprintf(b, "| %s | %s | %s | %s | %s | %s, %s | %s | %s | %s | %.0f/s |\n", x.Label, rep, fmtStat(x.P50, fmtMs), fmtStat(x.P99, fmtMs), fmtStat(x.P999, fmtMs),
+			fmtPct(x.ErrorPct.Median), fmtPct(x.ErrorPct.Max), cpu, fmtStat(x.AntagonistP99, fmtMs), held, x.ProbeRate.Median)
 	}
 	b.WriteString("\nReports node 1 held: the upstreams for which the first node's lbx held a load report at the end of the window " +
 		"(GET /lbx/upstreams; fewest over seeds): a check that the reports reached the proxy, not that it used them.\n")

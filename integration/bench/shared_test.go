@@ -80,19 +80,11 @@ func TestParseSharedFlags(t *testing.T) {
 // skipped, and every runnable one's Caddyfile adapting.
 func TestSharedPolicies(t *testing.T) {
 	upstreams := []string{"127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003", "127.0.0.1:9004"}
-	runnable := 0
 	for _, p := range sharedPolicies {
-		if p.key == "ewma_probing" {
-			if p.skip == "" || !p.target {
-				t.Errorf("the probing slot %+v should be a target, skipped until probing exists", p)
-			}
-			continue
-		}
 		if p.skip != "" {
-			continue
+			t.Errorf("%s is skipped: %s", p.key, p.skip)
 		}
-		runnable++
-		if p.reports != (p.key != "ewma_noreports") || p.target != (p.key == "ewma_reports") {
+		if p.reports != (p.key != "ewma_noreports") || p.target != (p.key == "ewma_reports" || p.key == "ewma_probing") {
 			t.Errorf("%s: reports %v, target %v", p.key, p.reports, p.target)
 		}
 		dir := t.TempDir()
@@ -106,30 +98,25 @@ func TestSharedPolicies(t *testing.T) {
 			t.Fatal(err)
 		}
 		body, _ := os.ReadFile(path)
-		if !strings.Contains(string(body), "lb_policy "+p.caddyPolicy+"\n") {
-			t.Errorf("%s: want a bare lb_policy %s (defaults are the product):\n%s", p.key, p.caddyPolicy, body)
+		// Defaults are the product: a bare lb_policy, or probing's path
+		// alone.
+		want := "lb_policy " + p.caddyPolicy + "\n"
+		if p.key == "ewma_probing" {
+			want = "lb_policy ewma {\n\t\t\tload_reports {\n\t\t\t\tprobe /load\n\t\t\t}\n\t\t}\n"
 		}
-		if _, warn, err := caddyconfig.GetAdapter("caddyfile").Adapt(body, nil); err != nil || len(warn) > 0 {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("%s: want %q in\n%s", p.key, want, body)
+		}
+		js, warn, err := caddyconfig.GetAdapter("caddyfile").Adapt(body, nil)
+		if err != nil || len(warn) > 0 {
 			t.Errorf("%s: adapt: %v %v\n%s", p.key, err, warn, body)
 		}
+		if probes := strings.Contains(string(js), `"probe":{"path":"/load"`); probes != (p.key == "ewma_probing") {
+			t.Errorf("%s: probes %v in %s", p.key, probes, js)
+		}
 	}
-	if runnable != 3 {
-		t.Errorf("%d runnable policies, want least_conn and ewma without and with reports", runnable)
-	}
-	// A policy entry's options land in its lb_policy block: what the
-	// probing slot needs.
-	probe := sharedPolicies[len(sharedPolicies)-1].policy
-	probe.options = []string{"probe_option 1"}
-	c, err := newProxyConfig(probe, t.TempDir(), upstreams, proxyOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b bytes.Buffer
-	if err := caddyfileTemplate.Execute(&b, c); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.Contains(b.String(), "lb_policy ewma {\n\t\t\tprobe_option 1\n\t\t}") {
-		t.Errorf("options not in the lb_policy block:\n%s", b.String())
+	if len(sharedPolicies) != 4 {
+		t.Errorf("%d policies, want least_conn, and ewma silent, reporting and probing", len(sharedPolicies))
 	}
 }
 
@@ -285,23 +272,24 @@ func TestSharedSmall(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	var out bytes.Buffer
-	rep, err := runShared(ctx, []string{"-caddy", bin, "-nodes", "2", "-rate", "20", "-variants", "sparse", "-policies", "ewma_reports,ewma_probing",
+	rep, err := runShared(ctx, []string{"-caddy", bin, "-nodes", "2", "-rate", "20", "-variants", "sparse", "-policies", "ewma_probing,ewma_reports",
 		"-seeds", "1", "-warmup", "500ms", "-duration", "1s", "-antagonist-load", "0.5"}, "go test ./integration/bench", &out, testWriter{t})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Log("\n" + out.String())
-	if len(rep.Cases) != 1 || len(rep.Variants) != 1 || len(rep.Variants[0].Rows) != 1 {
+	if len(rep.Cases) != 2 || len(rep.Variants) != 1 || len(rep.Variants[0].Rows) != 2 {
 		t.Fatalf("%d cases, %d variants", len(rep.Cases), len(rep.Variants))
 	}
-	c := rep.Cases[0]
-	if c.Summary.Requests != 40 || c.Summary.Errors != 0 {
-		t.Errorf("summary %+v, want 40 requests (2 nodes × 20 req/s × 1 s), no errors", c.Summary)
-	}
-	if c.HeldReports != 4 {
-		t.Errorf("node 1 held reports for %d of 4 upstreams", c.HeldReports)
-	}
-	if !strings.Contains(out.String(), "probing skipped") {
-		t.Error("the report does not note the skipped probing slot")
+	for _, c := range rep.Cases {
+		if c.Summary.Requests != 40 || c.Summary.Errors != 0 {
+			t.Errorf("%s: summary %+v, want 40 requests (2 nodes × 20 req/s × 1 s), no errors", c.Policy, c.Summary)
+		}
+		if c.HeldReports != 4 {
+			t.Errorf("%s: node 1 held reports for %d of 4 upstreams", c.Policy, c.HeldReports)
+		}
+		if probed := c.Probes > 0; probed != (c.Policy == "ewma_probing") {
+			t.Errorf("%s: the backends answered %d load probes", c.Policy, c.Probes)
+		}
 	}
 }

@@ -29,7 +29,8 @@
 // Two exceptions come first. A request for HealthPath is answered 200 at
 // once, whatever the model says (no worker, no freeze, no failure), as a
 // health endpoint served by its own thread would be; it counts only in
-// HealthChecks. And a backend with a failure mode (Model.Fail) answers
+// HealthChecks. LoadReportPath is answered the same way, with the load
+// report while reports are on: the endpoint a proxy probes for load. And a backend with a failure mode (Model.Fail) answers
 // every other request at once with a 503, or by resetting the connection,
 // without taking a worker: a black hole whose health check passes.
 //
@@ -324,8 +325,9 @@ type Backend struct {
 	arrived  atomic.Uint64 // load requests since the epoch, for FailRate
 	inSystem atomic.Int64
 	health   atomic.Int64
-	reports  atomic.Bool // SetLoadReports
-	rates    rateWindow  // answers and failures per second, for the reports
+	reports  atomic.Bool  // SetLoadReports
+	probes   atomic.Int64 // requests for LoadReportPath
+	rates    rateWindow   // answers and failures per second, for the reports
 	phases   [numPhases]phaseCounters
 	buckets  []atomic.Int64 // arrivals of load traffic per ArrivalBucket since the epoch
 
@@ -481,6 +483,12 @@ func (b *Backend) Close() error {
 func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path == HealthPath {
 		b.health.Add(1)
+		b.answer(w, http.StatusOK)
+		return
+	}
+	if r.URL.Path == LoadReportPath {
+		b.probes.Add(1)
+		b.report(w, b.inSystem.Load())
 		b.answer(w, http.StatusOK)
 		return
 	}

@@ -12,6 +12,17 @@ import (
 // form, as Envoy, gRPC and lbx read it in-band.
 const LoadReportHeader = "Endpoint-Load-Metrics"
 
+// LoadReportPath is the path every backend answers at once with 200 and,
+// while load reports are on, its load report: the endpoint a proxy's load
+// probes ask (lbx's `load_reports { probe /load }`). A probe takes no
+// worker, as a load endpoint served by its own thread would not, so its
+// report counts the requests in the system without it.
+const LoadReportPath = "/load"
+
+// LoadProbes returns the number of requests for LoadReportPath served
+// since the backend started.
+func (b *Backend) LoadProbes() int64 { return b.probes.Load() }
+
 // SetLoadReports turns the backend's load reports on or off. It takes
 // effect from the next response, so a benchmark can run the same backends
 // reporting in one case and silent in the next. Reports are off when a

@@ -245,3 +245,48 @@ func TestAntagonistRun(t *testing.T) {
 		t.Errorf("busy %v for %d requests of 1 ms", b.BusyTime(), res.Sent)
 	}
 }
+
+// TestLoadReportPath checks the probe endpoint: answered at once, without
+// a worker, with the report while reports are on, counted apart from the
+// load.
+func TestLoadReportPath(t *testing.T) {
+	b, err := StartBackend(Model{Name: "p", Workers: 2, Service: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	client := NewClient(5 * time.Second)
+	defer client.CloseIdleConnections()
+	probe := func() string {
+		t.Helper()
+		resp, err := client.Get("http://" + b.Addr() + LoadReportPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("probe: status %d", resp.StatusCode)
+		}
+		return resp.Header.Get(LoadReportHeader)
+	}
+	if h := probe(); h != "" {
+		t.Errorf("reports off, but the probe's answer carries %q", h)
+	}
+	b.SetLoadReports(true)
+	// Both workers held: a probe does not wait for one. No request is in
+	// the system, so it reports 0.
+	b.slots <- struct{}{}
+	b.slots <- struct{}{}
+	defer func() { <-b.slots; <-b.slots }()
+	if u := appUtil(t, probe()); u != 0 {
+		t.Errorf("probe of an empty system reported %v, want 0", u)
+	}
+	if n := b.LoadProbes(); n != 2 {
+		t.Errorf("%d probes counted, want 2", n)
+	}
+	for p := range numPhases {
+		if c := b.Counters(p); c.Arrivals != 0 {
+			t.Errorf("a probe counted as load in phase %v: %+v", p, c)
+		}
+	}
+}
