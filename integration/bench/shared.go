@@ -143,9 +143,12 @@ type sharedConfig struct {
 	// antagonistLoad is the antagonist's rate while on, as a multiple of
 	// its backend's capacity.
 	antagonistLoad float64
-	caddyBin       string
-	jsonPath       string
-	quick          bool
+	// reportBehind makes the backends' reports count the requests an
+	// answer leaves behind, not those with it (-report-count).
+	reportBehind bool
+	caddyBin     string
+	jsonPath     string
+	quick        bool
 }
 
 // Defaults of `bench shared`: 12 nodes at 30 req/s is 360 req/s, ≈7.5
@@ -216,6 +219,8 @@ func parseSharedFlags(args []string, stderr io.Writer) (*sharedConfig, error) {
 	fs.DurationVar(&c.duration, "duration", defaultSharedDuration, "measured window per case")
 	fs.DurationVar(&c.timeout, "timeout", defaultTimeout, "per-request client timeout; a timeout is an error, counted at its full duration")
 	fs.Float64Var(&c.antagonistLoad, "antagonist-load", defaultAntagonistLoad, "the antagonist's rate while on, as a multiple of b3's capacity (≥ 1 pushes it to or past saturation)")
+	var reportCount string
+	fs.StringVar(&reportCount, "report-count", "with", "what a backend's application_utilization counts: with (the requests in the system, the one answered included) or behind (those it leaves behind)")
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.StringVar(&c.jsonPath, "json", "", "also write raw per-case results and the aggregates as JSON to this file")
 	fs.BoolVar(&c.quick, "quick", false, fmt.Sprintf("smoke test of under a minute: %d sparse nodes, 1 seed, 1s warm-up, 4s window (flags given explicitly still win)", quickSharedNodes))
@@ -262,6 +267,13 @@ func parseSharedFlags(args []string, stderr io.Writer) (*sharedConfig, error) {
 		return nil, fmt.Errorf("-timeout must be positive, got %v", c.timeout)
 	case !(c.antagonistLoad > 0) || c.antagonistLoad > 5:
 		return nil, fmt.Errorf("-antagonist-load must be above 0 and at most 5, got %v", c.antagonistLoad)
+	}
+	switch reportCount {
+	case "with":
+	case "behind":
+		c.reportBehind = true
+	default:
+		return nil, fmt.Errorf("-report-count must be with or behind, got %q", reportCount)
 	}
 	var err error
 	if c.policies, err = parseSharedPolicies(pols); err != nil {
@@ -387,9 +399,11 @@ type sharedReport struct {
 	Warmup    string            `json:"warmup"`
 	Duration  string            `json:"duration"`
 	Timeout   string            `json:"timeout"`
-	Notes     []string          `json:"notes,omitempty"`
-	Variants  []sharedSummary   `json:"variants"`
-	Cases     []sharedCase      `json:"cases"`
+	// ReportBehind is -report-count behind.
+	ReportBehind bool            `json:"report_behind,omitempty"`
+	Notes        []string        `json:"notes,omitempty"`
+	Variants     []sharedSummary `json:"variants"`
+	Cases        []sharedCase    `json:"cases"`
 }
 
 // runShared is `bench shared`: it parses args, runs every variant's
@@ -427,6 +441,7 @@ func runShared(ctx context.Context, args []string, cmdline string, out, progress
 		CPUs: runtime.NumCPU(), LoadStart: loadAverage(), Versions: versions, Notes: notes,
 		Seeds: cfg.seeds, FirstSeed: cfg.firstSeed,
 		Warmup: cfg.warmup.String(), Duration: cfg.duration.String(), Timeout: cfg.timeout.String(),
+		ReportBehind: cfg.reportBehind,
 	}
 	total := len(cfg.variants) * cfg.seeds * len(pols)
 	est := time.Duration(total) * (cfg.warmup + cfg.duration + sharedCaseOverheadGuess)
@@ -575,6 +590,7 @@ func runSharedCase(ctx context.Context, cfg *sharedConfig, t tools, v sharedVari
 	c.Notes = settleBackends(ctx, backends)
 	for _, b := range backends {
 		b.SetLoadReports(pol.reports)
+		b.SetReportBehind(cfg.reportBehind)
 	}
 	if err := ctx.Err(); err != nil {
 		return c, err
@@ -804,8 +820,13 @@ func (r *sharedReport) writeMarkdown(w io.Writer) error {
 		"every policy of a seed meets the same ones); policies run in turn, in an order rotated per seed. Tables show the median over seeds and [min–max]; "+
 		"latency runs from each request's intended send time, over the requests of all nodes together.\n\n",
 		r.Warmup, r.Duration, r.Timeout, r.FirstSeed, r.FirstSeed+r.Seeds-1)
-	b.WriteString("Load reports: while on, every answer carries `Endpoint-Load-Metrics: TEXT application_utilization=<requests queued or in service, this one included, per worker>, " +
-		"rps_fractional=<answers in the last whole second>, eps=<failures in it>`, unsmoothed. lbx ewma reads it and strips it; stock least_conn ignores it and passes it on.\n\n")
+	counted := "requests queued or in service, this one included, per worker"
+	if r.ReportBehind {
+		counted = "requests queued or in service that this one leaves behind, per worker (-report-count behind)"
+	}
+	fmt.Fprintf(&b, "Load reports: while on, every answer carries `Endpoint-Load-Metrics: TEXT application_utilization=<%s>, "+
+		"rps_fractional=<answers in the last whole second>, eps=<failures in it>`, unsmoothed, and so does the answer to `GET %s`, a load probe. "+
+		"lbx ewma reads it and strips it; stock least_conn ignores it and passes it on.\n\n", counted, loadmodel.LoadReportPath)
 	for _, n := range r.Notes {
 		fmt.Fprintf(&b, "Note: %s.\n\n", n)
 	}

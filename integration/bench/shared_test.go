@@ -25,6 +25,12 @@ func TestParseSharedFlags(t *testing.T) {
 		c.variants[1].name != "dense" || c.variants[1].nodes != 3 || c.variants[1].rate != 250 || !c.variants[1].notWorse {
 		t.Errorf("default variants %+v", c.variants)
 	}
+	if c.reportBehind {
+		t.Error("reports count what an answer leaves behind by default; the brief's count includes it")
+	}
+	if b, err := parseSharedFlags([]string{"-report-count", "behind"}, &bytes.Buffer{}); err != nil || !b.reportBehind {
+		t.Errorf("-report-count behind: %v", err)
+	}
 	if c.seeds != 3 || len(c.policies) != 4 || c.antagonistLoad < 1 {
 		t.Errorf("defaults: %d seeds, %d policies, antagonist load %v", c.seeds, len(c.policies), c.antagonistLoad)
 	}
@@ -62,7 +68,7 @@ func TestParseSharedFlags(t *testing.T) {
 	for _, bad := range [][]string{
 		{"-nodes", "0"}, {"-nodes", "65"}, {"-rate", "0"}, {"-dense-rate", "-1"}, {"-seeds", "0"},
 		{"-duration", "500ms"}, {"-warmup", "-1s"}, {"-antagonist-load", "0"}, {"-antagonist-load", "NaN"},
-		{"-variants", "medium"}, {"-variants", ","}, {"-policies", "round_robin"}, {"-policies", ""}, {"extra"},
+		{"-variants", "medium"}, {"-variants", ","}, {"-report-count", "some"}, {"-policies", "round_robin"}, {"-policies", ""}, {"extra"},
 	} {
 		_, err := parseSharedFlags(bad, &bytes.Buffer{})
 		if err == nil {

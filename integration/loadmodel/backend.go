@@ -316,20 +316,21 @@ const MaxArrivalBuckets = 6000
 
 // Backend is an HTTP server on 127.0.0.1 that serves by its Model.
 type Backend struct {
-	model    Model
-	body     []byte
-	bodyLen  string
-	slots    chan struct{}
-	epoch    atomic.Int64 // unix nanoseconds; freezes are timed from it
-	started  atomic.Uint64
-	arrived  atomic.Uint64 // load requests since the epoch, for FailRate
-	inSystem atomic.Int64
-	health   atomic.Int64
-	reports  atomic.Bool  // SetLoadReports
-	probes   atomic.Int64 // requests for LoadReportPath
-	rates    rateWindow   // answers and failures per second, for the reports
-	phases   [numPhases]phaseCounters
-	buckets  []atomic.Int64 // arrivals of load traffic per ArrivalBucket since the epoch
+	model        Model
+	body         []byte
+	bodyLen      string
+	slots        chan struct{}
+	epoch        atomic.Int64 // unix nanoseconds; freezes are timed from it
+	started      atomic.Uint64
+	arrived      atomic.Uint64 // load requests since the epoch, for FailRate
+	inSystem     atomic.Int64
+	health       atomic.Int64
+	reports      atomic.Bool  // SetLoadReports
+	probes       atomic.Int64 // requests for LoadReportPath
+	reportBehind atomic.Bool  // SetReportBehind
+	rates        rateWindow   // answers and failures per second, for the reports
+	phases       [numPhases]phaseCounters
+	buckets      []atomic.Int64 // arrivals of load traffic per ArrivalBucket since the epoch
 
 	ln   net.Listener
 	srv  *http.Server
@@ -538,8 +539,13 @@ func (b *Backend) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	b.rates.note(end, false)
 	// This request is still counted in inSystem (the deferred decrement
 	// runs after the answer): the report includes it, as a server's
-	// count of requests in the system does while it writes a response.
-	b.report(w, b.inSystem.Load())
+	// count of requests in the system does while it writes a response,
+	// unless it reports what it leaves behind.
+	n := b.inSystem.Load()
+	if b.reportBehind.Load() {
+		n--
+	}
+	b.report(w, n)
 	b.answer(w, http.StatusOK)
 }
 

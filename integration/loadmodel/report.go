@@ -32,13 +32,22 @@ func (b *Backend) SetLoadReports(on bool) { b.reports.Store(on) }
 // LoadReports reports whether the backend sends load reports.
 func (b *Backend) LoadReports() bool { return b.reports.Load() }
 
-// report adds the backend's load report to a response of a load request,
-// when reports are on. inSystem is the number of requests queued or in
-// service, the one being answered included.
+// SetReportBehind chooses what an answer's report counts: with behind
+// false (the default), the requests in the system with the one answered
+// included, so a 1-worker backend reports at least 1 on every answer;
+// with behind true, only the requests it leaves behind, the queue the next
+// request would find. Probes' reports count the requests in the system
+// either way.
+func (b *Backend) SetReportBehind(behind bool) { b.reportBehind.Store(behind) }
+
+// report adds the backend's load report to a response, when reports are
+// on. inSystem is the number of requests queued or in service it counts
+// (for an answer, the one answered included unless SetReportBehind).
 //
 // The report is what the backend knows of itself, and nothing more:
 //
-//   - application_utilization is inSystem ÷ Workers, unsmoothed: 1 means
+//   - application_utilization is inSystem ÷ Workers (less the one
+//     answered with SetReportBehind), unsmoothed: 1 means
 //     every worker busy and none waiting, 3 on a 1-worker backend two
 //     waiting behind the one in service. It is the instant's queue, not an
 //     average, because the proxy ages and combines reports itself, and a

@@ -290,3 +290,24 @@ func TestLoadReportPath(t *testing.T) {
 		}
 	}
 }
+
+// TestReportBehind checks the other count: the requests an answer leaves
+// behind.
+func TestReportBehind(t *testing.T) {
+	b, err := StartBackend(Model{Name: "rb", Workers: 1, Service: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	client := NewClient(5 * time.Second)
+	defer client.CloseIdleConnections()
+	b.SetLoadReports(true)
+	b.SetReportBehind(true)
+	if u := appUtil(t, get(t, client, b)); u != 0 {
+		t.Errorf("an idle backend reported %v behind its answer, want 0", u)
+	}
+	b.SetReportBehind(false)
+	if u := appUtil(t, get(t, client, b)); u != 1 {
+		t.Errorf("an idle 1-worker backend reported %v with its answer, want 1", u)
+	}
+}
