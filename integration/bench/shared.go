@@ -223,7 +223,7 @@ func parseSharedFlags(args []string, stderr io.Writer) (*sharedConfig, error) {
 	fs.StringVar(&reportCount, "report-count", "with", "what a backend's application_utilization counts: with (the requests in the system, the one answered included) or behind (those it leaves behind)")
 	fs.StringVar(&c.caddyBin, "caddy", "", "use this Caddy binary (built with lbx) instead of building ./cmd/caddy")
 	fs.StringVar(&c.jsonPath, "json", "", "also write raw per-case results and the aggregates as JSON to this file")
-	fs.BoolVar(&c.quick, "quick", false, fmt.Sprintf("smoke test of under a minute: %d sparse nodes, 1 seed, 1s warm-up, 4s window (flags given explicitly still win)", quickSharedNodes))
+	fs.BoolVar(&c.quick, "quick", false, fmt.Sprintf("smoke test of under a minute: %d sparse nodes, 1 seed, 1s warm-up, 3s window (flags given explicitly still win)", quickSharedNodes))
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -243,7 +243,7 @@ func parseSharedFlags(args []string, stderr io.Writer) (*sharedConfig, error) {
 			c.warmup = time.Second
 		}
 		if !set["duration"] {
-			c.duration = 4 * time.Second
+			c.duration = 3 * time.Second
 		}
 	}
 	switch {

@@ -42,14 +42,14 @@ func TestParseSharedFlags(t *testing.T) {
 	}
 	// A default run takes a few minutes, -quick under one.
 	perCase := c.warmup + c.duration + sharedCaseOverheadGuess
-	if d := time.Duration(len(c.variants)*c.seeds*3) * perCase; d > 6*time.Minute {
+	if d := time.Duration(len(c.variants)*c.seeds*len(c.policies)) * perCase; d > 7*time.Minute {
 		t.Errorf("a default run takes about %v", d)
 	}
 	q, err := parseSharedFlags([]string{"-quick"}, &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d := time.Duration(len(q.variants)*q.seeds*3) * (q.warmup + q.duration + sharedCaseOverheadGuess); d > time.Minute {
+	if d := time.Duration(len(q.variants)*q.seeds*len(q.policies)) * (q.warmup + q.duration + sharedCaseOverheadGuess); d > time.Minute {
 		t.Errorf("-quick takes about %v", d)
 	}
 	if q.variants[0].nodes != quickSharedNodes || q.seeds != 1 {
