@@ -181,23 +181,23 @@ func TestLoadReportsDynamicUpstreams(t *testing.T) {
 	}
 }
 
-// With no options, least_time takes share from the upstream that reports
-// more load than its peers, and says so in the admin API; once its report
-// says it is as loaded as the others, it gets its share back.
+// With no options, least_time stops sending to an upstream whose report
+// says it is past its capacity, and leaves alone one that is busy but
+// below it; once the report says the upstream has room again, it gets its
+// share back.
 func TestLoadReportsShapeTraffic(t *testing.T) {
 	e := newEnv(t)
 	bs := []*reportingBackend{e.reportingBackend(), e.reportingBackend(), e.reportingBackend()}
-	e.load(fmt.Sprintf("reverse_proxy %s %s %s {\n\tlb_policy least_time\n}", bs[0].addr(), bs[1].addr(), bs[2].addr()))
 	for _, b := range bs {
 		// equally fast, and slow enough that loopback's noise (a first
 		// answer on a new connection taking ten times a later one) does
 		// not tell them apart: the reports alone do
 		b.delay.Store(int64(2 * time.Millisecond))
 	}
-	for _, b := range bs[:2] {
-		b.set("TEXT application_utilization=0.2")
-	}
-	bs[2].set("TEXT application_utilization=0.95")
+	e.load(fmt.Sprintf("reverse_proxy %s %s %s {\n\tlb_policy least_time\n}", bs[0].addr(), bs[1].addr(), bs[2].addr()))
+	bs[0].set("TEXT application_utilization=0.2")
+	bs[1].set("TEXT application_utilization=0.95") // busy, below capacity
+	bs[2].set("TEXT application_utilization=4")    // four times past it
 	send := func(n int) []int64 {
 		before := []int64{bs[0].served.Load(), bs[1].served.Load(), bs[2].served.Load()}
 		for range n {
@@ -208,38 +208,17 @@ func TestLoadReportsShapeTraffic(t *testing.T) {
 		return []int64{bs[0].served.Load() - before[0], bs[1].served.Load() - before[1], bs[2].served.Load() - before[2]}
 	}
 	send(30) // every upstream has reported
-	// mean 0.45: the busy one keeps 0.05/0.55 of its third, about 3%
 	got := send(600)
 	t.Logf("served %v of 600", got)
-	if got[2] > 45 || got[0] < 200 || got[1] < 200 {
-		t.Fatalf("served %v of 600; the upstream reporting 0.95 should get about 18", got)
-	}
-	var page struct {
-		Pools []struct {
-			Upstreams []struct {
-				Dial  string   `json:"dial"`
-				Share *float64 `json:"reported_share_percent"`
-			} `json:"upstreams"`
-		} `json:"pools"`
-	}
-	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams")
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = json.NewDecoder(res.Body).Decode(&page)
-	res.Body.Close()
-	if err != nil || len(page.Pools) != 1 {
-		t.Fatalf("GET /lbx/upstreams: %v, %+v", err, page)
-	}
-	for _, m := range page.Pools[0].Upstreams {
-		if busy := m.Dial == bs[2].addr(); busy != (m.Share != nil) || busy && *m.Share > 20 {
-			t.Errorf("%s: reported_share_percent %v", m.Dial, m.Share)
-		}
+	// (the other two split by latency and load as without reports; loopback
+	// noise can lean that split either way)
+	if got[2] > 6 || got[0] < 100 || got[1] < 100 {
+		t.Fatalf("served %v of 600; the upstream reporting 4 should get none, the one reporting 0.95 its share", got)
 	}
 
 	bs[2].set("TEXT application_utilization=0.2")
-	// its next answer brings the new report; the old one's pull is gone
-	// with it
+	// its report fades over max_age (3s): it is tried again, and its next
+	// answer brings the new report
 	waitFor(t, 10*time.Second, "the upstream to get its share back", func() (bool, string) {
 		got := send(300)
 		return got[2] > 60, fmt.Sprintf("served %v of 300", got)

@@ -38,7 +38,10 @@ func init() {
 // looks fast). An upstream that fails part of its attempts has its cost
 // multiplied by 1/(1−f)², f being the share of its attempts of the last
 // few seconds that failed, so it draws about its success-weighted share
-// rather than more than a healthy one. The first 1.5× of a difference
+// rather than more than a healthy one. A fresh ORCA load report that says
+// the upstream is past its capacity (a utilization above 1) multiplies the
+// expected latency by that load, up to 32, fading over load_reports'
+// max_age; below capacity a report changes nothing. The first 1.5× of a difference
 // in expected latency does not count: upstreams within it are compared by
 // load alone, exactly as least_conn would, and only the excess of a clear
 // difference in speed is weighed against the load. An upstream not tried
@@ -105,7 +108,7 @@ type LeastTimeSelection struct {
 	// Endpoint-Load-Metrics response header are taken in. They are
 	// read, and the header removed from responses, also when this is
 	// absent (with its defaults), and a fresh report that says an upstream
-	// is busier than its peers takes share from it. Its probe block, when
+	// is past its capacity raises the latency expected of it. Its probe block, when
 	// present, has the policy ask upstreams for reports itself.
 	LoadReports *LoadReports `json:"load_reports,omitempty"`
 
@@ -347,11 +350,8 @@ func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Requ
 		ramp:  s.SlowStart,
 		tried: tried,
 	}
-	c.loadMean, c.reports = v.meanReportedLoad(now)
-	if c.reports || c.ramp != nil {
-		c.admit = rand.Float64()
-	}
 	if c.ramp != nil {
+		c.admit = rand.Float64()
 		if s.panic.threshold <= 0 {
 			// the recount is also what notices hosts coming back
 			// from Caddy-unhealthy; panic mode does it otherwise
@@ -361,9 +361,8 @@ func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Requ
 	k := s.Choices.forPool(len(pool))
 	i := c.choose(k)
 	if i < 0 && c.admit > 0 {
-		// Only ramping or reportedly busy upstreams are left and this
-		// draw admitted none of them: ramps and reports shape shares,
-		// they must never refuse a request.
+		// Only ramping upstreams are left and this draw admitted none
+		// of them: a ramp shapes shares, it must never refuse a request.
 		c.admit = 0
 		i = c.choose(k)
 	}
@@ -503,11 +502,6 @@ type leastTimeCandidates struct {
 	// tried is what this request already tried, nil on a first attempt:
 	// a retry leaves those out while another upstream is usable.
 	tried *Tried
-	// reports: at least two members report their load, of mean
-	// loadMean; a member is then usable only when admit is below its
-	// hoststate.ReportedShare (times its ramp's factor).
-	reports  bool
-	loadMean float64
 }
 
 func (c leastTimeCandidates) Len() int { return len(c.pool) }
@@ -526,23 +520,11 @@ func (c leastTimeCandidates) Usable(i int) bool {
 	if c.tried != nil && c.tried.Has(c.pool[i].Dial) {
 		return false
 	}
-	return c.admit == 0 || c.admit < c.share(c.view.members[i].stats)
-}
-
-// share is the share of selections in which member st is considered: its
-// slow start's factor while it ramps, times the share its load report
-// leaves it; 1 when neither applies.
-func (c leastTimeCandidates) share(st *hoststate.Stats) float64 {
-	share := 1.0
-	if c.ramp != nil {
-		if start := st.RampStart(c.now); c.ramp.ramping(start, c.now) {
-			share = c.ramp.factor(start, c.now)
-		}
+	if c.ramp == nil {
+		return true
 	}
-	if c.reports {
-		share *= st.ReportedShare(c.now, c.loadMean)
-	}
-	return share
+	start := c.view.members[i].stats.RampStart(c.now)
+	return !c.ramp.ramping(start, c.now) || c.admit < c.ramp.factor(start, c.now)
 }
 
 func (c leastTimeCandidates) Cost(i int) choose.Cost {
@@ -632,12 +614,6 @@ func (s *LeastTimeSelection) statusOf(v *poolView, withBudget bool) poolStatus {
 			if f := s.SlowStart.factor(st.RampStart(now), now); f < 1 {
 				pct := f * 100
 				m.SlowStartPercent = &pct
-			}
-		}
-		if mean, ok := v.meanReportedLoad(now); ok {
-			if f := st.ReportedShare(now, mean); f < 1 {
-				pct := f * 100
-				m.ReportedSharePercent = &pct
 			}
 		}
 		status.Upstreams = append(status.Upstreams, m)

@@ -35,10 +35,10 @@ import (
 // Reports are read, and their headers and trailers are removed from the
 // response before it reaches the client, also when this block is
 // absent: the defaults below apply. least_time uses fresh reports in
-// selection: an upstream that reports more load than the mean of its
-// pool's reporting members is considered in fewer selections, down to a
-// twentieth of them (see hoststate.ReportedShare); one that sends none is
-// judged as before.
+// selection: a report that says an upstream is past its capacity
+// (utilization above 1) multiplies the latency expected of it by that
+// load, up to 32 (see hoststate.Stats.ReportedFactor); below capacity, or
+// without reports, an upstream is judged as before.
 type LoadReports struct {
 	// How long a report counts: its pull on selection fades from full
 	// when it arrives to none at this age, after which it is still shown,

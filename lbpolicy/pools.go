@@ -93,11 +93,6 @@ type poolMember struct {
 	// its weight, while it ramps up after joining or returning to the
 	// pool; absent when it is not ramping.
 	SlowStartPercent *float64 `json:"slow_start_weight_percent,omitempty"`
-	// ReportedSharePercent is the share of selections, in percent, in
-	// which the member is considered because its load report says it is
-	// busier than its peers (see the upstream's load_report); absent
-	// when its report takes nothing away.
-	ReportedSharePercent *float64 `json:"reported_share_percent,omitempty"`
 }
 
 // poolStatusSource is implemented by selection policies that can describe

@@ -32,14 +32,8 @@ type poolView struct {
 	countedAt atomic.Int64
 	// shareRef caches hoststate.ShareReference over the members (float64
 	// bits) as of shareAt; see shareReference.
-	shareRef atomic.Uint64
-	shareAt  atomic.Int64
-	// loadMean caches hoststate.MeanReportedLoad over the members
-	// (float64 bits, NaN when it is not ok) as of loadAt; see
-	// meanReportedLoad.
-	loadMean  atomic.Uint64
-	loadAt    atomic.Int64
-	loadEpoch atomic.Uint64 // hoststate.ReportEpoch at loadAt
+	shareRef  atomic.Uint64
+	shareAt   atomic.Int64
 	available atomic.Int64
 	epoch     atomic.Uint64 // hoststate.EjectionEpoch at the last count
 	panic     panicState
@@ -88,29 +82,6 @@ func (v *poolView) shareReference(now int64) float64 {
 	v.shareRef.Store(math.Float64bits(ref))
 	v.shareAt.Store(now)
 	return ref
-}
-
-// meanReportedLoad returns hoststate.MeanReportedLoad over the view's
-// members at about now: computed at most once per shareEvery, as the
-// share reference is, and when an upstream begins to report. A backend's
-// own report is read live at each selection; the mean it is weighed
-// against may lag it by this much.
-func (v *poolView) meanReportedLoad(now int64) (float64, bool) {
-	epoch := hoststate.ReportEpoch()
-	if at := v.loadAt.Load(); at != 0 && now-at < shareEvery && v.loadEpoch.Load() == epoch {
-		m := math.Float64frombits(v.loadMean.Load())
-		return m, !math.IsNaN(m)
-	}
-	m, ok := hoststate.MeanReportedLoad(now, len(v.members), func(i int) *hoststate.Stats {
-		return v.members[i].stats
-	})
-	if !ok {
-		m = math.NaN()
-	}
-	v.loadMean.Store(math.Float64bits(m))
-	v.loadEpoch.Store(epoch)
-	v.loadAt.Store(now)
-	return m, ok
 }
 
 // matches reports whether v was built from pool. It checks identity and

@@ -24,10 +24,11 @@ func reportLoad(t *testing.T, s *LeastTimeSelection, up *reverseproxy.Upstream, 
 	s.table.Stats(up.Dial).SetLoadReport(r, monoclock.Now()-int64(age), 3*time.Second)
 }
 
-// TestLeastTimeLoadReportsShapeShares checks that fresh reports take share
-// from an upstream busier than its peers, in proportion, and that stale,
-// lone or uniform reports take none. Latency and in-flight are equal, so
-// without reports each of the four draws a quarter.
+// TestLeastTimeLoadReportsShapeShares checks that a fresh report past
+// capacity takes an upstream out of an idle pool's choices, and that
+// reports below capacity, stale reports and no reports change nothing.
+// Latency and in-flight are equal, so without reports each of the four
+// draws a quarter.
 func TestLeastTimeLoadReportsShapeShares(t *testing.T) {
 	const picks = 8000
 	for _, c := range []struct {
@@ -38,38 +39,40 @@ func TestLeastTimeLoadReportsShapeShares(t *testing.T) {
 		tolerate float64
 	}{
 		{"none", []float64{-1, -1, -1, -1}, 0, 0.25, 0.04},
-		{"busier", []float64{0.3, 0.3, 0.3, 0.9}, 0, 0.25 * (0.1 / 0.55), 0.02},
-		{"saturated", []float64{0.5, 0.5, 0.5, 1}, 0, 0.25 * hoststate.MinReportedShare, 0.01},
-		{"alone", []float64{-1, -1, -1, 0.95}, 0, 0.25, 0.04},
-		{"uniform", []float64{0.9, 0.9, 0.9, 0.9}, 0, 0.25, 0.04},
-		{"stale", []float64{0.3, 0.3, 0.3, 0.9}, 4 * time.Second, 0.25, 0.04},
+		{"past capacity", []float64{0.5, 0.5, 0.5, 3}, 0, 0, 0.005},
+		{"below capacity", []float64{0.2, 0.2, 0.2, 0.95}, 0, 0.25, 0.04},
+		{"alone", []float64{-1, -1, -1, 3}, 0, 0, 0.005},
+		{"stale", []float64{0.5, 0.5, 0.5, 3}, 4 * time.Second, 0.25, 0.04},
 	} {
-		t.Run(c.name, func(t *testing.T) {
-			s := provisionLeastTime(t, &LeastTimeSelection{})
-			pool := newPool(t, 4)
-			for i, u := range pool {
-				observe(s, u, 2*time.Millisecond, hoststate.Success)
-				if c.loads[i] >= 0 {
-					reportLoad(t, s, u, c.loads[i], c.age)
+		for _, choices := range []Choices{choicesAuto, 2} {
+			t.Run(c.name+"/"+choices.String(), func(t *testing.T) {
+				s := provisionLeastTime(t, &LeastTimeSelection{Choices: choices})
+				pool := newPool(t, 4)
+				for i, u := range pool {
+					observe(s, u, 2*time.Millisecond, hoststate.Success)
+					if c.loads[i] >= 0 {
+						reportLoad(t, s, u, c.loads[i], c.age)
+					}
 				}
-			}
-			got := float64(shares(s, pool, picks)[pool[3]]) / picks
-			if math.Abs(got-c.hot) > c.tolerate {
-				t.Fatalf("share of pool[3] = %.3f, want %.3f ± %.3f", got, c.hot, c.tolerate)
-			}
-		})
+				got := float64(shares(s, pool, picks)[pool[3]]) / picks
+				if math.Abs(got-c.hot) > c.tolerate {
+					t.Fatalf("share of pool[3] = %.3f, want %.3f ± %.3f", got, c.hot, c.tolerate)
+				}
+			})
+		}
 	}
 }
 
-// TestLeastTimeLoadReportsNeverRefuse: a report shapes shares only; when
-// the one usable upstream is the busy one, it is chosen every time.
+// TestLeastTimeLoadReportsNeverRefuse: a report prices, it does not take
+// an upstream out; when the one usable upstream is the busy one, it is
+// chosen every time.
 func TestLeastTimeLoadReportsNeverRefuse(t *testing.T) {
 	for _, choices := range []Choices{choicesAll, 2} {
 		s := provisionLeastTime(t, &LeastTimeSelection{Choices: choices, PanicThreshold: new(float64)})
 		pool := newPool(t, 3)
 		for i, u := range pool {
 			observe(s, u, time.Millisecond, hoststate.Success)
-			reportLoad(t, s, u, []float64{0.1, 0.1, 1}[i], 0)
+			reportLoad(t, s, u, []float64{0.1, 0.1, 30}[i], 0)
 		}
 		for _, u := range pool[:2] {
 			s.table.Stats(u.Dial).Eject(monoclock.Now(), time.Minute, func(int64) time.Duration { return time.Minute }, hoststate.ReasonSuccessRate)

@@ -105,20 +105,8 @@ func (s *Stats) SetLoadReport(r orca.Report, now int64, maxAge time.Duration) {
 	r.Named = cloneMetrics(r.Named)
 	r.Utilizations = cloneMetrics(r.Utilizations)
 	r.RequestCost = cloneMetrics(r.RequestCost)
-	if old := s.reports.latest.Swap(&LoadReport{Report: r, AtNs: now, MaxAge: maxAge}); old == nil || old.Stale(now) {
-		reportEpoch.Add(1)
-	}
+	s.reports.latest.Store(&LoadReport{Report: r, AtNs: now, MaxAge: maxAge})
 }
-
-// reportEpoch counts the upstreams that began to report, or to report
-// again after going stale; see ReportEpoch.
-var reportEpoch atomic.Uint64
-
-// ReportEpoch returns a number that changes whenever an upstream, anywhere
-// in the process, sends a report after none or after a stale one: a view
-// that caches its pool's mean reported load takes a new member's report
-// into the mean at once, not on its next refresh.
-func ReportEpoch() uint64 { return reportEpoch.Load() }
 
 // cloneMetrics copies m with copies of its keys, nil for an empty m.
 func cloneMetrics(m map[string]float64) map[string]float64 {
@@ -165,45 +153,43 @@ func (s *Stats) LoadReportsRefused() (n uint64, lastKind error) {
 	return n, lastKind
 }
 
-// How reported load shapes selection.
+// How reported load enters selection.
 //
 // A proxy in a fleet sees only its own requests to a backend; the backend's
-// report tells how busy it is with everyone's. Each report is turned into
-// the share of selections in which the upstream is considered at all (an
-// admission, drawn per selection as slow start's ramp is), not into a cost:
-// every proxy of a fleet receives much the same reports, and a cost would
-// send all of them to the least loaded backend at once, to find it
-// overloaded a moment later. An admission moves load in proportion, so the
-// proxies of a fleet lean away from a hot backend together, each a little.
+// report tells how busy it is with everyone's. What matters to the next
+// request is whether it will wait: a backend below its capacity serves it
+// at its usual speed however busy it is, and one past it (more requests
+// than it serves at once) makes it wait behind the excess. So the report
+// multiplies the latency selection expects of the backend by the load it
+// states, when that is above 1, and leaves it alone below:
 //
-// The load a report states is its utilization (application_utilization,
-// else cpu_utilization) plus its share of errors (eps / rps, when it gives
-// both: Envoy's and gRPC's error penalty of 1), capped at 1: beyond it a
-// backend is saturated, and how deep its queue is the policy sees in its
-// latency. A backend's headroom is 1 − load (at least minHeadroom); its
-// admission is its headroom over the headroom of the mean load of the
-// pool's reporting members, at most 1 and at least MinReportedShare. So a
-// report only ever takes share away from a backend busier than its peers:
-// one below the mean keeps its share, one that reports alone is compared to
-// itself and keeps it, and a new backend's first report of an idle machine
-// draws no rush to it (what Envoy's blackout period guards against).
+//	factor = 1 + pull × (load − 1)   for load > 1, else 1
 //
-// A report's pull fades with its age, from full when received to none at
-// its MaxAge: a backend priced out draws few requests, so its reports come
-// rarely, and an old report must not hold it out once it has recovered.
+// The load is the report's utilization (application_utilization, else
+// cpu_utilization: both defined by ORCA as above 1 past the reporter's
+// capacity) plus its share of errors (eps / rps when it gives both: Envoy's
+// and gRPC's error penalty of 1), capped at MaxReportedLoad. The pull is
+// the report's freshness, 1 when received and falling linearly to 0 at its
+// MaxAge, so an upstream a report priced out is tried again once the
+// report has aged, and its next answer brings a new one.
+//
+// Below capacity a report changes nothing: the proxies of a fleet all
+// receive much the same reports, and weighing small differences in them
+// would move every proxy the same way at once (a herd onto the least
+// loaded backend, found overloaded a moment later). Past capacity every
+// proxy should leave the backend, and they spread over the others by what
+// each sees of them itself, as without reports. Nor can a report make a
+// backend look better than without it, so a backend new to the pool, or
+// one that lies low, draws no rush (what Envoy's blackout period guards
+// against).
 
-// MinReportedShare is the least share of selections a report can leave
-// an upstream: a twentieth of what it would have without it. A report
-// never takes an upstream out, which is health's and ejection's job, and
-// the trickle it keeps brings the next report.
-const MinReportedShare = 0.05
-
-// minHeadroom keeps the headroom of a saturated backend above 0: every
-// saturated backend then counts alike.
-const minHeadroom = 0.01
+// MaxReportedLoad caps the load a report can state: a backend that says
+// it holds 32 times what it serves at once is priced as 32 times slower,
+// and no more, whatever it says.
+const MaxReportedLoad = 32
 
 // Load returns the load r states, for selection: its utilization plus its
-// share of errors, between 0 and 1. ok is false when r states no
+// share of errors, at most MaxReportedLoad. ok is false when r states no
 // utilization.
 func (r *LoadReport) Load() (load float64, ok bool) {
 	u, ok := r.Utilization()
@@ -213,7 +199,7 @@ func (r *LoadReport) Load() (load float64, ok bool) {
 	if r.Has(orca.RPS) && r.Has(orca.EPS) && r.RPS > 0 {
 		u += min(r.EPS/r.RPS, 1)
 	}
-	return min(u, 1), true
+	return min(u, MaxReportedLoad), true
 }
 
 // Pull returns how much r counts at now: 1 when it was received, falling
@@ -225,55 +211,18 @@ func (r *LoadReport) Pull(now int64) float64 {
 	return max(1-float64(r.Age(now))/float64(r.MaxAge), 0)
 }
 
-// ReportedShare returns the share of selections in which an upstream whose
-// report states load, with a pull of pull, is considered, when the mean
-// load of its pool's reporting members is mean.
-func ReportedShare(load, mean, pull float64) float64 {
-	share := min(max(1-load, minHeadroom)/max(1-mean, minHeadroom), 1)
-	share = max(share, MinReportedShare)
-	return 1 - pull*(1-share)
-}
-
-// ReportedShare returns the share of selections in which the upstream is
-// considered at now, given its pool's mean reported load: see the package
-// function ReportedShare; 1 when it has no report that counts.
-func (s *Stats) ReportedShare(now int64, mean float64) float64 {
-	load, pull, ok := s.ReportedLoad(now)
-	if !ok {
-		return 1
-	}
-	return ReportedShare(load, mean, pull)
-}
-
-// ReportedLoad returns the load stats' latest report states and the
-// report's pull at now; ok is false when it has none that counts (none
-// at all, no utilization in it, or too old).
-func (s *Stats) ReportedLoad(now int64) (load, pull float64, ok bool) {
+// ReportedFactor returns the factor by which the upstream's latest report
+// multiplies the latency selection expects of it at now: 1 + pull × (load
+// − 1) when the report states a load above 1, else 1 (also with no
+// report, or none that counts). It is within [1, MaxReportedLoad].
+func (s *Stats) ReportedFactor(now int64) float64 {
 	r := s.LoadReport()
 	if r == nil {
-		return 0, 0, false
+		return 1
 	}
-	if pull = r.Pull(now); pull <= 0 {
-		return 0, 0, false
+	load, ok := r.Load()
+	if !ok || load <= 1 {
+		return 1
 	}
-	load, ok = r.Load()
-	return load, pull, ok
-}
-
-// MeanReportedLoad returns the mean load the n members of a pool report
-// at now (see ReportedLoad), member(i) giving member i's state; ok is
-// false when fewer than two members report, since a report is only ever
-// weighed against its peers'.
-func MeanReportedLoad(now int64, n int, member func(i int) *Stats) (mean float64, ok bool) {
-	sum, k := 0.0, 0
-	for i := range n {
-		if load, _, ok := member(i).ReportedLoad(now); ok {
-			sum += load
-			k++
-		}
-	}
-	if k < 2 {
-		return 0, false
-	}
-	return sum / float64(k), true
+	return 1 + r.Pull(now)*(load-1)
 }

@@ -64,79 +64,64 @@ func TestLoadReport(t *testing.T) {
 	}
 }
 
-func TestReportedShare(t *testing.T) {
+func TestReportedFactor(t *testing.T) {
+	const at = int64(1e9)
 	for _, c := range []struct {
-		load, mean, pull, want float64
+		header string
+		age    time.Duration
+		want   float64
 	}{
-		{0.3, 0.3, 1, 1},           // at the mean: untouched
-		{0.1, 0.45, 1, 1},          // below the mean: never raised
-		{0.9, 0.45, 1, 0.1 / 0.55}, // headroom 0.1 against 0.55
-		{1, 0.5, 1, MinReportedShare},
-		{1, 1, 1, 1},                           // all saturated: alike
-		{0.9, 0.45, 0.5, 1 - 0.5*(1-0.1/0.55)}, // half faded
-		{1, 0.5, 0, 1},                         // faded out
+		{"TEXT application_utilization=0.95", 0, 1},                      // below capacity: nothing
+		{"TEXT application_utilization=3", 0, 3},                         // 3× past capacity
+		{"TEXT application_utilization=3", time.Second / 4, 1 + 0.75*2},  // faded a quarter
+		{"TEXT application_utilization=3", time.Second, 1},               // faded out
+		{"TEXT application_utilization=0.2, cpu_utilization=4", 0, 1},    // application wins
+		{"TEXT cpu_utilization=2", 0, 2},                                 // else cpu
+		{"TEXT cpu_utilization=0.9, rps_fractional=100, eps=50", 0, 1.4}, // + error share
+		{"TEXT application_utilization=100", 0, MaxReportedLoad},         // capped
+		{"TEXT rps_fractional=100, named_metrics.queue=300", 0, 1},       // no utilization
 	} {
-		if got := ReportedShare(c.load, c.mean, c.pull); math.Abs(got-c.want) > 1e-12 {
-			t.Errorf("ReportedShare(%v, %v, %v) = %v, want %v", c.load, c.mean, c.pull, got, c.want)
-		}
-	}
-}
-
-func TestReportedLoad(t *testing.T) {
-	report := func(s *Stats, header string, at int64) {
-		t.Helper()
-		r, err := orca.Parse(header)
+		r, err := orca.Parse(c.header)
 		if err != nil {
 			t.Fatal(err)
 		}
+		s := NewStats("a:1")
 		s.SetLoadReport(r, at, time.Second)
-	}
-	const at = int64(1e9)
-	a, b, c := NewStats("a:1"), NewStats("b:1"), NewStats("c:1")
-	report(a, "TEXT application_utilization=0.2, cpu_utilization=0.9", at) // application wins
-	report(b, "TEXT cpu_utilization=0.5, rps_fractional=100, eps=20", at)  // + error share 0.2
-	report(c, "TEXT rps_fractional=100, named_metrics.queue=3", at)        // no utilization
-	for _, x := range []struct {
-		s    *Stats
-		load float64
-		ok   bool
-	}{{a, 0.2, true}, {b, 0.7, true}, {c, 0, false}} {
-		load, pull, ok := x.s.ReportedLoad(at)
-		if ok != x.ok || math.Abs(load-x.load) > 1e-12 || (ok && pull != 1) {
-			t.Errorf("%s: load %v, pull %v, %v; want %v, 1, %v", x.s.Dial(), load, pull, ok, x.load, x.ok)
+		if got := s.ReportedFactor(at + int64(c.age)); math.Abs(got-c.want) > 1e-12 {
+			t.Errorf("%s, %v old: factor %v, want %v", c.header, c.age, got, c.want)
 		}
 	}
-	if _, pull, _ := a.ReportedLoad(at + int64(time.Second)/4); math.Abs(pull-0.75) > 1e-12 {
-		t.Errorf("pull a quarter of max_age later = %v, want 0.75", pull)
-	}
-	if _, _, ok := a.ReportedLoad(at + int64(time.Second)); ok {
-		t.Error("a report at its max_age still counts")
-	}
-	members := []*Stats{a, b, c, NewStats("d:1")}
-	mean, ok := MeanReportedLoad(at, len(members), func(i int) *Stats { return members[i] })
-	if !ok || math.Abs(mean-0.45) > 1e-12 {
-		t.Errorf("mean = %v, %v; want 0.45 over the two that report", mean, ok)
-	}
-	if _, ok := MeanReportedLoad(at, 1, func(int) *Stats { return a }); ok {
-		t.Error("a report alone has a mean to be weighed against")
-	}
-	if got := c.ReportedShare(at, 0.45); got != 1 {
-		t.Errorf("a report without utilization takes share: %v", got)
-	}
-	if got, want := b.ReportedShare(at, 0.45), 0.3/0.55; math.Abs(got-want) > 1e-12 {
-		t.Errorf("share of b = %v, want %v", got, want)
+	if got := NewStats("b:1").ReportedFactor(at); got != 1 {
+		t.Errorf("no report: factor %v", got)
 	}
 }
 
-// FuzzReportedShare: whatever reports say (any utilization, error rate
-// and age a parsed report can hold, against any mean), the share stays
-// within [MinReportedShare, 1]: a report never takes an upstream out and
-// never raises one above its share without reports.
-func FuzzReportedShare(f *testing.F) {
-	f.Add(0.3, 0.0, 0.0, 0.45, 0.0)
-	f.Add(100.0, 1e9, 1e9, 0.0, 0.5)
-	f.Add(0.0, 0.0, 0.0, 1.0, 1.0)
-	f.Fuzz(func(t *testing.T, util, rps, eps, mean, ageFrac float64) {
+// TestJudgeReportedFactor: the factor multiplies what Judge expects, also
+// of a rested host, whose own answers are too old to count.
+func TestJudgeReportedFactor(t *testing.T) {
+	table := NewTable(Config{Horizon: time.Second})
+	t.Cleanup(table.Release)
+	s := table.Stats(t.Name() + ":1")
+	now := int64(10 * time.Second)
+	r, err := orca.Parse("TEXT application_utilization=4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetLoadReport(r, now, 3*time.Second)
+	if got, _ := table.Judge(s, now, 2e6); got != 8e6 {
+		t.Fatalf("rested host reporting 4: expected %v ns, want 8e6 (the pool's 2e6 × 4)", got)
+	}
+}
+
+// FuzzReportedFactor: whatever a parsed report says (any utilization and
+// error rate within the parser's bounds) and however old it is, the factor
+// stays within [1, MaxReportedLoad]: a report never makes an upstream look
+// faster, and never prices it beyond the cap.
+func FuzzReportedFactor(f *testing.F) {
+	f.Add(0.3, 0.0, 0.0, 0.0)
+	f.Add(100.0, 1e9, 1e9, 0.5)
+	f.Add(3.0, 1.0, 1e9, 1.0)
+	f.Fuzz(func(t *testing.T, util, rps, eps, ageFrac float64) {
 		header := fmt.Sprintf("TEXT application_utilization=%g, rps_fractional=%g, eps=%g", util, rps, eps)
 		r, err := orca.Parse(header)
 		if err != nil {
@@ -148,17 +133,8 @@ func FuzzReportedShare(f *testing.F) {
 			ageFrac = 0
 		}
 		now := 1 + int64(math.Mod(math.Abs(ageFrac), 2)*float64(time.Second))
-		load, _, ok := s.ReportedLoad(now)
-		if ok && (load < 0 || load > 1) {
-			t.Fatalf("%s: load %v outside [0, 1]", header, load)
-		}
-		// the mean is of loads, so within [0, 1]
-		m := math.Mod(math.Abs(mean), 1)
-		if math.IsNaN(m) {
-			m = 0
-		}
-		if got := s.ReportedShare(now, m); !(got >= MinReportedShare && got <= 1) {
-			t.Fatalf("%s at mean %v: share %v outside [%v, 1]", header, m, got, MinReportedShare)
+		if got := s.ReportedFactor(now); !(got >= 1 && got <= MaxReportedLoad) {
+			t.Fatalf("%s: factor %v outside [1, %v]", header, got, MaxReportedLoad)
 		}
 	})
 }

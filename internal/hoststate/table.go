@@ -304,7 +304,9 @@ func (t *Table) rested(s *Stats, now int64) bool {
 // equal queues, the host furthest into its current work frees up first.
 func (t *Table) Judge(s *Stats, now int64, base float64) (latency, busy float64) {
 	if t.rested(s, now) {
-		return base, 0
+		// a report past capacity still counts: it is news of the host
+		// that the rest is not (see ReportedFactor)
+		return base * s.ReportedFactor(now), 0
 	}
 	pending := s.pending.Load()
 	lastDone := s.lastDoneNs.Load()
@@ -325,7 +327,7 @@ func (t *Table) Judge(s *Stats, now int64, base float64) (latency, busy float64)
 	if f := s.failStreak.Load(); f > 0 {
 		est *= failurePenalty(f)
 	}
-	return est, busy
+	return est * s.ReportedFactor(now), busy
 }
 
 // All returns a snapshot of every upstream known to any config, sorted by
