@@ -204,6 +204,9 @@ type caseSpec struct {
 	// concurrency, if more than 0, runs a closed loop of that many
 	// clients instead of the open loop at rate.
 	concurrency int
+	// reports has every backend send ORCA load reports of its own queue
+	// (loadmodel's SetLoadReports), for every policy of the case.
+	reports bool
 }
 
 // window is a named part [from, to) of the measured window.

@@ -128,6 +128,8 @@ type scenConfig struct {
 	caddyBin  string
 	jsonPath  string
 	quick     bool
+	// reports: the backends send ORCA load reports (-reports).
+	reports bool
 	// hedgeBackup is the hedge class's backup_request; autoOK whether the
 	// Caddy under test accepts `backup_request auto` (set when it runs).
 	hedgeBackup time.Duration
@@ -175,6 +177,7 @@ func parseScenarioFlags(args []string, stderr io.Writer) (*scenConfig, error) {
 	fs.StringVar(&c.jsonPath, "json", "", "also write raw per-case results and the aggregates as JSON to this file")
 	fs.DurationVar(&c.hedgeBackup, "hedge-backup", defaultHedgeBackup, "backup_request of the hedge class's hedged forms (near the healthy p95 of its backends)")
 	fs.Float64Var(&c.hedgeLoad, "hedge-load", hedgeLoad, "utilization the hedge class's rate aims at (issue 24: 0.45; lower it on a machine short of CPU and say so)")
+	fs.BoolVar(&c.reports, "reports", false, "every backend sends ORCA load reports of its own queue (issue 27): the classes as lbx meets backends that report")
 	fs.BoolVar(&c.quick, "quick", false, "smoke test: "+strings.Join(quickVariants, ", ")+"; ewma and least_conn; 1 seed; 0.5s warm-up, 2s window (flags given explicitly still win)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -535,6 +538,7 @@ func (v variant) caseSpec(cfg *scenConfig) caseSpec {
 		buckets:     v.recoverAt > 0,
 		proxy:       v.proxy,
 		concurrency: v.concurrency,
+		reports:     cfg.reports,
 	}
 	if v.kind == targetsHedge {
 		cs.proxy.Backup = cfg.hedgeBackup
@@ -746,6 +750,7 @@ func runSeed(ctx context.Context, t tools, cs caseSpec, models []loadmodel.Model
 		if err != nil {
 			return nil, err
 		}
+		b.SetLoadReports(cs.reports)
 		backends = append(backends, b)
 	}
 	var cases []caseResult
