@@ -84,3 +84,31 @@ func TestLeastTimeLoadReportsNeverRefuse(t *testing.T) {
 		}
 	}
 }
+
+// TestLeastTimeLoadReportsFlipping: an upstream whose report flips between
+// idle and 30 times past capacity on every answer gets at most its share
+// without reports (a report never lowers a price), and every selection
+// still chooses.
+func TestLeastTimeLoadReportsFlipping(t *testing.T) {
+	const picks = 8000
+	s := provisionLeastTime(t, &LeastTimeSelection{})
+	pool := newPool(t, 4)
+	for _, u := range pool {
+		observe(s, u, 2*time.Millisecond, hoststate.Success)
+	}
+	n := 0
+	for i := range picks {
+		reportLoad(t, s, pool[3], []float64{0.01, 30}[i%2], 0)
+		u := s.Select(pool, nil, nil)
+		if u == nil {
+			t.Fatalf("selection %d chose nothing", i)
+		}
+		if u == pool[3] {
+			n++
+		}
+	}
+	// half the time it is priced out, half the time it is one of four
+	if got := float64(n) / picks; got > 0.125+0.03 || got < 0.125-0.03 {
+		t.Fatalf("flipping upstream's share %.3f, want about 0.125 (a quarter of the half it is not priced out)", got)
+	}
+}
