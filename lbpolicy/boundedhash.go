@@ -1,0 +1,498 @@
+package lbpolicy
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"net/http"
+	"net/textproto"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/cespare/xxhash/v2"
+
+	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/events"
+	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
+)
+
+func init() {
+	caddy.RegisterModule(new(ConsistentHashSelection))
+}
+
+// ConsistentHashSelection is the consistent_hash selection policy:
+// consistent hashing with bounded loads. A request's key (any placeholder
+// expression) is hashed onto a ring on which every upstream has many
+// points, and the request goes to the owner of the first point clockwise
+// from the key's, so the same key keeps going to the same upstream and a
+// change of the pool moves only the keys of the upstreams that changed.
+//
+// Unlike Caddy's hash policies, the load of an upstream is bounded: an
+// upstream is full when its requests in flight reach
+//
+//	ceil(balance_factor × (requests in flight on usable upstreams + 1) × weight / usable weight)
+//
+// and a full or unavailable upstream is passed over: the walk goes on
+// clockwise to the next point whose upstream is available and not full.
+// Because each upstream's points are scattered over the ring, the keys of
+// a lost or full upstream land on many different successors instead of
+// all on one neighbour.
+//
+// When fewer than panic_threshold percent of the upstreams are available,
+// health is ignored: the walk takes any upstream that is not full by its
+// max_requests. A request whose key is empty goes to the least loaded
+// usable upstream (requests in flight per weight). When no upstream is
+// usable, the policy selects none, and reverse_proxy answers 502 as it
+// does for Caddy's own policies.
+type ConsistentHashSelection struct {
+	// The key a request is hashed by: any placeholder expression,
+	// replaced per request, such as `{http.request.uri}`,
+	// `{http.request.header.X-User}`, `{http.request.cookie.session}` or
+	// `{http.vars.client_ip}`. Default: `{http.request.uri}`, what Caddy's
+	// uri_hash hashes.
+	Key string `json:"key,omitempty"`
+
+	// How far above the average an upstream's requests in flight may go,
+	// as a factor: an upstream takes new requests while it has fewer than
+	// balance_factor times its weighted share of the requests in flight
+	// (plus the new one). Closer to 1 spreads load more evenly and moves
+	// more keys off their owner when load is uneven; larger keeps more
+	// keys at home. Above 1 and at most 10. Default: 1.25.
+	BalanceFactor float64 `json:"balance_factor,omitempty"`
+
+	// The weights of the upstreams, in the order they are configured; each at
+	// least 1. An upstream of weight 2 has twice the points on the ring,
+	// so about twice the keys, and twice the bound on requests in flight.
+	// Upstreams beyond the list have weight 1. Default: all 1.
+	Weights []int `json:"weights,omitempty"`
+
+	// Percentage of upstreams that must be available for health to be
+	// respected; below it, the pool is in panic mode. 0 disables panic
+	// mode. Default: 50.
+	PanicThreshold *float64 `json:"panic_threshold,omitempty"`
+
+	key   hashKey
+	views views
+	panic panicMode
+}
+
+// Defaults and bounds of the balance factor. HAProxy and Envoy default to
+// 1.25 too: the paper's analysis and Vimeo's deployment found it keeps the
+// busiest upstream within a quarter of the average while moving few keys
+// off their owner. A factor of 1 or below leaves no room above the
+// average, so every key whose owner is a request above it would move;
+// above 10 the bound no longer bounds anything a pool would notice.
+const (
+	defaultBalanceFactor = 1.25
+	maxBalanceFactor     = 10.0
+	defaultHashKey       = "{http.request.uri}"
+)
+
+// Ring size. Each upstream of weight 1 gets pointsPerWeight points: with
+// 1000, the share of keys an upstream owns is within a few percent of its
+// weighted share (the spread falls as one over the square root of the
+// points), so that when one leaves, the keys that move are close to the
+// minimum, its fair share. A ring is built once per pool, and its lookup is
+// a binary search (about 13 steps for 8 upstreams). Larger pools and
+// weights are scaled down together so that a ring never exceeds
+// maxRingPoints (1.5 MB): 1000 upstreams still get 131 points each.
+const (
+	pointsPerWeight = 1000
+	maxRingPoints   = 1 << 17
+)
+
+// UnmarshalJSON decodes the configuration strictly, naming the option
+// whose value does not decode.
+func (x *ConsistentHashSelection) UnmarshalJSON(b []byte) error {
+	type plain ConsistentHashSelection
+	return jsonfield.Decode(b, (*plain)(x))
+}
+
+// CaddyModule returns the Caddy module information.
+func (*ConsistentHashSelection) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.reverse_proxy.selection_policies.consistent_hash",
+		New: func() caddy.Module { return new(ConsistentHashSelection) },
+	}
+}
+
+// Provision writes the defaults into the configuration and parses the
+// key.
+func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
+	if s.Key == "" {
+		s.Key = defaultHashKey
+	}
+	if s.BalanceFactor == 0 {
+		s.BalanceFactor = defaultBalanceFactor
+	}
+	// checked before anything is built from the values
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	s.key = parseHashKey(s.Key)
+	s.panic = newPanicMode(s.PanicThreshold, "consistent_hash", ctx.Logger(), events.New(ctx))
+	if h := parentProxy(ctx); h != nil && len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
+		return fmt.Errorf("consistent_hash: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
+	}
+	s.views.rel = newReleaser(nil, parentProxy(ctx), lingerFor())
+	s.views.startReleasing(ctx.Done(), ctx.Logger())
+	return nil
+}
+
+// Validate checks the configuration.
+func (s *ConsistentHashSelection) Validate() error {
+	if s.BalanceFactor != 0 {
+		if err := checkBalanceFactor(s.BalanceFactor); err != nil {
+			return fmt.Errorf("consistent_hash: %v", err)
+		}
+	}
+	for i, w := range s.Weights {
+		if err := checkWeight(w); err != nil {
+			return fmt.Errorf("consistent_hash: weights[%d]: %v", i, err)
+		}
+	}
+	if s.PanicThreshold != nil {
+		if err := bounds.Percent("panic_threshold", *s.PanicThreshold); err != nil {
+			return fmt.Errorf("consistent_hash: %v", err)
+		}
+	}
+	return nil
+}
+
+// checkBalanceFactor checks a balance factor: above 1, at most
+// maxBalanceFactor.
+func checkBalanceFactor(c float64) error {
+	if err := bounds.Float("balance_factor", c, 1, maxBalanceFactor); err != nil {
+		return err
+	}
+	if c == 1 {
+		return fmt.Errorf("balance_factor must be above 1")
+	}
+	return nil
+}
+
+// Select returns the upstream of the request's key, bounded by load.
+func (s *ConsistentHashSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+	if len(pool) == 0 {
+		return nil
+	}
+	v := s.views.get(pool, s.buildView)
+	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, monoclock.Now())}
+	ring := v.ring
+	h, ok := s.key.hash(r)
+	var i int
+	if ok {
+		i = pickBounded(ring, h, s.BalanceFactor, cp)
+	} else {
+		i = leastLoaded(ring, cp, rand.IntN(len(pool)))
+	}
+	if i < 0 {
+		return nil
+	}
+	return pool[i]
+}
+
+// buildView builds the view of a pool the policy has not served yet, with
+// its ring.
+func (s *ConsistentHashSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
+	v := newView(pool)
+	dials := make([]string, len(pool))
+	weights := make([]int, len(pool))
+	for i, u := range pool {
+		dials[i], weights[i] = u.Dial, 1
+		if i < len(s.Weights) {
+			weights[i] = s.Weights[i]
+		}
+	}
+	v.ring = newHashRing(dials, weights)
+	return v
+}
+
+// hashRing is the ring of one pool: sorted points, the pool index that owns
+// each, and the members' weights.
+type hashRing struct {
+	points  []uint64
+	owner   []int32
+	weights []float64
+}
+
+// newHashRing places each member at points proportional to its weight.
+// A point's position hashes the member's dial address and the point's
+// number, so every lbx node with the same pool builds the same ring.
+func newHashRing(dials []string, weights []int) *hashRing {
+	total := 0.0
+	for _, w := range weights {
+		total += float64(w)
+	}
+	per := float64(pointsPerWeight)
+	if total*per > maxRingPoints {
+		per = maxRingPoints / total
+	}
+	ring := &hashRing{weights: make([]float64, len(weights))}
+	type point struct {
+		at    uint64
+		owner int32
+	}
+	var pts []point
+	buf := make([]byte, 0, 64)
+	for i, dial := range dials {
+		ring.weights[i] = float64(weights[i])
+		n := max(1, int(math.Round(per*float64(weights[i]))))
+		for k := range n {
+			buf = append(append(append(buf[:0], dial...), '#'), strconv.Itoa(k)...)
+			pts = append(pts, point{at: xxhash.Sum64(buf), owner: int32(i)})
+		}
+	}
+	slices.SortFunc(pts, func(a, b point) int {
+		switch {
+		case a.at < b.at:
+			return -1
+		case a.at > b.at:
+			return 1
+		}
+		return int(a.owner - b.owner) // equal positions: a fixed order
+	})
+	ring.points = make([]uint64, len(pts))
+	ring.owner = make([]int32, len(pts))
+	for j, p := range pts {
+		ring.points[j], ring.owner[j] = p.at, p.owner
+	}
+	return ring
+}
+
+// hashPool is what the ring needs (a type parameter, not an interface
+// value, so that selection does not allocate) to know of the members of a pool: its
+// requests in flight, and whether it may take one more (health aside).
+type hashPool interface {
+	load(i int) int
+	usable(i int) bool
+}
+
+// caddyPool is a Caddy upstream pool as a hashPool. In panic mode health
+// is ignored: only a member full by its max_requests is left out.
+type caddyPool struct {
+	pool  reverseproxy.UpstreamPool
+	panic bool
+}
+
+func (p caddyPool) load(i int) int { return p.pool[i].NumRequests() }
+
+func (p caddyPool) usable(i int) bool {
+	if p.panic {
+		return !p.pool[i].Full()
+	}
+	return p.pool[i].Available()
+}
+
+// pickBounded returns the pool index of the first usable member, clockwise from
+// h, that is below its bound, or -1 when no member is usable. Totals of
+// load and weight are over the usable members, so that an unavailable
+// member's share is spread over the others' bounds. The sum of the bounds
+// exceeds the load, so some usable member is always below its own; the
+// walk is nonetheless cut at one lap, for a pool whose loads change under
+// it.
+func pickBounded[P hashPool](r *hashRing, h uint64, c float64, p P) int {
+	n := len(r.weights)
+	load, weight := 0, 0.0
+	for i := range n {
+		if p.usable(i) {
+			load += p.load(i)
+			weight += r.weights[i]
+		}
+	}
+	if weight == 0 {
+		return -1
+	}
+	// the bound per unit of weight
+	per := c * float64(load+1) / weight
+	start, _ := slices.BinarySearch(r.points, h)
+	for k := range len(r.points) {
+		j := start + k
+		if j >= len(r.points) {
+			j -= len(r.points)
+		}
+		i := int(r.owner[j])
+		if p.usable(i) && float64(p.load(i)) < math.Ceil(per*r.weights[i]) {
+			return i
+		}
+	}
+	return leastLoaded(r, p, int(h%uint64(n)))
+}
+
+// leastLoaded returns the usable member with the fewest requests in flight
+// per weight, or -1 when none is usable. Ties go to the first from start,
+// so a caller spreads them by varying it.
+func leastLoaded[P hashPool](r *hashRing, p P, start int) int {
+	n := len(r.weights)
+	best, bestCost := -1, math.Inf(1)
+	for k := range n {
+		i := (start + k) % n
+		if !p.usable(i) {
+			continue
+		}
+		if cost := float64(p.load(i)+1) / r.weights[i]; cost < bestCost {
+			best, bestCost = i, cost
+		}
+	}
+	return best
+}
+
+// hashKey is a key expression parsed once: literal text and placeholders.
+// Hashing it streams each part's value into the hash, so the key's text is
+// never built.
+type hashKey struct {
+	parts []keyPart
+}
+
+// keyPart is literal text, or a placeholder (name set) with how to read
+// it: from the request directly for the common ones (no allocation),
+// otherwise from the request's replacer.
+type keyPart struct {
+	text   string // literal text, or the placeholder's name
+	holder bool
+	read   keyReader
+	header string // canonical header name, for readHeader
+}
+
+type keyReader uint8
+
+const (
+	readReplacer keyReader = iota
+	readURI
+	readPath
+	readHeader
+)
+
+// parseHashKey splits a key expression into its literal text and its
+// placeholders; a brace without its match is literal text, and `\{` and
+// `\}` are literal braces, as in Caddy's replacer.
+func parseHashKey(key string) hashKey {
+	var k hashKey
+	var lit strings.Builder
+	flush := func() {
+		if lit.Len() > 0 {
+			k.parts = append(k.parts, keyPart{text: lit.String()})
+			lit.Reset()
+		}
+	}
+	for i := 0; i < len(key); i++ {
+		c := key[i]
+		if c == '\\' && i+1 < len(key) && (key[i+1] == '{' || key[i+1] == '}') {
+			lit.WriteByte(key[i+1])
+			i++
+			continue
+		}
+		if c == '{' {
+			if end := strings.IndexByte(key[i+1:], '}'); end > 0 {
+				flush()
+				k.parts = append(k.parts, placeholderPart(key[i+1:i+1+end]))
+				i += end + 1
+				continue
+			}
+		}
+		lit.WriteByte(c)
+	}
+	flush()
+	return k
+}
+
+// placeholderPart is the part for the placeholder name.
+func placeholderPart(name string) keyPart {
+	p := keyPart{text: name, holder: true}
+	switch {
+	case name == "http.request.uri":
+		p.read = readURI
+	case name == "http.request.uri.path":
+		p.read = readPath
+	case strings.HasPrefix(name, "http.request.header.") && len(name) > len("http.request.header."):
+		p.read = readHeader
+		p.header = textproto.CanonicalMIMEHeaderKey(name[len("http.request.header."):])
+	}
+	return p
+}
+
+// hash returns the hash of the key's value for r, and false when the value
+// is empty (or there is no request).
+func (k *hashKey) hash(r *http.Request) (uint64, bool) {
+	if r == nil {
+		return 0, false
+	}
+	var d xxhash.Digest
+	d.Reset()
+	n := 0
+	var repl *caddy.Replacer
+	for i := range k.parts {
+		p := &k.parts[i]
+		if !p.holder {
+			m, _ := d.WriteString(p.text)
+			n += m
+			continue
+		}
+		switch p.read {
+		case readURI:
+			m, _ := d.WriteString(r.RequestURI)
+			n += m
+		case readPath:
+			if r.URL != nil {
+				m, _ := d.WriteString(r.URL.Path)
+				n += m
+			}
+		case readHeader:
+			// joined with commas, as the placeholder's value is
+			for j, val := range r.Header[p.header] {
+				if j > 0 {
+					_, _ = d.WriteString(",")
+				}
+				m, _ := d.WriteString(val)
+				n += m
+			}
+		default:
+			if repl == nil {
+				repl, _ = r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+				if repl == nil {
+					continue
+				}
+			}
+			if val, ok := repl.Get(p.text); ok {
+				var s string
+				if str, isStr := val.(string); isStr {
+					s = str
+				} else {
+					s = caddy.ToString(val)
+				}
+				m, _ := d.WriteString(s)
+				n += m
+			}
+		}
+	}
+	if n == 0 || k.literalOnly(n) {
+		return 0, false
+	}
+	return d.Sum64(), true
+}
+
+// literalOnly reports whether the n bytes hashed are only the key's
+// literal text: every placeholder was empty, which counts as an empty key
+// (else every request with no cookie would share one upstream).
+func (k *hashKey) literalOnly(n int) bool {
+	lit, holders := 0, false
+	for i := range k.parts {
+		if k.parts[i].holder {
+			holders = true
+		} else {
+			lit += len(k.parts[i].text)
+		}
+	}
+	return holders && n == lit
+}
+
+// Interface guards
+var (
+	_ reverseproxy.Selector = (*ConsistentHashSelection)(nil)
+	_ caddy.Provisioner     = (*ConsistentHashSelection)(nil)
+	_ caddy.Validator       = (*ConsistentHashSelection)(nil)
+)
