@@ -9,6 +9,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -181,12 +183,13 @@ func (s *ConsistentHashSelection) Select(pool reverseproxy.UpstreamPool, r *http
 		return nil
 	}
 	v := s.views.get(pool, s.buildView)
-	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, monoclock.Now())}
+	now := monoclock.Now()
+	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, now)}
 	ring := v.ring
 	h, ok := s.key.hash(r)
 	var i int
 	if ok {
-		i = pickBounded(ring, h, s.BalanceFactor, cp)
+		i = pickBounded(ring, h, s.BalanceFactor, cp, cp.panic, now)
 	} else {
 		i = leastLoaded(ring, cp, rand.IntN(len(pool)))
 	}
@@ -218,6 +221,7 @@ type hashRing struct {
 	points  []uint64
 	owner   []int32
 	weights []float64
+	totals  ringTotals
 }
 
 // newHashRing places each member at points proportional to its weight.
@@ -288,15 +292,43 @@ func (p caddyPool) usable(i int) bool {
 	return p.pool[i].Available()
 }
 
-// pickBounded returns the pool index of the first usable member, clockwise from
-// h, that is below its bound, or -1 when no member is usable. Totals of
-// load and weight are over the usable members, so that an unavailable
-// member's share is spread over the others' bounds. The sum of the bounds
-// exceeds the load, so some usable member is always below its own; the
-// walk is nonetheless cut at one lap, for a pool whose loads change under
-// it.
-func pickBounded[P hashPool](r *hashRing, h uint64, c float64, p P) int {
+// Walking the ring. The bounds add up to more than the load, and with
+// equal weights fewer than 1/balance_factor of the upstreams can be full,
+// so a walk of maxWalk points that finds none below its bound means the
+// loads moved under it: it stops there and takes the least loaded, rather
+// than visiting the whole ring.
+const maxWalk = 4096
+
+// Totals of large pools. Up to exactTotals upstreams the bound's totals
+// are summed on every selection (two atomic loads per upstream, under
+// 100 ns); above, they are summed at most once per totalsEvery (ns), so
+// that selection stays a binary search on pools of hundreds of upstreams.
+// A total that lags by a millisecond bounds with the load of a
+// millisecond ago.
+const (
+	exactTotals = 64
+	totalsEvery = int64(time.Millisecond)
+)
+
+// ringTotals caches a large pool's totals over its usable members. The
+// three values may come from different refreshes; each is a valid reading.
+type ringTotals struct {
+	at     atomic.Int64 // monoclock ns of the last refresh; 0: none
+	panic  atomic.Bool  // the refresh counted in panic mode
+	load   atomic.Int64
+	weight atomic.Uint64 // float64 bits
+}
+
+// totals returns the requests in flight and the weight of the usable
+// members of p at now (monoclock ns).
+func totals[P hashPool](r *hashRing, p P, panicking bool, now int64) (int, float64) {
 	n := len(r.weights)
+	if n > exactTotals {
+		t := &r.totals
+		if at := t.at.Load(); at != 0 && now-at < totalsEvery && t.panic.Load() == panicking {
+			return int(t.load.Load()), math.Float64frombits(t.weight.Load())
+		}
+	}
 	load, weight := 0, 0.0
 	for i := range n {
 		if p.usable(i) {
@@ -304,13 +336,30 @@ func pickBounded[P hashPool](r *hashRing, h uint64, c float64, p P) int {
 			weight += r.weights[i]
 		}
 	}
+	if n > exactTotals {
+		t := &r.totals
+		t.load.Store(int64(load))
+		t.weight.Store(math.Float64bits(weight))
+		t.panic.Store(panicking)
+		t.at.Store(max(now, 1))
+	}
+	return load, weight
+}
+
+// pickBounded returns the pool index of the first usable member, clockwise
+// from h, that is below its bound, or -1 when no member is usable. Totals
+// of load and weight are over the usable members, so that an unavailable
+// member's share is spread over the others' bounds. panicking and now are
+// for the totals' cache (see totals).
+func pickBounded[P hashPool](r *hashRing, h uint64, c float64, p P, panicking bool, now int64) int {
+	load, weight := totals(r, p, panicking, now)
 	if weight == 0 {
 		return -1
 	}
 	// the bound per unit of weight
 	per := c * float64(load+1) / weight
 	start, _ := slices.BinarySearch(r.points, h)
-	for k := range len(r.points) {
+	for k := range min(len(r.points), maxWalk) {
 		j := start + k
 		if j >= len(r.points) {
 			j -= len(r.points)
@@ -320,7 +369,7 @@ func pickBounded[P hashPool](r *hashRing, h uint64, c float64, p P) int {
 			return i
 		}
 	}
-	return leastLoaded(r, p, int(h%uint64(n)))
+	return leastLoaded(r, p, int(h%uint64(len(r.weights))))
 }
 
 // leastLoaded returns the usable member with the fewest requests in flight

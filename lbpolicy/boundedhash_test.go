@@ -72,7 +72,7 @@ func TestConsistentHashBoundZipf(t *testing.T) {
 				held = held[:len(held)-1]
 				total--
 			}
-			i := pickBounded(ring, keyHash(int(zipf.Uint64())), c, p)
+			i := pickBounded(ring, keyHash(int(zipf.Uint64())), c, p, false, 0)
 			if i < 0 {
 				t.Fatal("no upstream picked")
 			}
@@ -103,7 +103,7 @@ func TestConsistentHashBoundZipf(t *testing.T) {
 				held[j] = held[len(held)-1]
 				held = held[:len(held)-1]
 			}
-			i := pickBounded(ring, keyHash(int(zipf.Uint64())), 1e9, &fakePool{loads: make([]int, n)})
+			i := pickBounded(ring, keyHash(int(zipf.Uint64())), 1e9, &fakePool{loads: make([]int, n)}, false, 0)
 			loads[i]++
 			held = append(held, i)
 			if over := float64(loads[i]) / math.Ceil(defaultBalanceFactor*float64(len(held))/n); over > worst {
@@ -138,7 +138,7 @@ func TestConsistentHashRemoval(t *testing.T) {
 			dest := map[string]int{}
 			for k := range keys {
 				h := keyHash(k)
-				was := dials[pickBounded(before, h, defaultBalanceFactor, idle)]
+				was := dials[pickBounded(before, h, defaultBalanceFactor, idle, false, 0)]
 				now := owner(h)
 				if was == dials[gone] {
 					owned++
@@ -163,8 +163,8 @@ func TestConsistentHashRemoval(t *testing.T) {
 			}
 			t.Logf("%s %d: moved %.4f of keys, to %d upstreams: %v", name, gone, share, len(dest), dest)
 		}
-		check("removed", func(h uint64) string { return rest[pickBounded(after, h, defaultBalanceFactor, idle7)] })
-		check("unavailable", func(h uint64) string { return dials[pickBounded(before, h, defaultBalanceFactor, lost)] })
+		check("removed", func(h uint64) string { return rest[pickBounded(after, h, defaultBalanceFactor, idle7, false, 0)] })
+		check("unavailable", func(h uint64) string { return dials[pickBounded(before, h, defaultBalanceFactor, lost, false, 0)] })
 	}
 }
 
@@ -182,10 +182,10 @@ func TestConsistentHashFullOwnerSpreads(t *testing.T) {
 	dest := map[int]int{}
 	for k := range 20000 {
 		h := keyHash(k)
-		if pickBounded(ring, h, defaultBalanceFactor, idle) != full {
+		if pickBounded(ring, h, defaultBalanceFactor, idle, false, 0) != full {
 			continue
 		}
-		got := pickBounded(ring, h, defaultBalanceFactor, p)
+		got := pickBounded(ring, h, defaultBalanceFactor, p, false, 0)
 		if got == full {
 			t.Fatalf("key %d went to the full upstream", k)
 		}
@@ -204,7 +204,7 @@ func TestConsistentHashNoneUsable(t *testing.T) {
 	for i := range p.down {
 		p.down[i] = true
 	}
-	if i := pickBounded(ring, 42, defaultBalanceFactor, p); i != -1 {
+	if i := pickBounded(ring, 42, defaultBalanceFactor, p, false, 0); i != -1 {
 		t.Fatalf("picked %d of none usable", i)
 	}
 	if i := leastLoaded(ring, p, 0); i != -1 {
@@ -219,7 +219,7 @@ func TestConsistentHashWeights(t *testing.T) {
 	idle := newFakePool(2)
 	var got [2]int
 	for k := range 40000 {
-		got[pickBounded(ring, keyHash(k), defaultBalanceFactor, idle)]++
+		got[pickBounded(ring, keyHash(k), defaultBalanceFactor, idle, false, 0)]++
 	}
 	if share := float64(got[1]) / 40000; share < 0.70 || share > 0.80 {
 		t.Fatalf("weight 3 of 4 got %.3f of the keys", share)
@@ -227,14 +227,14 @@ func TestConsistentHashWeights(t *testing.T) {
 	// 8 in flight: bounds ceil(1.25 × 9 × 1/4) = 3 and ceil(1.25 × 9 × 3/4) = 9
 	p := &fakePool{loads: []int{3, 5}}
 	for k := range 1000 {
-		if i := pickBounded(ring, keyHash(k), defaultBalanceFactor, p); i != 1 {
+		if i := pickBounded(ring, keyHash(k), defaultBalanceFactor, p, false, 0); i != 1 {
 			t.Fatalf("key %d went to %d, full at 3 of weight 1", k, i)
 		}
 	}
 	// 15 in flight, all on weight 3: its bound is ceil(1.25 × 16 × 3/4) = 15
 	p.loads = []int{0, 15}
 	for k := range 1000 {
-		if i := pickBounded(ring, keyHash(k), defaultBalanceFactor, p); i != 0 {
+		if i := pickBounded(ring, keyHash(k), defaultBalanceFactor, p, false, 0); i != 0 {
 			t.Fatalf("key %d went to %d, full at 15 of weight 3", k, i)
 		}
 	}
@@ -467,5 +467,45 @@ func TestConsistentHashCaddyfile(t *testing.T) {
 		if got != tc.want {
 			t.Errorf("%q: got %s, want %s", tc.in, got, tc.want)
 		}
+	}
+}
+
+// TestConsistentHashLargePoolTotals: above exactTotals upstreams the
+// bound's totals are reused for totalsEvery, then summed again, and again
+// at once when panic mode changes; a walk that finds every upstream full
+// stops after maxWalk points and takes the least loaded.
+func TestConsistentHashLargePoolTotals(t *testing.T) {
+	const n = 100
+	ring := newHashRing(testDials(n), ones(n))
+	p := newFakePool(n)
+	const h = 12345
+	owner := pickBounded(ring, h, defaultBalanceFactor, p, false, 1000) // totals: 0 in flight
+	for i := range p.loads {
+		p.loads[i] = 10
+	}
+	// 1000 in flight, but the cached total says 0: every bound is 1, all
+	// are full, and the least loaded from h%n is taken (all equal)
+	if got := pickBounded(ring, h, defaultBalanceFactor, p, false, 1000+totalsEvery/2); got != h%n {
+		t.Fatalf("with stale totals: got %d, want the least loaded %d", got, h%n)
+	}
+	// panic mode changed: summed afresh, bound ceil(1.25 × 1001 / 100) = 13
+	if got := pickBounded(ring, h, defaultBalanceFactor, p, true, 1000+totalsEvery/2); got != owner {
+		t.Fatalf("after panic mode changed: got %d, want the owner %d", got, owner)
+	}
+	// idle again, summed afresh at t1 (panic mode changed back)
+	clear(p.loads)
+	const t1 = 1000 + totalsEvery/2
+	pickBounded(ring, h, defaultBalanceFactor, p, false, t1)
+	for i := range p.loads {
+		p.loads[i] = 10
+	}
+	if got := pickBounded(ring, h, defaultBalanceFactor, p, false, t1+totalsEvery-1); got != h%n {
+		t.Fatalf("within totalsEvery: got %d, want the least loaded %d", got, h%n)
+	}
+	if got := pickBounded(ring, h, defaultBalanceFactor, p, false, t1+totalsEvery); got != owner {
+		t.Fatalf("after totalsEvery: got %d, want the owner %d", got, owner)
+	}
+	if h%n == owner {
+		t.Fatal("pick another h: its owner is the least loaded's start")
 	}
 }
