@@ -141,7 +141,17 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("consistent_hash: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
 	}
 	s.views.rel = newReleaser(nil, parentProxy(ctx), lingerFor())
+	if err := registerMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %v", err)
+	}
 	s.views.startReleasing(ctx.Done(), ctx.Logger())
+	registerPool(s)
+	return nil
+}
+
+// Cleanup unregisters the policy's pools from the admin API.
+func (s *ConsistentHashSelection) Cleanup() error {
+	unregisterPool(s)
 	return nil
 }
 
@@ -539,9 +549,30 @@ func (k *hashKey) literalOnly(n int) bool {
 	return holders && n == lit
 }
 
+// poolStatuses implements poolStatusSource.
+func (s *ConsistentHashSelection) poolStatuses() []poolStatus {
+	var pools []poolStatus
+	for _, v := range s.views.all() {
+		status := poolStatus{
+			Policy:         "consistent_hash",
+			Available:      v.availableNow(),
+			PanicThreshold: s.panic.percent(),
+			Panic:          v.panic.on.Load(),
+			PanicEntered:   v.panic.entered.Load(),
+		}
+		for i, u := range v.ups {
+			status.Upstreams = append(status.Upstreams, poolMember{Dial: u.Dial, Weight: v.ring.weights[i], Healthy: u.Healthy(), Available: u.Available()})
+		}
+		pools = append(pools, status)
+	}
+	return pools
+}
+
 // Interface guards
 var (
 	_ reverseproxy.Selector = (*ConsistentHashSelection)(nil)
 	_ caddy.Provisioner     = (*ConsistentHashSelection)(nil)
 	_ caddy.Validator       = (*ConsistentHashSelection)(nil)
+	_ caddy.CleanerUpper    = (*ConsistentHashSelection)(nil)
+	_ poolStatusSource      = (*ConsistentHashSelection)(nil)
 )

@@ -271,6 +271,7 @@ func provisionHash(t testing.TB, s *ConsistentHashSelection) *ConsistentHashSele
 	if err := s.Validate(); err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = s.Cleanup() })
 	return s
 }
 
@@ -507,5 +508,33 @@ func TestConsistentHashLargePoolTotals(t *testing.T) {
 	}
 	if h%n == owner {
 		t.Fatal("pick another h: its owner is the least loaded's start")
+	}
+}
+
+// TestConsistentHashStatus: the pools the policy served are in the admin
+// API's reports, with their weights, until Cleanup.
+func TestConsistentHashStatus(t *testing.T) {
+	s := provisionHash(t, &ConsistentHashSelection{Weights: []int{3, 1}})
+	pool := newPool(t, 2)
+	s.Select(pool, hashRequest("/"), nil)
+	reps := s.poolStatuses()
+	if len(reps) != 1 || reps[0].Policy != "consistent_hash" || reps[0].Available != 2 || len(reps[0].Upstreams) != 2 ||
+		reps[0].Upstreams[0].Weight != 3 || reps[0].Upstreams[1].Weight != 1 || reps[0].PanicThreshold != defaultPanicThreshold {
+		t.Fatalf("status %+v", reps)
+	}
+	found := func() bool {
+		for _, st := range allPoolStatuses() {
+			if st.Policy == "consistent_hash" && strings.Contains(st.Name, pool[0].Dial) {
+				return true
+			}
+		}
+		return false
+	}
+	if !found() {
+		t.Fatal("pool not in the admin reports")
+	}
+	_ = s.Cleanup()
+	if found() {
+		t.Fatal("pool still in the admin reports after Cleanup")
 	}
 }
