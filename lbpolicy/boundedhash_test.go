@@ -10,12 +10,16 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/cespare/xxhash/v2"
+
+	"github.com/caddy-lbx/lbx/internal/hoststate"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // fakePool is a hashPool whose loads and availability a test sets.
@@ -536,5 +540,45 @@ func TestConsistentHashStatus(t *testing.T) {
 	_ = s.Cleanup()
 	if found() {
 		t.Fatal("pool still in the admin reports after Cleanup")
+	}
+}
+
+// TestConsistentHashInPanicWithOutlier: wrapped in the panic policy with
+// outlier ejection, an ejected upstream's keys move to the others, spread,
+// and no other key moves.
+func TestConsistentHashInPanicWithOutlier(t *testing.T) {
+	p := provisionPanic(t, &PanicSelection{
+		PolicyRaw: json.RawMessage(`{"policy": "consistent_hash"}`),
+		Outlier:   &Outlier{},
+	})
+	pool := newPool(t, 4)
+	owners := func() []*reverseproxy.Upstream {
+		p.views.last.Load().countedAt.Store(-countEvery) // past the availability cache
+		out := make([]*reverseproxy.Upstream, 300)
+		for k := range out {
+			out[k] = p.Select(pool, hashRequest(fmt.Sprintf("/item/%d", k)), nil)
+		}
+		return out
+	}
+	p.Select(pool, hashRequest("/"), nil) // builds the view
+	before := owners()
+	if _, _, ok := p.table.Stats(pool[2].Dial).Eject(monoclock.Now(), time.Hour,
+		func(int64) time.Duration { return time.Hour }, hoststate.ReasonConsecutiveFailures); !ok {
+		t.Fatal("ejecting")
+	}
+	after := owners()
+	dest := map[*reverseproxy.Upstream]bool{}
+	for k := range before {
+		switch {
+		case after[k] == pool[2]:
+			t.Fatalf("key %d went to the ejected upstream", k)
+		case before[k] == pool[2]:
+			dest[after[k]] = true
+		case after[k] != before[k]:
+			t.Fatalf("key %d moved from %s, which stayed", k, before[k].Dial)
+		}
+	}
+	if len(dest) != 3 {
+		t.Fatalf("the ejected upstream's keys went to %d of the 3 others", len(dest))
 	}
 }
