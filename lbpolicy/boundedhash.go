@@ -405,6 +405,10 @@ func leastLoaded[P hashPool](r *hashRing, p P, start int) int {
 // never built.
 type hashKey struct {
 	parts []keyPart
+	// literal is the length of the key's literal text; holders, whether
+	// it has placeholders (see empty).
+	literal int
+	holders bool
 }
 
 // keyPart is literal text, or a placeholder (name set) with how to read
@@ -456,6 +460,13 @@ func parseHashKey(key string) hashKey {
 		lit.WriteByte(c)
 	}
 	flush()
+	for _, p := range k.parts {
+		if p.holder {
+			k.holders = true
+		} else {
+			k.literal += len(p.text)
+		}
+	}
 	return k
 }
 
@@ -528,25 +539,13 @@ func (k *hashKey) hash(r *http.Request) (uint64, bool) {
 			}
 		}
 	}
-	if n == 0 || k.literalOnly(n) {
+	// a key whose placeholders are all empty is empty, literal text
+	// or not: else every request without the cookie would share one
+	// upstream
+	if n == 0 || (k.holders && n == k.literal) {
 		return 0, false
 	}
 	return d.Sum64(), true
-}
-
-// literalOnly reports whether the n bytes hashed are only the key's
-// literal text: every placeholder was empty, which counts as an empty key
-// (else every request with no cookie would share one upstream).
-func (k *hashKey) literalOnly(n int) bool {
-	lit, holders := 0, false
-	for i := range k.parts {
-		if k.parts[i].holder {
-			holders = true
-		} else {
-			lit += len(k.parts[i].text)
-		}
-	}
-	return holders && n == lit
 }
 
 // poolStatuses implements poolStatusSource.

@@ -582,3 +582,17 @@ func TestConsistentHashInPanicWithOutlier(t *testing.T) {
 		t.Fatalf("the ejected upstream's keys went to %d of the 3 others", len(dest))
 	}
 }
+
+// TestConsistentHashWeightCount: inside a reverse_proxy with static
+// upstreams, weights must be one per upstream.
+func TestConsistentHashWeightCount(t *testing.T) {
+	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := `{"upstreams":[{"dial":"10.0.0.1:80"},{"dial":"10.0.0.2:80"}],"load_balancing":{"selection_policy":{"policy":"consistent_hash","weights":[1,2,3]}}}`
+	_, err = ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(raw))
+	if err == nil || !strings.Contains(err.Error(), "consistent_hash: 3 weights given for 2 upstreams") {
+		t.Fatalf("got %v", err)
+	}
+}
