@@ -80,6 +80,9 @@ type ConsistentHashSelection struct {
 	key   hashKey
 	views views
 	panic panicMode
+	// trackTried: the handler can retry, so each request records what it
+	// tried and a retry avoids it (see tried.go)
+	trackTried bool
 }
 
 // Defaults and bounds of the balance factor. HAProxy and Envoy default to
@@ -136,6 +139,7 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 		return err
 	}
 	s.key = parseHashKey(s.Key)
+	s.trackTried = TracksTried(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "consistent_hash", ctx.Logger(), events.New(ctx))
 	if h := parentProxy(ctx); h != nil && len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
 		return fmt.Errorf("consistent_hash: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
@@ -187,14 +191,32 @@ func checkBalanceFactor(c float64) error {
 	return nil
 }
 
-// Select returns the upstream of the request's key, bounded by load.
+// Select returns the upstream of the request's key, bounded by load. A
+// retry passes over the upstreams its request already tried, as long as
+// another is usable: its key's next owner clockwise takes it.
 func (s *ConsistentHashSelection) Select(pool reverseproxy.UpstreamPool, r *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
 	if len(pool) == 0 {
 		return nil
 	}
+	if !s.trackTried {
+		return s.choose(pool, r, nil)
+	}
+	attempt, tried := LoadTried(r)
+	picked := s.choose(pool, r, tried)
+	if picked == nil && tried != nil {
+		// every usable upstream was tried: choose among them again
+		picked = s.choose(pool, r, nil)
+	}
+	RecordTried(attempt, tried, picked)
+	return picked
+}
+
+// choose is Select, given what the request already tried (nil on a
+// first attempt).
+func (s *ConsistentHashSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, tried *Tried) *reverseproxy.Upstream {
 	v := s.views.get(pool, s.buildView)
 	now := monoclock.Now()
-	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, now)}
+	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, now), tried: tried}
 	ring := v.ring
 	h, ok := s.key.hash(r)
 	var i int
@@ -284,18 +306,30 @@ func newHashRing(dials []string, weights []int) *hashRing {
 type hashPool interface {
 	load(i int) int
 	usable(i int) bool
+	// shared reports whether usable is the same for every request of the
+	// pool (not a retry's, which leaves out what it tried), so that
+	// totals over it may be cached for the pool.
+	shared() bool
 }
 
 // caddyPool is a Caddy upstream pool as a hashPool. In panic mode health
-// is ignored: only a member full by its max_requests is left out.
+// is ignored: only a member full by its max_requests is left out. The
+// members a retry already tried (tried, nil on a first attempt) are left
+// out too.
 type caddyPool struct {
 	pool  reverseproxy.UpstreamPool
 	panic bool
+	tried *Tried
 }
 
 func (p caddyPool) load(i int) int { return p.pool[i].NumRequests() }
 
+func (p caddyPool) shared() bool { return p.tried == nil }
+
 func (p caddyPool) usable(i int) bool {
+	if p.tried != nil && p.tried.Has(p.pool[i].Dial) {
+		return false
+	}
 	if p.panic {
 		return !p.pool[i].Full()
 	}
@@ -333,7 +367,8 @@ type ringTotals struct {
 // members of p at now (monoclock ns).
 func totals[P hashPool](r *hashRing, p P, panicking bool, now int64) (int, float64) {
 	n := len(r.weights)
-	if n > exactTotals {
+	cached := n > exactTotals && p.shared()
+	if cached {
 		t := &r.totals
 		if at := t.at.Load(); at != 0 && now-at < totalsEvery && t.panic.Load() == panicking {
 			return int(t.load.Load()), math.Float64frombits(t.weight.Load())
@@ -346,7 +381,7 @@ func totals[P hashPool](r *hashRing, p P, panicking bool, now int64) (int, float
 			weight += r.weights[i]
 		}
 	}
-	if n > exactTotals {
+	if cached {
 		t := &r.totals
 		t.load.Store(int64(load))
 		t.weight.Store(math.Float64bits(weight))

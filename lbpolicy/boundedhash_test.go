@@ -30,6 +30,7 @@ type fakePool struct {
 
 func (p *fakePool) load(i int) int    { return p.loads[i] }
 func (p *fakePool) usable(i int) bool { return p.down == nil || !p.down[i] }
+func (p *fakePool) shared() bool      { return true }
 
 func newFakePool(n int) *fakePool { return &fakePool{loads: make([]int, n), down: make([]bool, n)} }
 
@@ -386,8 +387,10 @@ func TestConsistentHashSelectAllocs(t *testing.T) {
 		s := provisionHash(t, &ConsistentHashSelection{Key: key})
 		r := hashRequest("/some/path?q=1")
 		r.Header.Set("X-User", "alice")
+		vars := r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
 		s.Select(pool, r, nil) // builds the view
 		if a := testing.AllocsPerRun(200, func() {
+			clear(vars) // a new request: a first attempt, recorded for retries
 			if s.Select(pool, r, nil) == nil {
 				t.Fatal("nil pick")
 			}
@@ -594,5 +597,27 @@ func TestConsistentHashWeightCount(t *testing.T) {
 	_, err = ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(raw))
 	if err == nil || !strings.Contains(err.Error(), "consistent_hash: 3 weights given for 2 upstreams") {
 		t.Fatalf("got %v", err)
+	}
+}
+
+// TestConsistentHashRetryAvoidsTried: a retry goes to another upstream
+// while one is untried, with static and dynamic upstreams, and a first
+// attempt is unchanged by the record it leaves.
+func TestConsistentHashRetryAvoidsTried(t *testing.T) {
+	s := provisionHash(t, &ConsistentHashSelection{})
+	if !s.trackTried {
+		t.Fatal("outside a handler the policy must record what requests tried")
+	}
+	pool := newPool(t, 4)
+	assertRetriesAvoidTried(t, s, pool, false)
+	assertRetriesAvoidTried(t, s, pool, true)
+	first := s.Select(pool, clientRequest(), nil)
+	for range 50 {
+		if u := s.Select(pool, clientRequest(), nil); u != first {
+			t.Fatalf("first attempts of one key went to %s and %s", first.Dial, u.Dial)
+		}
+	}
+	if u := s.Select(pool[:1], clientRequest(), nil); u != pool[0] {
+		t.Fatal("a single upstream must take every attempt")
 	}
 }
