@@ -69,7 +69,10 @@ type ConsistentHashSelection struct {
 	// The weights of the upstreams, in the order they are configured; each at
 	// least 1. An upstream of weight 2 has twice the points on the ring,
 	// so about twice the keys, and twice the bound on requests in flight.
-	// Upstreams beyond the list have weight 1. Default: all 1.
+	// With static upstreams there must be one weight per upstream, and
+	// a weight stays with its upstream's address when a wrapping policy
+	// hands over part of the pool; with dynamic upstreams weights go by
+	// position, and upstreams beyond the list have weight 1. Default: all 1.
 	Weights []int `json:"weights,omitempty"`
 
 	// Percentage of upstreams that must be available for health to be
@@ -80,6 +83,10 @@ type ConsistentHashSelection struct {
 	key   hashKey
 	views views
 	panic panicMode
+	// weightOf is the weight of each static upstream by dial address;
+	// nil without weights or static upstreams, when weights go by
+	// position in the pool.
+	weightOf map[string]int
 	// trackTried: the handler can retry, so each request records what it
 	// tried and a retry avoids it (see tried.go)
 	trackTried bool
@@ -141,8 +148,16 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 	s.key = parseHashKey(s.Key)
 	s.trackTried = TracksTried(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "consistent_hash", ctx.Logger(), events.New(ctx))
-	if h := parentProxy(ctx); h != nil && len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
-		return fmt.Errorf("consistent_hash: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
+	if h := parentProxy(ctx); h != nil && len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 {
+		if len(s.Weights) != len(h.Upstreams) {
+			return fmt.Errorf("consistent_hash: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
+		}
+		// by address: a wrapping policy (panic with outlier ejection, a
+		// retry) hands over part of the pool, where positions shift
+		s.weightOf = make(map[string]int, len(h.Upstreams))
+		for i, u := range h.Upstreams {
+			s.weightOf[u.Dial] = s.Weights[i]
+		}
 	}
 	s.views.rel = newReleaser(nil, parentProxy(ctx), lingerFor())
 	if err := registerMetrics(ctx); err != nil {
@@ -239,7 +254,10 @@ func (s *ConsistentHashSelection) buildView(pool reverseproxy.UpstreamPool) *poo
 	weights := make([]int, len(pool))
 	for i, u := range pool {
 		dials[i], weights[i] = u.Dial, 1
-		if i < len(s.Weights) {
+		switch w, ok := s.weightOf[u.Dial]; {
+		case ok:
+			weights[i] = w
+		case s.weightOf == nil && i < len(s.Weights):
 			weights[i] = s.Weights[i]
 		}
 	}
@@ -300,9 +318,9 @@ func newHashRing(dials []string, weights []int) *hashRing {
 	return ring
 }
 
-// hashPool is what the ring needs (a type parameter, not an interface
-// value, so that selection does not allocate) to know of the members of a pool: its
-// requests in flight, and whether it may take one more (health aside).
+// hashPool is what the ring needs to know of the members of a pool: its
+// requests in flight, and whether it may take one more. It is a type
+// parameter, not an interface value, so that selection does not allocate.
 type hashPool interface {
 	load(i int) int
 	usable(i int) bool

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -619,5 +620,35 @@ func TestConsistentHashRetryAvoidsTried(t *testing.T) {
 	}
 	if u := s.Select(pool[:1], clientRequest(), nil); u != pool[0] {
 		t.Fatal("a single upstream must take every attempt")
+	}
+}
+
+// TestConsistentHashWeightsByAddress: with static upstreams, a weight
+// belongs to its upstream's address, so a part of the pool (as a wrapping
+// panic policy hands over without an ejected upstream) keeps its weights.
+func TestConsistentHashWeightsByAddress(t *testing.T) {
+	ctx, err := caddy.ProvisionContext(&caddy.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := `{"upstreams":[{"dial":"10.0.0.1:80"},{"dial":"10.0.0.2:80"},{"dial":"10.0.0.3:80"}],"load_balancing":{"selection_policy":{"policy":"consistent_hash","weights":[3,1,2]}}}`
+	mod, err := ctx.LoadModuleByID("http.handlers.reverse_proxy", json.RawMessage(raw))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := mod.(*reverseproxy.Handler)
+	t.Cleanup(func() { _ = h.Cleanup() })
+	s := h.LoadBalancing.SelectionPolicy.(*ConsistentHashSelection)
+	for _, tc := range []struct {
+		pool reverseproxy.UpstreamPool
+		want []float64
+	}{
+		{h.Upstreams, []float64{3, 1, 2}},
+		{h.Upstreams[1:], []float64{1, 2}},
+		{reverseproxy.UpstreamPool{h.Upstreams[2], h.Upstreams[0]}, []float64{2, 3}},
+	} {
+		if got := s.views.get(tc.pool, s.buildView).ring.weights; !slices.Equal(got, tc.want) {
+			t.Errorf("weights %v, want %v", got, tc.want)
+		}
 	}
 }
