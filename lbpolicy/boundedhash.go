@@ -92,12 +92,17 @@ type ConsistentHashSelection struct {
 	trackTried bool
 }
 
-// Defaults and bounds of the balance factor. HAProxy and Envoy default to
-// 1.25 too: the paper's analysis and Vimeo's deployment found it keeps the
-// busiest upstream within a quarter of the average while moving few keys
-// off their owner. A factor of 1 or below leaves no room above the
-// average, so every key whose owner is a request above it would move;
-// above 10 the bound no longer bounds anything a pool would notice.
+// Defaults and bounds of the balance factor. The factor trades balance
+// for affinity: the busiest upstream is held within the factor of its
+// share, but the closer the factor is to 1 the more keys leave their owner
+// whenever load is uneven (the paper's analysis has the moves per change
+// grow like 1/ε² for a factor of 1+ε). 1.25 holds the busiest upstream
+// within a quarter of its share while moving few keys; it is brpc's
+// default for the same algorithm (HAProxy's hash-balance-factor and
+// Envoy's hash_balance_factor are off unless set). A factor of 1 or below
+// leaves no room above the average, so every key whose owner is a request
+// above it would move; above 10 the bound no longer bounds anything a pool
+// would notice.
 const (
 	defaultBalanceFactor = 1.25
 	maxBalanceFactor     = 10.0
