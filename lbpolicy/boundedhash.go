@@ -251,6 +251,14 @@ func (s *ConsistentHashSelection) choose(pool reverseproxy.UpstreamPool, r *http
 	return pool[i]
 }
 
+// avoidsTried implements triedAvoider.
+func (*ConsistentHashSelection) avoidsTried() {}
+
+// triedAvoider is a policy other than least_time that records and avoids
+// what a request tried itself (see tried.go), so that a wrapping policy
+// hands it the whole pool on a retry rather than the untried part.
+type triedAvoider interface{ avoidsTried() }
+
 // buildView builds the view of a pool the policy has not served yet, with
 // its ring.
 func (s *ConsistentHashSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
@@ -632,4 +640,5 @@ var (
 	_ caddy.Validator       = (*ConsistentHashSelection)(nil)
 	_ caddy.CleanerUpper    = (*ConsistentHashSelection)(nil)
 	_ poolStatusSource      = (*ConsistentHashSelection)(nil)
+	_ triedAvoider          = (*ConsistentHashSelection)(nil)
 )

@@ -652,3 +652,18 @@ func TestConsistentHashWeightsByAddress(t *testing.T) {
 		}
 	}
 }
+
+// TestConsistentHashInPanicRetries: wrapped in panic, consistent_hash
+// avoids what a retry tried itself, over the whole pool (the wrapper does
+// not hand it the untried part, which would build a ring per subset).
+func TestConsistentHashInPanicRetries(t *testing.T) {
+	p := provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "consistent_hash"}`)})
+	if p.trackTried {
+		t.Fatal("the panic wrapper tracks what was tried for consistent_hash, which does it itself")
+	}
+	pool := newPool(t, 4)
+	assertRetriesAvoidTried(t, p, pool, false)
+	if n := p.inner.(*ConsistentHashSelection).views.n; n != 1 {
+		t.Fatalf("%d views after retries, want 1 (the pool's)", n)
+	}
+}
