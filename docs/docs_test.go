@@ -362,7 +362,7 @@ func lineDiff(b block, got string) string {
 func TestModulePages(t *testing.T) {
 	chdirRoot(t)
 	sections := []string{"Summary", "Caddyfile syntax", "JSON", "Semantics", "Admin / metrics / events", "Limits"}
-	for _, page := range []string{"ewma", "outlier", "panic", "partition", "parallel", "selective", "cluster", "rebalance", "handoff", "status"} {
+	for _, page := range []string{"ewma", "outlier", "panic", "consistent_hash", "partition", "parallel", "selective", "cluster", "rebalance", "handoff", "status"} {
 		file := filepath.Join("docs", page+".md")
 		data, err := os.ReadFile(file)
 		if err != nil {

@@ -81,20 +81,11 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			s.Decay = caddy.Duration(dur)
 		case "weights":
-			args, err := caddyopt.Args(d, what)
+			w, err := parseWeights(d, what)
 			if err != nil {
 				return err
 			}
-			for _, a := range args {
-				w, err := strconv.Atoi(a)
-				if err != nil {
-					return caddyopt.Invalid(d, what, "weight", a, "a whole number of at least 1")
-				}
-				if err := checkWeight(w); err != nil {
-					return caddyopt.Errf(d, what, "%v", err)
-				}
-				s.Weights = append(s.Weights, w)
-			}
+			s.Weights = w
 		case "panic_threshold":
 			p, err := parsePercent(d, what)
 			if err != nil {
@@ -123,6 +114,50 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		default:
 			return caddyopt.Unknown(d, what, "choices", "decay", "weights", "panic_threshold", "retry_budget", "slow_start", "outlier", "load_reports")
+		}
+		return nil
+	})
+}
+
+// UnmarshalCaddyfile sets up the consistent_hash policy from Caddyfile
+// tokens. Syntax:
+//
+//	lb_policy consistent_hash [<key>] {
+//		balance_factor  <factor>
+//		weights         <w1> <w2> ...
+//		panic_threshold <percent>|off
+//	}
+func (s *ConsistentHashSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the policy's name
+	const what = "lb_policy consistent_hash"
+	if d.NextArg() {
+		s.Key = d.Val()
+	}
+	return caddyopt.Options(d, what, func(opt string) error {
+		switch opt {
+		case "balance_factor":
+			c, err := parseFloat(d, what)
+			if err != nil {
+				return err
+			}
+			if err := checkBalanceFactor(c); err != nil {
+				return caddyopt.Errf(d, what, "%v", err)
+			}
+			s.BalanceFactor = c
+		case "weights":
+			w, err := parseWeights(d, what)
+			if err != nil {
+				return err
+			}
+			s.Weights = w
+		case "panic_threshold":
+			p, err := parsePercent(d, what)
+			if err != nil {
+				return err
+			}
+			s.PanicThreshold = &p
+		default:
+			return caddyopt.Unknown(d, what, "balance_factor", "weights", "panic_threshold")
 		}
 		return nil
 	})
@@ -412,6 +447,27 @@ func percentValue(d *caddyfile.Dispenser, what, opt, raw string) (float64, error
 	return v, nil
 }
 
+// parseWeights reads the one or more weights of a weights option, the
+// dispenser on its name.
+func parseWeights(d *caddyfile.Dispenser, what string) ([]int, error) {
+	args, err := caddyopt.Args(d, what)
+	if err != nil {
+		return nil, err
+	}
+	weights := make([]int, 0, len(args))
+	for _, a := range args {
+		w, err := strconv.Atoi(a)
+		if err != nil {
+			return nil, caddyopt.Invalid(d, what, "weight", a, "a whole number of at least 1")
+		}
+		if err := checkWeight(w); err != nil {
+			return nil, caddyopt.Errf(d, what, "%v", err)
+		}
+		weights = append(weights, w)
+	}
+	return weights, nil
+}
+
 // parseOnOff reads the one argument of an on/off option, the dispenser on
 // its name.
 func parseOnOff(d *caddyfile.Dispenser, what string) (bool, error) {
@@ -448,4 +504,5 @@ func parseFloat(d *caddyfile.Dispenser, what string) (float64, error) {
 var (
 	_ caddyfile.Unmarshaler = (*LeastTimeSelection)(nil)
 	_ caddyfile.Unmarshaler = (*PanicSelection)(nil)
+	_ caddyfile.Unmarshaler = (*ConsistentHashSelection)(nil)
 )

@@ -93,10 +93,11 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		p.inner = sel
 		p.innerName = string(mod.(caddy.Module).CaddyModule().ID.Name())
 	}
-	if _, leastTime := p.inner.(leastTimer); !leastTime {
-		// least_time records and avoids what a request tried itself, over
-		// the pool it is handed: filtered copies would give it a view
-		// per subset
+	_, leastTime := p.inner.(leastTimer)
+	if _, avoids := p.inner.(triedAvoider); !leastTime && !avoids {
+		// least_time and consistent_hash record and avoid what a request
+		// tried themselves, over the pool they are handed: filtered
+		// copies would give them a view (a ring) per subset
 		p.trackTried = TracksTried(ctx)
 	}
 	if err := p.misplaced(true); err != nil {

@@ -77,6 +77,10 @@ func BenchmarkSelect(b *testing.B) {
 		{"ewma_choices_2_retries", `{"policy":"ewma","choices":2}`, `,"retries":2`},
 		{"ewma_choices_all_retries", `{"policy":"ewma","choices":"all"}`, `,"retries":2`},
 		{"panic_least_conn_retries", `{"policy":"panic","selection_policy":{"policy":"least_conn"}}`, `,"retries":2`},
+		// consistent hashing with bounded loads beside Caddy's unbounded
+		// rendezvous hash of the same key
+		{"consistent_hash", `{"policy":"consistent_hash"}`, ""},
+		{"stock_uri_hash", `{"policy":"uri_hash"}`, ""},
 	}
 	for _, n := range []int{3, 1000} {
 		for _, p := range policies {
