@@ -154,8 +154,8 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 	s.trackTried = TracksTried(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "consistent_hash", ctx.Logger(), events.New(ctx))
 	if h := parentProxy(ctx); h != nil && len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 {
-		if len(s.Weights) != len(h.Upstreams) {
-			return fmt.Errorf("consistent_hash: %d weights given for %d upstreams; give one weight per upstream, in order", len(s.Weights), len(h.Upstreams))
+		if err := checkWeightCount("consistent_hash", s.Weights, h); err != nil {
+			return err
 		}
 		// by address: a wrapping policy (panic with outlier ejection, a
 		// retry) hands over part of the pool, where positions shift

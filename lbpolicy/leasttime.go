@@ -210,8 +210,8 @@ func (s *LeastTimeSelection) Provision(ctx caddy.Context) error {
 				return fmt.Errorf("%s: %v", s.policyName(), err)
 			}
 		}
-		if len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(s.Weights) != len(h.Upstreams) {
-			return fmt.Errorf("%s: %d weights given for %d upstreams; give one weight per upstream, in order", s.policyName(), len(s.Weights), len(h.Upstreams))
+		if err := checkWeightCount(s.policyName(), s.Weights, h); err != nil {
+			return err
 		}
 	}
 	if s.views.rel == nil {
@@ -300,6 +300,16 @@ func checkDecay(d time.Duration) error { return bounds.Duration("decay", d, minD
 
 // checkWeight is the rule for one weight, shared with the Caddyfile parser.
 func checkWeight(w int) error { return bounds.Int("weight", w, 1, maxWeight) }
+
+// checkWeightCount is the rule that a policy's weights, when given for a
+// handler's static upstreams, are one per upstream; dynamic upstreams
+// are not known at provisioning. policy names the policy in the error.
+func checkWeightCount(policy string, weights []int, h *reverseproxy.Handler) error {
+	if len(weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 && len(weights) != len(h.Upstreams) {
+		return fmt.Errorf("%s: %d weights given for %d upstreams; give one weight per upstream, in order", policy, len(weights), len(h.Upstreams))
+	}
+	return nil
+}
 
 // Cleanup releases the policy's references to shared upstream state.
 func (s *LeastTimeSelection) Cleanup() error {
