@@ -66,30 +66,40 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 	}
 	rep.LoadEnd = loadAverage()
 	rep.Elapsed = time.Since(began).Round(time.Second).String()
-	if runErr != nil {
-		if len(rep.Scenarios) == 0 {
-			return nil, runErr
-		}
-		// Show what was measured before the failure.
-		rep.Notes = append(rep.Notes, "the benchmark stopped early: "+runErr.Error())
-	}
-
-	if err := rep.writeMarkdown(out); err != nil {
-		return nil, errors.Join(runErr, err)
-	}
-	if runErr != nil {
-		return nil, runErr
-	}
-	if cfg.jsonPath != "" {
-		b, err := json.MarshalIndent(rep, "", "  ")
-		if err != nil {
-			return nil, err
-		}
-		if err := os.WriteFile(cfg.jsonPath, append(b, '\n'), 0o644); err != nil {
-			return nil, err
-		}
+	if err := writeRun(rep, &rep.Notes, len(rep.Scenarios) > 0, out, cfg.jsonPath, runErr); err != nil {
+		return nil, err
 	}
 	return rep, nil
+}
+
+// markdownReport is a run's report, written as Markdown (and as JSON).
+type markdownReport interface{ writeMarkdown(io.Writer) error }
+
+// writeRun writes rep, a run's report, as Markdown to out and, when
+// jsonPath is set, as indented JSON to that file. A run that stopped early
+// (runErr) is still written, with a note, when it measured anything, so
+// that what was measured before the failure is shown; its error is
+// returned either way. notes are rep's notes.
+func writeRun(rep markdownReport, notes *[]string, measured bool, out io.Writer, jsonPath string, runErr error) error {
+	if runErr != nil {
+		if !measured {
+			return runErr
+		}
+		*notes = append(*notes, "the benchmark stopped early: "+runErr.Error())
+	}
+	if err := rep.writeMarkdown(out); err != nil {
+		return errors.Join(runErr, err)
+	}
+	if jsonPath != "" {
+		b, err := json.MarshalIndent(rep, "", "  ")
+		if err != nil {
+			return errors.Join(runErr, err)
+		}
+		if err := os.WriteFile(jsonPath, append(b, '\n'), 0o644); err != nil {
+			return errors.Join(runErr, err)
+		}
+	}
+	return runErr
 }
 
 // setupTools finds or builds what the policies need: the Caddy binary

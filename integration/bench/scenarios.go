@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -691,26 +690,8 @@ func runScenarios(ctx context.Context, args []string, cmdline string, out, progr
 	}
 	rep.LoadEnd = loadAverage()
 	rep.Elapsed = time.Since(began).Round(time.Second).String()
-	if runErr != nil {
-		if len(rep.Variants) == 0 {
-			return nil, runErr
-		}
-		rep.Notes = append(rep.Notes, "the benchmark stopped early: "+runErr.Error())
-	}
-	if err := rep.writeMarkdown(out); err != nil {
-		return nil, errors.Join(runErr, err)
-	}
-	if cfg.jsonPath != "" {
-		b, err := json.MarshalIndent(rep, "", "  ")
-		if err != nil {
-			return nil, errors.Join(runErr, err)
-		}
-		if err := os.WriteFile(cfg.jsonPath, append(b, '\n'), 0o644); err != nil {
-			return nil, errors.Join(runErr, err)
-		}
-	}
-	if runErr != nil {
-		return nil, runErr
+	if err := writeRun(rep, &rep.Notes, len(rep.Variants) > 0, out, cfg.jsonPath, runErr); err != nil {
+		return nil, err
 	}
 	return rep, nil
 }
