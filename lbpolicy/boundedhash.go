@@ -15,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"github.com/cespare/xxhash/v2"
+	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/events"
@@ -151,6 +152,10 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 		return err
 	}
 	s.key = parseHashKey(s.Key)
+	for _, name := range s.key.unknownPlaceholders() {
+		ctx.Logger().Warn("consistent_hash: the key's placeholder is none Caddy provides, so it is empty for every request; in JSON write a placeholder's full name (e.g. {http.request.uri}, not the Caddyfile's {uri})",
+			zap.String("placeholder", "{"+name+"}"))
+	}
 	s.trackTried = TracksTried(ctx)
 	s.panic = newPanicMode(s.PanicThreshold, "consistent_hash", ctx.Logger(), events.New(ctx))
 	if h := parentProxy(ctx); h != nil && len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 {
@@ -534,6 +539,23 @@ func parseHashKey(key string) hashKey {
 		}
 	}
 	return k
+}
+
+// placeholderRoots are the namespaces of the placeholders Caddy provides
+// to an HTTP handler: its HTTP server's, and the global ones.
+var placeholderRoots = []string{"http.", "env.", "system.", "time.", "file."}
+
+// unknownPlaceholders returns the names of the key's placeholders that are
+// in none of placeholderRoots: a Caddyfile shorthand written in JSON
+// ({uri}), or a typo, which Caddy replaces with nothing.
+func (k *hashKey) unknownPlaceholders() []string {
+	var unknown []string
+	for _, p := range k.parts {
+		if p.holder && !slices.ContainsFunc(placeholderRoots, func(root string) bool { return strings.HasPrefix(p.text, root) }) {
+			unknown = append(unknown, p.text)
+		}
+	}
+	return unknown
 }
 
 // placeholderPart is the part for the placeholder name.

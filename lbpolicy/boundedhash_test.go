@@ -667,3 +667,21 @@ func TestConsistentHashInPanicRetries(t *testing.T) {
 		t.Fatalf("%d views after retries, want 1 (the pool's)", n)
 	}
 }
+
+// TestHashKeyUnknownPlaceholders: a Caddyfile shorthand written in JSON,
+// or a typo, is named so that Provision can warn that it is always empty.
+func TestHashKeyUnknownPlaceholders(t *testing.T) {
+	for key, want := range map[string][]string{
+		"{http.request.uri}":                        nil,
+		"{http.request.header.X-User}-{env.REGION}": nil,
+		"{uri}": {"uri"},
+		"user:{header.X-User}/{http.request.host}": {"header.X-User"},
+		"literal only": nil,
+		`\{uri\}`:      nil,
+	} {
+		k := parseHashKey(key)
+		if got := k.unknownPlaceholders(); !slices.Equal(got, want) {
+			t.Errorf("%q: unknown placeholders %q, want %q", key, got, want)
+		}
+	}
+}
