@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-lbx/lbx/lbxtest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -655,10 +656,12 @@ func (e *env) accLoad(site string, events ...string) {
 	global := strings.TrimSuffix(globalOptions(), "}\n") + sub.String()
 	e.loaded = true
 	e.tb.failed.Store(false)
+	waitOldAdminGone(e.t)
 	e.tester.InitServer(global+fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site), "caddyfile")
 	if e.tb.failed.Load() {
 		e.t.FailNow()
 	}
+	lbxtest.SettleReload(e.t, e.client, httpPort)
 }
 
 // accRecorderName names an events handler this test binary registers:

@@ -157,14 +157,8 @@ func (e *env) loadCaddyfile(caddyfile string) {
 	if e.tb.failed.Load() {
 		e.t.FailNow()
 	}
-	// The old config's server closed its keep-alive connections; a
-	// request the client sends on one of them as it closes fails, so the
-	// next requests start on new ones. Caddy stops the old servers without
-	// waiting for them, so their listening socket may still take a
-	// connection and reset it as it closes (a stock least_conn phase lost a
-	// request to EOF so in CI): wait until the new socket is the only one.
-	e.client.CloseIdleConnections()
-	lbxtest.WaitOneListener(e.t, httpPort, "HTTP")
+	// (a stock least_conn phase lost a request to EOF in CI without it)
+	lbxtest.SettleReload(e.t, e.client, httpPort)
 }
 
 // waitOldAdminGone waits until one socket at most listens on the admin

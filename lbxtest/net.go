@@ -3,6 +3,7 @@ package lbxtest
 import (
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"strings"
 	"sync"
@@ -79,6 +80,20 @@ func FreePort(t testing.TB) int {
 	}
 	t.Fatal("no fresh free port in 100 tries")
 	return 0
+}
+
+// SettleReload waits out what a config load into an in-process Caddy
+// leaves racing, before a test's next request on client: the old config's
+// server closes its keep-alive connections, and a POST sent on one as it
+// closes fails and is not resent, so client's idle connections are
+// dropped; and the old server's socket may still take a connection and
+// reset it, so it waits until one socket listens on httpPort
+// (WaitOneListener). A test harness calls it after every load, and
+// WaitOneListener on the admin port before one.
+func SettleReload(t testing.TB, client *http.Client, httpPort int) {
+	t.Helper()
+	client.CloseIdleConnections()
+	WaitOneListener(t, httpPort, "HTTP")
 }
 
 // WaitOneListener waits, up to 5 s, until one socket at most listens on

@@ -141,10 +141,13 @@ func globalOptions(extra ...string) string {
 func (e *env) load(site string) {
 	e.t.Helper()
 	e.loaded = true
+	lbxtest.WaitOneListener(e.t, adminPort, "admin")
 	e.tester.InitServer(globalOptions(e.global)+fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site), "caddyfile")
 	if e.t.Failed() {
 		e.t.FailNow()
 	}
+	// a POST right after a reload lost to EOF in CI without it
+	lbxtest.SettleReload(e.t, e.client, httpPort)
 }
 
 // loadErr tries to load site and returns the admin API's error, if any.

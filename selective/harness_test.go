@@ -83,15 +83,14 @@ func globalOptions() string {
 func (e *env) load(site string) {
 	e.t.Helper()
 	e.loaded = true
+	lbxtest.WaitOneListener(e.t, adminPort, "admin")
 	e.tester.InitServer(globalOptions()+fmt.Sprintf(":%d {\n%s\n}\n", httpPort, site), "caddyfile")
 	if e.t.Failed() {
 		e.t.FailNow()
 	}
-	// The old config's server closes its keep-alive connections; one the
-	// client reuses at that moment fails a POST, which Go's client does
-	// not resend (stock Caddy drops about one keep-alive request per
-	// reload on this machine; measured at stop 16).
-	e.client.CloseIdleConnections()
+	// (stock Caddy drops about one keep-alive request per reload on this
+	// machine without it; measured at stop 16)
+	lbxtest.SettleReload(e.t, e.client, httpPort)
 }
 
 // loadErr pushes site through POST /load on the serving Caddy and returns
