@@ -271,7 +271,15 @@ func TestSlowStartNewAndHealthyAgain(t *testing.T) {
 	health_uri /health
 	health_interval 50ms`
 	e.load(fmt.Sprintf("reverse_proxy %s {\n\t%s\n}", dials(bs[:3]...), policy))
-	e.drive("/", 30, 3)
+	// every one of the three serves before the reload: least_time may
+	// leave one idle for a while on loopback (a first answer on a new
+	// connection is several times slower), and one that never served
+	// would rightly ramp as new
+	waitFor(t, 10*time.Second, "each of the first three upstreams to serve", func() (bool, string) {
+		e.drive("/", 30, 3)
+		hits := []int64{bs[0].hits.Load(), bs[1].hits.Load(), bs[2].hits.Load()}
+		return hits[0] > 0 && hits[1] > 0 && hits[2] > 0, fmt.Sprint("requests served: ", hits)
+	})
 	e.load(fmt.Sprintf("reverse_proxy %s {\n\t%s\n}", dials(bs...), policy))
 	p := e.waitPool("/", "the added upstream ramping", func(p poolInfo) bool {
 		return p.Upstreams[3].SlowStart != nil
