@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -81,18 +80,7 @@ type probedUpstream struct {
 
 func fetchProbed(t *testing.T, dial string) probedUpstream {
 	t.Helper()
-	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams?dial=" + dial)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer res.Body.Close()
-	var page struct {
-		Upstreams []probedUpstream `json:"upstreams"`
-	}
-	if err := json.NewDecoder(res.Body).Decode(&page); err != nil || len(page.Upstreams) != 1 {
-		t.Fatalf("GET /lbx/upstreams?dial=%s: %v, %+v", dial, err, page)
-	}
-	return page.Upstreams[0]
+	return fetchUpstream[probedUpstream](t, dial)
 }
 
 // probeSite is a site whose least_time policy probes /load on every

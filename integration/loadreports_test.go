@@ -60,13 +60,20 @@ type reportedUpstream struct {
 
 func fetchReported(t *testing.T, dial string) reportedUpstream {
 	t.Helper()
+	return fetchUpstream[reportedUpstream](t, dial)
+}
+
+// fetchUpstream returns what GET /lbx/upstreams?dial= says of the one
+// upstream at dial, decoded into T (the fields a test reads).
+func fetchUpstream[T any](t *testing.T, dial string) T {
+	t.Helper()
 	res, err := adminClient.Get("http://" + adminAddr + "/lbx/upstreams?dial=" + dial)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer res.Body.Close()
 	var page struct {
-		Upstreams []reportedUpstream `json:"upstreams"`
+		Upstreams []T `json:"upstreams"`
 	}
 	if err := json.NewDecoder(res.Body).Decode(&page); err != nil || len(page.Upstreams) != 1 {
 		t.Fatalf("GET /lbx/upstreams?dial=%s: %v, %+v", dial, err, page)
