@@ -78,6 +78,14 @@ const baseline = `{
 					min_weight 10%
 					aggression 1.5
 				}
+				load_reports {
+					max_age 5s
+					probe /load {
+						per_request 0.2
+						max_rate 20
+						timeout 1s
+					}
+				}
 				outlier {
 					consecutive_failures 5
 					failure_status 502 503
@@ -94,6 +102,15 @@ const baseline = `{
 					failure_percentage_min_requests 50
 					health_check_restore on
 				}
+			}
+		}
+	}
+	handle /hash {
+		reverse_proxy {B1} {B2} {
+			lb_policy consistent_hash {http.request.uri} {
+				balance_factor 1.5
+				weights 1 2
+				panic_threshold 40%
 			}
 		}
 	}
@@ -232,7 +249,7 @@ const baseline = `{
 
 // trafficPaths are the routes the background traffic uses; each must
 // answer 200 under the baseline.
-var trafficPaths = []string{"/ewma", "/panic", "/partition", "/parallel", "/selective", "/selective-auto", "/naming", "/lbx/upstreams"}
+var trafficPaths = []string{"/ewma", "/hash", "/panic", "/partition", "/parallel", "/selective", "/selective-auto", "/naming", "/lbx/upstreams"}
 
 // server is a cmd/caddy process serving the baseline, with traffic on it.
 type server struct {
