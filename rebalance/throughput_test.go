@@ -343,7 +343,11 @@ func TestThroughputClusterSheds(t *testing.T) {
 			t.Errorf("admin view of bytes-b: member %+v", m)
 		}
 	}
-	if !strings.HasSuffix(nv.Decision.AverageHuman, "MB/s") {
-		t.Errorf("admin view of bytes-b: average %q; want MB/s", nv.Decision.AverageHuman)
+	// The last decision's average is of one interval's bytes, which the
+	// shed's reconnects can leave below the settled 2 MB/s (CI saw 920
+	// kB/s); what the view owes is the metric's unit (formatLoad's
+	// scaling is TestProcessSourceThroughput's).
+	if !strings.HasSuffix(nv.Decision.AverageHuman, "B/s") || nv.Decision.Average <= 0 {
+		t.Errorf("admin view of bytes-b: average %q (%v); want a positive rate in B/s", nv.Decision.AverageHuman, nv.Decision.Average)
 	}
 }
