@@ -248,8 +248,11 @@ func hashBound(factor float64, total, n int) int {
 // balance is how evenly the requests in flight were spread over a
 // measured window.
 type balance struct {
-	// Samples counts the samples with any request in flight.
+	// Samples counts the samples taken into account: those in which the
+	// backends held at least half the requests the front can (see
+	// balanceOf); Thin counts those left out.
 	Samples int `json:"samples"`
+	Thin    int `json:"thin"`
 	// MeanInFlight is the average over samples of the requests in flight
 	// per backend.
 	MeanInFlight float64 `json:"mean_in_flight"`
@@ -268,17 +271,30 @@ type balance struct {
 	// OverFactorPct is the share of samples, in %, in which it held more
 	// than 1.25 × the average (the factor without rounding up).
 	OverFactorPct float64 `json:"over_factor_pct"`
+	// OverCapPct is the share of samples, in %, in which it held more
+	// than the bound at the most the front can have in flight (the
+	// clients of the closed loop): certain breaches of the bound. The
+	// backends see fewer requests in flight than the front counts (those
+	// on their way in or out), so OverBoundPct also counts samples in
+	// which the front kept to its own bound.
+	OverCapPct float64 `json:"over_cap_pct"`
 }
 
-// balanceOf condenses samples taken over n backends.
-func balanceOf(samples []inFlight, n int, factor float64) balance {
+// balanceOf condenses samples taken over n backends, behind a front that
+// has at most most requests in flight. Samples in which the backends held
+// fewer than half of most are left out: there the front (or the clients)
+// held the rest, starved of CPU on a busy machine, and a ratio over a
+// handful of requests says little about balance — 3 on one backend of 8
+// with 5 in flight is 4.8 × the average.
+func balanceOf(samples []inFlight, n int, factor float64, most int) balance {
 	var b balance
 	var ratios []float64
 	var totals []int
 	sum := 0
-	over, overFactor := 0, 0
+	over, overFactor, overCap := 0, 0, 0
 	for _, s := range samples {
-		if s.total <= 0 {
+		if s.total <= 0 || 2*s.total < most {
+			b.Thin++
 			continue
 		}
 		mean := float64(s.total) / float64(n)
@@ -291,11 +307,14 @@ func balanceOf(samples []inFlight, n int, factor float64) balance {
 		if float64(s.max) > factor*mean {
 			overFactor++
 		}
+		if s.max > hashBound(factor, most, n) {
+			overCap++
+		}
 	}
 	b.Samples = len(ratios)
 	if b.Samples == 0 {
 		nan := math.NaN()
-		return balance{RatioP50: nan, RatioP99: nan, RatioMax: nan, BoundRatio: nan, MeanInFlight: nan, OverBoundPct: nan, OverFactorPct: nan}
+		return balance{Thin: b.Thin, RatioP50: nan, RatioP99: nan, RatioMax: nan, BoundRatio: nan, MeanInFlight: nan, OverBoundPct: nan, OverFactorPct: nan, OverCapPct: nan}
 	}
 	slices.Sort(ratios)
 	slices.Sort(totals)
@@ -307,6 +326,7 @@ func balanceOf(samples []inFlight, n int, factor float64) balance {
 	b.BoundRatio = float64(hashBound(factor, mid, n)) / (float64(mid) / float64(n))
 	b.OverBoundPct = 100 * float64(over) / float64(b.Samples)
 	b.OverFactorPct = 100 * float64(overFactor) / float64(b.Samples)
+	b.OverCapPct = 100 * float64(overCap) / float64(b.Samples)
 	return b
 }
 
@@ -401,6 +421,9 @@ type hashCase struct {
 	Load    loadmodel.Summary `json:"load"`
 	Shares  []jsonNum         `json:"shares_pct"`
 	Balance balance           `json:"balance"`
+	// CPUPressure is the share of the measured window in which some task
+	// waited for a CPU (Linux PSI), where known.
+	CPUPressure *float64 `json:"cpu_pressure,omitempty"`
 	// Removed is the backend the removal took out, and How how.
 	Removed  string   `json:"removed"`
 	How      string   `json:"how"`
@@ -420,6 +443,9 @@ type hashRow struct {
 	BoundRatio   stat   `json:"bound_ratio"`
 	OverBound    stat   `json:"over_bound_pct"`
 	OverFactor   stat   `json:"over_factor_pct"`
+	OverCap      stat   `json:"over_cap_pct"`
+	ThinPct      stat   `json:"thin_pct"`
+	CPUPressure  stat   `json:"cpu_pressure"`
 	LargestShare stat   `json:"largest_share_pct"`
 	LeastShare   stat   `json:"least_share_pct"`
 	P50          stat   `json:"p50_ms"`
@@ -614,7 +640,15 @@ func runHashLoad(ctx context.Context, cfg *hashConfig, t tools, f policy, backen
 			return
 		case <-measuring:
 		}
-		end := time.Now().Add(cfg.duration)
+		start := time.Now()
+		psi0, psiOK := cpuPressure()
+		defer func() {
+			if psi1, ok := cpuPressure(); ok && psiOK {
+				p := float64(psi1-psi0) / float64(time.Since(start))
+				c.CPUPressure = &p
+			}
+		}()
+		end := start.Add(cfg.duration)
 		tick := time.NewTicker(cfg.sampleEvery)
 		defer tick.Stop()
 		for {
@@ -647,7 +681,7 @@ func runHashLoad(ctx context.Context, cfg *hashConfig, t tools, f policy, backen
 		return err
 	}
 	c.Load = loadmodel.Summarize(res)
-	c.Balance = balanceOf(samples, len(backends), hashFactor)
+	c.Balance = balanceOf(samples, len(backends), hashFactor, cfg.clients)
 	c.Shares = make([]jsonNum, len(backends))
 	for i, b := range backends {
 		c.Shares[i] = jsonNum(math.NaN())
@@ -819,7 +853,7 @@ func summarizeHash(fronts []policy, cases []hashCase) []hashRow {
 	var rows []hashRow
 	for _, f := range fronts {
 		var v struct {
-			mean, p50r, p99r, maxr, bound, over, overF, most, least, p50, p99, tput, errs, moved, ofMin, other, recv, part []float64
+			mean, p50r, p99r, maxr, bound, over, overF, overC, thin, psi, most, least, p50, p99, tput, errs, moved, ofMin, other, recv, part []float64
 		}
 		how := ""
 		for _, c := range cases {
@@ -835,6 +869,13 @@ func summarizeHash(fronts []policy, cases []hashCase) []hashRow {
 			v.bound = append(v.bound, b.BoundRatio)
 			v.over = append(v.over, b.OverBoundPct)
 			v.overF = append(v.overF, b.OverFactorPct)
+			v.overC = append(v.overC, b.OverCapPct)
+			v.thin = append(v.thin, 100*float64(b.Thin)/float64(max(1, b.Thin+b.Samples)))
+			psi := math.NaN()
+			if c.CPUPressure != nil {
+				psi = *c.CPUPressure
+			}
+			v.psi = append(v.psi, psi)
 			shares := make([]float64, 0, len(c.Shares))
 			for _, s := range c.Shares {
 				if !math.IsNaN(float64(s)) {
@@ -866,7 +907,7 @@ func summarizeHash(fronts []policy, cases []hashCase) []hashRow {
 		rows = append(rows, hashRow{
 			Front: f.key, Label: f.label, How: how,
 			MeanInFlight: statOf(v.mean), RatioP50: statOf(v.p50r), RatioP99: statOf(v.p99r), RatioMax: statOf(v.maxr),
-			BoundRatio: statOf(v.bound), OverBound: statOf(v.over), OverFactor: statOf(v.overF),
+			BoundRatio: statOf(v.bound), OverBound: statOf(v.over), OverFactor: statOf(v.overF), OverCap: statOf(v.overC), ThinPct: statOf(v.thin), CPUPressure: statOf(v.psi),
 			LargestShare: statOf(v.most), LeastShare: statOf(v.least),
 			P50: statOf(v.p50), P99: statOf(v.p99), Throughput: statOf(v.tput), ErrorPct: statOf(v.errs),
 			MovedPct: statOf(v.moved), OfMinimum: statOf(v.ofMin), MovedOther: statOf(v.other),
@@ -898,7 +939,8 @@ func hashVerdicts(rows []hashRow) []verdict {
 		out = append(out,
 			compare(pre+"busiest backend ÷ average in flight, p99 of samples ≤ 1.25", r.RatioP99.Median, hashFactor, "≤", "",
 				fmt.Sprintf("max over samples %.2f; rounding up to whole requests allows %.2f at this load", r.RatioMax.Median, r.BoundRatio.Median)),
-			compare(pre+"samples above ceil(1.25 × (in flight + 1) ÷ 8)", r.OverBound.Median, 1, "≤", "%", "worst seed "+fmtPct(r.OverBound.Max)),
+			compare(pre+"samples above ceil(1.25 × (in flight at the backends + 1) ÷ 8)", r.OverBound.Median, 1, "≤", "%", "worst seed "+fmtPct(r.OverBound.Max)),
+			compare(pre+"samples with a backend above the bound at the clients' in flight (certain breaches)", r.OverCap.Median, 0.1, "≤", "%", "worst seed "+fmtPct(r.OverCap.Max)),
 			compare(pre+"keys moved, off 1/8 by", 100*math.Abs(r.OfMinimum.Median-1), 10, "≤", "%",
 				fmt.Sprintf("%.3f × 1/8; seeds %.3f–%.3f; moved elsewhere %.0f", r.OfMinimum.Median, r.OfMinimum.Min, r.OfMinimum.Max, r.MovedOther.Max)),
 			atLeast(pre+"backends the removed one's keys went to, fewest over seeds", r.Receivers.Min, hashBackends-1, "", ""),
@@ -934,17 +976,25 @@ func (r *hashReport) writeMarkdown(w io.Writer) error {
 	}
 	b.WriteString("## Load: the busiest backend against the average\n\n")
 	b.WriteString("Per sample: the busiest backend's requests in flight ÷ the average per backend; its median, 99th percentile and maximum over the samples. ")
-	b.WriteString("lbx's bound is ceil(1.25 × (in flight + 1) ÷ 8): with ≈64 in flight it allows 11 where the average is 8 (1.375 ×).\n\n")
-	b.WriteString("| front | in flight per backend | busiest ÷ average: p50 | p99 | max | samples above lbx's bound | above 1.25 × | largest share | smallest share | p50 | p99 | req/s | errors |\n")
-	b.WriteString("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
+	fmt.Fprintf(&b, "Samples in which the backends held fewer than half of the %d requests the clients keep in flight are left out (the rest were in the front or the clients, "+
+		"starved of CPU): a ratio over a handful of requests says little about balance. CPU pressure: the share of the window in which some task waited for a CPU (Linux PSI). ", r.Clients)
+	b.WriteString("Above 1.25 ×: samples in which the busiest backend held more than 1.25 × the average. ")
+	b.WriteString("Above the bound: more than ceil(1.25 × (in flight + 1) ÷ 8), the bound lbx documents (HAProxy's rounds alike), with the backends' own total; ")
+	b.WriteString("the backends see fewer requests in flight than the front counts (some are on their way in or out), so this counts some samples in which the front kept its bound. ")
+	fmt.Fprintf(&b, "Above the clients' bound: more than ceil(1.25 × (%d + 1) ÷ 8) = %d, the bound at the most the front can hold (the %d clients): certain breaches. ",
+		r.Clients, hashBound(hashFactor, r.Clients, hashBackends), r.Clients)
+	b.WriteString("Rounding up to whole requests, no front can keep the busiest backend within 1.25 × the average at every sample: with 64 in flight the bound is 11 where the average is 8 (1.375 ×).\n\n")
+	b.WriteString("| front | in flight per backend | busiest ÷ average: p50 | p99 | max | above 1.25 × | above the bound | above the clients' bound | largest share | smallest share | p50 | p99 | req/s | errors | samples left out | CPU pressure |\n")
+	b.WriteString("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n")
 	f2 := func(x float64) string { return fmt.Sprintf("%.2f", x) }
 	f1 := func(x float64) string { return fmt.Sprintf("%.1f", x) }
 	pct := func(x float64) string { return fmtPct(x) }
 	for _, x := range r.Rows {
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", x.Label, fmtStat(x.MeanInFlight, f1),
-			fmtStat(x.RatioP50, f2), fmtStat(x.RatioP99, f2), fmtStat(x.RatioMax, f2), fmtStat(x.OverBound, pct), fmtStat(x.OverFactor, pct),
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", x.Label, fmtStat(x.MeanInFlight, f1),
+			fmtStat(x.RatioP50, f2), fmtStat(x.RatioP99, f2), fmtStat(x.RatioMax, f2), fmtStat(x.OverFactor, pct), fmtStat(x.OverBound, pct), fmtStat(x.OverCap, pct),
 			fmtStat(x.LargestShare, pct), fmtStat(x.LeastShare, pct), fmtStat(x.P50, fmtMs), fmtStat(x.P99, fmtMs),
-			fmtStat(x.Throughput, func(v float64) string { return fmt.Sprintf("%.0f", v) }), fmtStat(x.ErrorPct, pct))
+			fmtStat(x.Throughput, func(v float64) string { return fmt.Sprintf("%.0f", v) }), fmtStat(x.ErrorPct, pct),
+			fmtStat(x.ThinPct, pct), fmtStat(x.CPUPressure, func(v float64) string { return fmtPct(100 * v) }))
 	}
 	b.WriteString("\n## Removal: the keys that move when one of 8 backends leaves\n\n")
 	fmt.Fprintf(&b, "Every one of the %d keys is sent once, one at a time, to backends that answer at once (no load: where a key goes is the hash's choice alone), "+
@@ -983,6 +1033,7 @@ func (r *hashReport) writeMarkdown(w io.Writer) error {
 func (b balance) MarshalJSON() ([]byte, error) {
 	return json.Marshal(struct {
 		Samples       int     `json:"samples"`
+		Thin          int     `json:"thin"`
 		MeanInFlight  jsonNum `json:"mean_in_flight"`
 		RatioP50      jsonNum `json:"ratio_p50"`
 		RatioP99      jsonNum `json:"ratio_p99"`
@@ -990,6 +1041,7 @@ func (b balance) MarshalJSON() ([]byte, error) {
 		BoundRatio    jsonNum `json:"bound_ratio"`
 		OverBoundPct  jsonNum `json:"over_bound_pct"`
 		OverFactorPct jsonNum `json:"over_factor_pct"`
-	}{b.Samples, jsonNum(b.MeanInFlight), jsonNum(b.RatioP50), jsonNum(b.RatioP99), jsonNum(b.RatioMax),
-		jsonNum(b.BoundRatio), jsonNum(b.OverBoundPct), jsonNum(b.OverFactorPct)})
+		OverCapPct    jsonNum `json:"over_cap_pct"`
+	}{b.Samples, b.Thin, jsonNum(b.MeanInFlight), jsonNum(b.RatioP50), jsonNum(b.RatioP99), jsonNum(b.RatioMax),
+		jsonNum(b.BoundRatio), jsonNum(b.OverBoundPct), jsonNum(b.OverFactorPct), jsonNum(b.OverCapPct)})
 }

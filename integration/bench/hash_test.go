@@ -93,18 +93,27 @@ func TestBalanceOf(t *testing.T) {
 		inFlight{max: 16, total: 64}, // 2 ×
 		inFlight{},                   // nothing in flight: left out
 	)
-	b := balanceOf(samples, 8, 1.25)
+	b := balanceOf(samples, 8, 1.25, 64)
 	if b.Samples != 100 || b.MeanInFlight != 8 {
 		t.Fatalf("%d samples of mean %v, want 100 of 8", b.Samples, b.MeanInFlight)
 	}
 	if b.RatioP50 != 1.25 || b.RatioP99 != 1.5 || b.RatioMax != 2 || b.BoundRatio != 1.375 {
 		t.Errorf("ratios p50 %v p99 %v max %v bound %v, want 1.25, 1.5, 2 and 1.375", b.RatioP50, b.RatioP99, b.RatioMax, b.BoundRatio)
 	}
-	if b.OverBoundPct != 2 || b.OverFactorPct != 3 {
-		t.Errorf("above the bound %v%%, above 1.25 × %v%%, want 2%% and 3%%", b.OverBoundPct, b.OverFactorPct)
+	if b.OverBoundPct != 2 || b.OverFactorPct != 3 || b.OverCapPct != 2 {
+		t.Errorf("above the bound %v%%, above 1.25 × %v%%, above the clients' bound %v%%, want 2%%, 3%% and 2%%", b.OverBoundPct, b.OverFactorPct, b.OverCapPct)
 	}
-	if b := balanceOf(nil, 8, 1.25); b.Samples != 0 || !math.IsNaN(b.RatioP99) {
+	// fewer in flight at the backends than the front can hold: 10 of 48
+	// is above the bound at 48 (ceil(1.25 × 49 ÷ 8) = 8) but not at 64
+	if b := balanceOf([]inFlight{{max: 10, total: 48}}, 8, 1.25, 64); b.OverBoundPct != 100 || b.OverCapPct != 0 {
+		t.Errorf("10 of 48: above the bound %v%%, above the clients' bound %v%%, want 100%% and 0%%", b.OverBoundPct, b.OverCapPct)
+	}
+	if b := balanceOf(nil, 8, 1.25, 64); b.Samples != 0 || !math.IsNaN(b.RatioP99) {
 		t.Errorf("no samples: %+v, want NaN ratios", b)
+	}
+	// under half of the 64 the front can hold: left out as thin
+	if b := balanceOf([]inFlight{{max: 5, total: 5}, {max: 10, total: 31}, {max: 4, total: 32}}, 8, 1.25, 64); b.Samples != 1 || b.Thin != 2 || b.RatioMax != 1 {
+		t.Errorf("thin samples: %d counted, %d left out, max ratio %v, want 1, 2 and 1", b.Samples, b.Thin, b.RatioMax)
 	}
 }
 
