@@ -18,6 +18,7 @@
 //	cd integration && go run ./bench graceful -scenario scale-out|rolling-restart|reload [flags]  # clients that never retry (issue 23)
 //	cd integration && go run ./bench shared [flags]      # shared backends, sparse views: 12 nodes, load reports (issue 27)
 //	cd integration && go run ./bench shared -quick       # its smoke test, under a minute
+//	cd integration && go run ./bench hash [flags]        # consistent hashing with bounded loads, side by side with uri_hash and HAProxy (issue 28)
 //
 // It builds ./cmd/caddy once, starts four HTTP backends in-process on
 // 127.0.0.1 (see package loadmodel for their latency model: a fixed number
@@ -83,6 +84,8 @@ func main() {
 		_, err = runGraceful(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "shared":
 		_, err = runShared(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
+	case len(os.Args) > 1 && os.Args[1] == "hash":
+		_, err = runHash(ctx, os.Args[2:], commandLine(os.Args), os.Stdout, os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "burn":
 		err = runBurn(os.Args[2:], os.Stderr)
 	case len(os.Args) > 1 && os.Args[1] == "fleetsim":
@@ -336,7 +339,8 @@ type policy struct {
 	// backupAuto writes `backup_request auto` instead of a duration.
 	backupAuto bool
 	// options are lines of the lb_policy block (Caddy policies), after
-	// any weights.
+	// any weights; for HAProxy, the lines of its backend that choose a
+	// server, instead of balance leastconn.
 	options []string
 }
 

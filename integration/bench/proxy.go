@@ -204,6 +204,11 @@ type proxyOptions struct {
 	// of the policies that hedge (bench hedge).
 	Backup       time.Duration
 	BackupBudget float64
+	// ServerIDs, one per upstream, are HAProxy's server ids (its
+	// consistent hash places a server by id, so a server removed from
+	// the list leaves the others' ids, and keys, where they were). nil:
+	// HAProxy numbers the servers in order.
+	ServerIDs []int
 }
 
 // healthInterval is the active health checks' interval.
@@ -216,7 +221,11 @@ type proxyConfig struct {
 	AdminPort int      // Caddy's admin API
 	Upstream  []string // host:port of every backend
 	Weight    []int    // per upstream, or nil
-	Policy    string   // Caddy's lb_policy arguments
+	ServerID  []int    // HAProxy's id per upstream, or nil
+	// Balance are the lines of HAProxy's backend that choose a server,
+	// instead of balance leastconn.
+	Balance []string
+	Policy  string // Caddy's lb_policy arguments
 	// PolicyOptions are lines of the lb_policy block, if any.
 	PolicyOptions  []string
 	HealthURI      string // "" for no active health checks
@@ -396,7 +405,13 @@ frontend fe
 	default_backend be
 
 backend be
+{{- if .Balance}}
+{{- range .Balance}}
+	{{.}}
+{{- end}}
+{{- else}}
 	balance leastconn
+{{- end}}
 {{- if .HealthURI}}
 	option httpchk GET {{.HealthURI}}
 {{- end}}
@@ -406,7 +421,7 @@ backend be
 	option redispatch 1
 {{- end}}
 {{- range $i, $u := .Upstream}}
-	server b{{$i}} {{$u}}{{if $.Weight}} weight {{index $.Weight $i}}{{end}}{{if $.HealthURI}} check inter {{$.HealthInterval}}{{end}}
+	server b{{$i}} {{$u}}{{if $.ServerID}} id {{index $.ServerID $i}}{{end}}{{if $.Weight}} weight {{index $.Weight $i}}{{end}}{{if $.HealthURI}} check inter {{$.HealthInterval}}{{end}}
 {{- end}}
 `))
 
@@ -453,8 +468,17 @@ func newProxyConfig(pol policy, dir string, upstreams []string, opts proxyOption
 			}
 		}
 	}
-	if pol.kind == kindCaddy {
+	switch pol.kind {
+	case kindCaddy:
 		c.PolicyOptions = append(c.PolicyOptions, pol.options...)
+	case kindHAProxy:
+		c.Balance = pol.options
+		if len(opts.ServerIDs) > 0 {
+			if len(opts.ServerIDs) != len(upstreams) {
+				return c, fmt.Errorf("%d server ids for %d upstreams", len(opts.ServerIDs), len(upstreams))
+			}
+			c.ServerID = opts.ServerIDs
+		}
 	}
 	if opts.HealthCheck {
 		c.HealthURI, c.HealthInterval = loadmodel.HealthPath, healthInterval

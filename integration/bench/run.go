@@ -117,13 +117,13 @@ func setupTools(ctx context.Context, caddyBin string, policies []policy, tmp str
 		switch p.kind {
 		case kindNginx:
 			if t.nginx, err = exec.LookPath("nginx"); err != nil {
-				notes = append(notes, "nginx least_conn skipped: no nginx in PATH (apt-get install nginx)")
+				notes = append(notes, p.label+" skipped: no nginx in PATH (apt-get install nginx)")
 				continue
 			}
 			versions["nginx"] = strings.TrimPrefix(toolVersion(ctx, t.nginx, "-v"), "nginx version: ")
 		case kindHAProxy:
 			if t.haproxy, err = exec.LookPath("haproxy"); err != nil {
-				notes = append(notes, "HAProxy leastconn skipped: no haproxy in PATH (apt-get install haproxy)")
+				notes = append(notes, p.label+" skipped: no haproxy in PATH (apt-get install haproxy)")
 				continue
 			}
 			versions["haproxy"] = strings.TrimPrefix(toolVersion(ctx, t.haproxy, "-v"), "HAProxy version ")

@@ -141,7 +141,7 @@ func (a Antagonist) Run(ctx context.Context, horizon time.Duration) (AntagonistR
 	interval := time.Duration(float64(time.Second) / a.Rate)
 	send := func(due time.Time) {
 		res.Sent++
-		wg.Go(func() { record(l.send(ctx, client, timeout, PhaseOther, due, time.Time{})) })
+		wg.Go(func() { record(l.send(ctx, client, timeout, l.URL, PhaseOther, due, time.Time{})) })
 	}
 	sleepUntil := func(due time.Time) bool {
 		if d := time.Until(due); d > 0 {

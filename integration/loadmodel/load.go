@@ -9,7 +9,9 @@ import (
 	"net"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -33,6 +35,13 @@ import (
 type Load struct {
 	// URL is the target.
 	URL string
+	// Path, if set, varies the target per request: the n-th request sent
+	// (counting from 0, warm-up included) goes to URL with its trailing
+	// slash replaced by Path(n), which starts with a slash. Requests of a
+	// closed loop are numbered in the order they are sent, so a Path that
+	// is a pure function of n gives every run the same sequence of
+	// targets (a key stream) whatever the timing.
+	Path func(n uint64) string
 	// Rate is the number of requests per second; more than 0.
 	Rate float64
 	// Warmup is how long warm-up traffic runs before measuring; ≥ 0.
@@ -267,7 +276,7 @@ func (l Load) Run(ctx context.Context) (*Result, error) {
 			break
 		}
 		if i < nWarm {
-			wg.Go(func() { l.send(ctx, client, timeout, PhaseWarmup, due, time.Time{}) })
+			wg.Go(func() { l.send(ctx, client, timeout, l.target(uint64(i)), PhaseWarmup, due, time.Time{}) })
 			continue
 		}
 		if i == nWarm {
@@ -278,7 +287,7 @@ func (l Load) Run(ctx context.Context) (*Result, error) {
 		}
 		res.MaxSendLag = max(res.MaxSendLag, time.Since(due))
 		s := &res.Samples[i-nWarm]
-		wg.Go(func() { *s = l.send(ctx, client, timeout, PhaseMeasure, due, measureStart) })
+		wg.Go(func() { *s = l.send(ctx, client, timeout, l.target(uint64(i)), PhaseMeasure, due, measureStart) })
 	}
 	wg.Wait()
 	if err := ctx.Err(); err != nil {
@@ -295,6 +304,7 @@ func (l Load) runClosed(ctx context.Context, client *http.Client, timeout time.D
 	end := measureStart.Add(l.Duration)
 	var once sync.Once
 	var mu sync.Mutex
+	var sent atomic.Uint64 // requests sent, for Path
 	res := &Result{Window: l.Duration}
 	var wg sync.WaitGroup
 	for range l.Concurrency {
@@ -306,13 +316,13 @@ func (l Load) runClosed(ctx context.Context, client *http.Client, timeout time.D
 					break
 				}
 				if now.Before(measureStart) {
-					l.send(ctx, client, timeout, PhaseWarmup, now, time.Time{})
+					l.send(ctx, client, timeout, l.target(sent.Add(1)-1), PhaseWarmup, now, time.Time{})
 					continue
 				}
 				if l.OnMeasure != nil {
 					once.Do(l.OnMeasure)
 				}
-				mine = append(mine, l.send(ctx, client, timeout, PhaseMeasure, now, measureStart))
+				mine = append(mine, l.send(ctx, client, timeout, l.target(sent.Add(1)-1), PhaseMeasure, now, measureStart))
 			}
 			mu.Lock()
 			res.Samples = append(res.Samples, mine...)
@@ -327,12 +337,20 @@ func (l Load) runClosed(ctx context.Context, client *http.Client, timeout time.D
 	return res, nil
 }
 
-// send makes one request and records it.
-func (l Load) send(ctx context.Context, client *http.Client, timeout time.Duration, phase Phase, due, measureStart time.Time) Sample {
+// target returns the URL of the n-th request sent (see Path).
+func (l Load) target(n uint64) string {
+	if l.Path == nil {
+		return l.URL
+	}
+	return strings.TrimSuffix(l.URL, "/") + l.Path(n)
+}
+
+// send makes one request to url and records it.
+func (l Load) send(ctx context.Context, client *http.Client, timeout time.Duration, url string, phase Phase, due, measureStart time.Time) Sample {
 	rctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	var s Sample
-	req, err := http.NewRequestWithContext(rctx, http.MethodGet, l.URL, nil)
+	req, err := http.NewRequestWithContext(rctx, http.MethodGet, url, nil)
 	if err == nil {
 		req.Header.Set(PhaseHeader, phase.String())
 		var resp *http.Response

@@ -3,9 +3,12 @@ package loadmodel
 import (
 	"context"
 	"net/http"
+	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -530,6 +533,40 @@ func TestLoadClosedLoop(t *testing.T) {
 		}
 		if i > 0 && s.Due < res.Samples[i-1].Due {
 			t.Fatalf("samples out of order at %d", i)
+		}
+	}
+}
+
+// TestLoadPath checks that Path numbers the requests of a closed loop
+// from 0 in the order they are sent, each number once, and sends each to
+// its own path.
+func TestLoadPath(t *testing.T) {
+	var mu sync.Mutex
+	seen := map[string]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		seen[r.URL.Path]++
+		mu.Unlock()
+	}))
+	defer srv.Close()
+	var calls atomic.Int64
+	l := Load{URL: srv.URL + "/", Concurrency: 4, Duration: 100 * time.Millisecond, Timeout: time.Second,
+		Path: func(n uint64) string { calls.Add(1); return "/k/" + strconv.FormatUint(n, 10) }}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := l.Run(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	n := int(calls.Load())
+	if n < 4 || len(res.Samples) != n || len(seen) != n {
+		t.Fatalf("%d paths drawn, %d samples, %d distinct paths served: want the same, at least 4", n, len(res.Samples), len(seen))
+	}
+	for i := range n {
+		if c := seen["/k/"+strconv.Itoa(i)]; c != 1 {
+			t.Fatalf("/k/%d served %d times, want once (numbers 0 to %d)", i, c, n-1)
 		}
 	}
 }
