@@ -128,3 +128,59 @@ func TestPanicSlowStartHealthyAgain(t *testing.T) {
 		t.Errorf("the ramp is over, yet the admin API shows a slow-start weight of %.1f%%", *p.Upstreams[3].SlowStart)
 	}
 }
+
+// TestPanicSlowStartThresholdOff: with panic mode off, the panic policy
+// still counts its pool (the count is what notices a return from
+// Caddy-unhealthy), so a backend healthy again ramps; one added by a
+// reload to a pool that served ramps as new.
+func TestPanicSlowStartThresholdOff(t *testing.T) {
+	e := newEnv(t)
+	bs := e.startBackends(3)
+	site := func(bs []*backend) string {
+		return fmt.Sprintf(`reverse_proxy %s {
+	lb_policy panic {
+		threshold off
+		slow_start 1m
+		policy least_conn
+	}
+	health_uri /health
+	health_interval 50ms
+	health_fails 1
+	health_passes 1
+}`, dials(bs...))
+	}
+	e.load(site(bs[:2]))
+	waitFor(t, 10*time.Second, "both backends to serve", func() (bool, string) {
+		e.drive("/", 20, 2)
+		hits := []int64{bs[0].hits.Load(), bs[1].hits.Load()}
+		return hits[0] > 0 && hits[1] > 0, fmt.Sprint("requests served: ", hits)
+	})
+	e.load(site(bs))
+	p := e.waitPool("/", "the added backend ramping", func(p poolInfo) bool { return p.Upstreams[2].SlowStart != nil }, bs...)
+	if p.Upstreams[0].SlowStart != nil || p.Upstreams[1].SlowStart != nil {
+		t.Fatalf("a backend that served before the reload ramps: %+v", p.Upstreams)
+	}
+
+	bs[1].healthCode.Store(http.StatusServiceUnavailable)
+	e.waitPool("/", "b1 unhealthy", func(p poolInfo) bool { return !p.Upstreams[1].Healthy }, bs...)
+	// Reading the admin API counts the pool too: from here on only
+	// requests do, until the share is measured.
+	bs[1].healthCode.Store(http.StatusOK)
+	before := bs[1].hits.Load()
+	waitFor(t, 10*time.Second, "b1 to serve again", func() (bool, string) {
+		e.drive("/", 10, 1)
+		return bs[1].hits.Load() > before, "no request reached b1"
+	})
+	// least_conn among idle backends draws at random: b1 at its 10%
+	// floor gets about a thirtieth, b2 (added a moment ago) about as
+	// little, b0 the rest; unramped, b1 would get a third or more
+	const n = 300
+	r := e.drive("/", n, 1)
+	if share := r.share(bs[1].name); share > 0.15 {
+		t.Fatalf("b1 healthy again: share %.3f of %d requests, want near its floor (a third of 10%%): %v", share, n, r.counts)
+	}
+	p = e.waitPool("/", "b1 ramping", func(p poolInfo) bool { return p.Upstreams[1].Healthy && p.Upstreams[1].SlowStart != nil }, bs...)
+	if p.Upstreams[0].SlowStart != nil || p.Upstreams[2].SlowStart == nil {
+		t.Fatalf("b0 ramps, or the added b2 no longer does: %+v", p.Upstreams)
+	}
+}

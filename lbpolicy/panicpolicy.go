@@ -212,7 +212,8 @@ func observesItself(sel reverseproxy.Selector) bool {
 	return ok && ch.observes()
 }
 
-// Validate checks the threshold and the outlier ejection.
+// Validate checks the threshold, the load reports, slow start and the
+// outlier ejection.
 func (p *PanicSelection) Validate() error {
 	if p.Threshold != nil {
 		if err := bounds.Percent("threshold", *p.Threshold); err != nil {
@@ -275,14 +276,11 @@ func (*PanicSelection) SkipsEjected() bool { return true }
 func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	v := p.viewFor(pool)
 	now := monoclock.Now()
-	if p.SlowStart != nil && p.panic.threshold <= 0 {
-		// the count is also what notices upstreams coming back from
-		// Caddy-unhealthy; panic mode does it otherwise
-		v.availability(pool, now)
-	}
 	if !p.panic.check(v, pool, now) {
 		if v.keepUnejected {
-			v.availability(pool, now) // fresh even when panic mode is off
+			// fresh even when panic mode is off; the count is also what
+			// notices upstreams back from Caddy-unhealthy, for slow start
+			v.availability(pool, now)
 			if kept := v.unejected.Load(); kept != nil {
 				if !v.matches(pool) {
 					// the view was found by dial addresses: these are
@@ -404,7 +402,9 @@ func (p *PanicSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 		for i, u := range pool {
 			v.members[i].stats, v.members[i].invWeight = p.table.Stats(u.Dial), 1
 		}
-		v.keepUnejected = p.Outlier != nil
+		// ejection state is per address: an upstream another lbx
+		// policy's detector ejected is hidden too, as least_time does
+		v.keepUnejected = true
 		if p.SlowStart != nil {
 			p.SlowStart.watch(v, p.logger)
 		}
