@@ -1,6 +1,7 @@
 package lbpolicy
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/events"
+	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
@@ -81,6 +83,22 @@ type ConsistentHashSelection struct {
 	// mode. Default: 50.
 	PanicThreshold *float64 `json:"panic_threshold,omitempty"`
 
+	// Ejection of outliers, judged on live traffic; off when absent. An
+	// ejected upstream is passed over on the ring like an unavailable
+	// one, so only its keys move, to the next owners clockwise, and it
+	// counts as unavailable for panic_threshold.
+	Outlier *Outlier `json:"outlier,omitempty"`
+
+	// Slow start: an upstream that joins a pool already serving, comes
+	// back healthy after Caddy's health checks marked it unhealthy, or
+	// comes back from an outlier ejection takes back its keys over the
+	// window instead of all at once. Each key is kept by a ramping owner
+	// while a number drawn from the key (the same for every request of
+	// the key) is below the owner's ramp factor, and else passes on
+	// clockwise, so the owner's share of keys follows the ramp and a key,
+	// once back, stays. Off when absent; not applied in panic mode.
+	SlowStart *SlowStart `json:"slow_start,omitempty"`
+
 	key   hashKey
 	views views
 	panic panicMode
@@ -91,6 +109,11 @@ type ConsistentHashSelection struct {
 	// trackTried: the handler can retry, so each request records what it
 	// tried and a retry avoids it (see tried.go)
 	trackTried bool
+	// table holds the upstreams' ejections and ramps; nil without
+	// outlier ejection and slow start.
+	table    *hoststate.Table
+	observer *observingTransport
+	logger   *zap.Logger
 }
 
 // Defaults and bounds of the balance factor. The factor trades balance
@@ -147,6 +170,14 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 	if s.BalanceFactor == 0 {
 		s.BalanceFactor = defaultBalanceFactor
 	}
+	s.logger = ctx.Logger()
+	emitter := events.New(ctx)
+	if s.SlowStart != nil {
+		s.SlowStart.provision()
+	}
+	if s.Outlier != nil {
+		s.Outlier.provision(s.logger, emitter)
+	}
 	// checked before anything is built from the values
 	if err := s.Validate(); err != nil {
 		return err
@@ -157,7 +188,7 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 			zap.String("placeholder", "{"+name+"}"))
 	}
 	s.trackTried = TracksTried(ctx)
-	s.panic = newPanicMode(s.PanicThreshold, "consistent_hash", ctx.Logger(), events.New(ctx))
+	s.panic = newPanicMode(s.PanicThreshold, "consistent_hash", ctx.Logger(), emitter)
 	if h := parentProxy(ctx); h != nil && len(s.Weights) > 0 && h.DynamicUpstreamsRaw == nil && len(h.Upstreams) > 0 {
 		if err := checkWeightCount("consistent_hash", s.Weights, h); err != nil {
 			return err
@@ -169,7 +200,10 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 			s.weightOf[u.Dial] = s.Weights[i]
 		}
 	}
-	s.views.rel = newReleaser(nil, parentProxy(ctx), lingerFor())
+	if err := s.observe(ctx); err != nil {
+		return err
+	}
+	s.views.rel = newReleaser(s.table, parentProxy(ctx), s.linger())
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %v", err)
 	}
@@ -178,11 +212,62 @@ func (s *ConsistentHashSelection) Provision(ctx caddy.Context) error {
 	return nil
 }
 
-// Cleanup unregisters the policy's pools from the admin API.
-func (s *ConsistentHashSelection) Cleanup() error {
-	unregisterPool(s)
+// observe sets up the state outlier ejection and slow start need: a
+// table of the upstreams' state, fed by the handler's traffic (which
+// ejection judges, and which tells an upstream new to a serving pool from
+// one that served before a reload).
+func (s *ConsistentHashSelection) observe(ctx caddy.Context) error {
+	if !s.observes() {
+		return nil
+	}
+	s.table = hoststate.NewTable(hoststate.Config{})
+	h, err := install(ctx, s.table, s.Outlier, nil)
+	switch {
+	case errors.Is(err, errNoProxyHandler):
+		s.logger.Warn("consistent_hash policy is not inside a reverse_proxy handler; outlier ejection and slow start have no traffic to observe")
+	case err != nil:
+		return fmt.Errorf("consistent_hash: %v", err)
+	default:
+		s.observer, _ = h.Transport.(*observingTransport)
+	}
 	return nil
 }
+
+// linger is how long the policy keeps the view of a pool no longer
+// offered, and the state of its addresses (see lingerFor).
+func (s *ConsistentHashSelection) linger() time.Duration {
+	var w []time.Duration
+	if s.Outlier != nil {
+		w = append(w, time.Duration(s.Outlier.Interval))
+	}
+	if s.SlowStart != nil {
+		w = append(w, time.Duration(s.SlowStart.Window))
+	}
+	return lingerFor(w...)
+}
+
+// Cleanup unregisters the policy's pools from the admin API and releases
+// shared upstream state.
+func (s *ConsistentHashSelection) Cleanup() error {
+	unregisterPool(s)
+	if s.table != nil {
+		s.table.Release()
+	}
+	if s.observer != nil {
+		return s.observer.Cleanup()
+	}
+	return nil
+}
+
+// SkipsEjected reports whether Select passes over ejected upstreams
+// itself (with outlier ejection or slow start, when it keeps their
+// state), so that a handler that builds the pool (partition) hands it
+// every upstream, for the panic threshold to count them.
+func (s *ConsistentHashSelection) SkipsEjected() bool { return s.observes() }
+
+// observes reports whether the policy observes its handler's traffic:
+// it has outlier ejection or slow start.
+func (s *ConsistentHashSelection) observes() bool { return s.Outlier != nil || s.SlowStart != nil }
 
 // Validate checks the configuration.
 func (s *ConsistentHashSelection) Validate() error {
@@ -198,6 +283,16 @@ func (s *ConsistentHashSelection) Validate() error {
 	}
 	if s.PanicThreshold != nil {
 		if err := bounds.Percent("panic_threshold", *s.PanicThreshold); err != nil {
+			return fmt.Errorf("consistent_hash: %v", err)
+		}
+	}
+	if s.SlowStart != nil {
+		if err := s.SlowStart.validate(); err != nil {
+			return fmt.Errorf("consistent_hash: %v", err)
+		}
+	}
+	if s.Outlier != nil {
+		if err := s.Outlier.validate(); err != nil {
 			return fmt.Errorf("consistent_hash: %v", err)
 		}
 	}
@@ -241,19 +336,60 @@ func (s *ConsistentHashSelection) Select(pool reverseproxy.UpstreamPool, r *http
 func (s *ConsistentHashSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request, tried *Tried) *reverseproxy.Upstream {
 	v := s.views.get(pool, s.buildView)
 	now := monoclock.Now()
-	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, now), tried: tried}
+	if s.SlowStart != nil && s.panic.threshold <= 0 {
+		// the count is also what notices upstreams coming back from
+		// Caddy-unhealthy; panic mode does it otherwise
+		v.availability(pool, now)
+	}
+	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, now), tried: tried, now: now}
+	if !cp.panic {
+		// in panic mode health is ignored, ejection and ramps with it:
+		// too few upstreams look available to hold any back
+		cp.members, cp.ramp = v.members, s.SlowStart
+	}
 	ring := v.ring
 	h, ok := s.key.hash(r)
-	var i int
 	if ok {
-		i = pickBounded(ring, h, s.BalanceFactor, cp, cp.panic, now)
+		cp.admit = keyDraw(h)
 	} else {
-		i = leastLoaded(ring, cp, rand.IntN(len(pool)))
+		cp.admit = rand.Float64()
+	}
+	i := s.pick(ring, h, ok, cp)
+	if i < 0 && cp.ramp != nil {
+		// only ramping upstreams that passed this key on are usable: a
+		// ramp shapes shares, it never refuses a request
+		cp.ramp = nil
+		i = s.pick(ring, h, ok, cp)
 	}
 	if i < 0 {
 		return nil
 	}
 	return pool[i]
+}
+
+// pick is the ring's choice for a key that hashes to h (ok: the key is
+// not empty), or the least loaded member for an empty key.
+func (s *ConsistentHashSelection) pick(ring *hashRing, h uint64, ok bool, cp caddyPool) int {
+	if ok {
+		return pickBounded(ring, h, s.BalanceFactor, cp, cp.panic, cp.now)
+	}
+	return leastLoaded(ring, cp, rand.IntN(len(cp.pool)))
+}
+
+// keyDraw maps a key's hash to a number in [0, 1), the key's slow-start
+// draw: the same for every request of the key, so that a key a ramping
+// upstream has taken back stays with it as the ramp rises (its cache
+// stays useful), and independent of the key's place on the ring (the
+// hash is mixed again, with SplitMix64's finalizer), so that which keys
+// an upstream takes back does not depend on which of its points they
+// fall on.
+func keyDraw(h uint64) float64 {
+	h ^= h >> 30
+	h *= 0xbf58476d1ce4e5b9
+	h ^= h >> 27
+	h *= 0x94d049bb133111eb
+	h ^= h >> 31
+	return float64(h>>11) / (1 << 53)
 }
 
 // avoidsTried implements triedAvoider.
@@ -280,6 +416,15 @@ func (s *ConsistentHashSelection) buildView(pool reverseproxy.UpstreamPool) *poo
 		}
 	}
 	v.ring = newHashRing(dials, weights)
+	if s.table != nil {
+		v.members = make([]member, len(pool))
+		for i, u := range pool {
+			v.members[i].stats, v.members[i].invWeight = s.table.Stats(u.Dial), 1
+		}
+		if s.SlowStart != nil {
+			s.SlowStart.watch(v, s.logger)
+		}
+	}
 	return v
 }
 
@@ -342,6 +487,10 @@ func newHashRing(dials []string, weights []int) *hashRing {
 type hashPool interface {
 	load(i int) int
 	usable(i int) bool
+	// admits reports whether usable member i takes this key: a
+	// ramping member passes some keys on (see ConsistentHashSelection's
+	// slow_start). Totals are over usable members, admitted or not.
+	admits(i int) bool
 	// shared reports whether usable is the same for every request of the
 	// pool (not a retry's, which leaves out what it tried), so that
 	// totals over it may be cached for the pool.
@@ -351,11 +500,18 @@ type hashPool interface {
 // caddyPool is a Caddy upstream pool as a hashPool. In panic mode health
 // is ignored: only a member full by its max_requests is left out. The
 // members a retry already tried (tried, nil on a first attempt) are left
-// out too.
+// out too, and, with members set (outlier ejection or slow start, outside
+// panic mode), the ejected ones.
 type caddyPool struct {
-	pool  reverseproxy.UpstreamPool
-	panic bool
-	tried *Tried
+	pool    reverseproxy.UpstreamPool
+	panic   bool
+	tried   *Tried
+	members []member
+	now     int64
+	// ramp, when set, is the slow start, and admit the key's draw: a
+	// ramping member admits the key when admit is below its factor
+	ramp  *SlowStart
+	admit float64
 }
 
 func (p caddyPool) load(i int) int { return p.pool[i].NumRequests() }
@@ -369,7 +525,18 @@ func (p caddyPool) usable(i int) bool {
 	if p.panic {
 		return !p.pool[i].Full()
 	}
+	if p.members != nil && p.members[i].stats.Ejected(p.now) {
+		return false
+	}
 	return p.pool[i].Available()
+}
+
+func (p caddyPool) admits(i int) bool {
+	if p.ramp == nil {
+		return true
+	}
+	start := p.members[i].stats.RampStart(p.now)
+	return !p.ramp.ramping(start, p.now) || p.admit < p.ramp.factor(start, p.now)
 }
 
 // Walking the ring. The bounds add up to more than the load, and with
@@ -446,7 +613,7 @@ func pickBounded[P hashPool](r *hashRing, h uint64, c float64, p P, panicking bo
 			j -= len(r.points)
 		}
 		i := int(r.owner[j])
-		if p.usable(i) && float64(p.load(i)) < math.Ceil(per*r.weights[i]) {
+		if p.usable(i) && float64(p.load(i)) < math.Ceil(per*r.weights[i]) && p.admits(i) {
 			return i
 		}
 	}
@@ -461,7 +628,7 @@ func leastLoaded[P hashPool](r *hashRing, p P, start int) int {
 	best, bestCost := -1, math.Inf(1)
 	for k := range n {
 		i := (start + k) % n
-		if !p.usable(i) {
+		if !p.usable(i) || !p.admits(i) {
 			continue
 		}
 		if cost := float64(p.load(i)+1) / r.weights[i]; cost < bestCost {
@@ -647,8 +814,19 @@ func (s *ConsistentHashSelection) poolStatuses() []poolStatus {
 			Panic:          v.panic.on.Load(),
 			PanicEntered:   v.panic.entered.Load(),
 		}
+		now := monoclock.Now()
+		if s.SlowStart != nil {
+			status.SlowStart = time.Duration(s.SlowStart.Window).String()
+		}
 		for i, u := range v.ups {
-			status.Upstreams = append(status.Upstreams, poolMember{Dial: u.Dial, Weight: v.ring.weights[i], Healthy: u.Healthy(), Available: u.Available()})
+			m := poolMember{Dial: u.Dial, Weight: v.ring.weights[i], Healthy: u.Healthy(), Available: u.Available()}
+			if v.members != nil {
+				m.Available = m.Available && !v.members[i].stats.Ejected(now)
+				if s.SlowStart != nil {
+					m.SlowStartPercent = s.SlowStart.percent(v.members[i].stats, now)
+				}
+			}
+			status.Upstreams = append(status.Upstreams, m)
 		}
 		pools = append(pools, status)
 	}

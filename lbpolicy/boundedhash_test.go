@@ -31,6 +31,7 @@ type fakePool struct {
 
 func (p *fakePool) load(i int) int    { return p.loads[i] }
 func (p *fakePool) usable(i int) bool { return p.down == nil || !p.down[i] }
+func (p *fakePool) admits(int) bool   { return true }
 func (p *fakePool) shared() bool      { return true }
 
 func newFakePool(n int) *fakePool { return &fakePool{loads: make([]int, n), down: make([]bool, n)} }
@@ -454,6 +455,12 @@ func TestConsistentHashCaddyfile(t *testing.T) {
 		{in: "consistent_hash {\n panic_threshold 200\n}", err: "panic_threshold \"200\""},
 		{in: "consistent_hash {\n weights 1\n weights 2\n}", err: "specified more than once"},
 		{in: "consistent_hash {\n choices 2\n}", err: `unknown option "choices"`},
+		{in: "consistent_hash {\n outlier {\n  consecutive_failures 3\n }\n slow_start 30s {\n  min_weight 20\n  aggression 2\n }\n}", want: `{"outlier":{"consecutive_failures":3},"slow_start":{"window":30000000000,"min_weight_percent":20,"aggression":2}}`},
+		{in: "consistent_hash {\n slow_start 30s\n}", want: `{"slow_start":{"window":30000000000}}`},
+		{in: "consistent_hash {\n slow_start\n}", err: "lb_policy consistent_hash: slow_start: missing value, at Testfile:2"},
+		{in: "consistent_hash {\n slow_start 30s {\n  min_weight 0\n }\n}", err: "lb_policy consistent_hash: slow_start: min_weight_percent must be above 0%: a host at weight 0 would never be tried, at Testfile:3"},
+		{in: "consistent_hash {\n outlier {\n  consecutive_failures 0\n }\n}", err: "lb_policy consistent_hash: outlier: consecutive_failures 0 is below the minimum 1, at Testfile:3"},
+		{in: "consistent_hash {\n outlier\n outlier\n}", err: "lb_policy consistent_hash: outlier specified more than once, at Testfile:3"},
 		{in: "consistent_hash a b", err: `unexpected argument "b"`},
 	} {
 		var s ConsistentHashSelection

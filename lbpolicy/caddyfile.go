@@ -126,6 +126,11 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		balance_factor  <factor>
 //		weights         <w1> <w2> ...
 //		panic_threshold <percent>|off
+//		outlier { <as in least_time> }
+//		slow_start <window> [{
+//			min_weight <percent>
+//			aggression <number>
+//		}]
 //	}
 func (s *ConsistentHashSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // the policy's name
@@ -156,8 +161,18 @@ func (s *ConsistentHashSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) err
 				return err
 			}
 			s.PanicThreshold = &p
+		case "outlier":
+			s.Outlier = new(Outlier)
+			if err := s.Outlier.unmarshalCaddyfile(d, what+": outlier"); err != nil {
+				return err
+			}
+		case "slow_start":
+			s.SlowStart = new(SlowStart)
+			if err := s.SlowStart.unmarshalCaddyfile(d, what); err != nil {
+				return err
+			}
 		default:
-			return caddyopt.Unknown(d, what, "balance_factor", "weights", "panic_threshold")
+			return caddyopt.Unknown(d, what, "balance_factor", "weights", "panic_threshold", "outlier", "slow_start")
 		}
 		return nil
 	})
@@ -170,6 +185,10 @@ func (s *ConsistentHashSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) err
 //		threshold <percent>|off
 //		outlier { <as in least_time> }
 //		load_reports { <as in least_time> }
+//		slow_start <window> [{
+//			min_weight <percent>
+//			aggression <number>
+//		}]
 //		policy    <name> [<args...>] [{
 //			<policy options>
 //		}]
@@ -194,6 +213,11 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := p.LoadReports.unmarshalCaddyfile(d, what); err != nil {
 				return err
 			}
+		case "slow_start":
+			p.SlowStart = new(SlowStart)
+			if err := p.SlowStart.unmarshalCaddyfile(d, what); err != nil {
+				return err
+			}
 		case "policy":
 			// The policy's own unmarshaler reads the rest of the line.
 			if !d.NextArg() {
@@ -215,7 +239,7 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			p.PolicyRaw = caddyconfig.JSONModuleObject(sel, "policy", name, nil)
 			p.inner = sel // for the checks below; Provision loads it again
 		default:
-			return caddyopt.Unknown(d, what, "threshold", "outlier", "load_reports", "policy")
+			return caddyopt.Unknown(d, what, "threshold", "outlier", "load_reports", "slow_start", "policy")
 		}
 		if err := p.misplaced(false); err != nil {
 			return d.Err(err.Error())

@@ -178,7 +178,7 @@ func TestPanicUnmarshalCaddyfile(t *testing.T) {
 		},
 
 		{name: "argument after the name", input: "panic least_conn", err: `lb_policy panic: unexpected argument "least_conn"; options go in a block, at Testfile:1`},
-		{name: "unknown option", input: "panic {\n\tfallback least_conn\n}", err: `lb_policy panic: unknown option "fallback" (want threshold, outlier, load_reports or policy), at Testfile:2`},
+		{name: "unknown option", input: "panic {\n\tfallback least_conn\n}", err: `lb_policy panic: unknown option "fallback" (want threshold, outlier, load_reports, slow_start or policy), at Testfile:2`},
 
 		{name: "threshold missing", input: "panic {\n\tthreshold\n}", err: "lb_policy panic: threshold: missing value, at Testfile:2"},
 		{name: "threshold over 100", input: "panic {\n\tthreshold 150%\n}", err: `lb_policy panic: threshold "150%": want a percentage from 0% to 100%, or 'off', at Testfile:2`},

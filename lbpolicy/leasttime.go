@@ -447,47 +447,9 @@ func (s *LeastTimeSelection) buildView(pool reverseproxy.UpstreamPool) *poolView
 		}
 	}
 	if s.SlowStart != nil {
-		v.returned = s.startRamp
-		s.rampNewMembers(v)
+		s.SlowStart.watch(v, s.logger)
 	}
 	return v
-}
-
-// rampNewMembers starts the slow start of members that have never served
-// a request, provided some other member has: joining a pool that serves.
-// When the whole pool is new nobody ramps.
-func (s *LeastTimeSelection) rampNewMembers(v *poolView) {
-	serving := false
-	for i := range v.members {
-		if v.members[i].stats.Served() {
-			serving = true
-			break
-		}
-	}
-	if !serving {
-		return
-	}
-	now := monoclock.Now()
-	for i := range v.members {
-		if v.members[i].stats.StartRampIfNew(now) {
-			s.logRamp(v.ups[i].Dial, "new")
-		}
-	}
-}
-
-// startRamp starts the slow start of member i of v, back from being
-// unhealthy in Caddy's eyes.
-func (s *LeastTimeSelection) startRamp(v *poolView, i int, now int64) {
-	v.members[i].stats.StartRamp(now)
-	s.logRamp(v.ups[i].Dial, "healthy_again")
-}
-
-func (s *LeastTimeSelection) logRamp(dial, why string) {
-	if ce := s.logger.Check(zap.InfoLevel, "upstream slow start"); ce != nil {
-		ce.Write(zap.String("upstream", dial), zap.String("reason", why),
-			zap.Stringer("window", time.Duration(s.SlowStart.Window)),
-			zap.Float64("min_weight_percent", *s.SlowStart.MinWeightPercent))
-	}
 }
 
 // clockRefresh: without an observing transport (outside reverse_proxy),
@@ -621,10 +583,7 @@ func (s *LeastTimeSelection) statusOf(v *poolView, withBudget bool) poolStatus {
 			EstimateMs: &est,
 		}
 		if s.SlowStart != nil {
-			if f := s.SlowStart.factor(st.RampStart(now), now); f < 1 {
-				pct := f * 100
-				m.SlowStartPercent = &pct
-			}
+			m.SlowStartPercent = s.SlowStart.percent(st, now)
 		}
 		status.Upstreams = append(status.Upstreams, m)
 	}

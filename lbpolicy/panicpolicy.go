@@ -4,11 +4,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
 	"github.com/caddy-lbx/lbx/internal/events"
@@ -51,11 +54,21 @@ type PanicSelection struct {
 	// policy instead. The wrapped stock policy does not use the reports.
 	LoadReports *LoadReports `json:"load_reports,omitempty"`
 
+	// Slow start for the wrapped policy: an upstream that joins a pool
+	// already serving, comes back healthy after Caddy's active or passive
+	// health checks marked it unhealthy, or comes back from an outlier
+	// ejection gets a share that ramps up over the window instead of its
+	// full share at once. Off when absent. While the pool is in panic
+	// mode no ramp is applied. Not allowed around least_time (or ewma),
+	// which takes its own slow_start.
+	SlowStart *SlowStart `json:"slow_start,omitempty"`
+
 	inner     reverseproxy.Selector
 	innerName string
 	views     views
 	panic     panicMode
-	table     *hoststate.Table // nil without outlier ejection
+	table     *hoststate.Table // nil without outlier ejection and slow start
+	logger    *zap.Logger
 	observer  *observingTransport
 	// trackTried: the handler can retry, and the wrapped policy does not
 	// avoid the upstreams a request tried by itself, so the wrapper
@@ -104,19 +117,30 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		return err
 	}
 	emitter := events.New(ctx)
+	p.logger = ctx.Logger()
 	p.panic = newPanicMode(p.Threshold, "panic("+p.innerName+")", ctx.Logger(), emitter)
+	if p.SlowStart != nil {
+		p.SlowStart.provision()
+	}
 	if p.Outlier != nil {
 		p.Outlier.provision(ctx.Logger(), emitter)
 		p.LoadReports = loadReportsOrDefault(p.LoadReports)
+	}
+	if p.observes() {
 		// Validated before install starts the sweep loop (see least_time).
 		if err := p.Validate(); err != nil {
 			return err
 		}
+		// Slow start needs the table too, with outlier ejection or not:
+		// it is where an upstream's ramp start and the end of its
+		// ejection are kept, and the observed traffic is what tells an
+		// upstream new to a serving pool (it has served nothing) from
+		// one that served before a reload.
 		p.table = hoststate.NewTable(hoststate.Config{})
 		h, err := install(ctx, p.table, p.Outlier, p.LoadReports)
 		switch {
 		case errors.Is(err, errNoProxyHandler):
-			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection has no traffic to judge")
+			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection and slow start have no traffic to observe")
 		case err != nil:
 			return err
 		default:
@@ -138,10 +162,14 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 // linger is how long the policy keeps the view of a pool no longer
 // offered, and the state of its addresses (see lingerFor).
 func (p *PanicSelection) linger() time.Duration {
+	var w []time.Duration
 	if p.Outlier != nil {
-		return lingerFor(time.Duration(p.Outlier.Interval))
+		w = append(w, time.Duration(p.Outlier.Interval))
 	}
-	return lingerFor()
+	if p.SlowStart != nil {
+		w = append(w, time.Duration(p.SlowStart.Window))
+	}
+	return lingerFor(w...)
 }
 
 // misplaced is the rule for what the panic policy observes itself:
@@ -158,6 +186,10 @@ func (p *PanicSelection) misplaced(complete bool) error {
 	switch {
 	case leastTime && p.Outlier != nil:
 		return fmt.Errorf("panic: configure outlier ejection inside the %s policy, not around it", lt.leastTime().policyName())
+	case p.observes() && observesItself(p.inner):
+		return errors.New("panic: the wrapped consistent_hash policy has its own outlier or slow_start; configure them in one of the two, not both")
+	case leastTime && p.SlowStart != nil:
+		return fmt.Errorf("panic: configure slow_start inside the %s policy, not around it", lt.leastTime().policyName())
 	case leastTime && p.LoadReports != nil:
 		return fmt.Errorf("panic: configure load_reports inside the %s policy, not around it", lt.leastTime().policyName())
 	case p.LoadReports != nil && p.LoadReports.Probe != nil:
@@ -168,7 +200,20 @@ func (p *PanicSelection) misplaced(complete bool) error {
 	return nil
 }
 
-// Validate checks the threshold and the outlier ejection.
+// observes reports whether the panic policy observes the traffic itself:
+// it has outlier ejection or slow start.
+func (p *PanicSelection) observes() bool { return p.Outlier != nil || p.SlowStart != nil }
+
+// observesItself reports whether sel, a wrapped policy other than
+// least_time, observes its handler's traffic itself (a handler's traffic
+// is observed by one module, with one table of upstream state).
+func observesItself(sel reverseproxy.Selector) bool {
+	ch, ok := sel.(*ConsistentHashSelection)
+	return ok && ch.observes()
+}
+
+// Validate checks the threshold, the load reports, slow start and the
+// outlier ejection.
 func (p *PanicSelection) Validate() error {
 	if p.Threshold != nil {
 		if err := bounds.Percent("threshold", *p.Threshold); err != nil {
@@ -177,6 +222,11 @@ func (p *PanicSelection) Validate() error {
 	}
 	if p.LoadReports != nil {
 		if err := p.LoadReports.validate(); err != nil {
+			return fmt.Errorf("panic: %v", err)
+		}
+	}
+	if p.SlowStart != nil {
+		if err := p.SlowStart.validate(); err != nil {
 			return fmt.Errorf("panic: %v", err)
 		}
 	}
@@ -228,19 +278,24 @@ func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request,
 	now := monoclock.Now()
 	if !p.panic.check(v, pool, now) {
 		if v.keepUnejected {
-			v.availability(pool, now) // fresh even when panic mode is off
+			// fresh even when panic mode is off; the count is also what
+			// notices upstreams back from Caddy-unhealthy, for slow start
+			v.availability(pool, now)
 			if kept := v.unejected.Load(); kept != nil {
 				if !v.matches(pool) {
 					// the view was found by dial addresses: these are
 					// fresh Upstream values, filter them instead
-					return p.selectUntried(v.withoutEjected(pool, now), r, w, tried)
+					return p.selectUntried(v.withoutEjected(pool, now), r, w, tried, now)
 				}
-				return p.selectUntried(*kept, r, w, tried)
+				return p.selectUntried(*kept, r, w, tried, now)
 			}
 		}
-		return p.selectUntried(pool, r, w, tried)
+		return p.selectUntried(pool, r, w, tried, now)
 	}
-	picked := p.selectUntried(v.shadows, r, w, tried)
+	// In panic mode no ramp is applied: too few upstreams look
+	// available, and holding a returning one back would push its share
+	// onto a pool already short of capacity.
+	picked := p.selectUntried(v.shadows, r, w, tried, 0)
 	if picked == nil {
 		return nil
 	}
@@ -252,16 +307,76 @@ func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request,
 
 // selectUntried has the wrapped policy choose among the members of ups
 // the request has not tried, and among all of them when it chooses none
-// of those (none is left, or none is usable).
-func (p *PanicSelection) selectUntried(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
+// of those (none is left, or none is usable). With slow start and a
+// non-zero now (0 in panic mode), ramps apply (see ramped).
+func (p *PanicSelection) selectUntried(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried *Tried, now int64) *reverseproxy.Upstream {
 	if tried != nil {
 		if rest := tried.without(ups); rest != nil {
-			if picked := p.inner.Select(rest, r, w); picked != nil {
+			if picked := p.ramped(rest, r, w, now); picked != nil {
 				return picked
 			}
 		}
 	}
-	return p.inner.Select(ups, r, w)
+	return p.ramped(ups, r, w, now)
+}
+
+// maxRampAsks bounds how many times one selection asks the wrapped policy
+// again after passing over a ramping upstream: each ask leaves out one
+// more upstream, and a pool with several ramping at once must still be
+// served in a few steps.
+const maxRampAsks = 4
+
+// ramped has the wrapped policy choose among ups and applies slow start
+// to its choice: a ramping upstream is kept with probability its ramp
+// factor, else the wrapped policy is asked again over ups without it.
+//
+// The wrapped policy is any stock policy, which knows nothing of weights
+// that change over time; filtering its choice after the fact works with
+// every one of them, and an upstream it would have given a share s then
+// gets about factor × s, as in least_time (whose admission draw does the
+// same). Its keys, connection counts or cookies stay the wrapped policy's
+// business: asking again over the rest is how that policy would choose
+// were the upstream unavailable. A ramp shapes shares and never refuses a
+// request: when the asks run out, or only passed-over upstreams are
+// usable, the first choice stands.
+func (p *PanicSelection) ramped(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, now int64) *reverseproxy.Upstream {
+	first := p.inner.Select(ups, r, w)
+	if first == nil || p.SlowStart == nil || now == 0 || !p.passOver(first, now) {
+		return first
+	}
+	rest := make([]*reverseproxy.Upstream, 0, len(ups)-1)
+	for _, u := range ups {
+		if u != first {
+			rest = append(rest, u)
+		}
+	}
+	for range maxRampAsks {
+		if len(rest) == 0 {
+			break
+		}
+		picked := p.inner.Select(rest, r, w)
+		if picked == nil {
+			break
+		}
+		if !p.passOver(picked, now) {
+			return picked
+		}
+		if i := slices.Index(rest, picked); i >= 0 {
+			rest = slices.Delete(rest, i, i+1)
+		}
+	}
+	return first
+}
+
+// passOver draws whether slow start passes over u, a choice of the wrapped
+// policy, at now: with probability 1 − its ramp factor while it ramps.
+func (p *PanicSelection) passOver(u *reverseproxy.Upstream, now int64) bool {
+	stats, ok := p.table.Lookup(u.Dial)
+	if !ok {
+		return false
+	}
+	start := stats.RampStart(now)
+	return p.SlowStart.ramping(start, now) && rand.Float64() >= p.SlowStart.factor(start, now)
 }
 
 // viewFor returns the view of pool, building the twins the wrapped policy
@@ -287,7 +402,12 @@ func (p *PanicSelection) buildView(pool reverseproxy.UpstreamPool) *poolView {
 		for i, u := range pool {
 			v.members[i].stats, v.members[i].invWeight = p.table.Stats(u.Dial), 1
 		}
+		// ejection state is per address: an upstream another lbx
+		// policy's detector ejected is hidden too, as least_time does
 		v.keepUnejected = true
+		if p.SlowStart != nil {
+			p.SlowStart.watch(v, p.logger)
+		}
 	}
 	return v
 }
@@ -311,9 +431,16 @@ func (p *PanicSelection) statusOf(v *poolView) poolStatus {
 		PanicEntered:   v.panic.entered.Load(),
 	}
 	now := monoclock.Now()
+	if p.SlowStart != nil {
+		status.SlowStart = time.Duration(p.SlowStart.Window).String()
+	}
 	for i, u := range v.ups {
 		avail := u.Available() && (v.members == nil || !v.members[i].stats.Ejected(now))
-		status.Upstreams = append(status.Upstreams, poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail})
+		m := poolMember{Dial: u.Dial, Weight: 1, Healthy: u.Healthy(), Available: avail}
+		if p.SlowStart != nil {
+			m.SlowStartPercent = p.SlowStart.percent(v.members[i].stats, now)
+		}
+		status.Upstreams = append(status.Upstreams, m)
 	}
 	return status
 }

@@ -268,11 +268,7 @@ func (s *LeastTimeSelection) describe(v, sub *poolView) poolStatus {
 	st.Available = v.availableNow()
 	st.Panic = v.panic.on.Load()
 	st.PanicEntered = v.panic.entered.Load()
-	var ramping func(int) bool
-	if s.SlowStart != nil {
-		ramping = func(i int) bool { return s.SlowStart.factor(v.members[i].stats.RampStart(now), now) < 1 }
-	}
-	st.States = v.countStates(now, ramping)
+	st.States = v.countStates(now, s.SlowStart.rampingIn(v, now))
 	for i := range st.Upstreams {
 		m, stats := &st.Upstreams[i], sub.members[i].stats
 		if stats.Ejected(now) {
@@ -293,7 +289,7 @@ func (p *PanicSelection) describe(v, sub *poolView) poolStatus {
 	st.Available = v.availableNow()
 	st.Panic = v.panic.on.Load()
 	st.PanicEntered = v.panic.entered.Load()
-	st.States = v.countStates(monoclock.Now(), nil)
+	st.States = v.countStates(monoclock.Now(), p.SlowStart.rampingIn(v, monoclock.Now()))
 	return st
 }
 

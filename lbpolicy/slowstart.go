@@ -6,9 +6,12 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
 
 	"github.com/caddy-lbx/lbx/internal/bounds"
+	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
+	"github.com/caddy-lbx/lbx/internal/monoclock"
 )
 
 // SlowStart ramps up the share of an upstream that joins a pool already
@@ -131,4 +134,71 @@ func (s *SlowStart) factor(start, now int64) float64 {
 		f = math.Pow(f, s.exponent)
 	}
 	return max(f, s.floor)
+}
+
+// watch sets up the ramps of a new view's members (v.members must be
+// set): members new to a pool already serving start theirs now, and a
+// count that sees a member healthy again after it was unhealthy starts
+// its ramp then (see poolView.noteHealth). The end of an ejection needs
+// nothing here: RampStart reads it from the member's state. Every policy
+// with slow start builds its views through this, so the triggers are the
+// same everywhere.
+func (s *SlowStart) watch(v *poolView, logger *zap.Logger) {
+	v.returned = func(v *poolView, i int, now int64) {
+		v.members[i].stats.StartRamp(now)
+		s.logRamp(logger, v.ups[i].Dial, "healthy_again")
+	}
+	s.rampNewMembers(v, logger)
+}
+
+// rampNewMembers starts the slow start of members that have never served
+// a request, provided some other member has: joining a pool that serves.
+// When the whole pool is new nobody ramps.
+func (s *SlowStart) rampNewMembers(v *poolView, logger *zap.Logger) {
+	serving := false
+	for i := range v.members {
+		if v.members[i].stats.Served() {
+			serving = true
+			break
+		}
+	}
+	if !serving {
+		return
+	}
+	now := monoclock.Now()
+	for i := range v.members {
+		if v.members[i].stats.StartRampIfNew(now) {
+			s.logRamp(logger, v.ups[i].Dial, "new")
+		}
+	}
+}
+
+// logRamp logs the start of an upstream's ramp, once per start.
+func (s *SlowStart) logRamp(logger *zap.Logger, dial, why string) {
+	if ce := logger.Check(zap.InfoLevel, "upstream slow start"); ce != nil {
+		ce.Write(zap.String("upstream", dial), zap.String("reason", why),
+			zap.Stringer("window", time.Duration(s.Window)),
+			zap.Float64("min_weight_percent", *s.MinWeightPercent))
+	}
+}
+
+// percent returns the effective weight of the upstream whose state is
+// stats at now, in percent of its weight, for reports; nil when it is not
+// ramping.
+func (s *SlowStart) percent(stats *hoststate.Stats, now int64) *float64 {
+	f := s.factor(stats.RampStart(now), now)
+	if f >= 1 {
+		return nil
+	}
+	pct := f * 100
+	return &pct
+}
+
+// rampingIn returns, for reports, whether member i of v is ramping at
+// now; nil when s is nil (slow start off) or v has no member state.
+func (s *SlowStart) rampingIn(v *poolView, now int64) func(i int) bool {
+	if s == nil || v.members == nil {
+		return nil
+	}
+	return func(i int) bool { return s.factor(v.members[i].stats.RampStart(now), now) < 1 }
 }

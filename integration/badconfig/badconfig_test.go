@@ -111,6 +111,14 @@ const baseline = `{
 				balance_factor 1.5
 				weights 1 2
 				panic_threshold 40%
+				outlier {
+					consecutive_failures 5
+					interval 10s
+				}
+				slow_start 10s {
+					min_weight 10%
+					aggression 1.5
+				}
 			}
 		}
 	}
@@ -121,6 +129,10 @@ const baseline = `{
 				outlier {
 					consecutive_failures 5
 					interval 10s
+				}
+				slow_start 10s {
+					min_weight 10%
+					aggression 1.5
 				}
 				policy least_conn
 			}

@@ -33,6 +33,7 @@ func (s *server) namedCases() []badCase {
 		return o["policy"] == "ewma" && o["outlier"] != nil && o["weights"] != nil
 	}
 	panicPolicy := func(o map[string]any) bool { return o["policy"] == "panic" }
+	hash := func(o map[string]any) bool { return o["policy"] == "consistent_hash" }
 	partition := func(o map[string]any) bool {
 		return o["handler"] == "partition" && o["upstreams"] != nil && o["proxy"] != nil
 	}
@@ -53,6 +54,10 @@ func (s *server) namedCases() []badCase {
 		s.jsonCase("ewma outlier interval -1s", "interval -1s", set(ewma, "outlier.interval", "-1s")),
 		s.jsonCase("ewma outlier interval -1 (ns)", "interval -1ns", set(ewma, "outlier.interval", -1)),
 		s.jsonCase("panic outlier interval -1s", "interval -1s", set(panicPolicy, "outlier.interval", "-1s")),
+		s.jsonCase("panic slow_start window -1s", "window -1s", set(panicPolicy, "slow_start.window", "-1s")),
+		s.jsonCase("consistent_hash outlier interval -1s", "interval -1s", set(hash, "outlier.interval", "-1s")),
+		s.jsonCase("consistent_hash slow_start min_weight_percent 0", "min_weight_percent must be above 0%",
+			set(hash, "slow_start.min_weight_percent", 0)),
 		s.jsonCase("partition proxy ewma outlier interval -1s", "interval -1s",
 			set(partition, "proxy.load_balancing.selection_policy.outlier.interval", "-1s")),
 		s.jsonCase("ewma outlier interval 1ns", "interval 1ns", set(ewma, "outlier.interval", 1)),
