@@ -14,24 +14,41 @@ import (
 // then healthy again, a share that rises over the slow-start window,
 // measured per second: well below full in the first second, full after
 // the window.
+//
+// Under round_robin and under least_conn with requests held long enough
+// that several are in flight: a returning upstream holds fewer, so
+// least_conn offers it at nearly every choice, which a draw alone would
+// not hold to the ramp.
 func TestPanicSlowStartHealthyAgain(t *testing.T) {
+	for _, tc := range []struct {
+		policy string
+		delay  time.Duration
+	}{
+		{"round_robin", 2 * time.Millisecond},
+		{"least_conn", 25 * time.Millisecond},
+	} {
+		t.Run(tc.policy, func(t *testing.T) { panicSlowStartHealthyAgain(t, tc.policy, tc.delay) })
+	}
+}
+
+func panicSlowStartHealthyAgain(t *testing.T, policy string, delay time.Duration) {
 	e := newEnv(t)
 	bs := e.startBackends(4)
 	back := bs[3]
 	for _, b := range bs {
-		b.delay.Store(int64(2 * time.Millisecond))
+		b.delay.Store(int64(delay))
 	}
 	const window = 5 * time.Second
 	e.load(fmt.Sprintf(`reverse_proxy %s {
 	lb_policy panic {
 		slow_start %v
-		policy round_robin
+		policy %s
 	}
 	health_uri /health
 	health_interval 50ms
 	health_fails 1
 	health_passes 1
-}`, dials(bs...), window))
+}`, dials(bs...), window, policy))
 	waitFor(t, 10*time.Second, "every backend to serve", func() (bool, string) {
 		e.drive("/", 20, 2)
 		hits := []int64{bs[0].hits.Load(), bs[1].hits.Load(), bs[2].hits.Load(), bs[3].hits.Load()}
@@ -105,11 +122,11 @@ func TestPanicSlowStartHealthyAgain(t *testing.T) {
 	for s := range seconds {
 		rel[s] = float64(onIt[s]) / float64(max(total[s], 1)) * 4
 	}
-	t.Logf("returning backend's share per second, relative to a full share, over a %v ramp: %.2f", window, rel)
-	// round_robin gives an upstream ramping at factor f (of 4) the share
-	// of weight f: 4f/(3+f) of full. Over the first second of a 5 s
-	// ramp, f is at most 0.2: at most 0.24 of full; 0.45 leaves room for
-	// the noise of ~60 requests a second.
+	t.Logf("%s: returning backend's share per second, relative to a full share, over a %v ramp: %.2f", policy, window, rel)
+	// An upstream ramping at factor f (of 4) gets at most the share of
+	// weight f: 4f/(3+f) of full. Over the first second of a 5 s ramp, f
+	// is at most 0.2: at most 0.24 of full; 0.45 leaves room for the
+	// noise of ~60 requests a second.
 	if rel[0] > 0.45 {
 		t.Errorf("first second: %.2f of a full share, want well below full", rel[0])
 	}

@@ -332,17 +332,19 @@ const maxRampAsks = 4
 //
 // The wrapped policy is any stock policy, which knows nothing of weights
 // that change over time; filtering its choice after the fact works with
-// every one of them, and an upstream it would have given a share s then
-// gets about factor × s, as in least_time (whose admission draw does the
-// same). Its keys, connection counts or cookies stay the wrapped policy's
+// every one of them (see passOver for how much a ramping upstream then
+// gets). Its keys, connection counts or cookies stay the wrapped policy's
 // business: asking again over the rest is how that policy would choose
 // were the upstream unavailable. A ramp shapes shares and never refuses a
 // request: when the asks run out, or only passed-over upstreams are
 // usable, the first choice stands.
 func (p *PanicSelection) ramped(ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, now int64) *reverseproxy.Upstream {
 	first := p.inner.Select(ups, r, w)
-	if first == nil || p.SlowStart == nil || now == 0 || !p.passOver(first, now) {
+	if first == nil || p.SlowStart == nil || now == 0 {
 		return first
+	}
+	if !p.passOver(first, ups, now) {
+		return p.counted(first, now)
 	}
 	rest := make([]*reverseproxy.Upstream, 0, len(ups)-1)
 	for _, u := range ups {
@@ -358,25 +360,59 @@ func (p *PanicSelection) ramped(ups []*reverseproxy.Upstream, r *http.Request, w
 		if picked == nil {
 			break
 		}
-		if !p.passOver(picked, now) {
-			return picked
+		if !p.passOver(picked, ups, now) {
+			return p.counted(picked, now)
 		}
 		if i := slices.Index(rest, picked); i >= 0 {
 			rest = slices.Delete(rest, i, i+1)
 		}
 	}
-	return first
+	return p.counted(first, now)
 }
 
-// passOver draws whether slow start passes over u, a choice of the wrapped
-// policy, at now: with probability 1 − its ramp factor while it ramps.
-func (p *PanicSelection) passOver(u *reverseproxy.Upstream, now int64) bool {
+// counted counts u's pick for the ramp cap and returns it.
+func (p *PanicSelection) counted(u *reverseproxy.Upstream, now int64) *reverseproxy.Upstream {
+	if stats, ok := p.table.Lookup(u.Dial); ok {
+		stats.CountPick(now)
+	}
+	return u
+}
+
+// passOver decides whether slow start passes over u, a choice of the
+// wrapped policy among ups, at now. While u ramps, with factor f:
+//   - a draw passes over it with probability 1 − f, which is all a policy
+//     blind to load needs (random: f × its share);
+//   - and it is held to f times the recent picks of the others in ups,
+//     on average (plus one, so that a ramp at a trickle of traffic is not
+//     starved), because the draw alone does not hold a policy that
+//     seeks the least loaded: a ramping upstream holds fewer requests,
+//     least_conn offers it at nearly every choice, and the draw then
+//     lets through f of all picks, not f of its share. round_robin,
+//     whose turn comes round sooner after a pass, is held to f too.
+func (p *PanicSelection) passOver(u *reverseproxy.Upstream, ups []*reverseproxy.Upstream, now int64) bool {
 	stats, ok := p.table.Lookup(u.Dial)
 	if !ok {
 		return false
 	}
 	start := stats.RampStart(now)
-	return p.SlowStart.ramping(start, now) && rand.Float64() >= p.SlowStart.factor(start, now)
+	if !p.SlowStart.ramping(start, now) {
+		return false
+	}
+	f := p.SlowStart.factor(start, now)
+	if rand.Float64() >= f {
+		return true
+	}
+	others, n := 0.0, 0
+	for _, o := range ups {
+		if o == u {
+			continue
+		}
+		if s, ok := p.table.Lookup(o.Dial); ok {
+			others += s.RecentPicks(now)
+			n++
+		}
+	}
+	return n > 0 && stats.RecentPicks(now) >= f*others/float64(n)+1
 }
 
 // viewFor returns the view of pool, building the twins the wrapped policy

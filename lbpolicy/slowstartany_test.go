@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"math/rand/v2"
+	"net/http"
 	"testing"
 	"time"
 
@@ -31,13 +33,17 @@ func servedAll(table *hoststate.Table, pool reverseproxy.UpstreamPool) {
 // rampShares steps a simulated clock through a 10-second ramp of
 // ramping's state and returns, for each simulated second, the share of
 // picks (made by pick) that went to target, relative to the share it has
-// off the ramp (full).
-func rampShares(t *testing.T, ramping *hoststate.Stats, full float64, picks int, pick func() bool) []float64 {
+// off the ramp (full). The pool's recent picks (in table) are forgotten
+// at each simulated second, as real seconds would.
+func rampShares(t *testing.T, table *hoststate.Table, pool reverseproxy.UpstreamPool, ramping *hoststate.Stats, full float64, picks int, pick func() bool) []float64 {
 	t.Helper()
 	const seconds = 12 // the 10 s window, and two after it
 	out := make([]float64, 0, seconds)
 	for sec := range seconds {
 		ramping.StartRamp(monoclock.Now() - int64(sec)*rampSecond)
+		for _, u := range pool {
+			table.Stats(u.Dial).ForgetPicks()
+		}
 		hits := 0
 		for range picks {
 			if pick() {
@@ -99,7 +105,7 @@ func TestPanicSlowStartFollowsRamp(t *testing.T) {
 			p.Select(pool, nil, nil)
 			servedAll(p.table, pool)
 			ramping := p.table.Stats(pool[3].Dial)
-			got := rampShares(t, ramping, 1.0/n, 8000, func() bool { return p.Select(pool, nil, nil) == pool[3] })
+			got := rampShares(t, p.table, pool, ramping, 1.0/n, 8000, func() bool { return p.Select(pool, nil, nil) == pool[3] })
 			checkRamp(t, got, tc.share, 0.05)
 		})
 	}
@@ -409,4 +415,56 @@ func TestConsistentHashSlowStartNeverRefuses(t *testing.T) {
 			t.Fatalf("request %d chose nothing", k)
 		}
 	}
+}
+
+// leastHeld is a stand-in for least_conn under load: it chooses the
+// upstream holding the fewest of the requests the test keeps in flight
+// (ties to the first), as Caddy's least_conn does by NumRequests.
+type leastHeld struct{ held map[string]int }
+
+func (l *leastHeld) Select(pool reverseproxy.UpstreamPool, _ *http.Request, _ http.ResponseWriter) *reverseproxy.Upstream {
+	var best *reverseproxy.Upstream
+	for _, u := range pool {
+		if best == nil || l.held[u.Dial] < l.held[best.Dial] {
+			best = u
+		}
+	}
+	return best
+}
+
+// TestPanicSlowStartHoldsLoadSeeker: a wrapped policy that seeks the least
+// loaded offers a ramping upstream, which holds fewer requests, at nearly
+// every choice; the ramp still holds it to its share. A closed loop keeps
+// 32 requests in flight over 4 upstreams and ends one at random before
+// each new selection. Without the cap on recent picks (the draw alone) its
+// share in the first simulated second is 0.4 of full, not 0.1.
+func TestPanicSlowStartHoldsLoadSeeker(t *testing.T) {
+	const n, inFlight = 4, 32
+	p := provisionPanic(t, &PanicSelection{
+		PolicyRaw: json.RawMessage(`{"policy": "least_conn"}`),
+		SlowStart: &SlowStart{Window: caddy.Duration(10 * time.Second)},
+	})
+	pool := newPool(t, n)
+	p.Select(pool, nil, nil)
+	servedAll(p.table, pool)
+	inner := &leastHeld{held: map[string]int{}}
+	p.inner = inner
+	rng := rand.New(rand.NewPCG(1, 2))
+	var running []string
+	for len(running) < inFlight {
+		u := pool[len(running)%n]
+		running = append(running, u.Dial)
+		inner.held[u.Dial]++
+	}
+	ramping := p.table.Stats(pool[3].Dial)
+	got := rampShares(t, p.table, pool, ramping, 1.0/n, 8000, func() bool {
+		i := rng.IntN(len(running))
+		inner.held[running[i]]--
+		u := p.Select(pool, nil, nil)
+		running[i] = u.Dial
+		inner.held[u.Dial]++
+		return u == pool[3]
+	})
+	// held to weight f against the others: 4f/(3+f) of full
+	checkRamp(t, got, func(f float64) float64 { return n * f / (n - 1 + f) }, 0.05)
 }

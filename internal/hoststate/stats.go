@@ -93,6 +93,9 @@ type Stats struct {
 
 	// reports are the upstream's ORCA load reports (see loadreport.go).
 	reports loadReports
+
+	// picks are the host's recent selections (see picks.go).
+	picks pickCount
 }
 
 // Destruct implements caddy.Destructor; Stats holds no resources.
