@@ -244,11 +244,13 @@ func (s *ConsistentHashSelection) choose(pool reverseproxy.UpstreamPool, r *http
 	cp := caddyPool{pool: pool, panic: s.panic.check(v, pool, now), tried: tried}
 	ring := v.ring
 	h, ok := s.key.hash(r)
-	var i int
-	if ok {
-		i = pickBounded(ring, h, s.BalanceFactor, cp, cp.panic, now)
-	} else {
-		i = leastLoaded(ring, cp, rand.IntN(len(pool)))
+	if !ok {
+		h = rand.Uint64()
+	}
+	cp.drain, cp.key = v.drainMask(), h
+	i := s.pick(ring, cp, ok, now)
+	if i < 0 && cp.drain != nil && tried == nil {
+		i = s.pickWithoutDrains(ring, cp, ok, now)
 	}
 	if i < 0 {
 		return nil
@@ -356,14 +358,22 @@ type caddyPool struct {
 	pool  reverseproxy.UpstreamPool
 	panic bool
 	tried *Tried
+	// drain is the operator's drains and reweights of the pool, nil when
+	// none; key is the request's hash, which decides for a reweighted
+	// member (see drainMask.admitsKey).
+	drain *drainMask
+	key   uint64
 }
 
 func (p caddyPool) load(i int) int { return p.pool[i].NumRequests() }
 
-func (p caddyPool) shared() bool { return p.tried == nil }
+func (p caddyPool) shared() bool { return p.tried == nil && (p.drain == nil || !p.drain.weighted) }
 
 func (p caddyPool) usable(i int) bool {
 	if p.tried != nil && p.tried.Has(p.pool[i].Dial) {
+		return false
+	}
+	if p.drain != nil && !p.drain.admitsKey(i, p.key) {
 		return false
 	}
 	if p.panic {

@@ -233,14 +233,14 @@ func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request,
 				if !v.matches(pool) {
 					// the view was found by dial addresses: these are
 					// fresh Upstream values, filter them instead
-					return p.selectUntried(v.withoutEjected(pool, now), r, w, tried)
+					return p.selectDrained(v, v.withoutEjected(pool, now), r, w, tried)
 				}
-				return p.selectUntried(*kept, r, w, tried)
+				return p.selectDrained(v, *kept, r, w, tried)
 			}
 		}
-		return p.selectUntried(pool, r, w, tried)
+		return p.selectDrained(v, pool, r, w, tried)
 	}
-	picked := p.selectUntried(v.shadows, r, w, tried)
+	picked := p.selectDrained(v, v.shadows, r, w, tried)
 	if picked == nil {
 		return nil
 	}
