@@ -40,7 +40,10 @@ type Entry struct {
 	Drained       bool
 	WeightPercent uint8 // 1 to 100; 100 leaves the weight as configured
 	// Version orders the changes of an address across the fleet: a
-	// Lamport counter, ties broken by Origin.
+	// Lamport counter, ties broken by Origin. A local change takes the
+	// larger of the highest version seen plus one and the wall clock in
+	// milliseconds, so that a node restarted with an empty store still
+	// outranks the changes it made before.
 	Version uint64
 	// Origin is the node whose admin endpoint made the change ("" for a
 	// node outside a cluster).
@@ -178,9 +181,9 @@ func (s *Store) Epoch() uint64 { return s.epoch.Load() }
 func (s *Store) Any() bool { return len(*s.active.Load()) > 0 }
 
 // Set records the local operator's change of addr: drained, or not with
-// the weight percent. origin names this node (see Origin). The entry's
+// the weight percent; its origin is this node (see Origin). The entry's
 // version is above every version this store has seen, so it wins
-// everywhere it arrives.
+// everywhere that has seen no more.
 func (s *Store) Set(addr string, drained bool, percent int) (Entry, error) {
 	if err := CheckAddr(addr); err != nil {
 		return Entry{}, err
@@ -192,7 +195,9 @@ func (s *Store) Set(addr string, drained bool, percent int) (Entry, error) {
 		percent = 100
 	}
 	s.mu.Lock()
-	e := Entry{Addr: addr, Drained: drained, WeightPercent: uint8(percent), Version: s.clock + 1, Origin: s.Origin(), At: now()}
+	at := now()
+	version := max(s.clock+1, uint64(max(at.UnixMilli(), 0)))
+	e := Entry{Addr: addr, Drained: drained, WeightPercent: uint8(percent), Version: version, Origin: s.Origin(), At: at}
 	if err := s.putLocked(e); err != nil {
 		s.mu.Unlock()
 		return Entry{}, err

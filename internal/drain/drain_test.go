@@ -8,7 +8,19 @@ import (
 	"time"
 )
 
+// epochClock runs the package clock from the Unix epoch, so that versions
+// are the Lamport counter alone.
+func epochClock(t *testing.T) { setClock(t, time.Unix(0, 0)) }
+
+// setClock stops the package clock at at.
+func setClock(t *testing.T, at time.Time) {
+	old := now
+	t.Cleanup(func() { now = old })
+	now = func() time.Time { return at }
+}
+
 func TestSetAndLookup(t *testing.T) {
+	epochClock(t)
 	s := New()
 	if _, ok := s.Lookup("10.0.0.1:80"); ok || s.Any() || s.Epoch() != 0 {
 		t.Fatal("an empty store has an active entry")
@@ -70,6 +82,7 @@ func TestBounds(t *testing.T) {
 }
 
 func TestMergeKeepsNewer(t *testing.T) {
+	epochClock(t)
 	s := New()
 	drain := Entry{Addr: "10.0.0.1:80", Drained: true, WeightPercent: 100, Version: 5, Origin: "b"}
 	if ok, err := s.Merge(drain); !ok || err != nil {
@@ -147,6 +160,24 @@ func TestFullStoreForgetsOldestUndrain(t *testing.T) {
 	}
 	if len(s.Entries()) != MaxEntries {
 		t.Fatalf("%d entries", len(s.Entries()))
+	}
+}
+
+// TestVersionOutlivesRestart: a store that starts empty gives its first
+// change the wall clock's milliseconds, above the versions it gave before.
+func TestVersionOutlivesRestart(t *testing.T) {
+	t0 := time.Unix(1.8e9, 0)
+	setClock(t, t0)
+	s := New()
+	e, _ := s.Set("10.0.0.1:80", true, 100)
+	if e.Version != uint64(t0.UnixMilli()) {
+		t.Fatalf("version %d is not from the clock", e.Version)
+	}
+	again := New() // the restarted process, a millisecond later
+	setClock(t, t0.Add(time.Millisecond))
+	u, _ := again.Set("10.0.0.1:80", false, 100)
+	if !u.newer(e) {
+		t.Fatalf("after the restart %d does not outrank %d", u.Version, e.Version)
 	}
 }
 
