@@ -135,13 +135,13 @@ func (s *drainSync) close() {
 }
 
 // changed is the store's hook: a local change is queued for every member.
-func (s *drainSync) changed(e drain.Entry, local bool) {
-	if !local {
+func (s *drainSync) changed(c drain.Change) {
+	if !c.Local {
 		return
 	}
 	s.mu.Lock()
 	if len(s.pending) < drain.MaxEntries {
-		s.pending = append(s.pending, e)
+		s.pending = append(s.pending, c.Entry)
 	}
 	s.mu.Unlock()
 	select {

@@ -35,11 +35,10 @@ func init() {
 	// An undrained upstream comes back on a slow start ramp where its
 	// policy has one (least_time's slow_start, panic's), as if it had
 	// just returned from being unhealthy.
-	drain.Shared().Subscribe(func(e drain.Entry, _ bool) {
-		if e.Drained {
-			return
+	drain.Shared().Subscribe(func(c drain.Change) {
+		if c.Was.Drained && !c.Drained {
+			rampUndrained(c.Addr)
 		}
-		rampUndrained(e.Addr)
 	})
 }
 
@@ -162,7 +161,7 @@ func (m *drainMask) noteIgnored(pm *panicMode, total int) {
 // by address.
 func (p *PanicSelection) selectDrained(v *poolView, ups []*reverseproxy.Upstream, r *http.Request, w http.ResponseWriter, tried *Tried) *reverseproxy.Upstream {
 	m := v.drainMask()
-	if m == nil {
+	if m == nil || p.innerDrains() {
 		return p.selectUntried(ups, r, w, tried)
 	}
 	st := drain.Shared()
@@ -200,6 +199,17 @@ func (p *PanicSelection) selectDrained(v *poolView, ups []*reverseproxy.Upstream
 		}
 	}
 	return picked
+}
+
+// innerDrains reports whether the wrapped policy honours drains itself
+// (least_time, consistent_hash): it is then handed the pool whole, so that
+// it keeps one view (one ring) of it rather than one per drained subset.
+func (p *PanicSelection) innerDrains() bool {
+	switch p.inner.(type) {
+	case leastTimer, *ConsistentHashSelection:
+		return true
+	}
+	return false
 }
 
 // drainView is what the admin view shows of an upstream's drain: drained,

@@ -40,6 +40,7 @@ func drainSelectors(t *testing.T) map[string]func(pool reverseproxy.UpstreamPool
 	ch := provisionHash(t, &ConsistentHashSelection{})
 	pr := provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "round_robin"}`)})
 	pl := provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "least_conn"}`)})
+	pch := provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "consistent_hash"}`)})
 	return map[string]func(reverseproxy.UpstreamPool, int) *reverseproxy.Upstream{
 		"least_time": func(p reverseproxy.UpstreamPool, _ int) *reverseproxy.Upstream { return lt.Select(p, nil, nil) },
 		"consistent_hash": func(p reverseproxy.UpstreamPool, n int) *reverseproxy.Upstream {
@@ -47,6 +48,9 @@ func drainSelectors(t *testing.T) map[string]func(pool reverseproxy.UpstreamPool
 		},
 		"panic(round_robin)": func(p reverseproxy.UpstreamPool, _ int) *reverseproxy.Upstream { return pr.Select(p, nil, nil) },
 		"panic(least_conn)":  func(p reverseproxy.UpstreamPool, _ int) *reverseproxy.Upstream { return pl.Select(p, nil, nil) },
+		"panic(consistent_hash)": func(p reverseproxy.UpstreamPool, n int) *reverseproxy.Upstream {
+			return pch.Select(p, hashRequest(fmt.Sprintf("/k/%d", n)), nil)
+		},
 	}
 }
 
@@ -219,6 +223,12 @@ func TestUndrainRamps(t *testing.T) {
 		observe(s, u, time.Millisecond, hoststate.Success)
 	}
 	st := s.table.Stats(pool[0].Dial)
+	// an undrain of an upstream that was not drained changes nothing
+	start := monoclock.Now()
+	drain.Shared().Set(pool[1].Dial, false, 100)
+	if r := s.table.Stats(pool[1].Dial).RampStart(monoclock.Now()); r >= start {
+		t.Fatal("an undrain of an upstream never drained started its ramp")
+	}
 	setDrain(t, pool[0].Dial, 0)
 	before := monoclock.Now()
 	if r := st.RampStart(before); r >= before {

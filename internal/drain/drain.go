@@ -134,7 +134,7 @@ type Store struct {
 	mu      sync.Mutex
 	entries map[string]Entry
 	clock   uint64 // the highest version seen
-	hooks   map[int]func(e Entry, local bool)
+	hooks   map[int]func(Change)
 	nextID  int
 
 	// active is the entries that change selection, rebuilt on each change:
@@ -149,7 +149,7 @@ type Store struct {
 
 // New returns an empty store.
 func New() *Store {
-	s := &Store{entries: make(map[string]Entry), hooks: make(map[int]func(Entry, bool))}
+	s := &Store{entries: make(map[string]Entry), hooks: make(map[int]func(Change))}
 	empty := map[string]State{}
 	s.active.Store(&empty)
 	return s
@@ -198,6 +198,7 @@ func (s *Store) Set(addr string, drained bool, percent int) (Entry, error) {
 	at := now()
 	version := max(s.clock+1, uint64(max(at.UnixMilli(), 0)))
 	e := Entry{Addr: addr, Drained: drained, WeightPercent: uint8(percent), Version: version, Origin: s.Origin(), At: at}
+	was := s.entries[addr]
 	if err := s.putLocked(e); err != nil {
 		s.mu.Unlock()
 		return Entry{}, err
@@ -205,7 +206,7 @@ func (s *Store) Set(addr string, drained bool, percent int) (Entry, error) {
 	hooks := s.hooksLocked()
 	s.mu.Unlock()
 	for _, h := range hooks {
-		h(e, true)
+		h(Change{Entry: e, Was: was, Local: true})
 	}
 	return e, nil
 }
@@ -219,7 +220,8 @@ func (s *Store) Merge(e Entry) (bool, error) {
 	}
 	e.At, e.Remote = now(), true
 	s.mu.Lock()
-	if cur, ok := s.entries[e.Addr]; ok && !e.newer(cur) {
+	was, ok := s.entries[e.Addr]
+	if ok && !e.newer(was) {
 		s.clock = max(s.clock, e.Version)
 		s.mu.Unlock()
 		return false, nil
@@ -231,7 +233,7 @@ func (s *Store) Merge(e Entry) (bool, error) {
 	hooks := s.hooksLocked()
 	s.mu.Unlock()
 	for _, h := range hooks {
-		h(e, false)
+		h(Change{Entry: e, Was: was})
 	}
 	return true, nil
 }
@@ -265,8 +267,8 @@ func (s *Store) putLocked(e Entry) error {
 	return nil
 }
 
-func (s *Store) hooksLocked() []func(Entry, bool) {
-	hooks := make([]func(Entry, bool), 0, len(s.hooks))
+func (s *Store) hooksLocked() []func(Change) {
+	hooks := make([]func(Change), 0, len(s.hooks))
 	for _, h := range s.hooks {
 		hooks = append(hooks, h)
 	}
@@ -293,11 +295,21 @@ func (s *Store) Entries() []Entry {
 	return all
 }
 
-// Subscribe calls fn after each change the store takes: local for the
-// operator's (Set), not for a peer's (Merge). fn runs on the changing
-// goroutine, after the store's lock is released, and must not block.
-// cancel removes it and may be called more than once.
-func (s *Store) Subscribe(fn func(e Entry, local bool)) (cancel func()) {
+// Change is a change the store took, for its subscribers.
+type Change struct {
+	Entry
+	// Was is what the store held for the address before; the zero Entry
+	// when nothing.
+	Was Entry
+	// Local is true for the operator's change on this node (Set), false
+	// for a peer's (Merge).
+	Local bool
+}
+
+// Subscribe calls fn after each change the store takes. fn runs on the
+// changing goroutine, after the store's lock is released, and must not
+// block. cancel removes it and may be called more than once.
+func (s *Store) Subscribe(fn func(Change)) (cancel func()) {
 	s.mu.Lock()
 	id := s.nextID
 	s.nextID++

@@ -184,14 +184,15 @@ func TestVersionOutlivesRestart(t *testing.T) {
 func TestSubscribe(t *testing.T) {
 	s := New()
 	var got []string
-	cancel := s.Subscribe(func(e Entry, local bool) { got = append(got, fmt.Sprint(e.Addr, local)) })
+	cancel := s.Subscribe(func(c Change) { got = append(got, fmt.Sprintf("%s %v %v", c.Addr, c.Local, c.Was.Drained)) })
 	s.Set("10.0.0.1:80", true, 100)
 	s.Merge(Entry{Addr: "10.0.0.2:80", WeightPercent: 40, Version: 9, Origin: "b"})
 	s.Merge(Entry{Addr: "10.0.0.2:80", WeightPercent: 40, Version: 9, Origin: "b"}) // not newer
+	s.Set("10.0.0.1:80", false, 100)
 	cancel()
 	cancel()
 	s.Set("10.0.0.3:80", true, 100)
-	if want := "[10.0.0.1:80true 10.0.0.2:80false]"; fmt.Sprint(got) != want {
+	if want := "[10.0.0.1:80 true false 10.0.0.2:80 false false 10.0.0.1:80 true true]"; fmt.Sprint(got) != want {
 		t.Fatalf("hooks saw %v; want %v", got, want)
 	}
 }
