@@ -26,6 +26,11 @@ const (
 	MaxAddr = 256
 	// MaxOrigin is the longest origin (a cluster node name), in bytes.
 	MaxOrigin = 128
+	// MaxAhead is how far a peer's version may be ahead of this node's
+	// clock: versions follow the wall clock in milliseconds, so one far
+	// beyond it is forged or from a badly wrong clock, and taking it would
+	// pin the address to that entry for good.
+	MaxAhead = 24 * time.Hour
 )
 
 // now is the package's clock.
@@ -219,6 +224,9 @@ func (s *Store) Merge(e Entry) (bool, error) {
 		return false, err
 	}
 	e.At, e.Remote = now(), true
+	if limit := uint64(max(e.At.Add(MaxAhead).UnixMilli(), 0)); e.Version > limit {
+		return false, fmt.Errorf("upstream %q: version %d is more than %v ahead of this node's clock", e.Addr, e.Version, MaxAhead)
+	}
 	s.mu.Lock()
 	was, ok := s.entries[e.Addr]
 	if ok && !e.newer(was) {

@@ -125,6 +125,8 @@ func TestMergeKeepsNewer(t *testing.T) {
 		{Addr: "10.0.0.1:80", Drained: true, WeightPercent: 50, Version: 10},
 		{Addr: "10.0.0.1:80", WeightPercent: 100, Version: 0},
 		{Addr: "10.0.0.1:80", WeightPercent: 100, Version: 10, Origin: strings.Repeat("o", 129)},
+		{Addr: "10.0.0.1:80", WeightPercent: 100, Version: uint64(MaxAhead.Milliseconds()) + 1},
+		{Addr: "10.0.0.1:80", WeightPercent: 100, Version: ^uint64(0)},
 	}
 	for _, b := range bad {
 		if _, err := s.Merge(b); err == nil {
