@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/cespare/xxhash/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
@@ -57,9 +58,13 @@ func rampUndrained(addr string) {
 // drainMask is what the drain store says of the members of one pool, by
 // index, as of one store epoch.
 type drainMask struct {
-	epoch    uint64
-	drained  []bool  // nil when no member is drained
-	percent  []uint8 // nil when no member is reweighted; else 100 for the others
+	epoch   uint64
+	drained []bool  // nil when no member is drained
+	percent []uint8 // nil when no member is reweighted; else 100 for the others
+	// salt is a hash of each reweighted member's dial address, which
+	// admitsKey mixes into the key's hash: the verdict on a key is then
+	// the same on every node, whatever the order of its pool.
+	salt     []uint64
 	weighted bool
 	// drainsOnly is the mask without the reweights, nil when nothing is
 	// drained; set when weighted.
@@ -109,8 +114,10 @@ func buildDrainMask(st *drain.Store, epoch uint64, ups []*reverseproxy.Upstream)
 				for j := range m.percent {
 					m.percent[j] = 100
 				}
+				m.salt = make([]uint64, len(ups))
 			}
 			m.percent[i] = s.WeightPercent
+			m.salt[i] = xxhash.Sum64String(u.Dial)
 			m.weighted = true
 		}
 	}
@@ -130,7 +137,8 @@ func (m *drainMask) admits(i int, draw float64) bool {
 }
 
 // admitsKey is admits for consistent_hash: the draw is the key's hash
-// mixed with the member's index, so a key keeps its verdict.
+// mixed with the member's address, so a key keeps its verdict, on every
+// node.
 func (m *drainMask) admitsKey(i int, h uint64) bool {
 	if m.drained != nil && m.drained[i] {
 		return false
@@ -138,7 +146,7 @@ func (m *drainMask) admitsKey(i int, h uint64) bool {
 	if m.percent == nil || m.percent[i] >= 100 {
 		return true
 	}
-	x := (h ^ uint64(i+1)*0x9e3779b97f4a7c15) * 0xbf58476d1ce4e5b9
+	x := (h ^ m.salt[i]) * 0xbf58476d1ce4e5b9
 	return (x>>32)%100 < uint64(m.percent[i])
 }
 

@@ -306,3 +306,31 @@ func TestDrainAdminRoutes(t *testing.T) {
 		t.Fatalf("GET /lbx/drains: %v %s", err, rec.Body.String())
 	}
 }
+
+// TestWeightPercentSameKeysEverywhere: under consistent_hash, the keys a
+// reweighted upstream keeps do not depend on the order of the pool, so
+// every node, whatever order its upstreams came in, sends a key to the
+// same place.
+func TestWeightPercentSameKeysEverywhere(t *testing.T) {
+	a := provisionHash(t, &ConsistentHashSelection{})
+	b := provisionHash(t, &ConsistentHashSelection{})
+	pool := drainPool(t, "ch", 4)
+	reversed := reverseproxy.UpstreamPool{pool[3], pool[2], pool[1], pool[0]}
+	setDrain(t, pool[0].Dial, 50)
+	kept, moved := 0, 0
+	for k := range 2000 {
+		key := fmt.Sprintf("/k/%d", k)
+		ua, ub := a.Select(pool, hashRequest(key), nil), b.Select(reversed, hashRequest(key), nil)
+		if ua.Dial != ub.Dial {
+			t.Fatalf("key %s: %s in one order, %s in the other", key, ua.Dial, ub.Dial)
+		}
+		if ua == pool[0] {
+			kept++
+		} else {
+			moved++
+		}
+	}
+	if kept == 0 || moved == 0 {
+		t.Fatalf("kept %d, moved %d", kept, moved)
+	}
+}
