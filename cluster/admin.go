@@ -13,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-lbx/lbx/internal/adminjson"
+	"github.com/caddy-lbx/lbx/internal/drain"
 )
 
 func init() {
@@ -220,7 +221,14 @@ type nodeView struct {
 	// DecryptFailures counts the gossip messages this node could not
 	// decrypt, by remote address, with how to heal it; absent when none.
 	DecryptFailures *decryptView `json:"decrypt_failures,omitempty"`
-	Members         []memberView `json:"members"`
+	// DrainsPropagated is true when a config with an ops_key carries
+	// this process's drains to the members (see GET /lbx/drains).
+	DrainsPropagated bool `json:"drains_propagated"`
+	// DrainEntriesRefused counts drain entries from members that were
+	// refused: a bad signature (another or no ops_key), out of bounds, or
+	// no room.
+	DrainEntriesRefused uint64       `json:"drain_entries_refused"`
+	Members             []memberView `json:"members"`
 }
 
 // memberView is one cluster member in the admin view.
@@ -258,7 +266,8 @@ func (m *member) view() nodeView {
 	v := nodeView{
 		Name: st.Name, Bind: m.key, Addr: st.Addr, Encrypted: st.Encrypted, Joined: st.Joined,
 		JoinError: st.JoinError, NameConflict: st.Conflict, Members: []memberView{},
-		DecryptFailures: m.decrypt.view(decryptHeal),
+		DecryptFailures:  m.decrypt.view(decryptHeal),
+		DrainsPropagated: drain.Shared().Propagated(), DrainEntriesRefused: drain.Shared().Dropped(),
 	}
 	if st.Conflict != "" {
 		// serf's member list is frozen at the shutdown: not the cluster.

@@ -26,6 +26,7 @@ import (
 	"github.com/hashicorp/memberlist"
 	"go.uber.org/zap"
 
+	"github.com/caddy-lbx/lbx/internal/drain"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/serfnet"
 )
@@ -109,12 +110,30 @@ type App struct {
 	// the ones lbx publishes: a config whose tags do not fit is refused.
 	Tags map[string]string `json:"tags,omitempty"`
 
-	keys     [][]byte // the decoded gossip keys, primary first; nil: none
-	bindHost string
-	bindPort int
-	poolKey  string
-	logger   *zap.Logger
-	member   *member // set by Start, cleared by Stop
+	// The base64 operator key (32 bytes decoded; e.g. `head -c32
+	// /dev/urandom | base64`), the same on every node and not a gossip
+	// key; placeholders such as {env.LBX_OPS_KEY} are replaced. With it,
+	// a drain, undrain or reweight made through this node's admin
+	// endpoint (POST /lbx/drain, /lbx/undrain, /lbx/weight) is sent to
+	// every member at once, and every second to one random member, signed
+	// with this key (HMAC-SHA256); members take only entries signed with
+	// their own ops_key, so a member holding only the gossip key cannot
+	// drain anything. Default: none, drains stay on the node they were
+	// made on.
+	OpsKey string `json:"ops_key,omitempty"`
+
+	opsKey []byte     // decoded ops_key; nil: none
+	drains *drainSync // set by Start with an ops_key, cleared by Stop
+	// drainStore is the store drains are carried from and into: nil for
+	// the process's (drain.Shared); the package's tests give each node
+	// of a cluster in one process its own.
+	drainStore *drain.Store
+	keys       [][]byte // the decoded gossip keys, primary first; nil: none
+	bindHost   string
+	bindPort   int
+	poolKey    string
+	logger     *zap.Logger
+	member     *member // set by Start, cleared by Stop
 
 	// What modules of the config need of each other through this app
 	// (Require, Provide), checked at Start.
@@ -155,6 +174,9 @@ func (a *App) Provision(ctx caddy.Context) error {
 		return err
 	}
 	a.keys = keys
+	if a.opsKey, err = a.decodeOpsKey(true); err != nil {
+		return err
+	}
 	a.bindHost, a.bindPort, _ = splitHostPort(a.Bind, "bind")
 	a.poolKey = net.JoinHostPort(a.bindHost, strconv.Itoa(a.bindPort))
 	if a.bindPort == 0 {
@@ -280,6 +302,9 @@ func (a *App) Validate() error {
 		return err
 	}
 	if err := a.checkTags(); err != nil {
+		return err
+	}
+	if err := a.checkOpsKey(); err != nil {
 		return err
 	}
 	return a.checkPlaintext()
@@ -432,6 +457,18 @@ func (a *App) Start() error {
 		a.logger.Warn("gossip is not encrypted: anyone who can reach the bind address can join the cluster and read its traffic; set encrypt_key",
 			zap.String("bind", a.Bind))
 	}
+	if a.opsKey != nil {
+		store := a.drainStore
+		if store == nil {
+			store = drain.Shared()
+		}
+		ds, err := startDrainSync(a, a.opsKey, store)
+		if err != nil {
+			// a member stopped by a name conflict: reported above
+			a.logger.Error("drains are not propagated", zap.Error(err))
+		}
+		a.drains = ds
+	}
 	a.logger.Info("cluster member started",
 		zap.String("node_name", m.name), zap.String("bind", a.Bind), zap.Bool("reused_member", loaded),
 		zap.Strings("join", a.Join))
@@ -449,6 +486,10 @@ func (a *App) settings() *settings {
 // Stop hands the member back: to the config that replaces this one, or,
 // when none does, the member leaves the cluster and shuts down.
 func (a *App) Stop() error {
+	if a.drains != nil {
+		a.drains.close()
+		a.drains = nil
+	}
 	m := a.member
 	a.member = nil
 	if m == nil {

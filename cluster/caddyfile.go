@@ -24,6 +24,7 @@ func init() {
 //			<key> <value>
 //		}
 //		insecure_plaintext_gossip
+//		ops_key     <base64 key>
 //	}
 //
 // encrypt_key takes one key (JSON encrypt_key) or several, primary
@@ -78,13 +79,20 @@ func (a *App) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			a.Join = join
 			return caddyopt.Checked(d, what, checkJoin(join))
+		case "ops_key":
+			val, err := caddyopt.OneArg(d, what)
+			if err != nil {
+				return err
+			}
+			a.OpsKey = val
+			return caddyopt.Checked(d, what, a.checkOpsKey())
 		case "tags":
 			if err := a.parseTags(d, what+": tags"); err != nil {
 				return err
 			}
 			return caddyopt.Checked(d, what, a.checkTags())
 		}
-		return caddyopt.Unknown(d, what, "node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip")
+		return caddyopt.Unknown(d, what, "node_name", "bind", "advertise", "join", "encrypt_key", "tags", "insecure_plaintext_gossip", "ops_key")
 	})
 }
 

@@ -24,7 +24,10 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{"cluster {\n tags {\n  zone a\n  zone b\n }\n}", "cluster: tags: zone specified more than once, at Testfile:4"},
 		{"cluster {\n tags {\n  lbx_load 1\n }\n}", `tag "lbx_load": keys starting with lbx_ are reserved`},
 		{"cluster {\n bind 127.0.0.1:1\n bind 127.0.0.1:2\n}", "cluster: bind specified more than once"},
-		{"cluster {\n metric cpu\n}", `cluster: unknown option "metric" (want node_name, bind, advertise, join, encrypt_key, tags or insecure_plaintext_gossip)`},
+		{"cluster {\n metric cpu\n}", `cluster: unknown option "metric" (want node_name, bind, advertise, join, encrypt_key, tags, insecure_plaintext_gossip or ops_key)`},
+		{"cluster {\n ops_key\n}", "ops_key: missing value"},
+		{"cluster {\n ops_key c2hvcnQ=\n}", "ops_key: decodes to 5 bytes; want 32"},
+		{"cluster {\n encrypt_key " + testGossipKey + "\n ops_key " + testGossipKey + "\n}", "ops_key: the same key as a gossip key"},
 	})
 }
 
@@ -70,6 +73,11 @@ func TestProvisionErrors(t *testing.T) {
 		{App{NodeName: "n"}, "no encrypt_key and bind 0.0.0.0:7946 is not loopback: anyone who reaches that port joins the cluster"},
 		{App{NodeName: "n", Bind: "10.0.0.1:7946"}, "set encrypt_key (make one with `head -c32 /dev/urandom | base64`), bind to loopback, or set insecure_plaintext_gossip"},
 		{App{NodeName: "n", Bind: ":7946"}, "bind :7946 is not loopback"},
+		{App{NodeName: "n", Bind: "127.0.0.1:0", OpsKey: "not base64!"}, "ops_key: not valid base64"},
+		{App{NodeName: "n", Bind: "127.0.0.1:0", OpsKey: "c2hvcnQ="}, "ops_key: decodes to 5 bytes; want 32"},
+		{App{NodeName: "n", Bind: "127.0.0.1:0", OpsKey: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="}, "ops_key: decodes to 32 zero bytes"},
+		{App{NodeName: "n", Bind: "127.0.0.1:0", OpsKey: "{env.LBX_TEST_UNSET_KEY}"}, `ops_key "{env.LBX_TEST_UNSET_KEY}" is empty once placeholders are replaced`},
+		{App{NodeName: "n", Bind: "127.0.0.1:0", EncryptKeys: []string{otherGossipKey, testGossipKey}, OpsKey: testGossipKey}, "ops_key: the same key as a gossip key"},
 	} {
 		a := tc.app
 		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})

@@ -57,6 +57,10 @@ import (
 // environment ({env.LBX_GOSSIP_KEY}) have a valid one: 32 bytes, base64.
 const gossipKey = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
 
+// opsKey is the value of LBX_OPS_KEY, for examples with
+// ops_key {env.LBX_OPS_KEY}: 32 bytes, base64, not the gossip key.
+const opsKey = "b3BzLWtleS1vZi10aGUtdGVzdHMtMzItYnl0ZXMtISE="
+
 // block is a fenced code block of a Markdown file.
 type block struct {
 	file string
@@ -143,6 +147,7 @@ func chdirRoot(t *testing.T) {
 func TestCodeBlocks(t *testing.T) {
 	chdirRoot(t)
 	t.Setenv("LBX_GOSSIP_KEY", gossipKey)
+	t.Setenv("LBX_OPS_KEY", opsKey)
 	storage := t.TempDir()
 
 	checked := 0

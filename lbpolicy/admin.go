@@ -228,6 +228,13 @@ type upstreamView struct {
 	ProbesSent     uint64 `json:"probes_sent,omitempty"`
 	ProbesFailed   uint64 `json:"probes_failed,omitempty"`
 	ProbesRejected uint64 `json:"probes_rejected,omitempty"`
+	// Drained is true while the operator drains the upstream (POST
+	// /lbx/drain, see GET /lbx/drains); its state is its own, a drained
+	// upstream is not unhealthy.
+	Drained bool `json:"drained,omitempty"`
+	// WeightPercent is the percent of its weight the operator left the
+	// upstream (POST /lbx/weight); absent when not reweighted.
+	WeightPercent int `json:"weight_percent,omitempty"`
 }
 
 // loadReportView is an upstream's latest good load report in the admin
@@ -465,6 +472,7 @@ func viewOf(s hoststate.Snapshot, expected float64, now int64) upstreamView {
 	for r, n := range s.Outlier.ByReason {
 		v.EjectionsByReason[hoststate.EjectReason(r).String()] = n
 	}
+	v.Drained, v.WeightPercent = drainView(s.Dial)
 	if s.Outlier.HasEjected {
 		v.EjectionReason = s.Outlier.LastReason.String()
 	}

@@ -349,31 +349,29 @@ func (s *ConsistentHashSelection) choose(pool reverseproxy.UpstreamPool, r *http
 	}
 	ring := v.ring
 	h, ok := s.key.hash(r)
+	if !ok {
+		h = rand.Uint64()
+	}
+	cp.drain, cp.key = v.drainMask(), h
 	if ok {
 		cp.admit = keyDraw(h)
 	} else {
 		cp.admit = rand.Float64()
 	}
-	i := s.pick(ring, h, ok, cp)
+	i := s.pick(ring, cp, ok, now)
 	if i < 0 && cp.ramp != nil {
 		// only ramping upstreams that passed this key on are usable: a
 		// ramp shapes shares, it never refuses a request
 		cp.ramp = nil
-		i = s.pick(ring, h, ok, cp)
+		i = s.pick(ring, cp, ok, now)
+	}
+	if i < 0 && cp.drain != nil && tried == nil {
+		i = s.pickWithoutDrains(ring, cp, ok, now)
 	}
 	if i < 0 {
 		return nil
 	}
 	return pool[i]
-}
-
-// pick is the ring's choice for a key that hashes to h (ok: the key is
-// not empty), or the least loaded member for an empty key.
-func (s *ConsistentHashSelection) pick(ring *hashRing, h uint64, ok bool, cp caddyPool) int {
-	if ok {
-		return pickBounded(ring, h, s.BalanceFactor, cp, cp.panic, cp.now)
-	}
-	return leastLoaded(ring, cp, rand.IntN(len(cp.pool)))
 }
 
 // keyDraw maps a key's hash to a number in [0, 1), the key's slow-start
@@ -512,14 +510,22 @@ type caddyPool struct {
 	// ramping member admits the key when admit is below its factor
 	ramp  *SlowStart
 	admit float64
+	// drain is the operator's drains and reweights of the pool, nil when
+	// none; key is the request's hash, which decides for a reweighted
+	// member (see drainMask.admitsKey).
+	drain *drainMask
+	key   uint64
 }
 
 func (p caddyPool) load(i int) int { return p.pool[i].NumRequests() }
 
-func (p caddyPool) shared() bool { return p.tried == nil }
+func (p caddyPool) shared() bool { return p.tried == nil && (p.drain == nil || !p.drain.weighted) }
 
 func (p caddyPool) usable(i int) bool {
 	if p.tried != nil && p.tried.Has(p.pool[i].Dial) {
+		return false
+	}
+	if p.drain != nil && !p.drain.admitsKey(i, p.key) {
 		return false
 	}
 	if p.panic {

@@ -359,6 +359,10 @@ func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Requ
 		panic: s.panic.check(v, pool, now),
 		ramp:  s.SlowStart,
 		tried: tried,
+		drain: v.drainMask(),
+	}
+	if c.drain != nil && c.drain.weighted {
+		c.wdraw = rand.Float64()
 	}
 	if c.ramp != nil {
 		c.admit = rand.Float64()
@@ -391,6 +395,9 @@ func (s *LeastTimeSelection) Select(pool reverseproxy.UpstreamPool, r *http.Requ
 			c.admit = 0
 			i = choose.Cheapest(c)
 		}
+	}
+	if i < 0 && c.drain != nil {
+		i = c.withoutDrains(&s.panic, k)
 	}
 	if i < 0 {
 		return nil
@@ -474,6 +481,10 @@ type leastTimeCandidates struct {
 	// tried is what this request already tried, nil on a first attempt:
 	// a retry leaves those out while another upstream is usable.
 	tried *Tried
+	// drain is the operator's drains and reweights of the pool, nil when
+	// none; wdraw is this selection's weight draw (see drainMask.admits).
+	drain *drainMask
+	wdraw float64
 }
 
 func (c leastTimeCandidates) Len() int { return len(c.pool) }
@@ -490,6 +501,9 @@ func (c leastTimeCandidates) Usable(i int) bool {
 		return false
 	}
 	if c.tried != nil && c.tried.Has(c.pool[i].Dial) {
+		return false
+	}
+	if c.drain != nil && !c.drain.admits(i, c.wdraw) {
 		return false
 	}
 	if c.ramp == nil {

@@ -275,4 +275,9 @@ var collector stateCollector
 // registerMetrics adds lbx's metrics to the config's metrics registry (the
 // one Caddy's /metrics endpoints serve). It is called from every lbx
 // policy's Provision; registering again is harmless.
-func registerMetrics(ctx caddy.Context) error { return metricsreg.Register(ctx, collector) }
+func registerMetrics(ctx caddy.Context) error {
+	if err := metricsreg.Register(ctx, collector); err != nil {
+		return err
+	}
+	return metricsreg.Register(ctx, drainCollector{})
+}

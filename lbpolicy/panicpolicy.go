@@ -285,17 +285,17 @@ func (p *PanicSelection) choose(pool reverseproxy.UpstreamPool, r *http.Request,
 				if !v.matches(pool) {
 					// the view was found by dial addresses: these are
 					// fresh Upstream values, filter them instead
-					return p.selectUntried(v.withoutEjected(pool, now), r, w, tried, now)
+					return p.selectDrained(v, v.withoutEjected(pool, now), r, w, tried, now)
 				}
-				return p.selectUntried(*kept, r, w, tried, now)
+				return p.selectDrained(v, *kept, r, w, tried, now)
 			}
 		}
-		return p.selectUntried(pool, r, w, tried, now)
+		return p.selectDrained(v, pool, r, w, tried, now)
 	}
 	// In panic mode no ramp is applied: too few upstreams look
 	// available, and holding a returning one back would push its share
 	// onto a pool already short of capacity.
-	picked := p.selectUntried(v.shadows, r, w, tried, 0)
+	picked := p.selectDrained(v, v.shadows, r, w, tried, 0)
 	if picked == nil {
 		return nil
 	}

@@ -93,6 +93,13 @@ type poolMember struct {
 	// its weight, while it ramps up after joining or returning to the
 	// pool; absent when it is not ramping.
 	SlowStartPercent *float64 `json:"slow_start_weight_percent,omitempty"`
+	// Drained is true while the operator drains the member (POST
+	// /lbx/drain): it takes no new requests, unless every other usable
+	// member is drained too. A drained member is not unhealthy.
+	Drained bool `json:"drained,omitempty"`
+	// WeightPercent is the percent of its weight the operator left the
+	// member (POST /lbx/weight); absent when not reweighted.
+	WeightPercent int `json:"weight_percent,omitempty"`
 }
 
 // poolStatusSource is implemented by selection policies that can describe
@@ -205,6 +212,7 @@ func poolStatusesIn(reports []poolReport, r dialRange) []poolStatus {
 	for _, p := range reports {
 		out = append(out, p.status(r))
 	}
+	markDrains(out)
 	slices.SortFunc(out, func(a, b poolStatus) int {
 		if a.Policy != b.Policy {
 			return strings.Compare(a.Policy, b.Policy)

@@ -28,7 +28,8 @@ type poolView struct {
 	members  []member                 // least_time: per-member state, in pool order
 	shadows  []*reverseproxy.Upstream // panic: health-blind twins
 	shadowOf map[*reverseproxy.Upstream]int
-	ring     *hashRing // consistent_hash: the pool's ring
+	ring     *hashRing                 // consistent_hash: the pool's ring
+	drains   atomic.Pointer[drainMask] // see drainMask
 
 	countedAt atomic.Int64
 	// shareRef caches hoststate.ShareReference over the members (float64

@@ -2,12 +2,14 @@ package status
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -103,5 +105,32 @@ func TestRefusalLogRateLimited(t *testing.T) {
 	f := entries[1].ContextMap()
 	if f["refused_since_last_log"] != uint64(100) || f["refused_total"] != uint64(101) || f["remote_addr"] != "192.0.2.7:50000" {
 		t.Errorf("second line's fields %v: want 100 since the last line, 101 in total, the peer address", f)
+	}
+}
+
+// TestSiteIsReadOnly: through a site, even with allow_remote and from
+// loopback, a route that changes state on the admin endpoint (POST
+// /lbx/drain) is refused before it runs.
+func TestSiteIsReadOnly(t *testing.T) {
+	called := false
+	h := &Handler{AllowRemote: true, logger: zap.NewNop(), refused: new(refusals), views: map[string]caddy.AdminHandler{
+		"drain": caddy.AdminHandlerFunc(func(http.ResponseWriter, *http.Request) error { called = true; return nil }),
+	}}
+	for _, method := range []string{http.MethodPost, http.MethodPut, http.MethodDelete} {
+		r := request(method, "127.0.0.1:50000", tcp("127.0.0.1", 2020), "")
+		r.URL.Path = "/status/drain"
+		err := h.ServeHTTP(httptest.NewRecorder(), r, nil)
+		var he caddyhttp.HandlerError
+		if !errors.As(err, &he) || he.StatusCode != http.StatusMethodNotAllowed {
+			t.Errorf("%s /status/drain: %v; want 405", method, err)
+		}
+	}
+	if called {
+		t.Fatal("a state-changing route ran through a site")
+	}
+	r := request(http.MethodGet, "127.0.0.1:50000", tcp("127.0.0.1", 2020), "")
+	r.URL.Path = "/status/drain"
+	if err := h.ServeHTTP(httptest.NewRecorder(), r, nil); err != nil || !called {
+		t.Fatalf("GET of a view: %v, called %v", err, called)
 	}
 }

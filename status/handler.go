@@ -93,6 +93,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 		h.refuse(w, r)
 		return nil
 	}
+	// Read-only, whatever a route under /lbx/ accepts on the admin
+	// endpoint: the operations there (POST /lbx/drain, …) are the
+	// operator's, never a site's clients'.
+	if r.Method != http.MethodGet && r.Method != http.MethodHead {
+		w.Header().Set("Allow", "GET, HEAD")
+		return caddyhttp.Error(http.StatusMethodNotAllowed, fmt.Errorf("method %s not allowed", r.Method))
+	}
 	if view, ok := h.views[viewName(r.URL.Path)]; ok {
 		err := view.ServeHTTP(w, r)
 		var apiErr caddy.APIError
@@ -100,10 +107,6 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, _ caddyhttp.
 			return caddyhttp.Error(apiErr.HTTPStatus, apiErr.Err)
 		}
 		return err
-	}
-	if r.Method != http.MethodGet && r.Method != http.MethodHead {
-		w.Header().Set("Allow", "GET, HEAD")
-		return caddyhttp.Error(http.StatusMethodNotAllowed, fmt.Errorf("method %s not allowed", r.Method))
 	}
 	servePage(w, r)
 	return nil
