@@ -28,7 +28,7 @@ type drainNode struct {
 // that never retry. A drain made on one node stops every node sending new
 // requests to the backend within two push intervals, with no failed
 // request; a node that joins afterwards drains it too; an undrain on
-// another node brings it back everywhere.
+// another node brings it back everywhere, on a slow-start ramp.
 func TestFleetDrain(t *testing.T) {
 	bin := drainBuildCaddy(t)
 	var hits [3]atomic.Int64
@@ -71,7 +71,9 @@ func TestFleetDrain(t *testing.T) {
 
 http://%s {
 	reverse_proxy %s {
-		lb_policy least_time
+		lb_policy least_time {
+			slow_start 5s
+		}
 	}
 }
 `, n.admin, name, n.serf, joinLine, n.http, strings.Join(backends, " "))
@@ -127,6 +129,29 @@ http://%s {
 		for _, e := range v.Entries {
 			if e.Upstream == upstream {
 				return e.Drained, fmt.Sprintf("%+v", v)
+			}
+		}
+		return false, fmt.Sprintf("%+v", v)
+	}
+	// rampingOn reports whether n's pool shows upstream on its slow-start
+	// ramp (below its full weight).
+	rampingOn := func(n *drainNode, upstream string) (bool, string) {
+		var v struct {
+			Pools []struct {
+				Upstreams []struct {
+					Dial                   string
+					SlowStartWeightPercent *float64 `json:"slow_start_weight_percent"`
+				}
+			}
+		}
+		if err := getJSON("http://"+n.admin+"/lbx/upstreams", &v); err != nil {
+			return false, err.Error()
+		}
+		for _, p := range v.Pools {
+			for _, u := range p.Upstreams {
+				if u.Dial == upstream && u.SlowStartWeightPercent != nil && *u.SlowStartWeightPercent < 100 {
+					return true, fmt.Sprintf("%.0f%%", *u.SlowStartWeightPercent)
+				}
 			}
 		}
 		return false, fmt.Sprintf("%+v", v)
@@ -241,6 +266,12 @@ http://%s {
 		lbxtest.WaitFor(t, 2*time.Second, n.name+" has the undrain", func() (bool, string) {
 			ok, why := drainedOn(n, target)
 			return !ok, why
+		})
+	}
+	// ... with slow start: every node's pool shows it ramping.
+	for _, n := range append(nodes, late) {
+		lbxtest.WaitFor(t, 2*time.Second, n.name+" ramps the undrained backend", func() (bool, string) {
+			return rampingOn(n, target)
 		})
 	}
 	before = hits[1].Load()

@@ -44,11 +44,15 @@ func init() {
 }
 
 // rampUndrained starts the slow start ramp of every state record of addr.
-// A record whose policy has no slow start ignores its ramp.
+// A record whose policy has no slow start ignores its ramp. A record that
+// never served ramps too: a drain reaches every node, so the backend is
+// cold for all of them, and a node that joined while it was drained (and
+// built its pool with it then) would otherwise hand it a full share at
+// once (TestFleetDrain's late node).
 func rampUndrained(addr string) {
 	now := monoclock.Now()
 	hoststate.Each(func(s *hoststate.Stats) bool {
-		if s.Dial() == addr && s.Served() {
+		if s.Dial() == addr {
 			s.StartRamp(now)
 		}
 		return true
