@@ -13,6 +13,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/drain"
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/pickrate"
 )
 
 // Drains and reweights in selection. The operator's store (package drain,
@@ -27,8 +28,9 @@ import (
 //     that a drain never turns into an outage;
 //   - an upstream at weight percent p is offered each request with
 //     probability p/100 (in consistent_hash, a fixed p% of its keys), so
-//     its share is scaled by about p/100; when it alone could take a
-//     request, it takes it.
+//     its share is scaled by about p/100, and under the panic wrapper it
+//     is also held to p/100 of the others' recent picks (see heldBack);
+//     when it alone could take a request, it takes it.
 //
 // Without drains the cost is one atomic load per selection.
 
@@ -76,6 +78,13 @@ type drainMask struct {
 	// ignoredLogged: the drains were ignored for a request and that was
 	// logged, once for this mask.
 	ignoredLogged atomic.Bool
+	// reweighted maps the dial address of each member below 100% to its
+	// index; picks counts their recent picks and total the pool's, for
+	// the panic wrapper, which holds a reweighted member to its percent
+	// of the others' picks (see heldBack).
+	reweighted map[string]int
+	picks      []pickrate.Counter
+	total      pickrate.Counter
 }
 
 // drainMask returns the mask of v's pool, or nil when no drain or
@@ -123,6 +132,13 @@ func buildDrainMask(st *drain.Store, epoch uint64, ups []*reverseproxy.Upstream)
 			m.percent[i] = s.WeightPercent
 			m.salt[i] = xxhash.Sum64String(u.Dial)
 			m.weighted = true
+			if s.WeightPercent < 100 {
+				if m.reweighted == nil {
+					m.reweighted = make(map[string]int)
+					m.picks = make([]pickrate.Counter, len(ups))
+				}
+				m.reweighted[u.Dial] = i
+			}
 		}
 	}
 	if m.weighted && m.drained != nil {
@@ -196,10 +212,14 @@ func (p *PanicSelection) selectDrained(v *poolView, ups []*reverseproxy.Upstream
 	} else {
 		picked = p.selectUntried(ups, r, w, tried, now)
 	}
-	if picked == nil || !m.weighted {
+	if picked == nil || m.reweighted == nil {
 		return picked
 	}
-	if s, ok := st.Lookup(picked.Dial); ok && !s.Drained && rand.Float64()*100 >= float64(s.WeightPercent) {
+	t := now
+	if t == 0 { // panic mode passes no time (no ramps); weights still apply
+		t = monoclock.Now()
+	}
+	if m.heldBack(picked.Dial, len(v.ups), t) {
 		rest := make([]*reverseproxy.Upstream, 0, len(ups))
 		for _, u := range ups {
 			if u != picked {
@@ -207,10 +227,43 @@ func (p *PanicSelection) selectDrained(v *poolView, ups []*reverseproxy.Upstream
 			}
 		}
 		if other := p.selectUntried(rest, r, w, tried, now); other != nil {
-			return other
+			picked = other
 		}
 	}
+	m.countPick(picked.Dial, t)
 	return picked
+}
+
+// heldBack decides whether the panic wrapper passes over dial, a choice of
+// the wrapped policy in a pool of n, at now, for its weight percent p:
+// a draw passes over it with probability 1 − p/100, which holds a policy
+// blind to load; and it is held to p/100 times the others' recent picks,
+// on average, which holds one that seeks the least loaded (least_conn
+// offers an upstream that gets fewer requests at nearly every choice, and
+// the draw alone would let it take p% of all picks). As slow start's cap
+// in the same wrapper (PanicSelection.passOver).
+func (m *drainMask) heldBack(dial string, n int, now int64) bool {
+	i, ok := m.reweighted[dial]
+	if !ok {
+		return false
+	}
+	f := float64(m.percent[i]) / 100
+	if rand.Float64() >= f {
+		return true
+	}
+	if n < 2 {
+		return false
+	}
+	mine := m.picks[i].Recent(now)
+	return pickrate.HeldTo(f, mine, (m.total.Recent(now)-mine)/float64(n-1))
+}
+
+// countPick counts the panic wrapper's pick of dial at now.
+func (m *drainMask) countPick(dial string, now int64) {
+	m.total.Count(now)
+	if i, ok := m.reweighted[dial]; ok {
+		m.picks[i].Count(now)
+	}
 }
 
 // innerDrains reports whether the wrapped policy honours drains itself

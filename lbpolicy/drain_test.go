@@ -3,8 +3,11 @@ package lbpolicy
 import (
 	"encoding/json"
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -332,5 +335,44 @@ func TestWeightPercentSameKeysEverywhere(t *testing.T) {
 	}
 	if kept == 0 || moved == 0 {
 		t.Fatalf("kept %d, moved %d", kept, moved)
+	}
+}
+
+// TestWeightHoldsLoadSeeker: behind the panic wrapper, a policy that seeks
+// the least loaded offers a reweighted upstream, which holds fewer
+// requests, at nearly every choice; the weight still holds its share to
+// percent × the others' (within a few percent), where the draw alone let
+// it take percent of all picks. A closed loop keeps 32 requests in flight
+// over 4 upstreams and ends one at random before each new selection.
+func TestWeightHoldsLoadSeeker(t *testing.T) {
+	const n, inFlight, picks = 4, 32, 20000
+	p := provisionPanic(t, &PanicSelection{PolicyRaw: json.RawMessage(`{"policy": "least_conn"}`)})
+	inner := &leastHeld{held: map[string]int{}}
+	p.inner = inner
+	pool := drainPool(t, "panic", n)
+	for _, pct := range []int{20, 50} {
+		setDrain(t, pool[0].Dial, pct)
+		rng := rand.New(rand.NewPCG(uint64(pct), 2))
+		clear(inner.held)
+		running := make([]string, 0, inFlight)
+		for len(running) < inFlight {
+			u := pool[len(running)%n]
+			running = append(running, u.Dial)
+			inner.held[u.Dial]++
+		}
+		got := make([]int, n)
+		for range picks {
+			i := rng.IntN(len(running))
+			inner.held[running[i]]--
+			u := p.Select(pool, nil, nil)
+			running[i] = u.Dial
+			inner.held[u.Dial]++
+			got[slices.Index(pool, u)]++
+		}
+		rel := float64(got[0]) / (float64(got[1]+got[2]+got[3]) / 3)
+		t.Logf("at %d%%: picks %v, relative to the others %.3f", pct, got, rel)
+		if want := float64(pct) / 100; math.Abs(rel-want) > 0.05 {
+			t.Errorf("at %d%% weight the upstream's picks are %.3f of the others', want %.2f ± 0.05", pct, rel, want)
+		}
 	}
 }

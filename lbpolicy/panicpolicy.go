@@ -18,6 +18,7 @@ import (
 	"github.com/caddy-lbx/lbx/internal/hoststate"
 	"github.com/caddy-lbx/lbx/internal/jsonfield"
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/pickrate"
 )
 
 func init() {
@@ -412,7 +413,7 @@ func (p *PanicSelection) passOver(u *reverseproxy.Upstream, ups []*reverseproxy.
 			n++
 		}
 	}
-	return n > 0 && stats.RecentPicks(now) >= f*others/float64(n)+1
+	return n > 0 && pickrate.HeldTo(f, stats.RecentPicks(now), others/float64(n))
 }
 
 // viewFor returns the view of pool, building the twins the wrapped policy

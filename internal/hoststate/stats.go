@@ -8,6 +8,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 
 	"github.com/caddy-lbx/lbx/internal/monoclock"
+	"github.com/caddy-lbx/lbx/internal/pickrate"
 )
 
 // ejectionEpoch counts ejections and early returns process-wide, so that
@@ -95,7 +96,7 @@ type Stats struct {
 	reports loadReports
 
 	// picks are the host's recent selections (see picks.go).
-	picks pickCount
+	picks pickrate.Counter
 }
 
 // Destruct implements caddy.Destructor; Stats holds no resources.
