@@ -21,8 +21,9 @@ type runHeader struct {
 	Estimate string `json:"estimate,omitempty"`
 	// CPUs is runtime.NumCPU() of the machine.
 	CPUs int `json:"cpus"`
-	// LoadStart and LoadEnd are the 1-minute load averages when the report
-	// is begun and when the run ends; left out where unknown.
+	// LoadStart and LoadEnd are the 1-, 5- and 15-minute load averages
+	// when the report is begun and when the run ends; left out where
+	// unknown.
 	LoadStart string `json:"loadavg_start,omitempty"`
 	LoadEnd   string `json:"loadavg_end,omitempty"`
 
