@@ -32,7 +32,6 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -461,14 +460,9 @@ type hashRow struct {
 
 // hashReport is everything `bench hash` measured.
 type hashReport struct {
-	Command     string            `json:"command"`
-	Source      string            `json:"source"`
-	Started     string            `json:"started"`
-	Elapsed     string            `json:"elapsed"`
-	Estimate    string            `json:"estimate"`
-	CPUs        int               `json:"cpus"`
-	LoadStart   string            `json:"loadavg_start,omitempty"`
-	LoadEnd     string            `json:"loadavg_end,omitempty"`
+	Command string `json:"command"`
+	Source  string `json:"source"`
+	runHeader
 	Versions    map[string]string `json:"versions"`
 	Seeds       int               `json:"seeds"`
 	FirstSeed   int               `json:"first_seed"`
@@ -509,8 +503,7 @@ func runHash(ctx context.Context, args []string, cmdline string, out, progress i
 		return nil, errors.New("no selected front can run")
 	}
 	rep := &hashReport{
-		Command: cmdline, Source: source, Started: began.UTC().Format(time.RFC3339),
-		CPUs: runtime.NumCPU(), LoadStart: loadAverage(), Versions: versions, Notes: notes,
+		Command: cmdline, Source: source, runHeader: startRun(began), Versions: versions, Notes: notes,
 		Seeds: cfg.seeds, FirstSeed: cfg.firstSeed, Keys: cfg.keys, Zipf: cfg.zipf,
 		TopShare: 100 * zipfTopShare(cfg.zipf, cfg.keys), Clients: cfg.clients,
 		Warmup: cfg.warmup.String(), Duration: cfg.duration.String(), Service: cfg.service.String(),
@@ -518,7 +511,7 @@ func runHash(ctx context.Context, args []string, cmdline string, out, progress i
 	}
 	total := cfg.seeds * len(fronts)
 	est := time.Duration(total) * (cfg.warmup + cfg.duration + hashCaseOverheadGuess)
-	rep.Estimate = est.Round(time.Second).String()
+	rep.estimated(est)
 	fmt.Fprintf(progress, "%d seeds × %d fronts = %d cases, estimated %v\n", cfg.seeds, len(fronts), total, est.Round(time.Second))
 	var runErr error
 	for r := range cfg.seeds {
@@ -532,8 +525,7 @@ func runHash(ctx context.Context, args []string, cmdline string, out, progress i
 	}
 	rep.Rows = summarizeHash(fronts, rep.Cases)
 	rep.Verdicts = hashVerdicts(rep.Rows)
-	rep.LoadEnd = loadAverage()
-	rep.Elapsed = time.Since(began).Round(time.Second).String()
+	rep.finish()
 	w := out
 	if cfg.outPath != "" {
 		f, err := os.Create(cfg.outPath)
@@ -955,15 +947,8 @@ func (r *hashReport) writeMarkdown(w io.Writer) error {
 	b.WriteString("# lbx: consistent hashing with bounded loads (issue 28)\n\n")
 	fmt.Fprintf(&b, "Command: `%s`\n\n", r.Command)
 	fmt.Fprintf(&b, "Proxy under test: %s.\n\n", r.Source)
-	fmt.Fprintf(&b, "Started %s; total wall time %s (estimated %s). Machine: %d CPUs; load average %s at start, %s at end. ",
-		r.Started, r.Elapsed, r.Estimate, r.CPUs, orDash(r.LoadStart), orDash(r.LoadEnd))
-	var vs []string
-	for _, k := range []string{"go", "caddy", "haproxy"} {
-		if v, ok := r.Versions[k]; ok {
-			vs = append(vs, k+": "+v)
-		}
-	}
-	fmt.Fprintf(&b, "Versions: %s.\n\n", strings.Join(vs, "; "))
+	r.runHeader.writeMarkdown(&b, "")
+	writeVersions(&b, r.Versions, "go", "caddy", "haproxy")
 	fmt.Fprintf(&b, "Load: %d backends that sleep %s ±25%% per request and never queue; %d clients in a closed loop send GET /k/<key>, "+
 		"keys drawn from a Zipf distribution of exponent %g over %d keys (the hottest is %.1f%% of the requests; a backend's fair share is %.1f%%), "+
 		"the same seeded stream for every front of a seed; %s warm-up, then %s measured, while every backend's requests in flight are sampled every %s. "+

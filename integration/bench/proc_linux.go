@@ -92,7 +92,8 @@ func parseStat(b []byte) (pgrp int, ticks int64, err error) {
 	return pg, ut + st, nil
 }
 
-// loadAverage returns the 1-minute load average, or "" if unknown.
+// loadAverage returns the 1-, 5- and 15-minute load averages of
+// /proc/loadavg, space-separated, or "" if unknown.
 func loadAverage() string {
 	b, err := os.ReadFile("/proc/loadavg")
 	if err != nil {

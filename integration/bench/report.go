@@ -138,10 +138,9 @@ type scenarioSummary struct {
 
 // report is everything the benchmark measured.
 type report struct {
-	Command   string            `json:"command"`
-	Source    string            `json:"source"`
-	Started   string            `json:"started"`
-	Elapsed   string            `json:"elapsed"`
+	Command string `json:"command"`
+	Source  string `json:"source"`
+	runHeader
 	Rate      float64           `json:"rate"`
 	Warmup    string            `json:"warmup"`
 	Duration  string            `json:"duration"`
@@ -149,9 +148,6 @@ type report struct {
 	Runs      int               `json:"runs"`
 	Fast      loadmodel.Model   `json:"healthy_backend"`
 	Slow      loadmodel.Model   `json:"degraded_backend"`
-	CPUs      int               `json:"cpus"`
-	LoadStart string            `json:"loadavg_start,omitempty"`
-	LoadEnd   string            `json:"loadavg_end,omitempty"`
 	Versions  map[string]string `json:"versions"`
 	Notes     []string          `json:"notes,omitempty"`
 	Scenarios []scenarioSummary `json:"scenarios"`
@@ -332,13 +328,7 @@ func (r *report) writeMarkdown(w io.Writer) error {
 	fmt.Fprintf(&b, "Command: `%s`\n\n", r.Command)
 	fmt.Fprintf(&b, "Proxy under test: %s.\n\n", r.Source)
 	fmt.Fprintf(&b, "Started %s, took %s. %d CPUs; load average %s at start, %s at end. ", r.Started, r.Elapsed, r.CPUs, orDash(r.LoadStart), orDash(r.LoadEnd))
-	var vs []string
-	for _, k := range []string{"go", "caddy", "nginx", "haproxy"} {
-		if v, ok := r.Versions[k]; ok {
-			vs = append(vs, k+": "+v)
-		}
-	}
-	fmt.Fprintf(&b, "Versions: %s.\n\n", strings.Join(vs, "; "))
+	writeVersions(&b, r.Versions, "go", "caddy", "nginx", "haproxy")
 	fmt.Fprintf(&b, "Load: open loop, %.0f req/s through the proxy (direct: the rate ÷ the number of healthy backends), "+
 		"%s warm-up then %s measured per case, %s client timeout (timeouts are errors and count at their full duration in the percentiles); "+
 		"median of %d run(s), policies interleaved run after run.\n\n", r.Rate, r.Warmup, r.Duration, r.Timeout, r.Runs)

@@ -40,7 +40,7 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 	rep := &report{
 		Command:   cmdline,
 		Source:    source,
-		Started:   began.UTC().Format(time.RFC3339),
+		runHeader: startRun(began),
 		Rate:      cfg.rate,
 		Warmup:    cfg.warmup.String(),
 		Duration:  cfg.duration.String(),
@@ -48,8 +48,6 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 		Runs:      cfg.runs,
 		Fast:      cfg.fast,
 		Slow:      cfg.slow,
-		CPUs:      runtime.NumCPU(),
-		LoadStart: loadAverage(),
 		Versions:  versions,
 		Notes:     notes,
 	}
@@ -64,8 +62,7 @@ func run(ctx context.Context, args []string, cmdline string, out, progress io.Wr
 		}
 		rep.Scenarios = append(rep.Scenarios, summarizeScenario(sc, pols, cases))
 	}
-	rep.LoadEnd = loadAverage()
-	rep.Elapsed = time.Since(began).Round(time.Second).String()
+	rep.finish()
 	if err := writeRun(rep, &rep.Notes, len(rep.Scenarios) > 0, out, cfg.jsonPath, runErr); err != nil {
 		return nil, err
 	}

@@ -646,10 +646,8 @@ func runScenarios(ctx context.Context, args []string, cmdline string, out, progr
 	rep := &scenReport{
 		Command:   cmdline,
 		Source:    source,
-		Started:   began.UTC().Format(time.RFC3339),
-		CPUs:      runtime.NumCPU(),
+		runHeader: startRun(began),
 		GOMAXPROC: runtime.GOMAXPROCS(0),
-		LoadStart: loadAverage(),
 		Versions:  versions,
 		Notes:     notes,
 		Seeds:     cfg.seeds,
@@ -673,7 +671,7 @@ func runScenarios(ctx context.Context, args []string, cmdline string, out, progr
 		}
 	}
 	nCases, est := estimate(cfg, pols)
-	rep.Estimate = est.Round(time.Second).String()
+	rep.estimated(est)
 	fmt.Fprintf(progress, "%d variants × their policies × %d seeds = %d cases, estimated %v\n",
 		len(cfg.variants), cfg.seeds, nCases, est.Round(time.Second))
 
@@ -688,8 +686,7 @@ func runScenarios(ctx context.Context, args []string, cmdline string, out, progr
 		}
 		rep.Variants = append(rep.Variants, summarizeVariant(v, cfg, pols, cases))
 	}
-	rep.LoadEnd = loadAverage()
-	rep.Elapsed = time.Since(began).Round(time.Second).String()
+	rep.finish()
 	if err := writeRun(rep, &rep.Notes, len(rep.Variants) > 0, out, cfg.jsonPath, runErr); err != nil {
 		return nil, err
 	}

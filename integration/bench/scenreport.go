@@ -14,15 +14,10 @@ import (
 
 // scenReport is everything `bench scenarios` measured.
 type scenReport struct {
-	Command     string            `json:"command"`
-	Source      string            `json:"source"`
-	Started     string            `json:"started"`
-	Elapsed     string            `json:"elapsed"`
-	Estimate    string            `json:"estimate"`
-	CPUs        int               `json:"cpus"`
+	Command string `json:"command"`
+	Source  string `json:"source"`
+	runHeader
 	GOMAXPROC   int               `json:"gomaxprocs"`
-	LoadStart   string            `json:"loadavg_start,omitempty"`
-	LoadEnd     string            `json:"loadavg_end,omitempty"`
 	Versions    map[string]string `json:"versions"`
 	Calibration *calibration      `json:"calibration,omitempty"`
 	Seeds       int               `json:"seeds"`
@@ -537,15 +532,8 @@ func (r *scenReport) writeMarkdown(w io.Writer) error {
 	fmt.Fprintf(&b, "# lbx scenario classes (issue 11)\n\n")
 	fmt.Fprintf(&b, "Command: `%s`\n\n", r.Command)
 	fmt.Fprintf(&b, "Proxy under test: %s.\n\n", r.Source)
-	fmt.Fprintf(&b, "Started %s; total wall time %s (estimated %s). Machine: %d CPUs (GOMAXPROCS %d); load average %s at start, %s at end. ",
-		r.Started, r.Elapsed, r.Estimate, r.CPUs, r.GOMAXPROC, orDash(r.LoadStart), orDash(r.LoadEnd))
-	var vs []string
-	for _, k := range []string{"go", "caddy", "nginx", "haproxy"} {
-		if v, ok := r.Versions[k]; ok {
-			vs = append(vs, k+": "+v)
-		}
-	}
-	fmt.Fprintf(&b, "Versions: %s.\n\n", strings.Join(vs, "; "))
+	r.runHeader.writeMarkdown(&b, fmt.Sprintf(" (GOMAXPROCS %d)", r.GOMAXPROC))
+	writeVersions(&b, r.Versions, "go", "caddy", "nginx", "haproxy")
 	if c := r.Calibration; c != nil {
 		fmt.Fprintf(&b, "Calibration: a backend of %s served %.0f req/s saturated, holding its worker %.2f ms per request; the variants' rates assume %.0f req/s",
 			c.Service, c.Capacity, c.HoldMs, c.Assumed)

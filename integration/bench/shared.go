@@ -23,7 +23,6 @@ import (
 	"math"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -385,14 +384,9 @@ type sharedSummary struct {
 
 // sharedReport is everything `bench shared` measured.
 type sharedReport struct {
-	Command   string            `json:"command"`
-	Source    string            `json:"source"`
-	Started   string            `json:"started"`
-	Elapsed   string            `json:"elapsed"`
-	Estimate  string            `json:"estimate"`
-	CPUs      int               `json:"cpus"`
-	LoadStart string            `json:"loadavg_start,omitempty"`
-	LoadEnd   string            `json:"loadavg_end,omitempty"`
+	Command string `json:"command"`
+	Source  string `json:"source"`
+	runHeader
 	Versions  map[string]string `json:"versions"`
 	Seeds     int               `json:"seeds"`
 	FirstSeed int               `json:"first_seed"`
@@ -437,15 +431,14 @@ func runShared(ctx context.Context, args []string, cmdline string, out, progress
 		return nil, errors.New("no selected policy can run")
 	}
 	rep := &sharedReport{
-		Command: cmdline, Source: source, Started: began.UTC().Format(time.RFC3339),
-		CPUs: runtime.NumCPU(), LoadStart: loadAverage(), Versions: versions, Notes: notes,
+		Command: cmdline, Source: source, runHeader: startRun(began), Versions: versions, Notes: notes,
 		Seeds: cfg.seeds, FirstSeed: cfg.firstSeed,
 		Warmup: cfg.warmup.String(), Duration: cfg.duration.String(), Timeout: cfg.timeout.String(),
 		ReportBehind: cfg.reportBehind,
 	}
 	total := len(cfg.variants) * cfg.seeds * len(pols)
 	est := time.Duration(total) * (cfg.warmup + cfg.duration + sharedCaseOverheadGuess)
-	rep.Estimate = est.Round(time.Second).String()
+	rep.estimated(est)
 	fmt.Fprintf(progress, "%d variants × %d seeds × %d policies = %d cases, estimated %v\n",
 		len(cfg.variants), cfg.seeds, len(pols), total, est.Round(time.Second))
 	var runErr error
@@ -473,8 +466,7 @@ func runShared(ctx context.Context, args []string, cmdline string, out, progress
 			break
 		}
 	}
-	rep.LoadEnd = loadAverage()
-	rep.Elapsed = time.Since(began).Round(time.Second).String()
+	rep.finish()
 	if err := writeRun(rep, &rep.Notes, len(rep.Variants) > 0, out, cfg.jsonPath, runErr); err != nil {
 		return nil, err
 	}
@@ -788,15 +780,8 @@ func (r *sharedReport) writeMarkdown(w io.Writer) error {
 	b.WriteString("# lbx: shared backends, sparse views (issue 27)\n\n")
 	fmt.Fprintf(&b, "Command: `%s`\n\n", r.Command)
 	fmt.Fprintf(&b, "Proxy under test: %s.\n\n", r.Source)
-	fmt.Fprintf(&b, "Started %s; total wall time %s (estimated %s). Machine: %d CPUs; load average %s at start, %s at end. ",
-		r.Started, r.Elapsed, r.Estimate, r.CPUs, orDash(r.LoadStart), orDash(r.LoadEnd))
-	var vs []string
-	for _, k := range []string{"go", "caddy"} {
-		if v, ok := r.Versions[k]; ok {
-			vs = append(vs, k+": "+v)
-		}
-	}
-	fmt.Fprintf(&b, "Versions: %s.\n\n", strings.Join(vs, "; "))
+	r.runHeader.writeMarkdown(&b, "")
+	writeVersions(&b, r.Versions, "go", "caddy")
 	fmt.Fprintf(&b, "Load: every node is a Caddy process of its own with its own open-loop client; %s warm-up then %s measured per case, "+
 		"%s client timeout (a timeout is an error and counts at its full duration); seeds %d–%d (a seed selects the backends' jitter and the antagonist's bursts; "+
 		"every policy of a seed meets the same ones); policies run in turn, in an order rotated per seed. Tables show the median over seeds and [min–max]; "+
