@@ -1,7 +1,6 @@
 package lbpolicy
 
 import (
-	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -221,14 +220,11 @@ func (s *ConsistentHashSelection) observe(ctx caddy.Context) error {
 		return nil
 	}
 	s.table = hoststate.NewTable(hoststate.Config{})
-	h, err := install(ctx, s.table, s.Outlier, nil)
-	switch {
-	case errors.Is(err, errNoProxyHandler):
-		s.logger.Warn("consistent_hash policy is not inside a reverse_proxy handler; outlier ejection and slow start have no traffic to observe")
-	case err != nil:
+	var err error
+	_, s.observer, err = observeTraffic(ctx, s.table, s.Outlier, nil,
+		"consistent_hash policy is not inside a reverse_proxy handler; outlier ejection and slow start have no traffic to observe")
+	if err != nil {
 		return fmt.Errorf("consistent_hash: %v", err)
-	default:
-		s.observer, _ = h.Transport.(*observingTransport)
 	}
 	return nil
 }
@@ -236,14 +232,7 @@ func (s *ConsistentHashSelection) observe(ctx caddy.Context) error {
 // linger is how long the policy keeps the view of a pool no longer
 // offered, and the state of its addresses (see lingerFor).
 func (s *ConsistentHashSelection) linger() time.Duration {
-	var w []time.Duration
-	if s.Outlier != nil {
-		w = append(w, time.Duration(s.Outlier.Interval))
-	}
-	if s.SlowStart != nil {
-		w = append(w, time.Duration(s.SlowStart.Window))
-	}
-	return lingerFor(w...)
+	return lingerOf(s.Outlier, s.SlowStart)
 }
 
 // Cleanup unregisters the policy's pools from the admin API and releases

@@ -92,16 +92,8 @@ func (s *LeastTimeSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			s.PanicThreshold = &p
-		case "outlier":
-			s.Outlier = new(Outlier)
-			if err := s.Outlier.unmarshalCaddyfile(d, what+": outlier"); err != nil {
-				return err
-			}
-		case "slow_start":
-			s.SlowStart = new(SlowStart)
-			if err := s.SlowStart.unmarshalCaddyfile(d, what); err != nil {
-				return err
-			}
+		case "outlier", "slow_start":
+			return readTrafficHealth(d, what, opt, &s.Outlier, &s.SlowStart)
 		case "retry_budget":
 			s.RetryBudget = new(RetryBudget)
 			if err := s.RetryBudget.unmarshalCaddyfile(d, what); err != nil {
@@ -161,16 +153,8 @@ func (s *ConsistentHashSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) err
 				return err
 			}
 			s.PanicThreshold = &p
-		case "outlier":
-			s.Outlier = new(Outlier)
-			if err := s.Outlier.unmarshalCaddyfile(d, what+": outlier"); err != nil {
-				return err
-			}
-		case "slow_start":
-			s.SlowStart = new(SlowStart)
-			if err := s.SlowStart.unmarshalCaddyfile(d, what); err != nil {
-				return err
-			}
+		case "outlier", "slow_start":
+			return readTrafficHealth(d, what, opt, &s.Outlier, &s.SlowStart)
 		default:
 			return caddyopt.Unknown(d, what, "balance_factor", "weights", "panic_threshold", "outlier", "slow_start")
 		}
@@ -203,19 +187,13 @@ func (p *PanicSelection) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			p.Threshold = &v
-		case "outlier":
-			p.Outlier = new(Outlier)
-			if err := p.Outlier.unmarshalCaddyfile(d, what+": outlier"); err != nil {
+		case "outlier", "slow_start":
+			if err := readTrafficHealth(d, what, opt, &p.Outlier, &p.SlowStart); err != nil {
 				return err
 			}
 		case "load_reports":
 			p.LoadReports = new(LoadReports)
 			if err := p.LoadReports.unmarshalCaddyfile(d, what); err != nil {
-				return err
-			}
-		case "slow_start":
-			p.SlowStart = new(SlowStart)
-			if err := p.SlowStart.unmarshalCaddyfile(d, what); err != nil {
 				return err
 			}
 		case "policy":
@@ -530,3 +508,15 @@ var (
 	_ caddyfile.Unmarshaler = (*PanicSelection)(nil)
 	_ caddyfile.Unmarshaler = (*ConsistentHashSelection)(nil)
 )
+
+// readTrafficHealth reads opt, outlier or slow_start: the health from live
+// traffic that least_time, consistent_hash and panic take alike, each into
+// its own fields.
+func readTrafficHealth(d *caddyfile.Dispenser, what, opt string, outlier **Outlier, slowStart **SlowStart) error {
+	if opt == "outlier" {
+		*outlier = new(Outlier)
+		return (*outlier).unmarshalCaddyfile(d, what+": outlier")
+	}
+	*slowStart = new(SlowStart)
+	return (*slowStart).unmarshalCaddyfile(d, what)
+}

@@ -95,3 +95,20 @@ func parentProxy(ctx caddy.Context) *reverseproxy.Handler {
 	}
 	return nil
 }
+
+// observeTraffic is install for a policy that serves without it too: when
+// the policy is not inside a reverse_proxy handler, it logs unobserved
+// (which names the policy and what it goes without) and returns nils;
+// else the instrumented handler and its observing transport.
+func observeTraffic(ctx caddy.Context, table *hoststate.Table, outlier *Outlier, reports *LoadReports, unobserved string) (*reverseproxy.Handler, *observingTransport, error) {
+	h, err := install(ctx, table, outlier, reports)
+	switch {
+	case errors.Is(err, errNoProxyHandler):
+		ctx.Logger().Warn(unobserved)
+		return nil, nil, nil
+	case err != nil:
+		return nil, nil, err
+	}
+	observer, _ := h.Transport.(*observingTransport)
+	return h, observer, nil
+}

@@ -1,7 +1,6 @@
 package lbpolicy
 
 import (
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
@@ -190,14 +189,13 @@ func (s *LeastTimeSelection) Provision(ctx caddy.Context) error {
 	if err := s.Validate(); err != nil {
 		return err
 	}
-	h, err := install(ctx, s.table, s.Outlier, s.LoadReports)
-	switch {
-	case errors.Is(err, errNoProxyHandler):
-		s.logger.Warn(s.policyName() + " policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
-	case err != nil:
+	h, observer, err := observeTraffic(ctx, s.table, s.Outlier, s.LoadReports,
+		s.policyName()+" policy is not inside a reverse_proxy handler; latency is not observed, selecting by requests in flight only")
+	if err != nil {
 		return err
-	default:
-		s.observer, _ = h.Transport.(*observingTransport)
+	}
+	if h != nil {
+		s.observer = observer
 		s.views.rel = newReleaser(s.table, h, s.linger())
 		if s.observer != nil && s.RetryBudget != nil {
 			s.observer.budget = s.RetryBudget
@@ -232,14 +230,7 @@ func (s *LeastTimeSelection) Provision(ctx caddy.Context) error {
 // address its pools no longer offer (see lingerFor): twice its longest
 // window of per-upstream state, at least a minute.
 func (s *LeastTimeSelection) linger() time.Duration {
-	w := []time.Duration{time.Duration(s.Decay)}
-	if s.SlowStart != nil {
-		w = append(w, time.Duration(s.SlowStart.Window))
-	}
-	if s.Outlier != nil {
-		w = append(w, time.Duration(s.Outlier.Interval))
-	}
-	return lingerFor(w...)
+	return lingerOf(s.Outlier, s.SlowStart, time.Duration(s.Decay))
 }
 
 // Validate checks the configuration.

@@ -138,14 +138,13 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 		// upstream new to a serving pool (it has served nothing) from
 		// one that served before a reload.
 		p.table = hoststate.NewTable(hoststate.Config{})
-		h, err := install(ctx, p.table, p.Outlier, p.LoadReports)
-		switch {
-		case errors.Is(err, errNoProxyHandler):
-			ctx.Logger().Warn("panic policy is not inside a reverse_proxy handler; outlier ejection and slow start have no traffic to observe")
-		case err != nil:
+		h, observer, err := observeTraffic(ctx, p.table, p.Outlier, p.LoadReports,
+			"panic policy is not inside a reverse_proxy handler; outlier ejection and slow start have no traffic to observe")
+		if err != nil {
 			return err
-		default:
-			p.observer, _ = h.Transport.(*observingTransport)
+		}
+		if h != nil {
+			p.observer = observer
 			p.views.rel = newReleaser(p.table, h, p.linger())
 		}
 	}
@@ -163,14 +162,7 @@ func (p *PanicSelection) Provision(ctx caddy.Context) error {
 // linger is how long the policy keeps the view of a pool no longer
 // offered, and the state of its addresses (see lingerFor).
 func (p *PanicSelection) linger() time.Duration {
-	var w []time.Duration
-	if p.Outlier != nil {
-		w = append(w, time.Duration(p.Outlier.Interval))
-	}
-	if p.SlowStart != nil {
-		w = append(w, time.Duration(p.SlowStart.Window))
-	}
-	return lingerFor(w...)
+	return lingerOf(p.Outlier, p.SlowStart)
 }
 
 // misplaced is the rule for what the panic policy observes itself:

@@ -66,6 +66,18 @@ func lingerFor(windows ...time.Duration) time.Duration {
 	return l
 }
 
+// lingerOf is lingerFor over the windows of outlier ejection and slow
+// start (each when set) and the policy's own windows.
+func lingerOf(outlier *Outlier, slowStart *SlowStart, own ...time.Duration) time.Duration {
+	if outlier != nil {
+		own = append(own, time.Duration(outlier.Interval))
+	}
+	if slowStart != nil {
+		own = append(own, time.Duration(slowStart.Window))
+	}
+	return lingerFor(own...)
+}
+
 // releaseEvery returns how often a policy with linger l looks for views and
 // addresses to release: a quarter of l, between 15 s and a minute. An
 // address goes at most l plus this after the last pool offered it.
