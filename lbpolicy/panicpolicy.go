@@ -336,8 +336,9 @@ func (p *PanicSelection) ramped(ups []*reverseproxy.Upstream, r *http.Request, w
 	if first == nil || p.SlowStart == nil || now == 0 {
 		return first
 	}
-	if !p.passOver(first, ups, now) {
-		return p.counted(first, now)
+	firstStats := p.statsOf(first)
+	if !p.passOver(first, firstStats, ups, now) {
+		return counted(first, firstStats, now)
 	}
 	rest := make([]*reverseproxy.Upstream, 0, len(ups)-1)
 	for _, u := range ups {
@@ -353,26 +354,36 @@ func (p *PanicSelection) ramped(ups []*reverseproxy.Upstream, r *http.Request, w
 		if picked == nil {
 			break
 		}
-		if !p.passOver(picked, ups, now) {
-			return p.counted(picked, now)
+		if st := p.statsOf(picked); !p.passOver(picked, st, ups, now) {
+			return counted(picked, st, now)
 		}
 		if i := slices.Index(rest, picked); i >= 0 {
 			rest = slices.Delete(rest, i, i+1)
 		}
 	}
-	return p.counted(first, now)
+	return counted(first, firstStats, now)
 }
 
-// counted counts u's pick for the ramp cap and returns it.
-func (p *PanicSelection) counted(u *reverseproxy.Upstream, now int64) *reverseproxy.Upstream {
-	if stats, ok := p.table.Lookup(u.Dial); ok {
+// statsOf returns u's state in the policy's table, nil if it has none.
+func (p *PanicSelection) statsOf(u *reverseproxy.Upstream) *hoststate.Stats {
+	if st, ok := p.table.Lookup(u.Dial); ok {
+		return st
+	}
+	return nil
+}
+
+// counted counts the pick of u, whose state is stats (nil: none), for
+// the ramp cap and returns it.
+func counted(u *reverseproxy.Upstream, stats *hoststate.Stats, now int64) *reverseproxy.Upstream {
+	if stats != nil {
 		stats.CountPick(now)
 	}
 	return u
 }
 
-// passOver decides whether slow start passes over u, a choice of the
-// wrapped policy among ups, at now. While u ramps, with factor f:
+// passOver decides whether slow start passes over u (whose state is
+// stats, nil when it has none), a choice of the wrapped policy among ups,
+// at now. While u ramps, with factor f:
 //   - a draw passes over it with probability 1 − f, which is all a policy
 //     blind to load needs (random: f × its share);
 //   - and it is held to f times the recent picks of the others in ups,
@@ -382,9 +393,8 @@ func (p *PanicSelection) counted(u *reverseproxy.Upstream, now int64) *reversepr
 //     least_conn offers it at nearly every choice, and the draw then
 //     lets through f of all picks, not f of its share. round_robin,
 //     whose turn comes round sooner after a pass, is held to f too.
-func (p *PanicSelection) passOver(u *reverseproxy.Upstream, ups []*reverseproxy.Upstream, now int64) bool {
-	stats, ok := p.table.Lookup(u.Dial)
-	if !ok {
+func (p *PanicSelection) passOver(u *reverseproxy.Upstream, stats *hoststate.Stats, ups []*reverseproxy.Upstream, now int64) bool {
+	if stats == nil {
 		return false
 	}
 	start := stats.RampStart(now)
