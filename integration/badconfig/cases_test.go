@@ -89,6 +89,14 @@ func (s *server) namedCases() []badCase {
 			setApp("cluster", "encrypt_keys", []any{gossipKey})(cfg)
 		}),
 		s.jsonCase("cluster encrypt_keys as a string", "encrypt_keys", setApp("cluster", "encrypt_keys", gossipKey)),
+		s.jsonCase("cluster ops_key not base64", "ops_key: not valid base64", setApp("cluster", "ops_key", "not base64!")),
+		s.jsonCase("cluster ops_key 5 bytes", "ops_key: decodes to 5 bytes; want 32", setApp("cluster", "ops_key", "c2hvcnQ=")),
+		s.jsonCase("cluster ops_key all zero", "ops_key: decodes to 32 zero bytes",
+			setApp("cluster", "ops_key", "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=")),
+		s.jsonCase("cluster ops_key equal to the gossip key", "ops_key: the same key as a gossip key", func(cfg map[string]any) {
+			setApp("cluster", "encrypt_key", gossipKey)(cfg)
+			setApp("cluster", "ops_key", gossipKey)(cfg)
+		}),
 		s.jsonCase("partition poll_interval 1ns", "poll_interval", func(cfg map[string]any) {
 			for _, o := range find(cfg, func(o map[string]any) bool { return o["handler"] == "partition" && o["naming_file"] != nil }) {
 				o["poll_interval"] = 1
